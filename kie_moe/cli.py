@@ -1,0 +1,120 @@
+"""`kie`: the one command-line entry point. Each subcommand parses its options here and calls the product code;
+every user error (KieError) prints one line on stderr and exits 2, never a traceback."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from kie_moe.models.errors import KieError
+
+
+def _device_args(p: argparse.ArgumentParser):
+    p.add_argument("--device", default=None, choices=["cpu", "cuda"],
+                   help="where to run (default: cuda when a GPU is present, else cpu)")
+    p.add_argument("--backend", default="auto",
+                   help="auto | reference | graph | monokernel (auto: monokernel on CUDA, reference on CPU)")
+
+
+def _parse_ids(s: str) -> list[int]:
+    try:
+        return [int(x) for x in s.replace(" ", "").split(",") if x]
+    except ValueError:
+        raise KieError(f"--prompt-ids must be comma-separated integers, got {s!r}") from None
+
+
+def cmd_generate(a) -> int:
+    from kie_moe.engine import Engine
+    from kie_moe.sampling import SamplingParams
+    from kie_moe.tokenizer import IncrementalDecoder
+
+    params = SamplingParams(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_p=a.top_p,
+                            top_k=a.top_k, seed=a.seed, ignore_eos=a.ignore_eos)
+    eng = Engine(a.model, device=a.device, backend=a.backend)
+    if a.prompt_ids is not None:
+        ids = _parse_ids(a.prompt_ids)
+    elif a.chat:
+        if eng.tokenizer is None:
+            raise KieError(f"{a.model}: --chat needs the model's tokenizer files")
+        ids = eng.tokenizer.apply_chat_template([{"role": "user", "content": a.prompt}])
+    else:
+        ids = eng.encode(a.prompt)
+    on_token = None
+    if not a.json and eng.tokenizer is not None:
+        dec = IncrementalDecoder(eng.tokenizer)
+        if a.prompt is not None and not a.chat:
+            sys.stdout.write(a.prompt)
+        on_token = lambda t: (sys.stdout.write(dec.push(t)), sys.stdout.flush())
+    res = eng.generate(ids, params, on_token)
+    if a.json:
+        print(json.dumps({"token_ids": res.token_ids, "text": res.text, "tokens_per_s": res.tokens_per_s,
+                          "backend": eng.backend_name, "prompt_tokens": res.prompt_tokens,
+                          "ttft_s": res.ttft_s, "finish_reason": res.finish_reason}))
+    else:
+        if eng.tokenizer is None:
+            print(",".join(map(str, res.token_ids)))
+        else:
+            print()
+        print(f"[{len(res.token_ids)} tokens, {res.tokens_per_s:.1f} tok/s decode, "
+              f"{res.ttft_s * 1e3:.0f} ms to first token, backend {eng.backend_name}, {eng.device}]", file=sys.stderr)
+    return 0
+
+
+def cmd_synth(a) -> int:
+    import torch
+    from kie_moe.models import synth
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[a.dtype]
+    out = synth.write_synthetic(a.arch, a.out_dir, tiny=a.tiny, dtype=dtype, seed=a.seed, progress=not a.quiet)
+    print(out if isinstance(out, str) else a.out_dir)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="kie", description="KIE-MoE: batch-1 LLM inference for MoE checkpoints")
+    sub = ap.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+
+    g = sub.add_parser("generate", help="generate one completion, streamed",
+                       description="Generate one completion from MODEL (an HF-format checkpoint directory).")
+    g.add_argument("model", metavar="MODEL_DIR", help="checkpoint directory (config.json + *.safetensors)")
+    src = g.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text (needs the model's tokenizer files)")
+    src.add_argument("--prompt-ids", help="prompt as comma-separated token ids, e.g. 1,2,3")
+    g.add_argument("--chat", action="store_true", help="wrap --prompt in the model's chat template as a user turn")
+    g.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate (default 64)")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0 = off)")
+    g.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0 = off)")
+    g.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+    g.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
+    g.add_argument("--json", action="store_true",
+                   help='print one JSON object: {"token_ids", "text", "tokens_per_s", "backend", ...}')
+    _device_args(g)
+    g.set_defaults(fn=cmd_generate)
+
+    s = sub.add_parser("synth", help="write a random-weight checkpoint with a real architecture's shapes",
+                       description="Write an HF-format checkpoint (config + sharded safetensors) with ARCH's shapes "
+                                   "and random weights, shard by shard.")
+    s.add_argument("arch", help="preset name, e.g. qwen3-30b-a3b, gpt-oss-120b, deepseek-v3, llama-3.2-1b")
+    s.add_argument("out_dir", metavar="OUT_DIR")
+    s.add_argument("--tiny", action="store_true", help="a small variant of the same family (for tests)")
+    s.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--quiet", action="store_true", help="no progress bar")
+    s.set_defaults(fn=cmd_synth)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except KieError as e:
+        print(f"kie {args.cmd}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"kie {args.cmd}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

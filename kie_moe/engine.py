@@ -1,0 +1,168 @@
+"""The engine: model directory -> backend -> stream of token ids.
+
+Backends implement `generate(prompt_ids, params, eos_ids) -> Iterator[int]`. The reference backend wraps the
+pure-PyTorch decoder (any family; the CPU path); GPU backends register here by name and are imported lazily.
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+
+from kie_moe.models.errors import ConfigError, InputError
+from kie_moe.models.registry import adapter_for, load_model
+from kie_moe.sampling import SamplingParams, sample
+from kie_moe.tokenizer import Tokenizer, has_tokenizer
+
+# name -> "module:factory"; factory(model: LoadedModel, device: torch.device) -> backend
+BACKENDS = {
+    "reference": "kie_moe.engine:ReferenceBackend",
+    "graph": "kie_moe.kernels.graph:GraphBackend",
+    "monokernel": "kie_moe.kernels.monokernel.runtime:MonokernelBackend",
+}
+# what --backend auto picks, best first
+AUTO_ORDER = {"cuda": ("monokernel", "graph", "reference"), "cpu": ("reference",)}
+
+
+class ReferenceBackend:
+    """Host loop around the reference decoder; the oracle for every other backend."""
+    name = "reference"
+
+    def __init__(self, model, device: torch.device, dtype: torch.dtype | None = None):
+        adapter = adapter_for(model.spec.family)
+        if hasattr(adapter, "reference_decoder"):
+            self.decoder = adapter.reference_decoder(model.spec, model.weights, device, dtype)
+        else:
+            from kie_moe.models.reference import ReferenceDecoder
+            self.decoder = ReferenceDecoder(model.spec, model.weights, device, dtype)
+
+    def generate(self, prompt_ids: list[int], p: SamplingParams, eos_ids: set[int]) -> Iterator[int]:
+        gen = torch.Generator().manual_seed(p.seed) if p.seed is not None else None
+        self.decoder.reset()
+        logits = self.decoder.forward(torch.tensor(prompt_ids, dtype=torch.long))[-1]
+        for n in range(p.max_new_tokens):
+            tid = sample(logits, p, gen)
+            yield tid
+            if (tid in eos_ids and not p.ignore_eos) or n + 1 == p.max_new_tokens:
+                return
+            logits = self.decoder.forward(torch.tensor([tid], dtype=torch.long))[-1]
+
+
+def resolve_device(device: str | None) -> torch.device:
+    if device in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise InputError("--device cuda: no CUDA GPU is available on this machine (use --device cpu)")
+    if device.split(":")[0] not in ("cpu", "cuda"):
+        raise InputError(f"--device must be cpu or cuda, got {device!r}")
+    return torch.device(device)
+
+
+def _importable(name: str) -> bool:
+    mod = BACKENDS[name].split(":")[0]
+    try:
+        return importlib.util.find_spec(mod) is not None
+    except ModuleNotFoundError:
+        return False
+
+
+def make_backend(name: str, model, device: torch.device):
+    if name == "auto":
+        for cand in AUTO_ORDER[device.type]:
+            if _importable(cand):
+                name = cand
+                break
+    if name not in BACKENDS:
+        raise InputError(f"unknown backend {name!r} (choose from auto, {', '.join(BACKENDS)})")
+    if not _importable(name):
+        raise InputError(f"backend {name!r} is not available in this build")
+    mod, fn = BACKENDS[name].split(":")
+    return getattr(importlib.import_module(mod), fn)(model, device)
+
+
+def generation_eos(model_dir: str) -> set[int]:
+    path = os.path.join(model_dir, "generation_config.json")
+    if not os.path.exists(path):
+        return set()
+    try:
+        e = json.load(open(path)).get("eos_token_id")
+    except ValueError:
+        raise ConfigError(f"{path}: not valid JSON") from None
+    return set(e if isinstance(e, list) else [e] if e is not None else [])
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int]
+    text: str | None
+    prompt_tokens: int
+    ttft_s: float
+    decode_s: float
+    finish_reason: str = "length"
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def tokens_per_s(self) -> float:
+        n = len(self.token_ids) - 1  # decode rate: tokens after the first, over the time after the first
+        return n / self.decode_s if n > 0 and self.decode_s > 0 else 0.0
+
+
+class Engine:
+    def __init__(self, model_dir: str, device: str | None = None, backend: str = "auto"):
+        self.model_dir = model_dir
+        self.model = load_model(model_dir)
+        self.spec = self.model.spec
+        self.device = resolve_device(device)
+        self.backend = make_backend(backend, self.model, self.device)
+        self.tokenizer = Tokenizer(model_dir) if has_tokenizer(model_dir) else None
+        self.eos_ids = set(self.spec.eos_token_ids) | generation_eos(model_dir)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None and not self.eos_ids:
+            self.eos_ids.add(self.tokenizer.eos_token_id)
+
+    @property
+    def backend_name(self) -> str:
+        return self.backend.name
+
+    def encode(self, prompt: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ConfigError(f"{self.model_dir}: no tokenizer.json, so --prompt needs --prompt-ids instead")
+        return self.tokenizer.encode(prompt)
+
+    def check_prompt(self, ids: list[int], p: SamplingParams):
+        V, ctx = self.spec.vocab_size, self.spec.max_position
+        if not ids:
+            raise InputError("the prompt is empty")
+        bad = [t for t in ids if not 0 <= t < V]
+        if bad:
+            raise InputError(f"prompt id {bad[0]} is outside the vocabulary (0..{V - 1})")
+        if len(ids) >= ctx:
+            raise InputError(f"the prompt has {len(ids)} tokens; the model's context is {ctx}")
+        if len(ids) + p.max_new_tokens > ctx:
+            raise InputError(f"prompt ({len(ids)} tokens) + max_new_tokens ({p.max_new_tokens}) exceeds the "
+                             f"model's context of {ctx} tokens")
+
+    def stream(self, prompt_ids: list[int], p: SamplingParams) -> Iterator[int]:
+        self.check_prompt(prompt_ids, p)
+        return self.backend.generate(list(prompt_ids), p, self.eos_ids)
+
+    def generate(self, prompt_ids: list[int], p: SamplingParams, on_token=None) -> GenerationResult:
+        t0 = time.perf_counter()
+        t_first, out, reason = None, [], "length"
+        for tid in self.stream(prompt_ids, p):
+            if t_first is None:
+                t_first = time.perf_counter()
+            out.append(tid)
+            if on_token is not None:
+                on_token(tid)
+            if tid in self.eos_ids and not p.ignore_eos:
+                reason = "stop"
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        text = self.tokenizer.decode(out) if self.tokenizer is not None else None
+        return GenerationResult(out, text, len(prompt_ids), (t_first or t1) - t0, t1 - (t_first or t1), reason)
