@@ -69,6 +69,14 @@ def cmd_synth(a) -> int:
     return 0
 
 
+def cmd_serve(a) -> int:
+    from kie_moe.server import serve
+    serve(a.model, host=a.host, port=a.port, api_key=a.api_key, max_queue=a.max_queue,
+          max_model_len=a.max_model_len, device=a.device, backend=a.backend,
+          served_model_name=a.served_model_name)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="kie", description="KIE-MoE: batch-1 LLM inference for MoE checkpoints")
     sub = ap.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
@@ -101,6 +109,23 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--quiet", action="store_true", help="no progress bar")
     s.set_defaults(fn=cmd_synth)
+
+    v = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)",
+                       description="Serve MODEL_DIR over an OpenAI-compatible HTTP API, one request decoding at a "
+                                   "time (others wait in FIFO order). Also /health and /metrics (Prometheus).")
+    v.add_argument("model", metavar="MODEL_DIR", help="checkpoint directory (config.json + *.safetensors)")
+    v.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    v.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 = any free port)")
+    v.add_argument("--api-key", default=None,
+                   help="require `Authorization: Bearer KEY` on /v1/* (default: $KIE_API_KEY, else none)")
+    v.add_argument("--max-queue", type=int, default=64,
+                   help="requests that may wait while one decodes; more get HTTP 429 (default 64)")
+    v.add_argument("--max-model-len", type=int, default=None,
+                   help="context limit for prompt + generated tokens (default: the model's)")
+    v.add_argument("--served-model-name", default=None,
+                   help="model name clients send and /v1/models lists (default: MODEL_DIR as given)")
+    _device_args(v)
+    v.set_defaults(fn=cmd_serve)
     return ap
 
 

@@ -1,0 +1,161 @@
+"""The OpenAI-compatible API, driven by the official `openai` client against a live server."""
+from __future__ import annotations
+
+import pytest
+from transformers import AutoTokenizer
+
+from .conftest import MODEL, http, metric, openai_client, running_server
+
+SAMPLED = dict(temperature=1.0, seed=7, extra_body={"ignore_eos": True})
+
+
+@pytest.fixture(scope="module")
+def tok(ckpt):
+    return AutoTokenizer.from_pretrained(ckpt)
+
+
+def chat_ids(tok, messages):
+    out = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+
+def test_models_and_health(server, client):
+    base, svc = server
+    models = client.models.list().data
+    assert [m.id for m in models] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+    with http() as h:
+        r = h.get(base + "/health")
+        assert r.status_code == 200 and r.json()["status"] == "ok"
+        r = h.get(base + "/v1/models")
+        assert r.json()["data"][0]["max_model_len"] == svc.ctx == 4096
+
+
+def test_completion_text_and_usage(client, tok):
+    prompt = "The expert router"
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=20, **SAMPLED)
+    c = r.choices[0]
+    assert r.object == "text_completion" and c.finish_reason == "length" and c.text
+    assert r.usage.prompt_tokens == len(tok.encode(prompt))
+    assert r.usage.completion_tokens == 20 and r.usage.total_tokens == r.usage.prompt_tokens + 20
+    # the same prompt as token ids, with the ids returned: same text, and the ids decode to it
+    r2 = client.completions.create(model=MODEL, prompt=tok.encode(prompt), max_tokens=20,
+                                   **{**SAMPLED, "extra_body": {"ignore_eos": True, "return_token_ids": True}})
+    ids = r2.choices[0].model_extra["token_ids"]
+    assert r2.choices[0].text == c.text and len(ids) == 20
+    assert tok.decode(ids, skip_special_tokens=True) == c.text
+
+
+def test_completion_default_max_tokens_and_greedy(client):
+    a = client.completions.create(model=MODEL, prompt="one two", temperature=0, extra_body={"ignore_eos": True})
+    b = client.completions.create(model=MODEL, prompt="one two", temperature=0, extra_body={"ignore_eos": True})
+    assert a.usage.completion_tokens == 16 and a.choices[0].text == b.choices[0].text
+
+
+def test_completion_stream_matches(client):
+    full = client.completions.create(model=MODEL, prompt="Kernel cache", max_tokens=24, **SAMPLED)
+    chunks = list(client.completions.create(model=MODEL, prompt="Kernel cache", max_tokens=24, stream=True,
+                                            stream_options={"include_usage": True}, **SAMPLED))
+    text = "".join(ch.choices[0].text for ch in chunks if ch.choices)
+    assert text == full.choices[0].text
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 24 and chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
+
+
+def test_chat_streamed_and_not(client, tok):
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a small model."}]
+    r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=16, **SAMPLED)
+    c = r.choices[0]
+    assert r.object == "chat.completion" and c.message.role == "assistant" and c.message.content
+    assert r.usage.prompt_tokens == len(chat_ids(tok, msgs)) and r.usage.completion_tokens == 16
+    chunks = list(client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=16, stream=True,
+                                                 stream_options={"include_usage": True}, **SAMPLED))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text == c.message.content
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 16
+    # content given as a list of text parts renders like the plain string
+    parts = [{"role": "system", "content": "Be brief."},
+             {"role": "user", "content": [{"type": "text", "text": "Name a "},
+                                          {"type": "text", "text": "small model."}]}]
+    assert client.chat.completions.create(model=MODEL, messages=parts, max_tokens=16, **SAMPLED) \
+        .choices[0].message.content == c.message.content
+
+
+def test_stop_strings(client):
+    kw = dict(model=MODEL, prompt="Every layer", max_tokens=40, **SAMPLED)
+    full = client.completions.create(**kw).choices[0].text
+    assert len(full) > 20
+    stop = full[14:17]
+    expected = full[:full.find(stop)]
+    for stops in (stop, [stop, "never-in-this-text"]):
+        r = client.completions.create(stop=stops, **kw)
+        assert r.choices[0].text == expected and r.choices[0].finish_reason == "stop"
+        assert r.usage.completion_tokens < 40
+    chunks = list(client.completions.create(stop=[stop], stream=True, **kw))
+    assert "".join(ch.choices[0].text for ch in chunks) == expected
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    # a stop string that never shows up changes nothing
+    r = client.completions.create(stop=["\x00never"], **kw)
+    assert r.choices[0].text == full and r.choices[0].finish_reason == "length"
+
+
+def test_chat_stop_string(client):
+    msgs = [{"role": "user", "content": "Say something."}]
+    kw = dict(model=MODEL, messages=msgs, max_tokens=30, **SAMPLED)
+    full = client.chat.completions.create(**kw).choices[0].message.content
+    stop = full[10:12]
+    r = client.chat.completions.create(stop=stop, **kw)
+    assert r.choices[0].message.content == full[:full.find(stop)] and r.choices[0].finish_reason == "stop"
+
+
+def test_eos_ends_with_stop(client, server):
+    # without ignore_eos, sampling eventually draws the eos token: finish_reason "stop", eos not in the text
+    svc = server[1]
+    eos = svc.engine.tokenizer.eos_token_id
+    for seed in range(40):
+        r = client.completions.create(model=MODEL, prompt="The", max_tokens=200, temperature=1.5, seed=seed,
+                                      extra_body={"return_token_ids": True})
+        ids = r.choices[0].model_extra["token_ids"]
+        if r.choices[0].finish_reason == "stop":
+            assert ids[-1] == eos and "</s>" not in r.choices[0].text
+            assert r.usage.completion_tokens == len(ids) < 200
+            return
+    pytest.skip("no seed hit eos")
+
+
+def test_metrics(server, client):
+    base = server[0]
+    with http() as h:
+        before = h.get(base + "/metrics").text
+        client.completions.create(model=MODEL, prompt="red blue", max_tokens=5, **SAMPLED)
+        text = h.get(base + "/metrics").text
+    assert metric(text, "kie_requests_total", endpoint="/v1/completions", status="200") == \
+        metric(before, "kie_requests_total", endpoint="/v1/completions", status="200") + 1
+    assert metric(text, "kie_generation_tokens_total") == metric(before, "kie_generation_tokens_total") + 5
+    assert metric(text, "kie_prompt_tokens_total") > metric(before, "kie_prompt_tokens_total")
+    for h_name in ("kie_time_to_first_token_seconds", "kie_time_per_output_token_seconds"):
+        assert metric(text, h_name + "_count") == metric(before, h_name + "_count") + 1
+        assert f'{h_name}_bucket{{le="+Inf"}}' in text
+    assert "# TYPE kie_queue_depth gauge" in text and metric(text, "kie_queue_depth") == 0
+
+
+def test_model_without_tokenizer(ckpt_no_tok):
+    import openai
+    with running_server(ckpt_no_tok, name="ids-only") as (base, _):
+        c = openai_client(base)
+        r = c.completions.create(model="ids-only", prompt=[3, 4, 5], max_tokens=6, temperature=0,
+                                 extra_body={"ignore_eos": True})
+        assert r.choices[0].text == "" and len(r.choices[0].model_extra["token_ids"]) == 6
+        assert r.usage.prompt_tokens == 3 and r.usage.completion_tokens == 6
+        chunks = list(c.completions.create(model="ids-only", prompt=[3, 4, 5], max_tokens=6, temperature=0,
+                                           stream=True, extra_body={"ignore_eos": True}))
+        streamed = [t for ch in chunks for t in ch.choices[0].model_extra.get("token_ids") or []]
+        assert streamed == r.choices[0].model_extra["token_ids"]
+        with pytest.raises(openai.BadRequestError) as e:
+            c.chat.completions.create(model="ids-only", messages=[{"role": "user", "content": "hi"}])
+        assert "no tokenizer" in e.value.body["message"]
+        with pytest.raises(openai.BadRequestError) as e:
+            c.completions.create(model="ids-only", prompt="text needs a tokenizer")
+        assert e.value.body["param"] == "prompt"
