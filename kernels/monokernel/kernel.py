@@ -1,0 +1,223 @@
+"""The monokernel: ONE persistent Triton kernel that runs whole decode steps, many of them per launch.
+
+grid = number of SMs (cooperative launch, so an oversized grid fails instead of hanging). Each program claims the
+next task from an atomic cursor in topological order (plan.build_tasks), and for each task:
+  1. issues the task's first weight tile loads (weights never depend on activations: HBM keeps streaming across
+     the dependency below),
+  2. waits for its input counter (kccl.sync.wait: bounded, aborts on the stop flag),
+  3. computes and stores, then 4. signals its output counter (bar.sync + one release-add).
+Triton has no break/continue: the next task is claimed at the bottom of the `while t < n_total` loop, and the
+stop flag (EOS, host stop, watchdog) turns the claim into n_total.
+
+Under TRITON_INTERPRET=1 the same kernel runs on the CPU (USE_ASM=False); programs run one after another, so
+program 0 claims every task in order and every wait is either satisfied or reported at once.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from kie_moe.kccl.sync import ld_volatile, read_counter, signal, st_release_sys, wait
+
+from . import plan as P
+from .ops import (attention_task, attn_combine, embed_row, expert_down_task, gemv_task, glu_task, lm_task,
+                  pick_token, prefetch, route, vec_dot_norm)
+
+# ctrl words (int32, device): written by the kernel, read by the host after the launch
+CT_STOP, CT_ERR, CT_ERR_TASK, CT_ERR_HAVE, CT_ERR_NEED, CT_REASON, CT_NTOK = range(7)
+N_CTRL = 8
+
+_OP_QKV = tl.constexpr(P.OP_QKV)
+_OP_ATTN = tl.constexpr(P.OP_ATTN)
+_OP_O = tl.constexpr(P.OP_O)
+_OP_GATEUP = tl.constexpr(P.OP_GATEUP)
+_OP_DOWN = tl.constexpr(P.OP_DOWN)
+_OP_ROUTER = tl.constexpr(P.OP_ROUTER)
+_OP_EXP_UP = tl.constexpr(P.OP_EXP_UP)
+_OP_SH_UP = tl.constexpr(P.OP_SH_UP)
+_OP_EXP_DOWN = tl.constexpr(P.OP_EXP_DOWN)
+_OP_LM = tl.constexpr(P.OP_LM)
+_OP_SAMPLE = tl.constexpr(P.OP_SAMPLE)
+_NF = tl.constexpr(P.NF)
+_NLF = tl.constexpr(P.NLF)
+
+
+@triton.jit
+def _lf(lrow, col: tl.constexpr):
+    """Element offset of a layer's tensor (int64, -1 when absent: never dereferenced then)."""
+    return tl.load(lrow + col)
+
+
+@triton.jit
+def monokernel(
+    # plan
+    tasks_ptr, layers_ptr, wa_ptr, kv_ptr, cos_ptr, sin_ptr,
+    # activations (fp32) and per-layer routing
+    x_ptr, qkv_ptr, ao_ptr, am_ptr, al_ptr, scratch_ptr, h_ptr, rlog_ptr, rids_ptr, rwts_ptr, sg_ptr,
+    pv_ptr, pi_ptr,
+    # control
+    cnt_ptr, cursor_ptr, ctrl_ptr, ring_ptr, hostflag_ptr, eos_ptr,
+    n_tasks, n_steps, start_pos, kv_tmax, n_splits, n_lm, n_eos, ignore_eos,
+    do_sample, inv_temp, seed, timeout_ns, embed_off, lm_off, fnorm_off,
+    eps, sm_scale, clip, route_scale, glu_limit, glu_alpha,
+    # model constexprs (plan.Dims)
+    D: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, DH: tl.constexpr, ROT: tl.constexpr,
+    ROPE_PAIR: tl.constexpr, QK_NORM: tl.constexpr, HAS_QKV_BIAS: tl.constexpr, HAS_O_BIAS: tl.constexpr,
+    HAS_SINKS: tl.constexpr, HAS_CLIP: tl.constexpr, I_DENSE: tl.constexpr, E: tl.constexpr, TOPK: tl.constexpr,
+    I_MOE: tl.constexpr, I_SH: tl.constexpr, SCORING: tl.constexpr, NORM_TOPK: tl.constexpr,
+    HAS_RBIAS: tl.constexpr, HAS_SBIAS: tl.constexpr, EXP_ACT: tl.constexpr, HAS_EBIAS: tl.constexpr,
+    HAS_SH_GATE: tl.constexpr,
+    # tiles
+    BN_QKV: tl.constexpr, BN_O: tl.constexpr, BN_GU: tl.constexpr, BN_DOWN: tl.constexpr, BN_ROUTER: tl.constexpr,
+    BN_EUP: tl.constexpr, BN_EDOWN: tl.constexpr, BN_SUP: tl.constexpr, BN_LM: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr,
+    BLOCK_TOPK: tl.constexpr, BLOCK_EOS: tl.constexpr, BLOCK_X: tl.constexpr,
+    USE_ASM: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    stop_ptr = ctrl_ptr + 0  # CT_STOP
+    n_total = n_tasks * n_steps
+    NQ: tl.constexpr = HQ * DH
+    t = tl.atomic_add(cursor_ptr, 1, sem="relaxed")
+    while t < n_total:
+        step = t // n_tasks
+        row = tasks_ptr + (t - step * n_tasks) * _NF
+        op = tl.load(row + 0)
+        layer = tl.load(row + 1)
+        r0 = tl.load(row + 2)
+        nr = tl.load(row + 3)
+        aux = tl.load(row + 4)
+        wctr = cnt_ptr + tl.load(row + 5)
+        target = tl.load(row + 6) * step + tl.load(row + 7)
+        sig = tl.load(row + 8)
+        r_end = r0 + nr
+        pos = start_pos + step
+        lrow = layers_ptr + layer * _NLF
+        st = 0
+        if op == _OP_QKV:
+            w = wa_ptr + _lf(lrow, P.LF_QKV)
+            w0 = prefetch(w, D, r0, r_end, BN_QKV, BLOCK_K)
+            st = wait(wctr, target, stop_ptr, timeout_ns, USE_ASM)
+            if st == 0:
+                gemv_task(w, w0, D, r0, r_end, x_ptr, wa_ptr + _lf(lrow, P.LF_ATTN_NORM), eps,
+                          wa_ptr + _lf(lrow, P.LF_QKV_B), qkv_ptr, qkv_ptr, True, HAS_QKV_BIAS, False, BN_QKV, BLOCK_K)
+        elif op == _OP_ATTN:
+            st = wait(wctr, target, stop_ptr, timeout_ns, USE_ASM)
+            if st == 0:
+                head = (layer * 2 * HKV + r0).to(tl.int64) * kv_tmax * DH  # cache [L, 2, HKV, T_max, DH]
+                attention_task(r0, nr, n_splits, pos, _lf(lrow, P.LF_WINDOW).to(tl.int32), qkv_ptr, kv_ptr + head,
+                               kv_ptr + head + HKV * kv_tmax * DH, cos_ptr, sin_ptr,
+                               wa_ptr + _lf(lrow, P.LF_Q_NORM), wa_ptr + _lf(lrow, P.LF_K_NORM),
+                               ao_ptr, am_ptr, al_ptr, eps, sm_scale, clip, HQ, HKV, DH, ROT, ROPE_PAIR, QK_NORM,
+                               HAS_CLIP, BLOCK_R, BLOCK_H, BLOCK_C, BLOCK_D, BLOCK_T, BLOCK_X)
+        elif op == _OP_O:
+            w = wa_ptr + _lf(lrow, P.LF_O)
+            w0 = prefetch(w, NQ, r0, r_end, BN_O, BLOCK_K)
+            st = wait(wctr, target, stop_ptr, timeout_ns, USE_ASM)
+            if st == 0:
+                # splits -> normalised attention output, in this program's private scratch row
+                scr = scratch_ptr + pid * NQ
+                attn_combine(ao_ptr, am_ptr, al_ptr, wa_ptr + _lf(lrow, P.LF_SINKS), n_splits, scr, HQ, DH,
+                             HAS_SINKS, BLOCK_X)
+                tl.debug_barrier()
+                gemv_task(w, w0, NQ, r0, r_end, scr, scr, eps, wa_ptr + _lf(lrow, P.LF_O_B), x_ptr, x_ptr,
+                          False, HAS_O_BIAS, True, BN_O, BLOCK_K)
+        elif op == _OP_GATEUP:
+            wg = wa_ptr + _lf(lrow, P.LF_GATE)
+            wu = wa_ptr + _lf(lrow, P.LF_UP)
+            g0 = prefetch(wg, D, r0, r_end, BN_GU, BLOCK_K)
+            u0 = prefetch(wu, D, r0, r_end, BN_GU, BLOCK_K)
+            st = wait(wctr, target, stop_ptr, timeout_ns, USE_ASM)
+            if st == 0:
+                glu_task(wg, wu, g0, u0, D, r0, r_end, x_ptr, wa_ptr + _lf(lrow, P.LF_MLP_NORM), eps, wg, wu, h_ptr,
+                         glu_limit, glu_alpha, False, 0, BN_GU, BLOCK_K)
+        elif op == _OP_DOWN:
+            w = wa_ptr + _lf(lrow, P.LF_DOWN)
+            w0 = prefetch(w, I_DENSE, r0, r_end, BN_DOWN, BLOCK_K)
+            st = wait(wctr, target, stop_ptr, timeout_ns, USE_ASM)
+            if st == 0:
+                gemv_task(w, w0, I_DENSE, r0, r_end, h_ptr, h_ptr, eps, w, x_ptr, x_ptr, False, False, True,
+                          BN_DOWN, BLOCK_K)
+        elif op == _OP_ROUTER:
+            w = wa_ptr + _lf(lrow, P.LF_ROUTER)
+            w0 = prefetch(w, D, r0, r_end, BN_ROUTER, BLOCK_K)
+            st = wait(wctr, target, stop_ptr, timeout_ns, USE_ASM)
+            if st == 0:
+                gemv_task(w, w0, D, r0, r_end, x_ptr, wa_ptr + _lf(lrow, P.LF_MLP_NORM), eps,
+                          wa_ptr + _lf(lrow, P.LF_ROUTER_B), rlog_ptr + layer * E, rlog_ptr, True, HAS_RBIAS, False,
+                          BN_ROUTER, BLOCK_K)
+        elif op == _OP_SH_UP:
+            wg = wa_ptr + _lf(lrow, P.LF_SGATE)
+            wu = wa_ptr + _lf(lrow, P.LF_SUP)
+            g0 = prefetch(wg, D, r0, r_end, BN_SUP, BLOCK_K)
+            u0 = prefetch(wu, D, r0, r_end, BN_SUP, BLOCK_K)
+            st = wait(wctr, target, stop_ptr, timeout_ns, USE_ASM)
+            if st == 0:
+                nw = wa_ptr + _lf(lrow, P.LF_MLP_NORM)
+                glu_task(wg, wu, g0, u0, D, r0, r_end, x_ptr, nw, eps, wg, wu, h_ptr + TOPK * I_MOE,
+                         glu_limit, glu_alpha, False, 0, BN_SUP, BLOCK_K)
+                if HAS_SH_GATE:
+                    if r0 == 0:  # one task computes the shared expert's sigmoid gate
+                        s = vec_dot_norm(wa_ptr + _lf(lrow, P.LF_SH_GATE), x_ptr, nw, D, eps, BLOCK_K)
+                        tl.store(sg_ptr, tl.sigmoid(s))
+        elif op == _OP_EXP_UP:
+            st = wait(wctr, target, stop_ptr, timeout_ns, USE_ASM)
+            if st == 0:
+                # every expert task recomputes the (tiny) top-k from the router logits: no extra phase
+                ids, wts = route(rlog_ptr + layer * E, wa_ptr + _lf(lrow, P.LF_SCORE_B), route_scale, E, TOPK,
+                                 SCORING, NORM_TOPK, HAS_SBIAS, BLOCK_E, BLOCK_TOPK)
+                offs_j = tl.arange(0, BLOCK_TOPK)
+                if (aux == 0) & (r0 == 0):  # publish ids / weights for expert_down (and the host)
+                    tl.store(rids_ptr + layer * TOPK + offs_j, ids, mask=offs_j < TOPK)
+                    tl.store(rwts_ptr + layer * TOPK + offs_j, wts, mask=offs_j < TOPK)
+                e = tl.sum(tl.where(offs_j == aux, ids, 0), axis=0).to(tl.int64)
+                wg = wa_ptr + _lf(lrow, P.LF_EGATE) + e * (I_MOE * D)
+                wu = wa_ptr + _lf(lrow, P.LF_EUP) + e * (I_MOE * D)
+                g0 = prefetch(wg, D, r0, r_end, BN_EUP, BLOCK_K)
+                u0 = prefetch(wu, D, r0, r_end, BN_EUP, BLOCK_K)
+                glu_task(wg, wu, g0, u0, D, r0, r_end, x_ptr, wa_ptr + _lf(lrow, P.LF_MLP_NORM), eps,
+                         wa_ptr + _lf(lrow, P.LF_EGATE_B) + e * I_MOE, wa_ptr + _lf(lrow, P.LF_EUP_B) + e * I_MOE,
+                         h_ptr + aux * I_MOE, glu_limit, glu_alpha, HAS_EBIAS, EXP_ACT, BN_EUP, BLOCK_K)
+        elif op == _OP_EXP_DOWN:
+            st = wait(wctr, target, stop_ptr, timeout_ns, USE_ASM)
+            if st == 0:
+                expert_down_task(wa_ptr + _lf(lrow, P.LF_EDOWN), wa_ptr + _lf(lrow, P.LF_EDOWN_B),
+                                 wa_ptr + _lf(lrow, P.LF_SDOWN), r0, r_end, h_ptr, rids_ptr + layer * TOPK,
+                                 rwts_ptr + layer * TOPK, sg_ptr, x_ptr, D, I_MOE, I_SH, TOPK, HAS_EBIAS,
+                                 HAS_SH_GATE, BN_EDOWN, BLOCK_K)
+        elif op == _OP_LM:
+            w = wa_ptr + lm_off
+            w0 = prefetch(w, D, r0, r_end, BN_LM, BLOCK_K)
+            st = wait(wctr, target, stop_ptr, timeout_ns, USE_ASM)
+            if st == 0:
+                lm_task(w, w0, D, r0, r_end, x_ptr, wa_ptr + fnorm_off, eps, aux, pv_ptr, pi_ptr, do_sample,
+                        inv_temp, seed, step, BN_LM, BLOCK_K)
+        elif op == _OP_SAMPLE:
+            st = wait(wctr, target, stop_ptr, timeout_ns, USE_ASM)
+            if st == 0:
+                tok = pick_token(pv_ptr, pi_ptr, n_lm, BLOCK_P)
+                tl.store(ring_ptr + 1 + step, tok)               # host-visible ring: token first,
+                st_release_sys(ring_ptr, step + 1, USE_ASM)      # then the count (system-scope release)
+                tl.store(ctrl_ptr + 6, step + 1)                 # CT_NTOK
+                embed_row(wa_ptr + embed_off, tok, x_ptr, D, BLOCK_X)
+                offs_eos = tl.arange(0, BLOCK_EOS)
+                eos = tl.load(eos_ptr + offs_eos, mask=offs_eos < n_eos, other=-1)
+                hit = (tl.sum((eos == tok).to(tl.int32), axis=0) > 0) & (ignore_eos == 0)
+                host_stop = ld_volatile(hostflag_ptr, USE_ASM) != 0
+                if hit | host_stop:
+                    tl.store(ctrl_ptr + 5, tl.where(hit, 1, 2))  # CT_REASON
+                    tl.store(stop_ptr, 1)
+        if st == 0:
+            signal(cnt_ptr + sig, 1, USE_ASM)
+        if st == 2:
+            # watchdog: the first program to trip records where it was stuck, then everyone stops
+            first = tl.atomic_cas(ctrl_ptr + 1, 0, 1) == 0       # CT_ERR
+            if first:
+                tl.store(ctrl_ptr + 2, t)                        # CT_ERR_TASK (global index: step * T + row)
+                tl.store(ctrl_ptr + 3, read_counter(wctr, USE_ASM))  # CT_ERR_HAVE
+                tl.store(ctrl_ptr + 4, target)                   # CT_ERR_NEED
+            tl.atomic_xchg(stop_ptr, 1)
+        t = tl.atomic_add(cursor_ptr, 1, sem="relaxed")
+        if ld_volatile(stop_ptr, USE_ASM) != 0:
+            t = n_total

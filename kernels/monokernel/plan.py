@@ -1,0 +1,413 @@
+"""Monokernel plan: ModelSpec + weights -> packed device buffers + the task table the persistent kernel walks.
+
+Weights. Every float tensor the decode step reads lives in ONE device arena (a 1-D tensor of the weight dtype),
+so the kernel takes one pointer and per-layer element offsets (int64: big models pass 2^31 elements) instead of
+hundreds of arguments. Fused partners sit back to back so one task streams them as one matrix: q|k|v rows form
+one [Hq*Dh + 2*Hkv*Dh, D] matrix; expert e's gate of layer i sits at `egate + e * I * D`. Offsets per layer are
+the int64 `layers` table [L, NLF] (LF_* columns, -1 = absent).
+
+Tasks. One task = one program's share of one op; the table [T, NF] int32 lists one decode step's tasks in
+topological order (F_* columns): opcode, layer, rows (row0, n_rows) or (kv head, split), aux (expert slot / LM
+tile), the counter it waits on with the count it needs per step and a base, the counter it signals. The kernel
+runs `n_steps` copies of the table back to back: global task t is step t // T, row t % T, and waits for
+`counter >= wcnt * step + wbase`. Counters only grow, so nothing is reset between steps.
+
+Tile sizes: an op of B bytes becomes ~n_sms * ceil(B / (n_sms * max_task_bytes)) tasks of equal row counts (so
+every SM streams about the same bytes in a phase), never smaller than min_task_bytes (a claim + wait costs ~2 us).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from kie_moe.models.spec import ModelSpec, canonical
+
+# ---- opcodes -------------------------------------------------------------------------------------------------
+OP_QKV, OP_ATTN, OP_O, OP_GATEUP, OP_DOWN, OP_ROUTER, OP_EXP_UP, OP_SH_UP, OP_EXP_DOWN, OP_LM, OP_SAMPLE = range(1, 12)
+OP_NAMES = {OP_QKV: "qkv_proj", OP_ATTN: "attention", OP_O: "o_proj", OP_GATEUP: "mlp_gate_up",
+            OP_DOWN: "mlp_down", OP_ROUTER: "router", OP_EXP_UP: "expert_gate_up", OP_SH_UP: "shared_gate_up",
+            OP_EXP_DOWN: "expert_down", OP_LM: "lm_head", OP_SAMPLE: "sample"}
+
+# ---- task table columns ----------------------------------------------------------------------------------------
+F_OP, F_LAYER, F_ROW0, F_NROWS, F_AUX, F_WAIT, F_WCNT, F_WBASE, F_SIG = range(9)
+NF = 10  # one spare column
+
+# ---- layer table columns (int64 element offsets into the weight arena) ------------------------------------------
+(LF_ATTN_NORM, LF_QKV, LF_QKV_B, LF_Q_NORM, LF_K_NORM, LF_O, LF_O_B, LF_SINKS, LF_MLP_NORM,
+ LF_GATE, LF_UP, LF_DOWN, LF_ROUTER, LF_ROUTER_B, LF_SCORE_B,
+ LF_EGATE, LF_EUP, LF_EDOWN, LF_EGATE_B, LF_EUP_B, LF_EDOWN_B,
+ LF_SGATE, LF_SUP, LF_SDOWN, LF_SH_GATE, LF_WINDOW) = range(26)
+NLF = 32
+
+# counters per layer: inputs of q/k/v ready -> ... ; see `_counter`
+_C_QKV, _C_ATTN, _C_O, _C_ROUTE, _C_UP, _C_OUT = range(6)
+_ALIGN = 64  # elements: every tensor starts on a 128-byte boundary (bf16) for vector loads
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, math.ceil(math.log2(max(1, n))))
+
+
+@dataclass(frozen=True)
+class Dims:
+    """Model-wide sizes and feature switches: the kernel's constexprs (one compiled variant per model)."""
+    D: int
+    V: int
+    L: int
+    HQ: int
+    HKV: int
+    DH: int
+    ROT: int
+    ROPE_PAIR: int          # 1: adjacent pairs (DeepSeek); 0: rotate-half
+    QK_NORM: int            # 0 none, 1 per head over Dh, 2 over the whole projection (OLMoE)
+    HAS_QKV_BIAS: int
+    HAS_O_BIAS: int
+    HAS_SINKS: int
+    HAS_CLIP: int
+    I_DENSE: int
+    E: int
+    TOPK: int
+    I_MOE: int
+    I_SH: int
+    SCORING: int            # 0 softmax, 1 sigmoid, 2 softmax over the top-k logits (gpt-oss)
+    NORM_TOPK: int
+    HAS_RBIAS: int
+    HAS_SBIAS: int
+    EXP_ACT: int            # 0 SwiGLU, 1 gpt-oss clamped GLU
+    HAS_EBIAS: int
+    HAS_SH_GATE: int
+    # runtime floats
+    eps: float
+    sm_scale: float
+    clip: float
+    route_scale: float
+    glu_limit: float
+    glu_alpha: float
+
+    @property
+    def NQKV(self) -> int:
+        return (self.HQ + 2 * self.HKV) * self.DH
+
+
+def model_dims(spec: ModelSpec) -> Dims:
+    lay0 = spec.layers[0]
+    a = lay0.attn
+    if a.kind != "gqa":
+        raise NotImplementedError(f"monokernel: attention kind {a.kind!r} ({spec.family}) is not supported yet (gqa only)")
+    for i, lay in enumerate(spec.layers):
+        if lay.attn != a:
+            raise NotImplementedError(f"monokernel: layer {i} attention differs from layer 0 ({spec.family})")
+        if lay.mlp is not None and lay.mlp.bias:
+            raise NotImplementedError(f"monokernel: layer {i}: dense MLP biases are not supported")
+        if lay.mlp is not None and lay.mlp.act != "silu":
+            raise NotImplementedError(f"monokernel: layer {i}: dense MLP activation {lay.mlp.act!r}")
+    dense = {lay.mlp.intermediate_size for lay in spec.layers if lay.mlp is not None}
+    moes = {lay.moe for lay in spec.layers if lay.moe is not None}
+    if len(dense) > 1 or len(moes) > 1:
+        raise NotImplementedError("monokernel: dense (or MoE) layers of different shapes in one model")
+    m = next(iter(moes)) if moes else None
+    if m is not None and m.n_group > 1:
+        raise NotImplementedError("monokernel: group-limited routing (DeepSeek) is not supported yet")
+    scoring = {"softmax": 0, "sigmoid": 1, "softmax_topk": 2}
+    if m is not None and m.scoring not in scoring:
+        raise NotImplementedError(f"monokernel: router scoring {m.scoring!r}")
+    return Dims(
+        D=spec.hidden_size, V=spec.vocab_size, L=spec.num_layers, HQ=a.num_heads, HKV=a.num_kv_heads,
+        DH=a.head_dim, ROT=a.rope.rotary_dim or a.head_dim, ROPE_PAIR=int(a.rope.style == "pair"),
+        QK_NORM={None: 0, "head": 1, "full": 2}[a.qk_norm], HAS_QKV_BIAS=int(a.qkv_bias), HAS_O_BIAS=int(a.o_bias),
+        HAS_SINKS=int(a.sinks), HAS_CLIP=int(a.clip_qkv is not None),
+        I_DENSE=next(iter(dense)) if dense else 0,
+        E=m.num_experts if m else 0, TOPK=m.top_k if m else 0, I_MOE=m.intermediate_size if m else 0,
+        I_SH=m.shared_intermediate_size if m else 0, SCORING=scoring[m.scoring] if m else 0,
+        NORM_TOPK=int(m.norm_topk_prob) if m else 0, HAS_RBIAS=int(m.router_bias) if m else 0,
+        HAS_SBIAS=int(m.score_correction_bias) if m else 0,
+        EXP_ACT={"swiglu": 0, "gptoss_glu": 1}[m.expert_act] if m else 0, HAS_EBIAS=int(m.expert_bias) if m else 0,
+        HAS_SH_GATE=int(m.shared_expert_gate) if m else 0,
+        eps=spec.norm_eps, sm_scale=a.softmax_scale, clip=float(a.clip_qkv or 0.0),
+        route_scale=m.routed_scaling_factor if m else 1.0, glu_limit=m.swiglu_limit if m else 0.0,
+        glu_alpha=m.glu_alpha if m else 0.0)
+
+
+@dataclass
+class Arena:
+    """Layout of the weight arena: canonical name -> (element offset, shape)."""
+    size: int = 0
+    entries: dict = field(default_factory=dict)
+
+    def add(self, names_shapes: list[tuple[str, tuple[int, ...]]]) -> int:
+        """Place tensors back to back (a fused group) at the next aligned offset; returns the group's offset."""
+        off = -(-self.size // _ALIGN) * _ALIGN
+        start = off
+        for name, shape in names_shapes:
+            self.entries[name] = (off, tuple(shape))
+            off += math.prod(shape)
+        self.size = off
+        return start
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """Per-op rows per tile chunk (BLOCK_N, a power of two) and the shared K step."""
+    block_k: int
+    bn: dict           # op name -> BLOCK_N
+    block_t: int       # attention positions per step
+    block_p: int       # >= number of LM-head tiles
+
+
+@dataclass
+class Plan:
+    spec: ModelSpec
+    dims: Dims
+    device: torch.device
+    wdtype: torch.dtype
+    arena: Arena
+    weights: torch.Tensor            # [arena.size] wdtype
+    layers: torch.Tensor             # [L, NLF] int64
+    embed_off: int
+    lm_off: int
+    final_norm_off: int
+    n_sms: int
+    tiles: TileConfig
+    op_rows: dict                    # op name -> list[(row0, n_rows)] (static tilings)
+    cos: torch.Tensor | None = None  # [max_pos, ROT/2] fp32
+    sin: torch.Tensor | None = None
+
+    def view(self, name: str) -> torch.Tensor:
+        off, shape = self.arena.entries[name]
+        return self.weights[off:off + math.prod(shape)].view(shape)
+
+    @property
+    def n_lm_tiles(self) -> int:
+        return len(self.op_rows["lm"])
+
+    def weight_bytes_per_token(self) -> int:
+        """Bytes one decode step streams (active experts only), for bandwidth numbers."""
+        d, eb = self.dims, self.weights.element_size()
+        per = 0
+        for lay in self.spec.layers:
+            per += d.NQKV * d.D + d.D * d.HQ * d.DH
+            if lay.moe is None:
+                per += 3 * d.I_DENSE * d.D
+            else:
+                per += d.E * d.D + d.TOPK * 3 * d.I_MOE * d.D + 3 * d.I_SH * d.D
+        return (per + d.V * d.D) * eb
+
+
+# ---- arena layout ----------------------------------------------------------------------------------------------
+
+def layout_arena(spec: ModelSpec, d: Dims, has) -> tuple[Arena, list[dict], dict]:
+    """-> (arena, per-layer {LF_*: offset}, top-level offsets). `has(name)` says if the checkpoint holds a tensor."""
+    ar = Arena()
+    D = d.D
+    top = {"embed": ar.add([("embed", (d.V, D))])}
+    top["final_norm"] = ar.add([("final_norm", (D,))])
+    top["lm_head"] = ar.add([("lm_head", (d.V, D))]) if has("lm_head") else top["embed"]
+    layers = []
+    for i, lay in enumerate(spec.layers):
+        c = lambda n: canonical(i, n)  # noqa: E731
+        o = {LF_ATTN_NORM: ar.add([(c("attn_norm"), (D,))]), LF_MLP_NORM: ar.add([(c("mlp_norm"), (D,))])}
+        nq, nkv = d.HQ * d.DH, d.HKV * d.DH
+        o[LF_QKV] = ar.add([(c("attn.q"), (nq, D)), (c("attn.k"), (nkv, D)), (c("attn.v"), (nkv, D))])
+        if d.HAS_QKV_BIAS:
+            o[LF_QKV_B] = ar.add([(c("attn.q_bias"), (nq,)), (c("attn.k_bias"), (nkv,)), (c("attn.v_bias"), (nkv,))])
+        if d.QK_NORM:
+            full = d.QK_NORM == 2
+            o[LF_Q_NORM] = ar.add([(c("attn.q_norm"), (nq if full else d.DH,))])
+            o[LF_K_NORM] = ar.add([(c("attn.k_norm"), (nkv if full else d.DH,))])
+        o[LF_O] = ar.add([(c("attn.o"), (D, nq))])
+        if d.HAS_O_BIAS:
+            o[LF_O_B] = ar.add([(c("attn.o_bias"), (D,))])
+        if d.HAS_SINKS:
+            o[LF_SINKS] = ar.add([(c("attn.sinks"), (d.HQ,))])
+        if lay.moe is None:
+            I = lay.mlp.intermediate_size
+            o[LF_GATE] = ar.add([(c("mlp.gate"), (I, D))])
+            o[LF_UP] = ar.add([(c("mlp.up"), (I, D))])
+            o[LF_DOWN] = ar.add([(c("mlp.down"), (D, I))])
+        else:
+            E, I = d.E, d.I_MOE
+            o[LF_ROUTER] = ar.add([(c("moe.router"), (E, D))])
+            if d.HAS_RBIAS:
+                o[LF_ROUTER_B] = ar.add([(c("moe.router_bias"), (E,))])
+            if d.HAS_SBIAS:
+                o[LF_SCORE_B] = ar.add([(c("moe.score_bias"), (E,))])
+            ex = lambda e, n: c(f"moe.experts.{e}.{n}")  # noqa: E731
+            o[LF_EGATE] = ar.add([(ex(e, "gate"), (I, D)) for e in range(E)])
+            o[LF_EUP] = ar.add([(ex(e, "up"), (I, D)) for e in range(E)])
+            o[LF_EDOWN] = ar.add([(ex(e, "down"), (D, I)) for e in range(E)])
+            if d.HAS_EBIAS:
+                o[LF_EGATE_B] = ar.add([(ex(e, "gate_bias"), (I,)) for e in range(E)])
+                o[LF_EUP_B] = ar.add([(ex(e, "up_bias"), (I,)) for e in range(E)])
+                o[LF_EDOWN_B] = ar.add([(ex(e, "down_bias"), (D,)) for e in range(E)])
+            if d.I_SH:
+                o[LF_SGATE] = ar.add([(c("moe.shared.gate"), (d.I_SH, D))])
+                o[LF_SUP] = ar.add([(c("moe.shared.up"), (d.I_SH, D))])
+                o[LF_SDOWN] = ar.add([(c("moe.shared.down"), (D, d.I_SH))])
+                if d.HAS_SH_GATE:
+                    o[LF_SH_GATE] = ar.add([(c("moe.shared_gate"), (1, D))])
+        o[LF_WINDOW] = lay.sliding_window or 0
+        layers.append(o)
+    return ar, layers, top
+
+
+# ---- tiling ----------------------------------------------------------------------------------------------------
+
+def split_rows(n_rows: int, row_bytes: int, n_sms: int, min_task_bytes: int, max_task_bytes: int,
+               groups: int = 1) -> list[tuple[int, int]]:
+    """Rows [0, n_rows) -> equal (row0, n) tiles. `groups` ops of this shape run side by side (expert slots):
+    the task count is chosen for all of them together."""
+    total = n_rows * row_bytes * groups
+    waves = max(1, -(-total // (n_sms * max_task_bytes)))
+    n_tasks = -(-n_sms * waves // groups)
+    n_tasks = max(1, min(n_tasks, n_rows, max(1, total // groups // max(1, min_task_bytes))))
+    per = -(-n_rows // n_tasks)
+    return [(r, min(per, n_rows - r)) for r in range(0, n_rows, per)]
+
+
+def _bn(rows: list[tuple[int, int]], cap: int) -> int:
+    return min(_pow2(max(n for _, n in rows)), cap)
+
+
+# ---- the plan ------------------------------------------------------------------------------------------------------
+
+def build_plan(spec: ModelSpec, weights=None, device: str | torch.device = "cpu", *,
+               wdtype: torch.dtype | None = None, n_sms: int | None = None, block_k: int | None = None,
+               bn_cap: int | None = None, block_t: int | None = None, min_task_bytes: int = 16 << 10,
+               max_task_bytes: int = 64 << 10, random_seed: int | None = None) -> Plan:
+    """Pack `weights` (WeightStore-like: names(), get(canonical), `in`) into a device arena and tile every op.
+    weights=None with random_seed: random weights drawn on the device (benchmarks; no host copy)."""
+    device = torch.device(device)
+    d = model_dims(spec)
+    gpu = device.type == "cuda"
+    if wdtype is None:
+        wdtype = torch.bfloat16 if gpu else torch.float32
+    if n_sms is None:
+        n_sms = torch.cuda.get_device_properties(device).multi_processor_count if gpu else 1
+    names = set(weights.names()) if weights is not None else None
+    has = (lambda n: n in names) if names is not None else (lambda n: not spec.tie_word_embeddings)
+    arena, lay_offs, top = layout_arena(spec, d, has)
+    buf = torch.empty(arena.size, dtype=wdtype, device=device)
+    if weights is not None:
+        missing = [n for n in arena.entries if n not in names]
+        if missing:
+            raise KeyError(f"monokernel: weights lack {missing[:3]} (expected by the {spec.family} layout)")
+        for name, (off, shape) in arena.entries.items():
+            t = weights.get(name)
+            if tuple(t.shape) != shape:
+                raise ValueError(f"monokernel: {name} has shape {tuple(t.shape)}, the plan expects {shape}")
+            buf[off:off + t.numel()].copy_(t.reshape(-1))
+    else:
+        _random_fill(buf, arena, d, random_seed or 0)
+    table = torch.full((spec.num_layers, NLF), -1, dtype=torch.int64)
+    for i, o in enumerate(lay_offs):
+        for k, v in o.items():
+            table[i, k] = v
+
+    # ---- tiles: bytes per row of each op (weights only; activations are KB) ----
+    eb = buf.element_size()
+    if block_k is None:
+        block_k = 512 if gpu else min(128, _pow2(max(d.D, d.HQ * d.DH, d.I_DENSE, d.I_MOE, d.I_SH)))
+    if bn_cap is None:
+        bn_cap = max(1, 8192 // block_k) if gpu else 64
+    sp = lambda n, rb, g=1: split_rows(n, rb, n_sms, min_task_bytes, max_task_bytes, g)  # noqa: E731
+    rows = {"qkv": sp(d.NQKV, d.D * eb), "o": sp(d.D, d.HQ * d.DH * eb), "lm": sp(d.V, d.D * eb)}
+    if d.I_DENSE:
+        rows["gateup"] = sp(d.I_DENSE, 2 * d.D * eb)
+        rows["down"] = sp(d.D, d.I_DENSE * eb)
+    if d.E:
+        rows["router"] = sp(d.E, d.D * eb)
+        rows["exp_up"] = sp(d.I_MOE, 2 * d.D * eb, d.TOPK)
+        rows["exp_down"] = sp(d.D, (d.TOPK * d.I_MOE + d.I_SH) * eb)
+        if d.I_SH:
+            rows["sh_up"] = sp(d.I_SH, 2 * d.D * eb)
+    bn = {k: _bn(v, bn_cap) for k, v in rows.items()}
+    if block_t is None:
+        block_t = 32 if gpu else 16
+    tiles = TileConfig(block_k=block_k, bn=bn, block_t=block_t, block_p=_pow2(len(rows["lm"])))
+    return Plan(spec, d, device, wdtype, arena, buf, table.to(device), top["embed"], top["lm_head"],
+                top["final_norm"], n_sms, tiles, rows)
+
+
+def _random_fill(buf: torch.Tensor, arena: Arena, d: Dims, seed: int):
+    """Benchmark weights: N(0, 1/in) for matrices, 1 for norms, small biases (decodes without inf/NaN)."""
+    g = torch.Generator(device=buf.device).manual_seed(seed)
+    for name, (off, shape) in arena.entries.items():
+        v = buf[off:off + math.prod(shape)]
+        if name.endswith("norm"):
+            v.fill_(1.0)
+        elif len(shape) == 2:
+            v.normal_(0.0, shape[1] ** -0.5, generator=g)
+        else:
+            v.normal_(0.0, 0.02, generator=g)
+
+
+# ---- the task table --------------------------------------------------------------------------------------------------
+
+def counter_index(layer: int, kind: int) -> int:
+    return layer * 6 + kind
+
+
+def n_counters(spec: ModelSpec) -> int:
+    return spec.num_layers * 6 + 2
+
+
+def build_tasks(plan: Plan, n_splits: int = 1) -> torch.Tensor:
+    """One decode step's tasks [T, NF] int32 in topological order (every wait points at earlier tasks)."""
+    d, spec = plan.dims, plan.spec
+    L = spec.num_layers
+    c_lm, c_sample = 6 * L, 6 * L + 1
+    rows: list[list[int]] = []
+    count: dict[int, int] = {}
+
+    def emit(op, layer, r0, n, aux, wait, wcnt, wbase, sig):
+        rows.append([op, layer, r0, n, aux, wait, wcnt, wbase, sig, 0])
+        count[sig] = count.get(sig, 0) + 1
+
+    def after(ctr):  # wait for every signal `ctr` gets in this step
+        return ctr, count[ctr], count[ctr]
+
+    prev = (c_sample, 1, 0)  # layer 0 waits for the previous step's sample (step 0: already satisfied)
+    for i, lay in enumerate(spec.layers):
+        C = lambda k: counter_index(i, k)  # noqa: E731
+        for r0, n in plan.op_rows["qkv"]:
+            emit(OP_QKV, i, r0, n, 0, *prev, C(_C_QKV))
+        for g in range(d.HKV):
+            for s in range(n_splits):
+                emit(OP_ATTN, i, g, s, 0, *after(C(_C_QKV)), C(_C_ATTN))
+        for r0, n in plan.op_rows["o"]:
+            emit(OP_O, i, r0, n, 0, *after(C(_C_ATTN)), C(_C_O))
+        if lay.moe is None:
+            for r0, n in plan.op_rows["gateup"]:
+                emit(OP_GATEUP, i, r0, n, 0, *after(C(_C_O)), C(_C_UP))
+            for r0, n in plan.op_rows["down"]:
+                emit(OP_DOWN, i, r0, n, 0, *after(C(_C_UP)), C(_C_OUT))
+        else:
+            for r0, n in plan.op_rows["router"]:
+                emit(OP_ROUTER, i, r0, n, 0, *after(C(_C_O)), C(_C_ROUTE))
+            for r0, n in plan.op_rows.get("sh_up", []) if d.I_SH else []:
+                emit(OP_SH_UP, i, r0, n, 0, *after(C(_C_O)), C(_C_UP))
+            for j in range(d.TOPK):
+                for r0, n in plan.op_rows["exp_up"]:
+                    emit(OP_EXP_UP, i, r0, n, j, *after(C(_C_ROUTE)), C(_C_UP))
+            for r0, n in plan.op_rows["exp_down"]:
+                emit(OP_EXP_DOWN, i, r0, n, 0, *after(C(_C_UP)), C(_C_OUT))
+        prev = after(C(_C_OUT))
+    for t, (r0, n) in enumerate(plan.op_rows["lm"]):
+        emit(OP_LM, L - 1, r0, n, t, *prev, c_lm)
+    emit(OP_SAMPLE, L - 1, 0, 0, 0, *after(c_lm), c_sample)
+    return torch.tensor(rows, dtype=torch.int32)
+
+
+def describe_task(tasks: torch.Tensor, i: int) -> str:
+    """'o_proj layer 3 rows 16..31' -- for watchdog errors."""
+    op, layer, r0, n, aux = (int(v) for v in tasks[i, :5])
+    name = OP_NAMES.get(op, f"op{op}")
+    if op == OP_ATTN:
+        where = f"kv head {r0} split {n}"
+    elif op == OP_SAMPLE:
+        where = ""
+    else:
+        where = f"rows {r0}..{r0 + n - 1}" + (f" slot {aux}" if op == OP_EXP_UP else f" tile {aux}" if op == OP_LM else "")
+    return f"{name} layer {layer} {where}".strip()

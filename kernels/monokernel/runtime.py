@@ -1,0 +1,313 @@
+"""MonokernelBackend: prefill through torch, then ONE persistent launch decodes up to max_new_tokens, streaming
+tokens through a host-visible ring while the kernel runs.
+
+- Prefill: the reference decoder's math over views of the plan's weight arena (no second copy of the weights
+  when the prefill dtype is the arena's), then its KV cache is copied into the layout the kernel reads
+  ([L, 2, Hkv, T_max, Dh]). The prompt's last token is not prefilled: decode step 0 runs it, so every sampled
+  token (the first included) comes from the kernel.
+- Decode: counters, cursor and control words zeroed, x = embed[last prompt token], one launch of n_steps =
+  max_new_tokens steps. The kernel writes token s to ring[1 + s], then ring[0] = s + 1 (system-scope release);
+  the host polls ring[0] and yields. EOS (unless ignore_eos), max tokens, or the host stop flag (set when the
+  consumer stops iterating) end the launch.
+- Watchdog: a wait that times out (GPU) or can never be met (interpreter) records the task; the host raises a
+  RuntimeError naming it (op, layer, rows, step, the counter and both counts). Everything is re-zeroed per
+  launch, so the next launch works.
+"""
+from __future__ import annotations
+
+import os
+import time
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from kie_moe.models.errors import InputError
+from kie_moe.models.reference import ReferenceDecoder
+from kie_moe.models.rope import cos_sin
+
+from . import plan as P
+from .kernel import CT_ERR, CT_ERR_HAVE, CT_ERR_NEED, CT_ERR_TASK, N_CTRL, monokernel
+
+_MAX_EOS = 16
+_COUNTER_KINDS = ("qkv_proj", "attention", "o_proj", "router", "gate_up", "layer_out")
+
+
+def _pow2(n: int) -> int:
+    return P._pow2(n)
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+class ArenaStore:
+    """WeightStore-like view of the plan's arena (names(), get(), in): the prefill reads the same bytes."""
+
+    def __init__(self, plan: P.Plan):
+        self.plan = plan
+        self.path = "<monokernel arena>"
+
+    def names(self) -> list[str]:
+        return list(self.plan.arena.entries)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.plan.arena.entries
+
+    def get(self, name: str) -> torch.Tensor:
+        return self.plan.view(name)
+
+
+def gumbel_ref(seed: int, step: int, ids: np.ndarray) -> np.ndarray:
+    """numpy mirror of ops.gumbel (for tests of temperature sampling)."""
+    def h32(x):
+        x = x.astype(np.uint64) & 0xFFFFFFFF
+        x ^= x >> 16
+        x = (x * 0x7FEB352D) & 0xFFFFFFFF
+        x ^= x >> 15
+        x = (x * 0x846CA68B) & 0xFFFFFFFF
+        x ^= x >> 16
+        return x
+    key = h32(np.array([(seed + step * 0x9E3779B9) & 0xFFFFFFFF], dtype=np.uint64))
+    h = h32(key ^ ids.astype(np.uint64))
+    u = ((h >> 8).astype(np.float32) + np.float32(0.5)) * np.float32(1.0 / 16777216.0)
+    return -np.log(-np.log(u))
+
+
+class MonokernelBackend:
+    """Backend contract of kie_moe.engine: `.name`, `generate(prompt_ids, SamplingParams, eos_ids)`."""
+    name = "monokernel"
+
+    def __init__(self, model, device: torch.device | str = "cuda", *, kv_dtype: torch.dtype | None = None,
+                 prefill_dtype: torch.dtype | None = None, timeout_ms: float | None = None, num_warps: int = 8,
+                 max_splits: int | None = None, plan: P.Plan | None = None, **plan_opts):
+        self.device = torch.device(device)
+        self.interpret = interpreting()
+        if self.device.type != "cuda" and not self.interpret:
+            raise InputError("monokernel backend: needs a CUDA GPU (or TRITON_INTERPRET=1 on CPU, for tests)")
+        spec = model.spec if plan is None else plan.spec
+        self.plan = plan or P.build_plan(spec, model.weights, self.device, **plan_opts)
+        self.spec, d = spec, self.plan.dims
+        self.dims = d
+        self.kv_dtype = kv_dtype or (torch.float32 if self.device.type == "cpu" else self.plan.wdtype)
+        self.prefill_dtype = prefill_dtype or self.plan.wdtype
+        self.timeout_ns = int((timeout_ms if timeout_ms is not None
+                               else float(os.environ.get("KIE_MONOKERNEL_TIMEOUT_MS", 500))) * 1e6)
+        self.num_warps = num_warps
+        self.grid = 1 if self.interpret else self.plan.n_sms
+        self.max_splits = max_splits or max(1, self.plan.n_sms // d.HKV)
+        self.n_splits_override: int | None = None   # tests: force attention splits
+        self._plant: tuple[int, int] | None = None  # tests: (task row, extra count) for the next launch only
+        self._tasks: dict[int, torch.Tensor] = {}
+        self._prefill_decoder = None
+        self.kv_tmax = 0
+        self._alloc()
+        self.last_launch: dict = {}
+
+    # ---- buffers ------------------------------------------------------------------------------------------------
+    def _alloc(self):
+        d, dev, f32, i32 = self.dims, self.device, torch.float32, torch.int32
+        nq = d.HQ * d.DH
+        z = lambda *s, dt=f32: torch.zeros(*s, dtype=dt, device=dev)  # noqa: E731
+        self.x = z(d.D)
+        self.qkv = z(d.NQKV)
+        self.ao, self.am, self.al = z(self.max_splits, nq), z(self.max_splits, d.HQ), z(self.max_splits, d.HQ)
+        self.scratch = z(self.grid, nq)
+        self.h = z(max(d.I_DENSE, d.TOPK * d.I_MOE + d.I_SH, 1))
+        self.rlog = z(d.L, max(d.E, 1))
+        self.rids = z(d.L, max(d.TOPK, 1), dt=i32)
+        self.rwts = z(d.L, max(d.TOPK, 1))
+        self.sg = z(1)
+        self.pv, self.pi = z(self.plan.n_lm_tiles), z(self.plan.n_lm_tiles, dt=i32)
+        self.counters = z(P.n_counters(self.spec), dt=i32)
+        self.cursor = z(1, dt=i32)
+        self.ctrl = z(N_CTRL, dt=i32)
+        self.eos = z(_MAX_EOS, dt=i32)
+        pin = self.device.type == "cuda"
+        # host-visible words: the kernel writes tokens here, the host writes the stop flag
+        self.hostflag = torch.zeros(1, dtype=i32, pin_memory=pin)
+        self.ring = torch.zeros(1, dtype=i32, pin_memory=pin)
+
+    def _ensure_kv(self, n_pos: int):
+        if n_pos <= self.kv_tmax:
+            return
+        d = self.dims
+        tmax = max(256, _pow2(n_pos))
+        tmax = min(tmax, max(self.spec.max_position, n_pos))
+        self.kv = torch.zeros(d.L, 2, d.HKV, tmax, d.DH, dtype=self.kv_dtype, device=self.device)
+        cos, sin = cos_sin(self.spec.layers[0].attn.rope, torch.arange(tmax))
+        self.cos, self.sin = cos.float().contiguous().to(self.device), sin.float().contiguous().to(self.device)
+        self.kv_tmax = tmax
+
+    def _ensure_ring(self, n: int):
+        if self.ring.numel() < n + 1:
+            self.ring = torch.zeros(n + 1, dtype=torch.int32, pin_memory=self.device.type == "cuda")
+
+    def tasks(self, n_splits: int) -> torch.Tensor:
+        if n_splits not in self._tasks:
+            self._tasks[n_splits] = P.build_tasks(self.plan, n_splits).to(self.device)
+        return self._tasks[n_splits]
+
+    def pick_splits(self, n_ctx: int) -> int:
+        """Attention splits for a context: ~32 KB of K+V per split task, at most one wave of programs."""
+        if self.n_splits_override is not None:
+            return self.n_splits_override
+        d = self.dims
+        kv_bytes = 2 * n_ctx * d.DH * self.kv.element_size()
+        return int(max(1, min(self.max_splits, kv_bytes // (32 << 10))))
+
+    # ---- prefill --------------------------------------------------------------------------------------------------
+    def prefill(self, ids: list[int]):
+        """KV cache positions [0, len(ids)) through the torch reference path."""
+        if not ids:
+            return
+        if self._prefill_decoder is None:
+            self._prefill_decoder = ReferenceDecoder(self.spec, ArenaStore(self.plan), self.device,
+                                                     self.prefill_dtype)
+        dec = self._prefill_decoder
+        dec.reset()
+        dec.forward(torch.tensor(ids, dtype=torch.long))
+        n = len(ids)
+        for i, (k, v) in enumerate(dec.cache):
+            self.kv[i, 0, :, :n] = k.transpose(0, 1).to(self.kv_dtype)   # [T, Hkv, Dh] -> [Hkv, T, Dh]
+            self.kv[i, 1, :, :n] = v.transpose(0, 1).to(self.kv_dtype)
+        dec.reset()
+
+    # ---- test hooks -------------------------------------------------------------------------------------------------
+    def plant_stuck_task(self, row: int, extra: int = 1 << 20):
+        """Make task `row` of step 0 wait for a count no one will ever reach, in the next launch only."""
+        self._plant = (row, extra)
+
+    # ---- decode --------------------------------------------------------------------------------------------------
+    def launch(self, last_token: int, start_pos: int, n_steps: int, eos_ids, *, ignore_eos: bool = False,
+               temperature: float = 0.0, seed: int = 0):
+        """Start one launch decoding `n_steps` tokens after `last_token` (at position start_pos). Async on the GPU."""
+        d, pl = self.dims, self.plan
+        self._ensure_kv(start_pos + n_steps + 1)
+        self._ensure_ring(n_steps)
+        eos = sorted(set(int(e) for e in eos_ids))
+        if len(eos) > _MAX_EOS:
+            raise InputError(f"monokernel: at most {_MAX_EOS} EOS ids, got {len(eos)}")
+        n_splits = self.pick_splits(start_pos + n_steps)
+        if n_splits > self.ao.shape[0]:             # partials for every split
+            nq = d.HQ * d.DH
+            self.ao = torch.zeros(n_splits, nq, device=self.device)
+            self.am = torch.zeros(n_splits, d.HQ, device=self.device)
+            self.al = torch.zeros(n_splits, d.HQ, device=self.device)
+        tasks = self.tasks(n_splits)
+        if self._plant is not None:
+            row, extra = self._plant
+            tasks = tasks.clone()
+            tasks[row, P.F_WBASE] += extra
+            self._plant = None
+        self._launch_tasks = tasks
+        self.eos.fill_(-1)
+        if eos:
+            self.eos[:len(eos)] = torch.tensor(eos, dtype=torch.int32)
+        self.counters.zero_()
+        self.cursor.zero_()
+        self.ctrl.zero_()
+        self.ring.zero_()
+        self.hostflag.zero_()
+        self.x.copy_(pl.view("embed")[last_token].float())
+        nq = d.HQ * d.DH
+        t = pl.tiles
+        bx = min(_pow2(max(d.D, nq)), 1024 if not self.interpret else 256)
+        self.last_launch = dict(n_steps=n_steps, n_splits=n_splits, n_tasks=int(tasks.shape[0]), start_pos=start_pos)
+        monokernel[(self.grid,)](
+            tasks, pl.layers, pl.weights, self.kv, self.cos, self.sin,
+            self.x, self.qkv, self.ao, self.am, self.al, self.scratch, self.h, self.rlog, self.rids, self.rwts,
+            self.sg, self.pv, self.pi,
+            self.counters, self.cursor, self.ctrl, self.ring, self.hostflag, self.eos,
+            int(tasks.shape[0]), n_steps, start_pos, self.kv_tmax, n_splits, pl.n_lm_tiles, len(eos),
+            int(ignore_eos), int(temperature > 0), 1.0 / temperature if temperature > 0 else 1.0,
+            seed & 0x7FFFFFFF, self.timeout_ns, pl.embed_off, pl.lm_off, pl.final_norm_off,
+            d.eps, d.sm_scale, d.clip, d.route_scale, d.glu_limit, d.glu_alpha,
+            D=d.D, HQ=d.HQ, HKV=d.HKV, DH=d.DH, ROT=d.ROT, ROPE_PAIR=d.ROPE_PAIR, QK_NORM=d.QK_NORM,
+            HAS_QKV_BIAS=d.HAS_QKV_BIAS, HAS_O_BIAS=d.HAS_O_BIAS, HAS_SINKS=d.HAS_SINKS, HAS_CLIP=d.HAS_CLIP,
+            I_DENSE=d.I_DENSE, E=d.E, TOPK=d.TOPK, I_MOE=d.I_MOE, I_SH=d.I_SH, SCORING=d.SCORING,
+            NORM_TOPK=d.NORM_TOPK, HAS_RBIAS=d.HAS_RBIAS, HAS_SBIAS=d.HAS_SBIAS, EXP_ACT=d.EXP_ACT,
+            HAS_EBIAS=d.HAS_EBIAS, HAS_SH_GATE=d.HAS_SH_GATE,
+            BN_QKV=t.bn["qkv"], BN_O=t.bn["o"], BN_GU=t.bn.get("gateup", 1), BN_DOWN=t.bn.get("down", 1),
+            BN_ROUTER=t.bn.get("router", 1), BN_EUP=t.bn.get("exp_up", 1), BN_EDOWN=t.bn.get("exp_down", 1),
+            BN_SUP=t.bn.get("sh_up", 1), BN_LM=t.bn["lm"],
+            BLOCK_K=t.block_k, BLOCK_T=t.block_t, BLOCK_P=t.block_p, BLOCK_R=_pow2(d.HQ // d.HKV),
+            BLOCK_H=_pow2(d.ROT // 2), BLOCK_C=_pow2(max(d.DH - d.ROT, 1)), BLOCK_D=_pow2(d.DH),
+            BLOCK_E=_pow2(max(d.E, 1)), BLOCK_TOPK=_pow2(max(d.TOPK, 1)), BLOCK_EOS=_MAX_EOS, BLOCK_X=bx,
+            USE_ASM=not self.interpret,
+            num_warps=self.num_warps, launch_cooperative_grid=True,
+        )
+
+    def check_error(self):
+        """Raise RuntimeError naming the stuck task if the last launch tripped the watchdog."""
+        ctrl = self.ctrl.tolist()
+        if ctrl[CT_ERR] == 0:
+            return
+        tasks = self._launch_tasks.cpu()
+        T = tasks.shape[0]
+        t = ctrl[CT_ERR_TASK]
+        step, row = divmod(t, T)
+        wctr = int(tasks[row, P.F_WAIT])
+        raise RuntimeError(
+            f"monokernel watchdog: task {row} ({P.describe_task(tasks, row)}) of decode step {step} waited for "
+            f"counter {self.counter_name(wctr)} to reach {ctrl[CT_ERR_NEED]}, it is {ctrl[CT_ERR_HAVE]}"
+            + (" (never satisfiable: the interpreter runs programs in order)" if self.interpret
+               else f" (timeout {self.timeout_ns / 1e6:.0f} ms)"))
+
+    def counter_name(self, c: int) -> str:
+        L = self.spec.num_layers
+        if c == 6 * L:
+            return "lm_head"
+        if c == 6 * L + 1:
+            return "sample"
+        return f"{_COUNTER_KINDS[c % 6]}[layer {c // 6}]"
+
+    def generate(self, prompt_ids: list[int], p, eos_ids) -> Iterator[int]:
+        if not p.greedy and (p.top_k or p.top_p < 1.0):
+            raise InputError("monokernel backend: top-k / top-p sampling is not supported (greedy or temperature)")
+        if not prompt_ids:
+            raise InputError("the prompt is empty")
+        n = p.max_new_tokens
+        start = len(prompt_ids) - 1
+        if start + n > self.spec.max_position:
+            raise InputError(f"prompt + max_new_tokens exceed the model's context of {self.spec.max_position}")
+        seed = p.seed if p.seed is not None else int(torch.randint(0, 2 ** 31 - 1, (1,)))
+        self._ensure_kv(start + n + 1)
+        self.prefill(list(prompt_ids[:-1]))
+        eos = set() if p.ignore_eos else set(eos_ids)
+        self.launch(int(prompt_ids[-1]), start, n, eos, ignore_eos=p.ignore_eos, temperature=p.temperature,
+                    seed=seed)
+        yield from self._stream(n, eos)
+
+    def _stream(self, n: int, eos: set[int]) -> Iterator[int]:
+        """Yield tokens from the ring as the kernel writes them; stop the kernel if the consumer stops early."""
+        ring = self.ring.numpy()
+        done = None
+        if self.device.type == "cuda":
+            done = torch.cuda.Event()
+            done.record()
+        seen, finished = 0, False
+        try:
+            while True:
+                complete = done is None or done.query()
+                cnt = int(ring[0])
+                while seen < cnt:
+                    tok = int(ring[1 + seen])
+                    seen += 1
+                    if seen == n or tok in eos:
+                        finished = True
+                    yield tok
+                    if finished:
+                        break
+                if finished or complete:
+                    break
+                time.sleep(20e-6)
+            if done is not None:
+                done.synchronize()
+            finished = True
+            self.check_error()
+        finally:
+            if not finished:                 # the consumer stopped early: ask the kernel to stop, wait for it
+                self.hostflag[0] = 1
+                if done is not None:
+                    done.synchronize()

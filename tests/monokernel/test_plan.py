@@ -1,0 +1,60 @@
+"""The planner without running the kernel: arena layout, tiling, and the task table's dependency structure."""
+import pytest
+import torch
+
+from kie_moe.kernels.monokernel import plan as P
+from kie_moe.models.registry import spec_from_config
+
+from ..models.hf_tiny import BASE, CASES
+
+
+def tiny_spec(case):
+    from transformers import AutoConfig
+    mt, over = CASES[case]
+    return spec_from_config(AutoConfig.for_model(mt, **{**BASE, **over}).to_dict())
+
+
+@pytest.mark.parametrize("rows,row_bytes,sms", [(3072, 4096, 132), (128, 4096, 132), (151936, 4096, 132),
+                                                (97, 100, 3), (5, 10 << 20, 132)])
+def test_split_rows_covers_every_row_once_in_equal_tiles(rows, row_bytes, sms):
+    tiles = P.split_rows(rows, row_bytes, sms, 16 << 10, 64 << 10)
+    assert tiles[0][0] == 0 and sum(n for _, n in tiles) == rows
+    assert all(a + n == b for (a, n), (b, _) in zip(tiles, tiles[1:]))
+    assert max(n for _, n in tiles) - min(n for _, n in tiles[:-1] or tiles) <= 1
+    if rows * row_bytes >= sms * (64 << 10) and rows >= sms:
+        assert len(tiles) % sms == 0 or len(tiles) > sms   # at least a full wave of programs
+
+
+@pytest.mark.parametrize("case", ["llama", "qwen3_moe_mixed", "qwen2_moe", "gpt_oss"])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_every_wait_is_met_by_earlier_tasks(case, splits):
+    """Topological order: the count a task needs at step s is signalled by tasks before it (same step) or by
+    the previous step -- so claiming tasks in order can never deadlock."""
+    spec = tiny_spec(case)
+    plan = P.build_plan(spec, None, "cpu", n_sms=5, random_seed=0)
+    tasks = P.build_tasks(plan, splits).tolist()
+    T = len(tasks)
+    for step in range(3):
+        seen: dict[int, int] = {}
+        for s in range(step):
+            for r in tasks:
+                seen[r[P.F_SIG]] = seen.get(r[P.F_SIG], 0) + 1
+        for i, r in enumerate(tasks):
+            need = r[P.F_WCNT] * step + r[P.F_WBASE]
+            assert seen.get(r[P.F_WAIT], 0) >= need, f"task {i} ({P.describe_task(torch.tensor(tasks), i)})"
+            seen[r[P.F_SIG]] = seen.get(r[P.F_SIG], 0) + 1
+    assert tasks[-1][P.F_OP] == P.OP_SAMPLE and sum(r[P.F_OP] == P.OP_SAMPLE for r in tasks) == 1
+    assert T == len({(r[P.F_OP], r[P.F_LAYER], r[P.F_ROW0], r[P.F_NROWS], r[P.F_AUX]) for r in tasks})
+
+
+def test_arena_views_hold_the_checkpoint_tensors(tiny_model):
+    m = tiny_model("qwen2_moe")
+    plan = P.build_plan(m.spec, m.weights, "cpu")
+    for name in m.weights.names():
+        assert torch.equal(plan.view(name), m.weights.get(name).float()), name
+    # q|k|v rows are one matrix
+    q = plan.view("layers.1.attn.q")
+    off = plan.layers[1, P.LF_QKV].item()
+    assert plan.arena.entries["layers.1.attn.q"][0] == off
+    assert plan.arena.entries["layers.1.attn.k"][0] == off + q.numel()
+    assert plan.weight_bytes_per_token() > 0
