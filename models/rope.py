@@ -64,7 +64,7 @@ def inv_freq_and_factor(rope: RopeSpec) -> tuple[torch.Tensor, float]:
 def cos_sin(rope: RopeSpec, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """positions [S] -> cos, sin [S, rotary_dim/2] (float32, attention factor folded in)."""
     inv_freq, att = inv_freq_and_factor(rope)
-    freqs = positions.float()[:, None] * inv_freq[None, :]
+    freqs = positions.float()[:, None] * inv_freq.to(positions.device)[None, :]
     return freqs.cos() * att, freqs.sin() * att
 
 
