@@ -97,9 +97,36 @@ def signal(counter_ptr, inc, USE_ASM: tl.constexpr, SYS: tl.constexpr = False):
 
 
 @triton.jit
-def wait(counter_ptr, target, abort_ptr, timeout_ns, USE_ASM: tl.constexpr, SYS: tl.constexpr = False):
+def cta_max(x, NT: tl.constexpr):
+    """Make a per-thread int32 uniform across the program (CTA): the max over every thread's value.
+
+    Values read by inline asm differ between threads when a flag changes mid-poll, but Triton assumes scalars
+    are uniform: a branch taken by some threads only would split barriers. An opaque per-element copy (so the
+    compiler cannot fold reduce(splat(x)) back to x) over >= one element per thread, then a max-reduction
+    (shuffles + shared memory + barrier), gives every thread the same answer. NT = 32 * num_warps."""
+    v = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x + tl.zeros((NT,), dtype=tl.int32)],
+                                  dtype=tl.int32, is_pure=False, pack=1)
+    return tl.max(v, axis=0)
+
+
+@triton.jit
+def flag_is_set(ptr, USE_ASM: tl.constexpr, NT: tl.constexpr = 256):
+    """A stop / abort word read by every thread, agreed across the program (uniform bool)."""
+    if USE_ASM:
+        v = cta_max((ld_volatile(ptr, USE_ASM) != 0).to(tl.int32), NT)
+    else:
+        v = (tl.load(ptr) != 0).to(tl.int32)
+    return v != 0
+
+
+@triton.jit
+def wait(counter_ptr, target, abort_ptr, timeout_ns, USE_ASM: tl.constexpr, SYS: tl.constexpr = False,
+         NT: tl.constexpr = 256):
     """Spin until *counter_ptr >= target. Returns WAIT_OK (0), WAIT_ABORTED (1: *abort_ptr != 0) or
-    WAIT_TIMEOUT (2: `timeout_ns` passed on the GPU; under the interpreter, not satisfied on the first look)."""
+    WAIT_TIMEOUT (2: `timeout_ns` passed on the GPU; under the interpreter, not satisfied on the first look).
+
+    GPU: every thread polls on its own (no barrier per poll; a thread may leave the loop early), then one
+    cta_max makes the status uniform (the most pessimistic thread wins: abort/timeout over success)."""
     if USE_ASM:
         v = ld_acquire(counter_ptr, SYS)
         stop = ld_volatile(abort_ptr, USE_ASM)
@@ -109,10 +136,11 @@ def wait(counter_ptr, target, abort_ptr, timeout_ns, USE_ASM: tl.constexpr, SYS:
             v = ld_acquire(counter_ptr, SYS)
             stop = ld_volatile(abort_ptr, USE_ASM)
             elapsed = globaltimer() - t0
+        status = cta_max(tl.where(v >= target, 0, tl.where(stop != 0, 1, 2)), NT)
     else:
         v = tl.atomic_add(counter_ptr, 0, sem="acquire")
         stop = tl.load(abort_ptr)
-    status = tl.where(v >= target, 0, tl.where(stop != 0, 1, 2))
+        status = tl.where(v >= target, 0, tl.where(stop != 0, 1, 2))
     return status
 
 

@@ -6,8 +6,11 @@ next task from an atomic cursor in topological order (plan.build_tasks), and for
      the dependency below),
   2. waits for its input counter (kccl.sync.wait: bounded, aborts on the stop flag),
   3. computes and stores, then 4. signals its output counter (bar.sync + one release-add).
-Triton has no break/continue: the next task is claimed at the bottom of the `while t < n_total` loop, and the
-stop flag (EOS, host stop, watchdog) turns the claim into n_total.
+Claim-ahead: each task claims its successor right after issuing its weight loads, so the claim's atomic round
+trip hides behind the weight stream instead of sitting between tasks. A program then holds two claims; still no
+deadlock: the lowest unfinished claimed task is always some program's *current* task, and all its inputs are
+earlier tasks, hence finished. Triton has no break/continue: `t = t_next` at the bottom of the `while t <
+n_total` loop, and the stop flag (EOS, host stop, watchdog) turns it into n_total.
 
 Under TRITON_INTERPRET=1 the same kernel runs on the CPU (USE_ASM=False); programs run one after another, so
 program 0 claims every task in order and every wait is either satisfied or reported at once.
@@ -17,7 +20,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kie_moe.kccl.sync import ld_volatile, read_counter, signal, st_release_sys, wait
+from kie_moe.kccl.sync import flag_is_set, read_counter, signal, st_release_sys, wait
 
 from . import plan as P
 from .ops import (attention_task, attn_combine, embed_row, expert_down_task, gemv_task, glu_task, lm_task,
@@ -48,7 +51,13 @@ def _lf(lrow, col: tl.constexpr):
     return tl.load(lrow + col)
 
 
-@triton.jit
+# Runtime integers vary per launch (positions, counts, seeds): without this, Triton would specialise on value 1
+# and on divisibility by 16 and recompile this large kernel (~10 s) for new combinations.
+_DYNAMIC = ["n_tasks", "n_steps", "start_pos", "kv_tmax", "n_splits", "n_lm", "n_eos", "ignore_eos", "do_sample",
+            "seed", "timeout_ns", "embed_off", "lm_off", "fnorm_off"]
+
+
+@triton.jit(do_not_specialize=_DYNAMIC)
 def monokernel(
     # plan
     tasks_ptr, layers_ptr, wa_ptr, kv_ptr, cos_ptr, sin_ptr,
@@ -73,7 +82,7 @@ def monokernel(
     BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr,
     BLOCK_TOPK: tl.constexpr, BLOCK_EOS: tl.constexpr, BLOCK_X: tl.constexpr,
-    USE_ASM: tl.constexpr,
+    USE_ASM: tl.constexpr, NT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     stop_ptr = ctrl_ptr + 0  # CT_STOP
@@ -95,15 +104,18 @@ def monokernel(
         pos = start_pos + step
         lrow = layers_ptr + layer * _NLF
         st = 0
+        t_next = n_total
         if op == _OP_QKV:
             w = wa_ptr + _lf(lrow, P.LF_QKV)
             w0 = prefetch(w, D, r0, r_end, BN_QKV, BLOCK_K)
-            st = wait(wctr, target, stop_ptr, timeout_ns, USE_ASM)
+            t_next = tl.atomic_add(cursor_ptr, 1, sem="relaxed")
+            st = wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, False, NT)
             if st == 0:
                 gemv_task(w, w0, D, r0, r_end, x_ptr, wa_ptr + _lf(lrow, P.LF_ATTN_NORM), eps,
                           wa_ptr + _lf(lrow, P.LF_QKV_B), qkv_ptr, qkv_ptr, True, HAS_QKV_BIAS, False, BN_QKV, BLOCK_K)
         elif op == _OP_ATTN:
-            st = wait(wctr, target, stop_ptr, timeout_ns, USE_ASM)
+            t_next = tl.atomic_add(cursor_ptr, 1, sem="relaxed")
+            st = wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, False, NT)
             if st == 0:
                 head = (layer * 2 * HKV + r0).to(tl.int64) * kv_tmax * DH  # cache [L, 2, HKV, T_max, DH]
                 attention_task(r0, nr, n_splits, pos, _lf(lrow, P.LF_WINDOW).to(tl.int32), qkv_ptr, kv_ptr + head,
@@ -114,7 +126,8 @@ def monokernel(
         elif op == _OP_O:
             w = wa_ptr + _lf(lrow, P.LF_O)
             w0 = prefetch(w, NQ, r0, r_end, BN_O, BLOCK_K)
-            st = wait(wctr, target, stop_ptr, timeout_ns, USE_ASM)
+            t_next = tl.atomic_add(cursor_ptr, 1, sem="relaxed")
+            st = wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, False, NT)
             if st == 0:
                 # splits -> normalised attention output, in this program's private scratch row
                 scr = scratch_ptr + pid * NQ
@@ -128,21 +141,24 @@ def monokernel(
             wu = wa_ptr + _lf(lrow, P.LF_UP)
             g0 = prefetch(wg, D, r0, r_end, BN_GU, BLOCK_K)
             u0 = prefetch(wu, D, r0, r_end, BN_GU, BLOCK_K)
-            st = wait(wctr, target, stop_ptr, timeout_ns, USE_ASM)
+            t_next = tl.atomic_add(cursor_ptr, 1, sem="relaxed")
+            st = wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, False, NT)
             if st == 0:
                 glu_task(wg, wu, g0, u0, D, r0, r_end, x_ptr, wa_ptr + _lf(lrow, P.LF_MLP_NORM), eps, wg, wu, h_ptr,
                          glu_limit, glu_alpha, False, 0, BN_GU, BLOCK_K)
         elif op == _OP_DOWN:
             w = wa_ptr + _lf(lrow, P.LF_DOWN)
             w0 = prefetch(w, I_DENSE, r0, r_end, BN_DOWN, BLOCK_K)
-            st = wait(wctr, target, stop_ptr, timeout_ns, USE_ASM)
+            t_next = tl.atomic_add(cursor_ptr, 1, sem="relaxed")
+            st = wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, False, NT)
             if st == 0:
                 gemv_task(w, w0, I_DENSE, r0, r_end, h_ptr, h_ptr, eps, w, x_ptr, x_ptr, False, False, True,
                           BN_DOWN, BLOCK_K)
         elif op == _OP_ROUTER:
             w = wa_ptr + _lf(lrow, P.LF_ROUTER)
             w0 = prefetch(w, D, r0, r_end, BN_ROUTER, BLOCK_K)
-            st = wait(wctr, target, stop_ptr, timeout_ns, USE_ASM)
+            t_next = tl.atomic_add(cursor_ptr, 1, sem="relaxed")
+            st = wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, False, NT)
             if st == 0:
                 gemv_task(w, w0, D, r0, r_end, x_ptr, wa_ptr + _lf(lrow, P.LF_MLP_NORM), eps,
                           wa_ptr + _lf(lrow, P.LF_ROUTER_B), rlog_ptr + layer * E, rlog_ptr, True, HAS_RBIAS, False,
@@ -152,7 +168,8 @@ def monokernel(
             wu = wa_ptr + _lf(lrow, P.LF_SUP)
             g0 = prefetch(wg, D, r0, r_end, BN_SUP, BLOCK_K)
             u0 = prefetch(wu, D, r0, r_end, BN_SUP, BLOCK_K)
-            st = wait(wctr, target, stop_ptr, timeout_ns, USE_ASM)
+            t_next = tl.atomic_add(cursor_ptr, 1, sem="relaxed")
+            st = wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, False, NT)
             if st == 0:
                 nw = wa_ptr + _lf(lrow, P.LF_MLP_NORM)
                 glu_task(wg, wu, g0, u0, D, r0, r_end, x_ptr, nw, eps, wg, wu, h_ptr + TOPK * I_MOE,
@@ -162,7 +179,8 @@ def monokernel(
                         s = vec_dot_norm(wa_ptr + _lf(lrow, P.LF_SH_GATE), x_ptr, nw, D, eps, BLOCK_K)
                         tl.store(sg_ptr, tl.sigmoid(s))
         elif op == _OP_EXP_UP:
-            st = wait(wctr, target, stop_ptr, timeout_ns, USE_ASM)
+            t_next = tl.atomic_add(cursor_ptr, 1, sem="relaxed")
+            st = wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, False, NT)
             if st == 0:
                 # every expert task recomputes the (tiny) top-k from the router logits: no extra phase
                 ids, wts = route(rlog_ptr + layer * E, wa_ptr + _lf(lrow, P.LF_SCORE_B), route_scale, E, TOPK,
@@ -180,7 +198,8 @@ def monokernel(
                          wa_ptr + _lf(lrow, P.LF_EGATE_B) + e * I_MOE, wa_ptr + _lf(lrow, P.LF_EUP_B) + e * I_MOE,
                          h_ptr + aux * I_MOE, glu_limit, glu_alpha, HAS_EBIAS, EXP_ACT, BN_EUP, BLOCK_K)
         elif op == _OP_EXP_DOWN:
-            st = wait(wctr, target, stop_ptr, timeout_ns, USE_ASM)
+            t_next = tl.atomic_add(cursor_ptr, 1, sem="relaxed")
+            st = wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, False, NT)
             if st == 0:
                 expert_down_task(wa_ptr + _lf(lrow, P.LF_EDOWN), wa_ptr + _lf(lrow, P.LF_EDOWN_B),
                                  wa_ptr + _lf(lrow, P.LF_SDOWN), r0, r_end, h_ptr, rids_ptr + layer * TOPK,
@@ -189,12 +208,14 @@ def monokernel(
         elif op == _OP_LM:
             w = wa_ptr + lm_off
             w0 = prefetch(w, D, r0, r_end, BN_LM, BLOCK_K)
-            st = wait(wctr, target, stop_ptr, timeout_ns, USE_ASM)
+            t_next = tl.atomic_add(cursor_ptr, 1, sem="relaxed")
+            st = wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, False, NT)
             if st == 0:
                 lm_task(w, w0, D, r0, r_end, x_ptr, wa_ptr + fnorm_off, eps, aux, pv_ptr, pi_ptr, do_sample,
                         inv_temp, seed, step, BN_LM, BLOCK_K)
         elif op == _OP_SAMPLE:
-            st = wait(wctr, target, stop_ptr, timeout_ns, USE_ASM)
+            t_next = tl.atomic_add(cursor_ptr, 1, sem="relaxed")
+            st = wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, False, NT)
             if st == 0:
                 tok = pick_token(pv_ptr, pi_ptr, n_lm, BLOCK_P)
                 tl.store(ring_ptr + 1 + step, tok)               # host-visible ring: token first,
@@ -204,7 +225,7 @@ def monokernel(
                 offs_eos = tl.arange(0, BLOCK_EOS)
                 eos = tl.load(eos_ptr + offs_eos, mask=offs_eos < n_eos, other=-1)
                 hit = (tl.sum((eos == tok).to(tl.int32), axis=0) > 0) & (ignore_eos == 0)
-                host_stop = ld_volatile(hostflag_ptr, USE_ASM) != 0
+                host_stop = flag_is_set(hostflag_ptr, USE_ASM, NT)
                 if hit | host_stop:
                     tl.store(ctrl_ptr + 5, tl.where(hit, 1, 2))  # CT_REASON
                     tl.store(stop_ptr, 1)
@@ -218,6 +239,6 @@ def monokernel(
                 tl.store(ctrl_ptr + 3, read_counter(wctr, USE_ASM))  # CT_ERR_HAVE
                 tl.store(ctrl_ptr + 4, target)                   # CT_ERR_NEED
             tl.atomic_xchg(stop_ptr, 1)
-        t = tl.atomic_add(cursor_ptr, 1, sem="relaxed")
-        if ld_volatile(stop_ptr, USE_ASM) != 0:
+        t = t_next
+        if flag_is_set(stop_ptr, USE_ASM, NT):
             t = n_total

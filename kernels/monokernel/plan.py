@@ -13,7 +13,8 @@ runs `n_steps` copies of the table back to back: global task t is step t // T, r
 `counter >= wcnt * step + wbase`. Counters only grow, so nothing is reset between steps.
 
 Tile sizes: an op of B bytes becomes ~n_sms * ceil(B / (n_sms * max_task_bytes)) tasks of equal row counts (so
-every SM streams about the same bytes in a phase), never smaller than min_task_bytes (a claim + wait costs ~2 us).
+every SM streams about the same bytes in a phase: one task per SM for every op below n_sms * 512 KB, i.e. all
+but the LM head at 1-2B scale), never smaller than min_task_bytes (a claim + wait costs ~1-2 us).
 """
 from __future__ import annotations
 
@@ -275,12 +276,12 @@ def _bn(rows: list[tuple[int, int]], cap: int) -> int:
 def build_plan(spec: ModelSpec, weights=None, device: str | torch.device = "cpu", *,
                wdtype: torch.dtype | None = None, n_sms: int | None = None, block_k: int | None = None,
                bn_cap: int | None = None, block_t: int | None = None, min_task_bytes: int = 16 << 10,
-               max_task_bytes: int = 64 << 10, random_seed: int | None = None) -> Plan:
+               max_task_bytes: int = 512 << 10, random_seed: int | None = None) -> Plan:
     """Pack `weights` (WeightStore-like: names(), get(canonical), `in`) into a device arena and tile every op.
     weights=None with random_seed: random weights drawn on the device (benchmarks; no host copy)."""
     device = torch.device(device)
     d = model_dims(spec)
-    gpu = device.type == "cuda"
+    gpu = device.type in ("cuda", "meta")  # meta: an offline compile for the GPU
     if wdtype is None:
         wdtype = torch.bfloat16 if gpu else torch.float32
     if n_sms is None:
@@ -298,7 +299,7 @@ def build_plan(spec: ModelSpec, weights=None, device: str | torch.device = "cpu"
             if tuple(t.shape) != shape:
                 raise ValueError(f"monokernel: {name} has shape {tuple(t.shape)}, the plan expects {shape}")
             buf[off:off + t.numel()].copy_(t.reshape(-1))
-    else:
+    elif device.type != "meta":  # meta: shapes and dtypes only (offline compiles)
         _random_fill(buf, arena, d, random_seed or 0)
     table = torch.full((spec.num_layers, NLF), -1, dtype=torch.int64)
     for i, o in enumerate(lay_offs):

@@ -80,10 +80,10 @@ class MonokernelBackend:
 
     def __init__(self, model, device: torch.device | str = "cuda", *, kv_dtype: torch.dtype | None = None,
                  prefill_dtype: torch.dtype | None = None, timeout_ms: float | None = None, num_warps: int = 8,
-                 max_splits: int | None = None, plan: P.Plan | None = None, **plan_opts):
+                 max_splits: int | None = None, plan: P.Plan | None = None, offline: bool = False, **plan_opts):
         self.device = torch.device(device)
-        self.interpret = interpreting()
-        if self.device.type != "cuda" and not self.interpret:
+        self.interpret = interpreting() and not offline  # offline: buffers for compile_offline(), no launches
+        if self.device.type != "cuda" and not self.interpret and not offline:
             raise InputError("monokernel backend: needs a CUDA GPU (or TRITON_INTERPRET=1 on CPU, for tests)")
         spec = model.spec if plan is None else plan.spec
         self.plan = plan or P.build_plan(spec, model.weights, self.device, **plan_opts)
@@ -103,6 +103,7 @@ class MonokernelBackend:
         self.kv_tmax = 0
         self._alloc()
         self.last_launch: dict = {}
+        self._done = None
 
     # ---- buffers ------------------------------------------------------------------------------------------------
     def _alloc(self):
@@ -183,6 +184,8 @@ class MonokernelBackend:
                temperature: float = 0.0, seed: int = 0):
         """Start one launch decoding `n_steps` tokens after `last_token` (at position start_pos). Async on the GPU."""
         d, pl = self.dims, self.plan
+        if self._done is not None:      # the previous launch may still write the ring we are about to reuse
+            self._done.synchronize()
         self._ensure_kv(start_pos + n_steps + 1)
         self._ensure_ring(n_steps)
         eos = sorted(set(int(e) for e in eos_ids))
@@ -210,19 +213,28 @@ class MonokernelBackend:
         self.ring.zero_()
         self.hostflag.zero_()
         self.x.copy_(pl.view("embed")[last_token].float())
-        nq = d.HQ * d.DH
-        t = pl.tiles
-        bx = min(_pow2(max(d.D, nq)), 1024 if not self.interpret else 256)
         self.last_launch = dict(n_steps=n_steps, n_splits=n_splits, n_tasks=int(tasks.shape[0]), start_pos=start_pos)
-        monokernel[(self.grid,)](
+        args, meta = self.kernel_args(tasks, n_steps, start_pos, n_splits, len(eos), ignore_eos, temperature, seed)
+        monokernel[(self.grid,)](*args, **meta, num_warps=self.num_warps, launch_cooperative_grid=True)
+        if self.device.type == "cuda":
+            self._done = torch.cuda.Event()
+            self._done.record()
+
+    def kernel_args(self, tasks, n_steps, start_pos, n_splits, n_eos, ignore_eos=False, temperature=0.0, seed=0):
+        """(positional args, constexpr kwargs) of one launch -- shared by launch() and compile_offline()."""
+        d, pl, t = self.dims, self.plan, self.plan.tiles
+        nq = d.HQ * d.DH
+        bx = min(_pow2(max(d.D, nq)), 1024 if not self.interpret else 256)
+        args = [
             tasks, pl.layers, pl.weights, self.kv, self.cos, self.sin,
             self.x, self.qkv, self.ao, self.am, self.al, self.scratch, self.h, self.rlog, self.rids, self.rwts,
             self.sg, self.pv, self.pi,
             self.counters, self.cursor, self.ctrl, self.ring, self.hostflag, self.eos,
-            int(tasks.shape[0]), n_steps, start_pos, self.kv_tmax, n_splits, pl.n_lm_tiles, len(eos),
+            int(tasks.shape[0]), n_steps, start_pos, self.kv_tmax, n_splits, pl.n_lm_tiles, n_eos,
             int(ignore_eos), int(temperature > 0), 1.0 / temperature if temperature > 0 else 1.0,
             seed & 0x7FFFFFFF, self.timeout_ns, pl.embed_off, pl.lm_off, pl.final_norm_off,
-            d.eps, d.sm_scale, d.clip, d.route_scale, d.glu_limit, d.glu_alpha,
+            d.eps, d.sm_scale, d.clip, d.route_scale, d.glu_limit, d.glu_alpha]
+        meta = dict(
             D=d.D, HQ=d.HQ, HKV=d.HKV, DH=d.DH, ROT=d.ROT, ROPE_PAIR=d.ROPE_PAIR, QK_NORM=d.QK_NORM,
             HAS_QKV_BIAS=d.HAS_QKV_BIAS, HAS_O_BIAS=d.HAS_O_BIAS, HAS_SINKS=d.HAS_SINKS, HAS_CLIP=d.HAS_CLIP,
             I_DENSE=d.I_DENSE, E=d.E, TOPK=d.TOPK, I_MOE=d.I_MOE, I_SH=d.I_SH, SCORING=d.SCORING,
@@ -234,9 +246,8 @@ class MonokernelBackend:
             BLOCK_K=t.block_k, BLOCK_T=t.block_t, BLOCK_P=t.block_p, BLOCK_R=_pow2(d.HQ // d.HKV),
             BLOCK_H=_pow2(d.ROT // 2), BLOCK_C=_pow2(max(d.DH - d.ROT, 1)), BLOCK_D=_pow2(d.DH),
             BLOCK_E=_pow2(max(d.E, 1)), BLOCK_TOPK=_pow2(max(d.TOPK, 1)), BLOCK_EOS=_MAX_EOS, BLOCK_X=bx,
-            USE_ASM=not self.interpret,
-            num_warps=self.num_warps, launch_cooperative_grid=True,
-        )
+            USE_ASM=not self.interpret, NT=32 * self.num_warps)
+        return args, meta
 
     def check_error(self):
         """Raise RuntimeError naming the stuck task if the last launch tripped the watchdog."""
@@ -282,10 +293,7 @@ class MonokernelBackend:
     def _stream(self, n: int, eos: set[int]) -> Iterator[int]:
         """Yield tokens from the ring as the kernel writes them; stop the kernel if the consumer stops early."""
         ring = self.ring.numpy()
-        done = None
-        if self.device.type == "cuda":
-            done = torch.cuda.Event()
-            done.record()
+        done = self._done
         seen, finished = 0, False
         try:
             while True:
@@ -311,3 +319,33 @@ class MonokernelBackend:
                 self.hostflag[0] = 1
                 if done is not None:
                     done.synchronize()
+
+
+def compile_offline(backend: MonokernelBackend, arch: int = 90, n_splits: int = 1):
+    """Compile the monokernel for `arch` (sm_90: H100/H200) without a GPU: the arguments of a real launch of
+    `backend` turned into a signature. Returns the CompiledKernel (metadata: registers, spills, shared memory).
+    Needs the JIT (not interpreted) kernel: call in a process without TRITON_INTERPRET=1."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    backend._ensure_kv(64)
+    tasks = backend.tasks(n_splits)
+    args, meta = backend.kernel_args(tasks, 8, 16, n_splits, 2)
+    names = monokernel.arg_names
+    tys = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int32: "i32",
+           torch.int64: "i64", torch.uint8: "u8"}
+    sig = {}
+    for name, a in zip(names, args):
+        if isinstance(a, torch.Tensor):
+            sig[name] = "*" + tys[a.dtype]
+        elif isinstance(a, float):
+            sig[name] = "fp32"
+        else:
+            sig[name] = "i64" if abs(int(a)) >= 2 ** 31 else "i32"
+    for k, v in meta.items():
+        sig[k] = "constexpr"
+    meta = {**meta, "USE_ASM": True}
+    src = ASTSource(monokernel, sig, constexprs=meta)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                          options=dict(num_warps=backend.num_warps, launch_cooperative_grid=True))
