@@ -1,0 +1,448 @@
+"""MoE decode kernels: the router (logits -> scores -> top-k on the device) and the routed experts, which read the
+top-k ids from device memory and stream ONLY those experts' rows (no host sync, CUDA-graph safe).
+
+route():       one launch. Row tiles (x split-K) of the router GEMV write partial logits; the program that finishes
+               last does the scoring and top-k: softmax / sigmoid / gpt-oss "softmax over the top-k logits",
+               e_score_correction bias (choice only), group-limited top-k, renormalisation, routed_scaling_factor.
+moe_experts(): two launches. (1) grid (row tiles of I, top-k slot): h[slot] = glu(Wg[e] x, Wu[e] x);
+               (2) grid (row tiles of H, slot groups): y = sum_slot w[slot] * (Wd[e] h[slot] + bd[e]) (+ residual).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from .gemv import (DEFAULT_GLU_TILES, TileConfig, auto_split, check_vec, check_x, counters, glu_ref, input_args,
+                   is_fp4, make_out, plan_split, resolve_config, weight_args)
+from .tiles import ACT_ID, FMT_ID, _glu, _rstd, _split_reduce, _store_out, _tile, _tile_bf16
+from .weights import WeightHandle, dequantize
+
+__all__ = ["RouterConfig", "Routing", "route", "route_ref", "moe_experts", "moe_experts_ref"]
+
+SCORE_ID = {"softmax": 0, "sigmoid": 1, "softmax_topk": 2}
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """How a model family picks its experts (from config.json).
+
+    scoring: "softmax" (Qwen3-MoE, Mixtral, DeepSeek-V2), "sigmoid" (DeepSeek-V3, GLM-4.5), "softmax_topk" (gpt-oss:
+    top-k on the logits, then softmax over those k). Group-limited top-k keeps the topk_group best of n_group
+    groups, scored by their best expert ("max", V2) or the sum of their 2 best ("top2", V3)."""
+
+    top_k: int
+    scoring: str = "softmax"
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.0
+    n_group: int = 1
+    topk_group: int = 1
+    group_score: str = "top2"
+
+    def __post_init__(self):
+        if self.scoring not in SCORE_ID:
+            raise ValueError(f"RouterConfig.scoring {self.scoring!r}, expected one of {sorted(SCORE_ID)}")
+        if self.group_score not in ("top2", "max"):
+            raise ValueError(f"RouterConfig.group_score {self.group_score!r}, expected 'top2' or 'max'")
+        if not 1 <= self.topk_group <= self.n_group:
+            raise ValueError(f"RouterConfig: topk_group {self.topk_group} not in [1, n_group={self.n_group}]")
+
+
+class Routing(NamedTuple):
+    ids: torch.Tensor  # int32 [top_k], best first
+    weights: torch.Tensor  # fp32 [top_k]
+    logits: torch.Tensor  # fp32 [E] (router bias included)
+
+
+# ======================================================================================================================
+# Router
+# ======================================================================================================================
+@triton.jit
+def _route_select(part_ptr, b_ptr, corr_ptr, logits_ptr, ids_ptr, wts_ptr, rstd, scaling, E,
+                  HAS_BIAS: tl.constexpr, HAS_CORR: tl.constexpr, SCORE: tl.constexpr, NORM_TOPK: tl.constexpr,
+                  N_GROUP: tl.constexpr, GROUP_SIZE: tl.constexpr, TOPK_GROUP: tl.constexpr,
+                  GROUP_TOP2: tl.constexpr, TOP_K: tl.constexpr, SPLIT_K: tl.constexpr,
+                  BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_TOPK: tl.constexpr):
+    """Scores + (group-limited) top-k over all E experts, held as [BLOCK_G groups, BLOCK_S experts per group].
+    Top-k is TOP_K rounds of (max, lowest index attaining it, mask out): no sort, ties go to the lower id."""
+    NEG: tl.constexpr = float("-inf")
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_s = tl.arange(0, BLOCK_S)
+    e_idx = offs_g[:, None] * GROUP_SIZE + offs_s[None, :]  # [BLOCK_G, BLOCK_S] expert id
+    valid = (offs_g[:, None] < N_GROUP) & (offs_s[None, :] < GROUP_SIZE)
+    logit = tl.zeros((BLOCK_G, BLOCK_S), dtype=tl.float32)
+    for s in range(SPLIT_K):
+        logit += tl.load(part_ptr + s * E + e_idx, mask=valid, other=0.0, cache_modifier=".cg")
+    logit = logit * rstd
+    if HAS_BIAS:
+        logit += tl.load(b_ptr + e_idx, mask=valid, other=0.0).to(tl.float32)
+    tl.store(logits_ptr + e_idx, logit, mask=valid)
+
+    if SCORE == 0:  # softmax over all experts
+        lm = tl.where(valid, logit, NEG)
+        p = tl.exp(lm - tl.max(tl.max(lm, axis=1), axis=0))
+        score = p / tl.sum(tl.sum(p, axis=1), axis=0)
+    elif SCORE == 1:
+        score = tl.sigmoid(logit)
+    else:
+        score = logit
+    choice = score
+    if HAS_CORR:  # e_score_correction_bias steers the choice only; weights come from `score`
+        choice += tl.load(corr_ptr + e_idx, mask=valid, other=0.0).to(tl.float32)
+    choice = tl.where(valid, choice, NEG)
+
+    if N_GROUP > 1:
+        best = tl.max(choice, axis=1)  # [BLOCK_G]
+        if GROUP_TOP2:
+            first = tl.min(tl.where(choice == best[:, None], offs_s[None, :], BLOCK_S), axis=1)
+            gscore = best + tl.max(tl.where(offs_s[None, :] == first[:, None], NEG, choice), axis=1)
+        else:
+            gscore = best
+        gscore = tl.where(offs_g < N_GROUP, gscore, NEG)
+        keep = offs_g < 0
+        for _ in tl.static_range(TOPK_GROUP):
+            gm = tl.max(gscore, axis=0)
+            gi = tl.min(tl.where(gscore == gm, offs_g, BLOCK_G), axis=0)
+            keep = keep | (offs_g == gi)
+            gscore = tl.where(offs_g == gi, NEG, gscore)
+        choice = tl.where(keep[:, None], choice, NEG)  # -inf, not 0: a biased choice can be negative
+
+    offs_t = tl.arange(0, BLOCK_TOPK)
+    ids = tl.zeros((BLOCK_TOPK,), dtype=tl.int32)
+    wts = tl.zeros((BLOCK_TOPK,), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        m = tl.max(tl.max(choice, axis=1), axis=0)
+        i = tl.min(tl.min(tl.where(choice == m, e_idx, BLOCK_G * BLOCK_S), axis=1), axis=0)
+        sel = e_idx == i
+        wv = tl.sum(tl.sum(tl.where(sel, score, 0.0), axis=1), axis=0)
+        ids = tl.where(offs_t == j, i, ids)
+        wts = tl.where(offs_t == j, wv, wts)
+        choice = tl.where(sel, NEG, choice)
+    t_mask = offs_t < TOP_K
+    if SCORE == 2:
+        p = tl.where(t_mask, tl.exp(wts - tl.max(tl.where(t_mask, wts, NEG), axis=0)), 0.0)
+        wts = p / tl.sum(p, axis=0)
+    elif NORM_TOPK:
+        wts = wts / (tl.sum(tl.where(t_mask, wts, 0.0), axis=0) + 1e-20)
+    tl.store(ids_ptr + offs_t, ids, mask=t_mask)
+    tl.store(wts_ptr + offs_t, wts * scaling, mask=t_mask)
+
+
+@triton.jit
+def _router_kernel(
+    x_ptr, nw_ptr, w_ptr, stride_wn, b_ptr, corr_ptr, part_ptr, cnt_ptr, logits_ptr, ids_ptr, wts_ptr, x8_ptr,
+    E, K, k_per_split, eps, scaling,
+    WRITE_X8: tl.constexpr, HAS_NW: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_CORR: tl.constexpr, SCORE: tl.constexpr,
+    NORM_TOPK: tl.constexpr, N_GROUP: tl.constexpr, GROUP_SIZE: tl.constexpr, TOPK_GROUP: tl.constexpr,
+    GROUP_TOP2: tl.constexpr, TOP_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_X: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_TOPK: tl.constexpr, PIPE: tl.constexpr,
+):
+    """grid (cdiv(E, BLOCK_N), SPLIT_K): partial logits part[SPLIT_K, E]; the last program to finish selects.
+    WRITE_X8: the programs also write the (normed) input in the x8 layout for fp4 experts, a chunk each."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    if WRITE_X8:
+        n_prog = tl.num_programs(0) * tl.num_programs(1)
+        r8 = 1.0
+        if HAS_NW:
+            r8 = _rstd(x_ptr, K, eps, BLOCK_X)
+        for c0 in range((pid_n * tl.num_programs(1) + pid_k) * BLOCK_X, K, n_prog * BLOCK_X):
+            offs = c0 + tl.arange(0, BLOCK_X)
+            m = offs < K
+            xv = tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32) * r8
+            if HAS_NW:
+                xv = xv * tl.load(nw_ptr + offs, mask=m, other=0.0).to(tl.float32)
+            tl.store(x8_ptr + (offs % 8) * (K // 8) + offs // 8, xv, mask=m)
+    k_lo = pid_k * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    acc = _tile_bf16(w_ptr, stride_wn, x_ptr, nw_ptr, pid_n * BLOCK_N, E, k_lo, k_hi, HAS_NW, BLOCK_N, BLOCK_K, PIPE)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    tl.store(part_ptr + pid_k * E + offs_n, acc, mask=offs_n < E)
+    tl.debug_barrier()  # all partial stores precede the release below
+    ticket = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
+    if ticket == tl.num_programs(0) * tl.num_programs(1) - 1:
+        tl.atomic_xchg(cnt_ptr, 0)  # leave the counter at zero for the next launch
+        rstd = 1.0
+        if HAS_NW:
+            rstd = _rstd(x_ptr, K, eps, BLOCK_X)
+        _route_select(part_ptr, b_ptr, corr_ptr, logits_ptr, ids_ptr, wts_ptr, rstd, scaling, E,
+                      HAS_BIAS, HAS_CORR, SCORE, NORM_TOPK, N_GROUP, GROUP_SIZE, TOPK_GROUP, GROUP_TOP2, TOP_K,
+                      SPLIT_K, BLOCK_G, BLOCK_S, BLOCK_TOPK)
+
+
+def route(x: torch.Tensor, router_weight: torch.Tensor, cfg: RouterConfig, *, router_bias: torch.Tensor | None = None,
+          correction_bias: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
+          out: Routing | None = None, x8_out: torch.Tensor | None = None,
+          config: TileConfig | None = None) -> Routing:
+    """Top-k experts of a batch-1 token, computed and left on the device: Routing(ids int32 [k], weights fp32 [k],
+    logits fp32 [E]). router_weight: float [E, H] (kept bf16 by the converter). norm_weight: RMSNorm x in front.
+    x8_out: fp32 [8, H/8] filled with the (normed) x in the x8 layout, for fp4 experts (saves prepare_x8)."""
+    if router_weight.dim() != 2 or not router_weight.is_floating_point() or router_weight.stride(-1) != 1:
+        raise ValueError(f"route: router_weight must be a float [E, H] with contiguous rows, got "
+                         f"{router_weight.dtype} {tuple(router_weight.shape)}")
+    E, K = router_weight.shape
+    dev = router_weight.device
+    check_x(x, K, dev)
+    check_vec(router_bias, E, dev, "router_bias")
+    check_vec(correction_bias, E, dev, "correction_bias")
+    check_vec(norm_weight, K, dev, "norm_weight")
+    if cfg.top_k > E or E % cfg.n_group:
+        raise ValueError(f"route: top_k {cfg.top_k} / n_group {cfg.n_group} do not fit {E} experts")
+    group_size = E // cfg.n_group
+    if cfg.n_group > 1 and cfg.group_score == "top2" and group_size < 2:
+        raise ValueError(f"route: group_score 'top2' needs >= 2 experts per group, got {group_size}")
+    if cfg.n_group > 1 and cfg.topk_group * group_size < cfg.top_k:
+        raise ValueError(f"route: topk_group {cfg.topk_group} x {group_size} experts < top_k {cfg.top_k}")
+    if out is None:
+        out = Routing(torch.empty(cfg.top_k, dtype=torch.int32, device=dev),
+                      torch.empty(cfg.top_k, dtype=torch.float32, device=dev),
+                      torch.empty(E, dtype=torch.float32, device=dev))
+    if x8_out is not None and (x8_out.shape != (8, K // 8) or x8_out.dtype != torch.float32 or K % 8
+                               or not x8_out.is_contiguous() or x8_out.device != dev):
+        raise ValueError(f"route: x8_out must be a contiguous fp32 [8, {K // 8}] on {dev}, got {x8_out.dtype} "
+                         f"{tuple(x8_out.shape)}")
+    cfg_t = config or TileConfig(8, 512)
+    n_tiles = triton.cdiv(E, cfg_t.block_n)
+    split, k_per_split = plan_split(n_tiles, K, cfg_t.block_k, cfg_t.split_k, dev)
+    part = torch.empty((split, E), dtype=torch.float32, device=dev)
+    _router_kernel[(n_tiles, split)](
+        x, norm_weight if norm_weight is not None else x, router_weight, router_weight.stride(0),
+        router_bias if router_bias is not None else part, correction_bias if correction_bias is not None else part,
+        part, counters(dev, 1), out.logits, out.ids, out.weights, x8_out if x8_out is not None else part,
+        E, K, k_per_split, eps, float(cfg.routed_scaling_factor),
+        WRITE_X8=x8_out is not None, HAS_NW=norm_weight is not None, HAS_BIAS=router_bias is not None,
+        HAS_CORR=correction_bias is not None,
+        SCORE=SCORE_ID[cfg.scoring], NORM_TOPK=cfg.norm_topk_prob, N_GROUP=cfg.n_group, GROUP_SIZE=group_size,
+        TOPK_GROUP=cfg.topk_group, GROUP_TOP2=cfg.group_score == "top2", TOP_K=cfg.top_k, SPLIT_K=split,
+        BLOCK_N=cfg_t.block_n, BLOCK_K=cfg_t.block_k, BLOCK_X=min(1024, triton.next_power_of_2(K)),
+        BLOCK_G=triton.next_power_of_2(cfg.n_group), BLOCK_S=triton.next_power_of_2(group_size),
+        BLOCK_TOPK=triton.next_power_of_2(cfg.top_k),
+        PIPE=cfg_t.prefetch, num_warps=cfg_t.num_warps, num_stages=cfg_t.num_stages,
+    )
+    return out
+
+
+def route_ref(x, router_weight, cfg: RouterConfig, *, router_bias=None, correction_bias=None, norm_weight=None,
+              eps=1e-6) -> Routing:
+    """Torch reference (DeepSeek-V3 / Qwen3-MoE / gpt-oss routing written out; masked groups get -inf)."""
+    xf = x.float().reshape(-1)
+    if norm_weight is not None:
+        xf = xf * torch.rsqrt(xf.pow(2).mean() + eps) * norm_weight.float()
+    logits = router_weight.float() @ xf
+    if router_bias is not None:
+        logits = logits + router_bias.float()
+    E = logits.numel()
+    if cfg.scoring == "softmax":
+        score = torch.softmax(logits, -1)
+    elif cfg.scoring == "sigmoid":
+        score = torch.sigmoid(logits)
+    else:
+        score = logits
+    choice = score + correction_bias.float() if correction_bias is not None else score.clone()
+    if cfg.n_group > 1:
+        grouped = choice.view(cfg.n_group, -1)
+        gs = grouped.topk(2, -1).values.sum(-1) if cfg.group_score == "top2" else grouped.max(-1).values
+        keep = torch.zeros(cfg.n_group, dtype=torch.bool, device=logits.device)
+        keep[gs.topk(cfg.topk_group).indices] = True
+        choice = grouped.masked_fill(~keep[:, None], float("-inf")).reshape(E)
+    ids = choice.topk(cfg.top_k).indices
+    w = score[ids]
+    if cfg.scoring == "softmax_topk":
+        w = torch.softmax(w, -1)
+    elif cfg.norm_topk_prob:
+        w = w / (w.sum() + 1e-20)
+    return Routing(ids.to(torch.int32), w * cfg.routed_scaling_factor, logits)
+
+
+# ======================================================================================================================
+# Routed experts
+# ======================================================================================================================
+@triton.jit
+def _expert_glu_kernel(
+    x_ptr, nw_ptr, ids_ptr,
+    wg_ptr, stride_wgn, sg_ptr, stride_sgn, stride_sgk, gsg_ptr, stride_wge, stride_sge, stride_gge,
+    wu_ptr, stride_wun, su_ptr, stride_sun, stride_suk, gsu_ptr, stride_wue, stride_sue, stride_gue,
+    bg_ptr, stride_bge, stride_bgn, bu_ptr, stride_bue, stride_bun, h_ptr,
+    I, K, eps, limit, alpha, stride_x8,
+    FMT: tl.constexpr, HAS_NW: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, H_X8: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_X: tl.constexpr, PIPE: tl.constexpr,
+):
+    """grid (cdiv(I, BLOCK_N), TOP_K): h[slot, I] = glu(Wg[e] x + bg[e], Wu[e] x + bu[e]), e = ids[slot].
+    H_X8: store each h[slot] in the x8 layout (an fp4 down projection reads it that way)."""
+    pid_n = tl.program_id(0)
+    slot = tl.program_id(1)
+    e = tl.load(ids_ptr + slot).to(tl.int64)  # the only data-dependent address: which expert's rows to stream
+    n_start = pid_n * BLOCK_N
+    g = _tile(FMT, wg_ptr + e * stride_wge, stride_wgn, sg_ptr + e * stride_sge, stride_sgn, stride_sgk,
+              gsg_ptr + e * stride_gge, x_ptr, nw_ptr, stride_x8, n_start, I, 0, K, HAS_NW, BLOCK_N, BLOCK_K,
+              PIPE)
+    u = _tile(FMT, wu_ptr + e * stride_wue, stride_wun, su_ptr + e * stride_sue, stride_sun, stride_suk,
+              gsu_ptr + e * stride_gue, x_ptr, nw_ptr, stride_x8, n_start, I, 0, K, HAS_NW, BLOCK_N, BLOCK_K,
+              PIPE)
+    offs_n = n_start + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < I
+    if HAS_NW:
+        r = _rstd(x_ptr, K, eps, BLOCK_X)
+        g = g * r
+        u = u * r
+    if HAS_BIAS:
+        g += tl.load(bg_ptr + e * stride_bge + offs_n * stride_bgn, mask=n_mask, other=0.0).to(tl.float32)
+        u += tl.load(bu_ptr + e * stride_bue + offs_n * stride_bun, mask=n_mask, other=0.0).to(tl.float32)
+    if H_X8:
+        h_offs = (offs_n % 8) * (I // 8) + offs_n // 8
+    else:
+        h_offs = offs_n
+    tl.store(h_ptr + slot * I + h_offs, _glu(g, u, limit, alpha, ACT), mask=n_mask)
+
+
+@triton.jit
+def _expert_down_kernel(
+    h_ptr, ids_ptr, wts_ptr,
+    wd_ptr, stride_wdn, sd_ptr, stride_sdn, stride_sdk, gsd_ptr, stride_wde, stride_sde, stride_gde,
+    bd_ptr, stride_bde, res_ptr, y_ptr, part_ptr, cnt_ptr,
+    N, I, slots_per_split,
+    FMT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, TOP_K: tl.constexpr,
+    SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PIPE: tl.constexpr,
+):
+    """grid (cdiv(N, BLOCK_N), SPLIT): y[N] = sum_slot wts[slot] * (Wd[e] h[slot] + bd[e]) (+ residual); the slots
+    are split over SPLIT programs per row tile (reduced in slot order by the last one)."""
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    n_start = pid_n * BLOCK_N
+    offs_n = n_start + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for slot in range(pid_s * slots_per_split, tl.minimum(pid_s * slots_per_split + slots_per_split, TOP_K)):
+        e = tl.load(ids_ptr + slot).to(tl.int64)
+        d = _tile(FMT, wd_ptr + e * stride_wde, stride_wdn, sd_ptr + e * stride_sde, stride_sdn, stride_sdk,
+                  gsd_ptr + e * stride_gde, h_ptr + slot * I, h_ptr, I // 8, n_start, N, 0, I, False,
+                  BLOCK_N, BLOCK_K, PIPE)
+        if HAS_BIAS:
+            d += tl.load(bd_ptr + e * stride_bde + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        acc += tl.load(wts_ptr + slot) * d
+    if SPLIT == 1:
+        _store_out(acc, offs_n, n_mask, y_ptr, y_ptr, res_ptr, False, HAS_RES)
+    else:
+        acc, is_last = _split_reduce(acc, part_ptr, cnt_ptr, pid_n, pid_s, offs_n, n_mask, N, SPLIT)
+        if is_last:
+            _store_out(acc, offs_n, n_mask, y_ptr, y_ptr, res_ptr, False, HAS_RES)
+
+
+def _expert_args(w: WeightHandle) -> tuple:
+    """weight_args + the expert-axis strides (w, scale, global scale)."""
+    st = lambda t: t.stride(0) if t is not None and t.dim() >= 1 else 0  # noqa: E731
+    return (*weight_args(w), w.weight.stride(0), st(w.scale), st(w.global_scale))
+
+
+def _check_bias2(b, E, n, dev, name):
+    if b is None:
+        return (None, 0, 0)
+    if b.dim() != 2 or tuple(b.shape) != (E, n) or not b.is_floating_point() or b.device != dev:
+        raise ValueError(f"moe_experts: {name} must be a float [{E}, {n}] on {dev}, got {b.dtype} {tuple(b.shape)}")
+    return (b, b.stride(0), b.stride(1))
+
+
+def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gate: WeightHandle, w_up: WeightHandle,
+                w_down: WeightHandle, *, act: str = "silu", limit: float = 7.0, alpha: float = 1.702,
+                gate_bias: torch.Tensor | None = None, up_bias: torch.Tensor | None = None,
+                down_bias: torch.Tensor | None = None, residual: torch.Tensor | None = None,
+                norm_weight: torch.Tensor | None = None, eps: float = 1e-6, out: torch.Tensor | None = None,
+                x8: torch.Tensor | None = None, config_up: TileConfig | None = None,
+                config_down: TileConfig | None = None, split: int | None = None) -> torch.Tensor:
+    """Routed experts of one token: y = sum_k weights[k] * down[e_k](glu(gate[e_k] x, up[e_k] x)) (+ residual).
+
+    ids int32 [k] / weights fp32 [k] stay on the device (from route()); repeated ids are fine. w_gate/w_up [E, I, H],
+    w_down [E, H, I] stacked handles of one format (gpt-oss interleaved gate_up: rows(0, None, 2), rows(1, None, 2)).
+    Biases [E, I] / [E, H] (views with strides are fine); down_bias is weighted like its expert's output.
+    fp4 gate/up: x8 = prepare_x8(x, norm_weight, eps) (or route(..., x8_out=)) if already made."""
+    for name, w in (("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
+        if not w.num_experts:
+            raise ValueError(f"moe_experts: {name} is not an expert stack [E, out, in]")
+    E, I, H = w_gate.num_experts, w_gate.out_features, w_gate.in_features
+    if (w_up.num_experts, w_up.out_features, w_up.in_features) != (E, I, H):
+        raise ValueError(f"moe_experts: w_up is [{w_up.num_experts}, {w_up.out_features}, {w_up.in_features}], "
+                         f"w_gate [{E}, {I}, {H}]")
+    if (w_down.num_experts, w_down.out_features, w_down.in_features) != (E, H, I):
+        raise ValueError(f"moe_experts: w_down is [{w_down.num_experts}, {w_down.out_features}, "
+                         f"{w_down.in_features}], expected [{E}, {H}, {I}]")
+    if FMT_ID[w_gate.fmt] != FMT_ID[w_up.fmt]:
+        raise ValueError(f"moe_experts: w_gate is {w_gate.fmt}, w_up is {w_up.fmt}")
+    if act not in ACT_ID:
+        raise ValueError(f"moe_experts: act {act!r}, expected one of {sorted(ACT_ID)}")
+    dev = w_gate.device
+    check_x(x, H, dev)
+    if ids.dtype != torch.int32 or ids.dim() != 1 or ids.device != dev or not ids.is_contiguous():
+        raise ValueError(f"moe_experts: ids must be a contiguous int32 [top_k] on {dev}, got {ids.dtype} "
+                         f"{tuple(ids.shape)}")
+    top_k = ids.numel()
+    if (weights.dtype != torch.float32 or weights.numel() != top_k or weights.device != dev
+            or not weights.is_contiguous()):
+        raise ValueError(f"moe_experts: weights must be a contiguous fp32 [{top_k}] on {dev}, got {weights.dtype} "
+                         f"{tuple(weights.shape)}")
+    if (gate_bias is None) != (up_bias is None):
+        raise ValueError("moe_experts: pass both gate_bias and up_bias or neither")
+    bg, bu, bd = (_check_bias2(gate_bias, E, I, dev, "gate_bias"), _check_bias2(up_bias, E, I, dev, "up_bias"),
+                  _check_bias2(down_bias, E, H, dev, "down_bias"))
+    if bd[0] is not None and bd[2] != 1:
+        raise ValueError("moe_experts: down_bias rows must be contiguous")
+    check_vec(residual, H, dev, "residual")
+    check_vec(norm_weight, H, dev, "norm_weight")
+    y = make_out(x, H, out)
+    h = torch.empty((top_k, I), dtype=torch.float32, device=dev)  # fp32: no rounding between the two GEMVs
+
+    cu = resolve_config(w_gate, config_up, DEFAULT_GLU_TILES)
+    x_in, nw_in, has_nw, stride_x8 = input_args(x, w_gate.fmt, norm_weight, eps, x8)
+    _expert_glu_kernel[(triton.cdiv(I, cu.block_n), top_k)](
+        x_in, nw_in, ids, *_expert_args(w_gate), *_expert_args(w_up),
+        bg[0] if bg[0] is not None else h, bg[1], bg[2], bu[0] if bu[0] is not None else h, bu[1], bu[2], h,
+        I, H, eps, limit, alpha, stride_x8,
+        FMT=FMT_ID[w_gate.fmt], HAS_NW=has_nw, HAS_BIAS=bg[0] is not None, ACT=ACT_ID[act],
+        H_X8=is_fp4(w_down.fmt),
+        BLOCK_N=cu.block_n, BLOCK_K=cu.block_k, BLOCK_X=min(1024, triton.next_power_of_2(H)),
+        PIPE=cu.prefetch, num_warps=cu.num_warps, num_stages=cu.num_stages,
+    )
+
+    cd = resolve_config(w_down, config_down, DEFAULT_GLU_TILES)
+    n_tiles = triton.cdiv(H, cd.block_n)
+    if split is None:  # few row tiles (small H): spread the slots over more programs
+        split = auto_split(n_tiles, top_k, dev)
+    split = max(1, min(split, top_k))
+    per = triton.cdiv(top_k, split)
+    split = triton.cdiv(top_k, per)
+    part = torch.empty((split, H), dtype=torch.float32, device=dev) if split > 1 else h
+    _expert_down_kernel[(n_tiles, split)](
+        h, ids, weights, *_expert_args(w_down), bd[0] if bd[0] is not None else h, bd[1],
+        residual if residual is not None else y, y, part, counters(dev, n_tiles) if split > 1 else h,
+        H, I, per,
+        FMT=FMT_ID[w_down.fmt], HAS_BIAS=bd[0] is not None, HAS_RES=residual is not None, TOP_K=top_k,
+        SPLIT=split, BLOCK_N=cd.block_n, BLOCK_K=cd.block_k,
+        PIPE=cd.prefetch, num_warps=cd.num_warps, num_stages=cd.num_stages,
+    )
+    return y
+
+
+def moe_experts_ref(x, ids, weights, w_gate: WeightHandle, w_up: WeightHandle, w_down: WeightHandle, *,
+                    act="silu", limit=7.0, alpha=1.702, gate_bias=None, up_bias=None, down_bias=None, residual=None,
+                    norm_weight=None, eps=1e-6, out_dtype=None) -> torch.Tensor:
+    """Torch reference: dequantize each picked expert, fp32 math (reads ids on the host: a reference may sync)."""
+    xf = x.float().reshape(-1)
+    if norm_weight is not None:
+        xf = xf * torch.rsqrt(xf.pow(2).mean() + eps) * norm_weight.float()
+    y = torch.zeros(w_down.out_features, dtype=torch.float32, device=x.device)
+    for e, wt in zip(ids.tolist(), weights.float().tolist()):
+        g = dequantize(w_gate.expert(e)) @ xf
+        u = dequantize(w_up.expert(e)) @ xf
+        if gate_bias is not None:
+            g, u = g + gate_bias[e].float(), u + up_bias[e].float()
+        d = dequantize(w_down.expert(e)) @ glu_ref(g, u, act, limit, alpha)
+        if down_bias is not None:
+            d = d + down_bias[e].float()
+        y += wt * d
+    if residual is not None:
+        y += residual.float().reshape(-1)
+    return y.reshape(*x.shape[:-1], -1).to(out_dtype or x.dtype)

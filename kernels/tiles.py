@@ -1,0 +1,335 @@
+"""Device-side building blocks of the decode GEMVs, shared by the kernel-per-op launchers (gemv.py, moe.py) and the
+persistent monokernel: per-format tile functions that compute one row tile's dot products over a K range, and the
+epilogue helpers (RMSNorm scale, GLU activations, split-K reduction, bias/residual store).
+
+Tile contract: `_tile(FMT, w_ptr, stride_wn, s_ptr, stride_sn, stride_sk, gs_ptr, x_ptr, nw_ptr, stride_x8, n_start,
+N, k_lo, k_hi, HAS_NW, BLOCK_N, BLOCK_K, PIPE) -> [BLOCK_N] fp32`: rows n_start .. n_start + BLOCK_N of W (rows past
+N read row N-1; drop them) dotted with x[k_lo:k_hi]. k_lo is a multiple of BLOCK_K's granule (fp8-block: of BLOCK_K;
+fp4: of the group). Float formats read x [K] (times nw when HAS_NW: RMSNorm without its rstd, a scalar the caller
+applies); fp4 formats read x in the x8 layout (see below). Weight and x loads interleave step by step here: a
+persistent kernel that wants a tile's first weights in flight before its input is ready (DESIGN.md §3) issues
+that first load itself.
+
+Why the code looks the way it does (sm_90 SASS of each loop, checked by tests/kernels/test_compile_sm90.py):
+- x is loaded as a [BLOCK_N, L] broadcast tile, not a [L] vector: it then gets the weight tile's own register
+  layout, so there is no shared-memory layout conversion (2 barriers) per K step;
+- the accumulator keeps one value per row and 16-byte vector (the in-thread part of the reduction runs per step),
+  so registers go to weights in flight rather than to a [BLOCK_N, BLOCK_K] fp32 accumulator;
+- PIPE prefetches step i+1's weights while step i computes (Triton does not pipeline plain loads);
+- fp4 decodes whole u32 words (two fp16 per shift-and-mask) and reads x in the x8 layout, fp32 [8, K/8] with
+  x8[e, j] = x[8j + e]: element e of word j then multiplies row e of x8, a contiguous load.
+"""
+
+import triton
+import triton.language as tl
+
+FMT_ID = {"bf16": 0, "fp16": 0, "fp32": 0, "fp8": 1, "fp8_block": 2, "nvfp4": 3, "mxfp4": 4}  # the FMT constexpr
+ACT_ID = {"silu": 0, "swiglu": 0, "gpt_oss": 1}  # the ACT constexpr of _glu
+
+
+# ======================================================================================================================
+# Tiles
+# ======================================================================================================================
+@triton.jit
+def _bcast_load(ptr, offs, mask, BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
+    """ptr[offs] (offs [L], contiguous) broadcast to [BLOCK_N, L] fp32. Loading it as a 2-D tile gives it the weight
+    tile's own register layout (each thread loads its columns once, shared by its rows): no shared-memory layout
+    conversion and no barrier per K step, which a 1-D load + broadcast costs."""
+    p = tl.broadcast_to(ptr + offs[None, :], (BLOCK_N, offs.shape[0]))
+    if MASKED:
+        v = tl.load(p, mask=tl.broadcast_to(mask[None, :], (BLOCK_N, offs.shape[0])), other=0.0)
+    else:
+        v = tl.load(p)
+    return v.to(tl.float32)
+
+
+@triton.jit
+def _load_x(x_ptr, nw_ptr, offs, mask, HAS_NW: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
+    """x[offs] (times the RMSNorm weight when fused), broadcast over the tile's rows: [BLOCK_N, L] fp32."""
+    x = _bcast_load(x_ptr, offs, mask, BLOCK_N, MASKED)
+    if HAS_NW:
+        x = x * _bcast_load(nw_ptr, offs, mask, BLOCK_N, MASKED)
+    return x
+
+
+@triton.jit
+def _row_ptrs(w_ptr, stride_wn, n_start, N, BLOCK_N: tl.constexpr):
+    # Rows past N are clamped onto row N-1 instead of masked: loads stay unpredicated, their results are dropped.
+    offs_n = tl.minimum(n_start + tl.arange(0, BLOCK_N), N - 1)
+    return w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
+
+
+@triton.jit
+def _float_mac(acc, w, x_ptr, nw_ptr, s_row, stride_sk, k0, k_hi, HAS_NW: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr, BLOCK_SCALED: tl.constexpr, MASKED: tl.constexpr):
+    """acc [BLOCK_N, BLOCK_K // VEC] += w * x[k0 : k0 + BLOCK_K] for a loaded weight tile w, summed over each
+    thread's VEC contiguous columns. BLOCK_SCALED (fp8-block): BLOCK_K divides 128, so the step has ONE scale (the
+    tile's rows share a scale row): folded into x."""
+    VEC: tl.constexpr = BLOCK_K // acc.shape[1]
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    k_mask = offs_k < k_hi
+    x = _load_x(x_ptr, nw_ptr, offs_k, k_mask, HAS_NW, BLOCK_N, MASKED)  # [BLOCK_N, BLOCK_K]
+    if BLOCK_SCALED:
+        x = x * tl.load(s_row + (k0 // 128) * stride_sk).to(tl.float32)
+    p = w.to(tl.float32) * x
+    # A thread's 16-byte vector holds VEC consecutive columns: summing them is register-local and shrinks the
+    # accumulator VEC-fold, leaving registers for weights in flight.
+    return acc + tl.sum(tl.reshape(p, (BLOCK_N, BLOCK_K // VEC, VEC)), axis=2)
+
+
+@triton.jit
+def _tile_float(w_ptr, stride_wn, s_ptr, stride_sn, stride_sk, x_ptr, nw_ptr, n_start, N, k_lo, k_hi,
+                HAS_NW: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_SCALED: tl.constexpr,
+                PIPE: tl.constexpr):
+    w_rows = _row_ptrs(w_ptr, stride_wn, n_start, N, BLOCK_N)
+    s_row = s_ptr + (n_start // 128) * stride_sn
+    offs = tl.arange(0, BLOCK_K)
+    VEC: tl.constexpr = min(BLOCK_K, 128 // w_ptr.dtype.element_ty.primitive_bitwidth)  # columns per 16-B load
+    # The cross-thread reduction happens once, after the loop.
+    acc = tl.zeros((BLOCK_N, BLOCK_K // VEC), dtype=tl.float32)
+    # Whole steps first, unmasked. PIPE: software-pipelined one deep, step i+1's weights in flight while step i
+    # computes (Triton does not pipeline plain loads by itself); the last prefetch re-reads the last step
+    # (clamped, an L2 hit) instead of predicating every load. Costs the registers of a second weight tile.
+    k_full = k_lo + (k_hi - k_lo) // BLOCK_K * BLOCK_K
+    if PIPE:
+        w_next = tl.load(w_rows + (k_lo + offs)[None, :],
+                         mask=tl.full((BLOCK_N, BLOCK_K), k_lo < k_full, tl.int1), other=0.0)
+        for k0 in range(k_lo, k_full, BLOCK_K):
+            w = w_next
+            w_next = tl.load(w_rows + (tl.minimum(k0 + BLOCK_K, k_full - BLOCK_K) + offs)[None, :])
+            acc = _float_mac(acc, w, x_ptr, nw_ptr, s_row, stride_sk, k0, k_hi, HAS_NW, BLOCK_N, BLOCK_K,
+                             BLOCK_SCALED, False)
+    else:
+        for k0 in range(k_lo, k_full, BLOCK_K):
+            w = tl.load(w_rows + (k0 + offs)[None, :])
+            acc = _float_mac(acc, w, x_ptr, nw_ptr, s_row, stride_sk, k0, k_hi, HAS_NW, BLOCK_N, BLOCK_K,
+                             BLOCK_SCALED, False)
+    for k0 in range(k_full, k_hi, BLOCK_K):  # the ragged tail: 0 or 1 step, masked
+        w = tl.load(w_rows + (k0 + offs)[None, :], mask=(k0 + offs < k_hi)[None, :], other=0.0)
+        acc = _float_mac(acc, w, x_ptr, nw_ptr, s_row, stride_sk, k0, k_hi, HAS_NW, BLOCK_N, BLOCK_K,
+                         BLOCK_SCALED, True)
+    return tl.sum(acc, axis=1)
+
+
+@triton.jit
+def _tile_bf16(w_ptr, stride_wn, x_ptr, nw_ptr, n_start, N, k_lo, k_hi,
+               HAS_NW: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PIPE: tl.constexpr):
+    """Float weights (bf16 / fp16 / fp32) [N, K]."""
+    return _tile_float(w_ptr, stride_wn, w_ptr, 0, 0, x_ptr, nw_ptr, n_start, N, k_lo, k_hi,
+                       HAS_NW, BLOCK_N, BLOCK_K, False, PIPE)
+
+
+@triton.jit
+def _tile_fp8(w_ptr, stride_wn, s_ptr, stride_sn, x_ptr, nw_ptr, n_start, N, k_lo, k_hi,
+              HAS_NW: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PIPE: tl.constexpr):
+    """e4m3 [N, K] with a per-row scale [N, 1]: the scale factors out of the dot product, one multiply per row."""
+    acc = _tile_float(w_ptr, stride_wn, w_ptr, 0, 0, x_ptr, nw_ptr, n_start, N, k_lo, k_hi,
+                      HAS_NW, BLOCK_N, BLOCK_K, False, PIPE)
+    offs_n = tl.minimum(n_start + tl.arange(0, BLOCK_N), N - 1)
+    return acc * tl.load(s_ptr + offs_n * stride_sn).to(tl.float32)
+
+
+@triton.jit
+def _tile_fp8_block(w_ptr, stride_wn, s_ptr, stride_sn, stride_sk, x_ptr, nw_ptr, n_start, N, k_lo, k_hi,
+                    HAS_NW: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PIPE: tl.constexpr):
+    """e4m3 [N, K] with one scale per 128x128 block [ceil(N/128), ceil(K/128)]. Needs BLOCK_N and BLOCK_K dividing
+    128 and n_start, k_lo multiples of them: each step then has one scalar scale."""
+    return _tile_float(w_ptr, stride_wn, s_ptr, stride_sn, stride_sk, x_ptr, nw_ptr, n_start, N, k_lo, k_hi,
+                       HAS_NW, BLOCK_N, BLOCK_K, True, PIPE)
+
+
+# ---- fp4 (nvfp4 / mxfp4) -----------------------------------------------------------------------------------------
+# Packed rows are read as u32 words, 8 e2m1 codes each. Element e of word j multiplies x[8j + e], so the fp4 tiles
+# read x in the "x8" layout: fp32 [8, K/8] with x8[e, j] = x[8j + e] (prepare_x8). Then all 8 x operands of a word
+# are contiguous [BLOCK_N, BLOCK_K/8] loads with the weight tile's own layout (vectorised, shared by a thread's
+# rows, no layout conversion); x in its natural order would be 8 stride-8 gathers per word.
+@triton.jit
+def _half_lo(v):
+    return v.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _half_hi(v):
+    return (v >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _e2m1_word(q):
+    """8 e2m1 codes in a u32 word (byte b holds elements 2b | 2b+1 << 4) -> 8 fp32, each 2^-14 times its value.
+
+    A nibble s|e1 e0|m moved to fp16 bits 15 | 11..10 | 9 is an fp16 whose value is exactly 2^-14 x the e2m1
+    value (e = 0 lands on fp16 subnormals, which the f16 -> f32 convert handles exactly). On whole words one
+    shift-and-mask pair builds TWO fp16 at once (bytes 0 and 2, or 1 and 3, are 16 bits apart): ~2 integer ops per
+    element instead of 5, no lookup table. The 2^-14 is folded into the scale by the caller.
+    Returns elements 0..7 of the word, in order."""
+    a = ((q << 9) & 0x0E000E00) | ((q << 12) & 0x80008000)  # low nibbles of bytes 0, 2: elements 0, 4
+    b = ((q << 1) & 0x0E000E00) | ((q << 4) & 0x80008000)  # low nibbles of bytes 1, 3: elements 2, 6
+    c = ((q << 5) & 0x0E000E00) | ((q << 8) & 0x80008000)  # high nibbles of bytes 0, 2: elements 1, 5
+    d = ((q >> 3) & 0x0E000E00) | (q & 0x80008000)  # high nibbles of bytes 1, 3: elements 3, 7
+    return (_half_lo(a), _half_lo(c), _half_lo(b), _half_lo(d),
+            _half_hi(a), _half_hi(c), _half_hi(b), _half_hi(d))
+
+
+@triton.jit
+def _fp4_mac(acc, q, s, x8_ptr, stride_x8, k0, k_hi, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+             GROUP: tl.constexpr, MX: tl.constexpr, MASKED: tl.constexpr):
+    """acc [BLOCK_N, BLOCK_K // GROUP] += group dots of loaded words q [BLOCK_N, BLOCK_K/8] times their scales s
+    [BLOCK_N, BLOCK_K // GROUP] (all x 2^-14)."""
+    KW: tl.constexpr = BLOCK_K // 8
+    G: tl.constexpr = BLOCK_K // GROUP
+    offs_w = k0 // 8 + tl.arange(0, KW)
+    w_mask = offs_w < k_hi // 8
+    w0, w1, w2, w3, w4, w5, w6, w7 = _e2m1_word(q)
+    # One multiply-add chain per word; masked-off words read x = 0 (their codes are 0 too).
+    p = w0 * _bcast_load(x8_ptr, offs_w, w_mask, BLOCK_N, MASKED)
+    p += w1 * _bcast_load(x8_ptr + stride_x8, offs_w, w_mask, BLOCK_N, MASKED)
+    p += w2 * _bcast_load(x8_ptr + 2 * stride_x8, offs_w, w_mask, BLOCK_N, MASKED)
+    p += w3 * _bcast_load(x8_ptr + 3 * stride_x8, offs_w, w_mask, BLOCK_N, MASKED)
+    p += w4 * _bcast_load(x8_ptr + 4 * stride_x8, offs_w, w_mask, BLOCK_N, MASKED)
+    p += w5 * _bcast_load(x8_ptr + 5 * stride_x8, offs_w, w_mask, BLOCK_N, MASKED)
+    p += w6 * _bcast_load(x8_ptr + 6 * stride_x8, offs_w, w_mask, BLOCK_N, MASKED)
+    p += w7 * _bcast_load(x8_ptr + 7 * stride_x8, offs_w, w_mask, BLOCK_N, MASKED)
+    # GROUP elements = GROUP/8 consecutive words, all in one thread's vector: sum them, then one scale multiply.
+    dots = tl.sum(tl.reshape(p, (BLOCK_N, G, GROUP // 8)), axis=2)
+    if MX:
+        # 2^(e - 127) * 2^14 built as fp32 bits: exponent field e + 14 (exact for every e <= 240, incl. e = 0).
+        sf = ((s.to(tl.int32) + 14) << 23).to(tl.float32, bitcast=True)
+    else:
+        sf = s.to(tl.float32)
+    return acc + dots * sf
+
+
+@triton.jit
+def _tile_fp4(w_ptr, stride_wn, s_ptr, stride_sn, stride_sk, x8_ptr, stride_x8, n_start, N, k_lo, k_hi,
+              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr, MX: tl.constexpr,
+              PIPE: tl.constexpr):
+    KW: tl.constexpr = BLOCK_K // 8
+    G: tl.constexpr = BLOCK_K // GROUP
+    # Row stride in bytes is a multiple of 8 (K % 16 == 0), so rows start on u32 words.
+    w_rows = _row_ptrs(w_ptr.to(tl.pointer_type(tl.uint32)), stride_wn // 4, n_start, N, BLOCK_N)
+    s_rows = _row_ptrs(s_ptr, stride_sn, n_start, N, BLOCK_N)
+    offs_w = tl.arange(0, KW)
+    offs_g = tl.arange(0, G)
+    acc = tl.zeros((BLOCK_N, G), dtype=tl.float32)
+    # Whole steps first, unmasked; PIPE: pipelined one deep as in _tile_float (words and scales of step i+1).
+    k_full = k_lo + (k_hi - k_lo) // BLOCK_K * BLOCK_K
+    if PIPE:
+        q_next = tl.load(w_rows + (k_lo // 8 + offs_w)[None, :],
+                         mask=tl.full((BLOCK_N, KW), k_lo < k_full, tl.int1), other=0)
+        s_next = tl.load(s_rows + (k_lo // GROUP + offs_g)[None, :] * stride_sk,
+                         mask=tl.full((BLOCK_N, G), k_lo < k_full, tl.int1), other=0.0)
+        for k0 in range(k_lo, k_full, BLOCK_K):
+            q = q_next
+            s = s_next
+            k_n = tl.minimum(k0 + BLOCK_K, k_full - BLOCK_K)  # clamped: the last prefetch re-reads (L2 hit)
+            q_next = tl.load(w_rows + (k_n // 8 + offs_w)[None, :])
+            s_next = tl.load(s_rows + (k_n // GROUP + offs_g)[None, :] * stride_sk)
+            acc = _fp4_mac(acc, q, s, x8_ptr, stride_x8, k0, k_hi, BLOCK_N, BLOCK_K, GROUP, MX, False)
+    else:
+        for k0 in range(k_lo, k_full, BLOCK_K):
+            q = tl.load(w_rows + (k0 // 8 + offs_w)[None, :])
+            s = tl.load(s_rows + (k0 // GROUP + offs_g)[None, :] * stride_sk)
+            acc = _fp4_mac(acc, q, s, x8_ptr, stride_x8, k0, k_hi, BLOCK_N, BLOCK_K, GROUP, MX, False)
+    for k0 in range(k_full, k_hi, BLOCK_K):  # the ragged tail: 0 or 1 step, masked
+        q = tl.load(w_rows + (k0 // 8 + offs_w)[None, :], mask=(k0 // 8 + offs_w < k_hi // 8)[None, :], other=0)
+        s = tl.load(s_rows + (k0 // GROUP + offs_g)[None, :] * stride_sk,
+                    mask=(k0 // GROUP + offs_g < k_hi // GROUP)[None, :], other=0.0)
+        acc = _fp4_mac(acc, q, s, x8_ptr, stride_x8, k0, k_hi, BLOCK_N, BLOCK_K, GROUP, MX, True)
+    return tl.sum(acc, axis=1)
+
+
+@triton.jit
+def _tile_nvfp4(w_ptr, stride_wn, s_ptr, stride_sn, stride_sk, gs_ptr, x8_ptr, stride_x8, n_start, N, k_lo, k_hi,
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PIPE: tl.constexpr):
+    """nvfp4: packed u8 [N, K/2], e4m3 group-16 scale [N, K/16], fp32 global scale: w = e2m1 * scale / global.
+    x8: the input in x8 layout (prepare_x8), RMSNorm already applied."""
+    acc = _tile_fp4(w_ptr, stride_wn, s_ptr, stride_sn, stride_sk, x8_ptr, stride_x8, n_start, N, k_lo, k_hi,
+                    BLOCK_N, BLOCK_K, 16, False, PIPE)
+    # 2^14 undoes the nibble trick's exponent shift; 1/global is per Linear: both once per row, after the loop.
+    return acc * (16384.0 / tl.load(gs_ptr).to(tl.float32))
+
+
+@triton.jit
+def _tile_mxfp4(w_ptr, stride_wn, s_ptr, stride_sn, stride_sk, x8_ptr, stride_x8, n_start, N, k_lo, k_hi,
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PIPE: tl.constexpr):
+    """mxfp4: packed u8 [N, K/2], E8M0 group-32 scale [N, K/32]: w = e2m1 * 2^(e - 127). x8 as for nvfp4."""
+    return _tile_fp4(w_ptr, stride_wn, s_ptr, stride_sn, stride_sk, x8_ptr, stride_x8, n_start, N, k_lo, k_hi,
+                     BLOCK_N, BLOCK_K, 32, True, PIPE)
+
+
+@triton.jit
+def _tile(FMT: tl.constexpr, w_ptr, stride_wn, s_ptr, stride_sn, stride_sk, gs_ptr, x_ptr, nw_ptr, stride_x8,
+          n_start, N, k_lo, k_hi, HAS_NW: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+          PIPE: tl.constexpr):
+    """Format dispatch (constexpr: one variant compiled per format); unused pointers may be any tensor.
+    Float formats read x [K] (times nw when HAS_NW); fp4 formats read x_ptr as x8 [8, K/8] with row stride
+    stride_x8 and ignore nw (prepare_x8 applies the norm)."""
+    if FMT == 0:
+        acc = _tile_bf16(w_ptr, stride_wn, x_ptr, nw_ptr, n_start, N, k_lo, k_hi, HAS_NW, BLOCK_N, BLOCK_K, PIPE)
+    elif FMT == 1:
+        acc = _tile_fp8(w_ptr, stride_wn, s_ptr, stride_sn, x_ptr, nw_ptr, n_start, N, k_lo, k_hi,
+                        HAS_NW, BLOCK_N, BLOCK_K, PIPE)
+    elif FMT == 2:
+        acc = _tile_fp8_block(w_ptr, stride_wn, s_ptr, stride_sn, stride_sk, x_ptr, nw_ptr, n_start, N, k_lo, k_hi,
+                              HAS_NW, BLOCK_N, BLOCK_K, PIPE)
+    elif FMT == 3:
+        acc = _tile_nvfp4(w_ptr, stride_wn, s_ptr, stride_sn, stride_sk, gs_ptr, x_ptr, stride_x8, n_start, N,
+                          k_lo, k_hi, BLOCK_N, BLOCK_K, PIPE)
+    else:
+        acc = _tile_mxfp4(w_ptr, stride_wn, s_ptr, stride_sn, stride_sk, x_ptr, stride_x8, n_start, N, k_lo, k_hi,
+                          BLOCK_N, BLOCK_K, PIPE)
+    return acc
+
+
+# ======================================================================================================================
+# Epilogue helpers
+# ======================================================================================================================
+@triton.jit
+def _rstd(x_ptr, K, eps, BLOCK_X: tl.constexpr):
+    """1 / sqrt(mean(x^2) + eps) over the whole input (every program recomputes it: x is a few KB, in L2)."""
+    ss = tl.zeros((BLOCK_X,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_X):
+        offs = k0 + tl.arange(0, BLOCK_X)
+        x = tl.load(x_ptr + offs, mask=offs < K, other=0.0).to(tl.float32)
+        ss += x * x
+    return 1.0 / tl.sqrt(tl.sum(ss, axis=0) / K + eps)
+
+
+@triton.jit
+def _glu(g, u, limit, alpha, ACT: tl.constexpr):
+    """ACT 0: silu(g) * u.  ACT 1 (gpt-oss): g <= limit, |u| <= limit, (u + 1) * g * sigmoid(alpha * g)."""
+    if ACT == 0:
+        return g * tl.sigmoid(g) * u
+    else:
+        g = tl.minimum(g, limit)
+        u = tl.minimum(tl.maximum(u, -limit), limit)
+        return (u + 1.0) * (g * tl.sigmoid(alpha * g))
+
+
+@triton.jit
+def _split_reduce(acc, part_ptr, cnt_ptr, tile_id, split_id, offs_n, n_mask, N, SPLIT: tl.constexpr):
+    """Split-K without a second launch: every split stores its partial [N] row, bumps the tile's counter; the split
+    that bumps it last sums all partials in split order (deterministic) and resets the counter for the next launch.
+    Returns (sum, is_last)."""
+    tl.store(part_ptr + split_id * N + offs_n, acc, mask=n_mask)
+    tl.debug_barrier()  # every thread's partial store precedes the (release) counter bump
+    ticket = tl.atomic_add(cnt_ptr + tile_id, 1, sem="acq_rel", scope="gpu")
+    is_last = ticket == SPLIT - 1
+    total = tl.zeros_like(acc)
+    if is_last:
+        for s in range(SPLIT):
+            # .cg: read L2, never a stale L1 line of another SM's partial.
+            total += tl.load(part_ptr + s * N + offs_n, mask=n_mask, other=0.0, cache_modifier=".cg")
+        tl.atomic_xchg(cnt_ptr + tile_id, 0)
+    return total, is_last
+
+
+@triton.jit
+def _store_out(acc, offs_n, n_mask, y_ptr, bias_ptr, res_ptr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr):
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    if HAS_RES:
+        acc += tl.load(res_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + offs_n, acc.to(y_ptr.dtype.element_ty), mask=n_mask)
+
+

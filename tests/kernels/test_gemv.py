@@ -1,0 +1,210 @@
+"""GEMV kernels vs their torch references, every format, small odd shapes (Triton interpreter on CPU)."""
+
+import pytest
+import torch
+
+from kie_moe.kernels.gemv import (TileConfig, gemv, gemv_glu, gemv_glu_ref, gemv_ref, gemv_swiglu, prepare_x8,
+                                  rmsnorm_gemv, rmsnorm_gemv_ref)
+from kie_moe.kernels.weights import E2M1_VALUES, WeightHandle, dequantize, random_weight
+
+from .helpers import DEV, FORMATS, assert_close, needs_device
+
+pytestmark = needs_device
+
+# block_k 64: K=160 takes 3 steps with a masked tail; split_k 2 -> splits [0, 128) and [128, 160).
+SMALL_SPLIT = TileConfig(16, 64, num_warps=2, split_k=2)
+NO_PREFETCH = TileConfig(16, 32, num_warps=2, prefetch=False)
+
+
+def _x(n, seed=0, dtype=torch.bfloat16):
+    return torch.randn(n, generator=torch.Generator().manual_seed(seed)).to(dtype).to(DEV)
+
+
+# ---- formats: our torch dequantization agrees with compressed-tensors' own decompressors --------------------------
+@pytest.mark.parametrize("fmt", FORMATS[1:])
+def test_dequantize_matches_compressed_tensors(fmt):
+    ct = pytest.importorskip("compressed_tensors")
+    from compressed_tensors.compressors import (FloatQuantizationCompressor, MXFP4PackedCompressor,
+                                                NVFP4PackedCompressor)
+    from compressed_tensors.quantization import preset_name_to_scheme
+
+    w = random_weight(fmt, 150, 288, seed=3)
+    preset, comp = {"fp8": ("FP8_DYNAMIC", FloatQuantizationCompressor),
+                    "fp8_block": ("FP8_BLOCK", FloatQuantizationCompressor),
+                    "nvfp4": ("NVFP4A16", NVFP4PackedCompressor),
+                    "mxfp4": ("MXFP4A16", MXFP4PackedCompressor)}[fmt]
+    name = "weight_packed" if fmt in ("nvfp4", "mxfp4") else "weight"
+    sd = {name: w.weight, "weight_scale": w.scale}
+    if w.global_scale is not None:
+        sd["weight_global_scale"] = w.global_scale
+    theirs = comp.decompress(sd, preset_name_to_scheme(preset, ["Linear"]))["weight"]
+    assert ct is not None and theirs.shape == (150, 288)
+    assert_close(dequantize(w), theirs, rel=4e-3, what=f"{fmt} vs compressed-tensors")  # theirs is bf16
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_e2m1_codes_through_the_kernel(fmt):
+    """Row r holds code r at element 0 (low nibble) and code 15 - r at element 1 (high nibble); unit scales. The
+    kernel's bit-trick decode must give the spec table [0, .5, 1, 1.5, 2, 3, 4, 6] with the sign in bit 3."""
+    K = 32
+    codes = torch.arange(16, dtype=torch.uint8)
+    packed = torch.zeros(16, K // 2, dtype=torch.uint8)
+    packed[:, 0] = codes | ((15 - codes) << 4)
+    if fmt == "nvfp4":
+        w = WeightHandle("nvfp4", packed.to(DEV), torch.ones(16, K // 16).to(torch.float8_e4m3fn).to(DEV),
+                         torch.ones(1, device=DEV), 16, K)
+    else:
+        w = WeightHandle("mxfp4", packed.to(DEV), torch.full((16, 1), 127, dtype=torch.uint8, device=DEV), None, 16, K)
+    table = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES))
+    for elem, want in ((0, table), (1, table.flip(0))):
+        x = torch.zeros(K, dtype=torch.float32, device=DEV)
+        x[elem] = 1.0
+        y = gemv(x, w, config=TileConfig(16, 32))
+        assert torch.equal(y.cpu(), want), f"element {elem}: {y.tolist()}"
+
+
+# ---- plain GEMV ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("config", [None, SMALL_SPLIT, NO_PREFETCH], ids=["auto", "split2", "noprefetch"])
+def test_gemv(fmt, config):
+    N, K = 37, 160
+    w = random_weight(fmt, N, K, seed=1, device=DEV)
+    x = _x(K)
+    bias = _x(N, 1, torch.float32)
+    res = _x(N, 2)
+    y = gemv(x, w, bias=bias, residual=res, out=torch.empty(N, device=DEV), config=config)
+    assert_close(y, gemv_ref(x, w, bias=bias, residual=res, out_dtype=torch.float32), what=fmt)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_gemv_bf16_out_and_shape(fmt):
+    """Default output: x's dtype and leading shape ([1, K] -> [1, N]); two 128-row blocks for fp8_block."""
+    N, K = 133, 288
+    w = random_weight(fmt, N, K, seed=2, device=DEV)
+    x = _x(K, 3).reshape(1, K)
+    y = gemv(x, w, config=TileConfig(32, 128))
+    assert y.shape == (1, N) and y.dtype == torch.bfloat16
+    assert_close(y, gemv_ref(x, w, out_dtype=torch.float32), rel=8e-3, what=fmt)
+
+
+def test_gemv_fp16_and_auto_split_k():
+    """fp16 weights and activations; a short-and-wide shape gets split-K from the heuristic on GPU."""
+    N, K = 5, 1000
+    w = random_weight("fp16", N, K, seed=4, device=DEV)
+    x = _x(K, 4, torch.float16)
+    y = gemv(x, w, out=torch.empty(N, device=DEV), config=TileConfig(4, 128, split_k=3))
+    assert_close(y, gemv_ref(x, w, out_dtype=torch.float32), what="fp16 split3")
+    assert_close(gemv(x, w), gemv_ref(x, w), rel=2e-3, what="fp16 auto")
+
+
+def test_split_k_counters_reset():
+    """Counters are left at zero: back-to-back split launches keep agreeing with the reference."""
+    w = random_weight("fp8", 37, 160, seed=5, device=DEV)
+    for seed in range(3):
+        x = _x(160, seed)
+        assert_close(gemv(x, w, out=torch.empty(37, device=DEV), config=SMALL_SPLIT),
+                     gemv_ref(x, w, out_dtype=torch.float32), what=f"launch {seed}")
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_rmsnorm_gemv(fmt):
+    N, K = 37, 96
+    w = random_weight(fmt, N, K, seed=6, device=DEV)
+    x = _x(K, 5) * 3
+    nw = 1 + 0.1 * _x(K, 6)
+    y = rmsnorm_gemv(x, nw, 1e-5, w, residual=_x(N, 7), out=torch.empty(N, device=DEV))
+    want = rmsnorm_gemv_ref(x, nw, 1e-5, w, residual=_x(N, 7), out_dtype=torch.float32)
+    assert_close(y, want, what=fmt)
+
+
+def test_prepare_x8_and_shared_x8():
+    """x8[e, j] = (x * rstd * nw)[8j + e]; a caller-made x8 is used as is (the norm then lives in it)."""
+    K = 96
+    x, nw = _x(K, 20), _x(K, 21)
+    x8 = prepare_x8(x, nw, 1e-5)
+    xn = x.float() * torch.rsqrt(x.float().pow(2).mean() + 1e-5) * nw.float()
+    assert_close(x8, xn.reshape(K // 8, 8).t(), rel=1e-6, what="x8")
+    w = random_weight("mxfp4", 37, K, seed=22, device=DEV)
+    y = gemv(x, w, x8=x8, out=torch.empty(37, device=DEV))
+    assert_close(y, rmsnorm_gemv_ref(x, nw, 1e-5, w, out_dtype=torch.float32), what="shared x8")
+    with pytest.raises(ValueError, match="x8: expected"):
+        gemv(x, w, x8=x8[:, :-1].contiguous())
+
+
+def test_rmsnorm_gemv_split_k():
+    w = random_weight("nvfp4", 37, 160, seed=7, device=DEV)
+    x, nw = _x(160, 8), _x(160, 9)
+    y = rmsnorm_gemv(x, nw, 1e-6, w, out=torch.empty(37, device=DEV), config=SMALL_SPLIT)
+    assert_close(y, rmsnorm_gemv_ref(x, nw, 1e-6, w, out_dtype=torch.float32), what="nvfp4 split")
+
+
+# ---- fused GLU ----------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_swiglu(fmt):
+    N, K = 37, 160
+    wg, wu = random_weight(fmt, N, K, seed=8, device=DEV), random_weight(fmt, N, K, seed=9, device=DEV)
+    x = _x(K, 10)
+    y = gemv_swiglu(x, wg, wu, out=torch.empty(N, device=DEV), config=TileConfig(16, 64))
+    assert_close(y, gemv_glu_ref(x, wg, wu, out_dtype=torch.float32), what=fmt)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4", "mxfp4"])
+def test_gpt_oss_glu_interleaved(fmt):
+    """gpt-oss: gate = even rows, up = odd rows of one gate_up weight, biases likewise; clamp at limit."""
+    I, K = 37, 96
+    gate_up = random_weight(fmt, 2 * I, K, seed=11, device=DEV, std=1.0)  # large pre-activations hit the clamp
+    b = _x(2 * I, 12)
+    wg, wu = gate_up.rows(0, None, 2), gate_up.rows(1, None, 2)
+    x = _x(K, 13)
+    nw = _x(K, 14)
+    kw = dict(act="gpt_oss", limit=7.0, gate_bias=b[0::2], up_bias=b[1::2], norm_weight=nw, eps=1e-5)
+    want = gemv_glu_ref(x, wg, wu, out_dtype=torch.float32, **kw)
+    assert_close(gemv_glu(x, wg, wu, out=torch.empty(I, device=DEV), **kw), want, what=fmt)
+    pre = dequantize(wu) @ (x.float() * torch.rsqrt(x.float().pow(2).mean() + 1e-5) * nw.float()) + b[1::2].float()
+    assert pre.abs().max() > 7, "test should exercise the up clamp"
+
+
+def test_glu_fused_gate_up_halves():
+    """A fused [2I, H] gate_up split as rows(0, I) / rows(I): views, no copies."""
+    I, K = 37, 96
+    gate_up = random_weight("fp8", 2 * I, K, seed=15, device=DEV)
+    x = _x(K, 16)
+    wg, wu = gate_up.rows(0, I), gate_up.rows(I)
+    assert wg.weight.data_ptr() == gate_up.weight.data_ptr()
+    assert_close(gemv_swiglu(x, wg, wu, out=torch.empty(I, device=DEV)),
+                 gemv_glu_ref(x, wg, wu, out_dtype=torch.float32), what="fused halves")
+
+
+# ---- handles and errors -------------------------------------------------------------------------------------------
+def test_from_compressed_formats():
+    out, in_ = 37, 160
+    for fmt in FORMATS:
+        w = random_weight(fmt, out, in_, seed=17)
+        d = {"weight": w.weight} if w.scale is None else {
+            ("weight_packed" if fmt in ("nvfp4", "mxfp4") else "weight"): w.weight, "weight_scale": w.scale}
+        if w.global_scale is not None:
+            d["weight_global_scale"] = w.global_scale
+        h = WeightHandle.from_compressed(d)
+        assert (h.fmt, h.out_features, h.in_features) == (fmt, out, in_)
+    fp8 = random_weight("fp8", out, in_, seed=18)
+    per_tensor = WeightHandle.from_compressed({"weight": fp8.weight, "weight_scale": torch.tensor([0.01])})
+    assert per_tensor.fmt == "fp8" and per_tensor.scale.stride(-2) == 0
+    blk = random_weight("fp8_block", out, in_, seed=19)
+    assert WeightHandle.from_compressed({"weight": blk.weight, "weight_scale_inv": blk.scale}).fmt == "fp8_block"
+
+
+def test_errors_name_the_tensor():
+    w = random_weight("bf16", 37, 96, device=DEV)
+    with pytest.raises(ValueError, match="x: shape"):
+        gemv(_x(95), w)
+    with pytest.raises(ValueError, match="bias"):
+        gemv(_x(96), w, bias=_x(36))
+    with pytest.raises(ValueError, match="weight_scale shape"):
+        WeightHandle("nvfp4", torch.zeros(4, 16, dtype=torch.uint8), torch.zeros(4, 3).to(torch.float8_e4m3fn),
+                     torch.ones(1), 4, 32)
+    with pytest.raises(ValueError, match="128-row block"):
+        random_weight("fp8_block", 256, 128).rows(1, None, 2)
+    with pytest.raises(ValueError, match="block_n dividing"):
+        gemv(_x(160), random_weight("fp8_block", 37, 160, device=DEV), config=TileConfig(256, 64))
+    with pytest.raises(KeyError, match="weight_packed"):
+        WeightHandle.from_compressed({"bias": torch.zeros(3)})

@@ -1,0 +1,154 @@
+"""Router and routed-expert kernels vs their torch references (Triton interpreter on CPU)."""
+
+import pytest
+import torch
+
+from kie_moe.kernels.gemv import TileConfig
+from kie_moe.kernels.moe import RouterConfig, moe_experts, moe_experts_ref, route, route_ref
+from kie_moe.kernels.weights import WeightHandle, random_weight
+
+from .helpers import DEV, FORMATS, assert_close, needs_device
+
+pytestmark = needs_device
+
+
+def _t(*shape, seed=0, dtype=torch.bfloat16, scale=1.0):
+    return (torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale).to(dtype).to(DEV)
+
+
+# ---- router -------------------------------------------------------------------------------------------------------
+ROUTERS = {
+    # Qwen3-MoE / Mixtral: softmax over all experts, top-k, renormalised
+    "softmax_norm": (20, RouterConfig(top_k=4), {}),
+    # DeepSeek-V2 style without renormalisation, scaled
+    "softmax_raw": (20, RouterConfig(top_k=3, norm_topk_prob=False, routed_scaling_factor=16.0), {}),
+    # DeepSeek-V3: sigmoid, correction bias for the choice only, 4 of 6 groups by sum-of-top-2, x2.5
+    "sigmoid_groups": (24, RouterConfig(top_k=5, scoring="sigmoid", n_group=6, topk_group=2,
+                                        routed_scaling_factor=2.5), {"correction_bias": 1}),
+    # DeepSeek-V2 group-limited greedy: softmax, groups scored by their best expert
+    "softmax_groups_max": (24, RouterConfig(top_k=4, n_group=4, topk_group=3, group_score="max"), {}),
+    # gpt-oss: router bias, top-k on logits, softmax over the k picked
+    "softmax_topk_bias": (20, RouterConfig(top_k=4, scoring="softmax_topk"), {"router_bias": 1}),
+}
+
+
+@pytest.mark.parametrize("name", list(ROUTERS))
+@pytest.mark.parametrize("split", [1, 3])
+def test_route(name, split):
+    E, cfg, extra = ROUTERS[name]
+    H = 160
+    x, w = _t(H, seed=1), _t(E, H, seed=2, scale=0.2)
+    kw = {}
+    if "correction_bias" in extra:
+        kw["correction_bias"] = _t(E, seed=3, dtype=torch.float32, scale=0.1)
+    if "router_bias" in extra:
+        kw["router_bias"] = _t(E, seed=4, scale=0.5)
+    got = route(x, w, cfg, config=TileConfig(8, 64, split_k=split), **kw)
+    want = route_ref(x, w, cfg, **kw)
+    assert got.ids.dtype == torch.int32 and got.weights.dtype == torch.float32
+    assert got.ids.tolist() == want.ids.tolist(), f"{name}: ids {got.ids.tolist()} vs {want.ids.tolist()}"
+    assert_close(got.weights, want.weights, what=f"{name} weights")
+    assert_close(got.logits, want.logits, what=f"{name} logits")
+
+
+def test_route_groups_exclude_best_expert():
+    """Group-limited top-k must skip a strong expert whose group loses (checks the mask, not just agreement)."""
+    E, H = 16, 32
+    cfg = RouterConfig(top_k=2, scoring="sigmoid", n_group=4, topk_group=1)
+    x = torch.zeros(H, dtype=torch.bfloat16, device=DEV)
+    x[0] = 1
+    w = torch.full((E, H), -4.0, dtype=torch.bfloat16, device=DEV)
+    w[0, 0] = 5.0  # the single best expert, in group 0 whose second best is weak
+    w[4, 0], w[5, 0] = 3.0, 2.5  # group 1: two good experts -> larger top-2 sum
+    got = route(x, w, cfg)
+    assert got.ids.tolist() == [4, 5]
+    assert route_ref(x, w, cfg).ids.tolist() == got.ids.tolist()
+
+
+def test_route_with_rmsnorm_and_out_buffers():
+    E, H = 20, 96
+    cfg = RouterConfig(top_k=4)
+    x, w, nw = _t(H, seed=5, scale=4.0), _t(E, H, seed=6, scale=0.2), _t(H, seed=7)
+    out = route(x, w, cfg, norm_weight=nw, eps=1e-5)
+    again = route(x, w, cfg, norm_weight=nw, eps=1e-5, out=out)  # preallocated (CUDA-graph style) buffers
+    assert again.ids.data_ptr() == out.ids.data_ptr()
+    want = route_ref(x, w, cfg, norm_weight=nw, eps=1e-5)
+    assert again.ids.tolist() == want.ids.tolist()
+    assert_close(again.weights, want.weights, what="normed router")
+
+
+# ---- routed experts -----------------------------------------------------------------------------------------------
+def _experts(fmt, E, I, H, seed=0):
+    return (random_weight(fmt, I, H, experts=E, seed=seed, device=DEV),
+            random_weight(fmt, I, H, experts=E, seed=seed + 1, device=DEV),
+            random_weight(fmt, H, I, experts=E, seed=seed + 2, device=DEV))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_moe_experts(fmt):
+    """Repeated ids and both ends of the expert range; slots split over 2 programs per row tile."""
+    E, H = 5, 96
+    I = 96 if fmt in ("nvfp4", "mxfp4") else 37  # fp4 groups need I % 32 == 0 (down's input)
+    wg, wu, wd = _experts(fmt, E, I, H, seed=10)
+    x = _t(H, seed=11)
+    ids = torch.tensor([E - 1, 0, 2, 0], dtype=torch.int32, device=DEV)
+    wts = torch.tensor([0.4, 0.3, 0.2, 0.1], device=DEV)
+    res = _t(H, seed=12)
+    cfg = TileConfig(16, 64, num_warps=2)
+    y = moe_experts(x, ids, wts, wg, wu, wd, residual=res, out=torch.empty(H, device=DEV),
+                    config_up=cfg, config_down=cfg, split=2)
+    assert_close(y, moe_experts_ref(x, ids, wts, wg, wu, wd, residual=res, out_dtype=torch.float32), what=fmt)
+
+
+def test_moe_experts_default_configs_bf16_out():
+    E, I, H = 6, 37, 160
+    wg, wu, wd = _experts("fp8", E, I, H, seed=20)
+    x = _t(1, H, seed=21)
+    ids = torch.tensor([5, 3], dtype=torch.int32, device=DEV)
+    wts = torch.tensor([0.7, 0.3], device=DEV)
+    y = moe_experts(x, ids, wts, wg, wu, wd)
+    assert y.shape == (1, H) and y.dtype == torch.bfloat16
+    assert_close(y, moe_experts_ref(x, ids, wts, wg, wu, wd, out_dtype=torch.float32), rel=8e-3, what="auto")
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "bf16"])
+def test_gpt_oss_block(fmt):
+    """gpt-oss end to end on the device: router (bias, softmax over top-k) -> interleaved gate_up with biases,
+    clamped GLU -> down with biases; ids never leave the device between the launches."""
+    E, I, H, k = 6, 64, 96, 3
+    if fmt == "mxfp4":  # the checkpoint's own layout: *_blocks [E, out, in/32, 16], *_scales [E, out, in/32]
+        gu = random_weight("mxfp4", 2 * I, H, experts=E, seed=30, device=DEV, std=0.5)
+        gate_up = WeightHandle.from_gpt_oss_mxfp4(gu.weight.reshape(E, 2 * I, H // 32, 16), gu.scale)
+        dn = random_weight("mxfp4", H, I, experts=E, seed=31, device=DEV)
+        down = WeightHandle.from_gpt_oss_mxfp4(dn.weight.reshape(E, H, I // 32, 16), dn.scale)
+    else:
+        gate_up = random_weight("bf16", 2 * I, H, experts=E, seed=30, device=DEV, std=0.5)
+        down = random_weight("bf16", H, I, experts=E, seed=31, device=DEV)
+    wg, wu = gate_up.rows(0, None, 2), gate_up.rows(1, None, 2)
+    gu_bias, d_bias = _t(E, 2 * I, seed=32), _t(E, H, seed=33)
+    x, w_r, b_r, nw = _t(H, seed=34), _t(E, H, seed=35, scale=0.3), _t(E, seed=36), _t(H, seed=37)
+    cfg = RouterConfig(top_k=k, scoring="softmax_topk")
+    x8 = torch.full((8, H // 8), float("nan"), device=DEV)  # the router fills it: every element must be written
+    r = route(x, w_r, cfg, router_bias=b_r, norm_weight=nw, x8_out=x8, config=TileConfig(4, 32, split_k=2))
+    kw = dict(act="gpt_oss", limit=7.0, gate_bias=gu_bias[:, 0::2], up_bias=gu_bias[:, 1::2], down_bias=d_bias,
+              norm_weight=nw, residual=x)
+    y = moe_experts(x, r.ids, r.weights, wg, wu, down, out=torch.empty(H, device=DEV),
+                    x8=x8 if fmt == "mxfp4" else None, **kw)
+    rr = route_ref(x, w_r, cfg, router_bias=b_r, norm_weight=nw)
+    assert r.ids.tolist() == rr.ids.tolist()
+    assert_close(y, moe_experts_ref(x, rr.ids, rr.weights, wg, wu, down, out_dtype=torch.float32, **kw),
+                 what=f"gpt-oss {fmt}")
+
+
+def test_moe_experts_errors():
+    wg, wu, wd = _experts("bf16", 4, 37, 96)
+    x = _t(96)
+    wts = torch.ones(2, device=DEV)
+    with pytest.raises(ValueError, match="ids must be a contiguous int32"):
+        moe_experts(x, torch.tensor([0, 1], device=DEV), wts, wg, wu, wd)
+    with pytest.raises(ValueError, match="w_down is"):
+        moe_experts(x, torch.tensor([0, 1], dtype=torch.int32, device=DEV), wts, wg, wu, wu)
+    with pytest.raises(ValueError, match="not an expert stack"):
+        moe_experts(x, torch.tensor([0, 1], dtype=torch.int32, device=DEV), wts, wg.expert(0), wu, wd)
+    with pytest.raises(ValueError, match="topk_group"):
+        RouterConfig(top_k=2, n_group=2, topk_group=3)
