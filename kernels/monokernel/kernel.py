@@ -23,8 +23,8 @@ import triton.language as tl
 from kie_moe.kccl.sync import flag_is_set, read_counter, signal, st_release_sys, wait
 
 from . import plan as P
-from .ops import (attention_task, attn_combine, embed_row, expert_down_task, gemv_task, glu_task, lm_task,
-                  pick_token, prefetch, route, vec_dot_norm)
+from .ops import attention_task, attn_combine, embed_row, pick_token, route, vec_dot_norm
+from .stream import first_tile, stream_expert_down, stream_gemv, stream_glu
 
 # ctrl words (int32, device): written by the kernel, read by the host after the launch
 CT_STOP, CT_ERR, CT_ERR_TASK, CT_ERR_HAVE, CT_ERR_NEED, CT_REASON, CT_NTOK = range(7)
@@ -107,12 +107,13 @@ def monokernel(
         t_next = n_total
         if op == _OP_QKV:
             w = wa_ptr + _lf(lrow, P.LF_QKV)
-            w0 = prefetch(w, D, r0, r_end, BN_QKV, BLOCK_K)
+            w0 = first_tile(w, D, r0, r_end, BN_QKV, BLOCK_K)
             t_next = tl.atomic_add(cursor_ptr, 1, sem="relaxed")
             st = wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, False, NT)
             if st == 0:
-                gemv_task(w, w0, D, r0, r_end, x_ptr, wa_ptr + _lf(lrow, P.LF_ATTN_NORM), eps,
-                          wa_ptr + _lf(lrow, P.LF_QKV_B), qkv_ptr, qkv_ptr, True, HAS_QKV_BIAS, False, BN_QKV, BLOCK_K)
+                stream_gemv(w, w0, D, r0, r_end, x_ptr, wa_ptr + _lf(lrow, P.LF_ATTN_NORM), eps,
+                            wa_ptr + _lf(lrow, P.LF_QKV_B), qkv_ptr, qkv_ptr, 0, pv_ptr, pi_ptr, 0, 1.0, 0, 0,
+                            True, HAS_QKV_BIAS, False, False, BN_QKV, BLOCK_K)
         elif op == _OP_ATTN:
             t_next = tl.atomic_add(cursor_ptr, 1, sem="relaxed")
             st = wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, False, NT)
@@ -125,7 +126,7 @@ def monokernel(
                                HAS_CLIP, BLOCK_R, BLOCK_H, BLOCK_C, BLOCK_D, BLOCK_T, BLOCK_X)
         elif op == _OP_O:
             w = wa_ptr + _lf(lrow, P.LF_O)
-            w0 = prefetch(w, NQ, r0, r_end, BN_O, BLOCK_K)
+            w0 = first_tile(w, NQ, r0, r_end, BN_O, BLOCK_K)
             t_next = tl.atomic_add(cursor_ptr, 1, sem="relaxed")
             st = wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, False, NT)
             if st == 0:
@@ -134,46 +135,46 @@ def monokernel(
                 attn_combine(ao_ptr, am_ptr, al_ptr, wa_ptr + _lf(lrow, P.LF_SINKS), n_splits, scr, HQ, DH,
                              HAS_SINKS, BLOCK_X)
                 tl.debug_barrier()
-                gemv_task(w, w0, NQ, r0, r_end, scr, scr, eps, wa_ptr + _lf(lrow, P.LF_O_B), x_ptr, x_ptr,
-                          False, HAS_O_BIAS, True, BN_O, BLOCK_K)
+                stream_gemv(w, w0, NQ, r0, r_end, scr, scr, eps, wa_ptr + _lf(lrow, P.LF_O_B), x_ptr, x_ptr,
+                            0, pv_ptr, pi_ptr, 0, 1.0, 0, 0, False, HAS_O_BIAS, True, False, BN_O, BLOCK_K)
         elif op == _OP_GATEUP:
             wg = wa_ptr + _lf(lrow, P.LF_GATE)
             wu = wa_ptr + _lf(lrow, P.LF_UP)
-            g0 = prefetch(wg, D, r0, r_end, BN_GU, BLOCK_K)
-            u0 = prefetch(wu, D, r0, r_end, BN_GU, BLOCK_K)
+            g0 = first_tile(wg, D, r0, r_end, BN_GU, BLOCK_K)
+            u0 = first_tile(wu, D, r0, r_end, BN_GU, BLOCK_K)
             t_next = tl.atomic_add(cursor_ptr, 1, sem="relaxed")
             st = wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, False, NT)
             if st == 0:
-                glu_task(wg, wu, g0, u0, D, r0, r_end, x_ptr, wa_ptr + _lf(lrow, P.LF_MLP_NORM), eps, wg, wu, h_ptr,
-                         glu_limit, glu_alpha, False, 0, BN_GU, BLOCK_K)
+                stream_glu(wg, wu, g0, u0, D, r0, r_end, x_ptr, wa_ptr + _lf(lrow, P.LF_MLP_NORM), eps, wg, wu,
+                           h_ptr, glu_limit, glu_alpha, False, 0, BN_GU, BLOCK_K)
         elif op == _OP_DOWN:
             w = wa_ptr + _lf(lrow, P.LF_DOWN)
-            w0 = prefetch(w, I_DENSE, r0, r_end, BN_DOWN, BLOCK_K)
+            w0 = first_tile(w, I_DENSE, r0, r_end, BN_DOWN, BLOCK_K)
             t_next = tl.atomic_add(cursor_ptr, 1, sem="relaxed")
             st = wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, False, NT)
             if st == 0:
-                gemv_task(w, w0, I_DENSE, r0, r_end, h_ptr, h_ptr, eps, w, x_ptr, x_ptr, False, False, True,
-                          BN_DOWN, BLOCK_K)
+                stream_gemv(w, w0, I_DENSE, r0, r_end, h_ptr, h_ptr, eps, w, x_ptr, x_ptr, 0, pv_ptr, pi_ptr,
+                            0, 1.0, 0, 0, False, False, True, False, BN_DOWN, BLOCK_K)
         elif op == _OP_ROUTER:
             w = wa_ptr + _lf(lrow, P.LF_ROUTER)
-            w0 = prefetch(w, D, r0, r_end, BN_ROUTER, BLOCK_K)
+            w0 = first_tile(w, D, r0, r_end, BN_ROUTER, BLOCK_K)
             t_next = tl.atomic_add(cursor_ptr, 1, sem="relaxed")
             st = wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, False, NT)
             if st == 0:
-                gemv_task(w, w0, D, r0, r_end, x_ptr, wa_ptr + _lf(lrow, P.LF_MLP_NORM), eps,
-                          wa_ptr + _lf(lrow, P.LF_ROUTER_B), rlog_ptr + layer * E, rlog_ptr, True, HAS_RBIAS, False,
-                          BN_ROUTER, BLOCK_K)
+                stream_gemv(w, w0, D, r0, r_end, x_ptr, wa_ptr + _lf(lrow, P.LF_MLP_NORM), eps,
+                            wa_ptr + _lf(lrow, P.LF_ROUTER_B), rlog_ptr + layer * E, rlog_ptr, 0, pv_ptr, pi_ptr,
+                            0, 1.0, 0, 0, True, HAS_RBIAS, False, False, BN_ROUTER, BLOCK_K)
         elif op == _OP_SH_UP:
             wg = wa_ptr + _lf(lrow, P.LF_SGATE)
             wu = wa_ptr + _lf(lrow, P.LF_SUP)
-            g0 = prefetch(wg, D, r0, r_end, BN_SUP, BLOCK_K)
-            u0 = prefetch(wu, D, r0, r_end, BN_SUP, BLOCK_K)
+            g0 = first_tile(wg, D, r0, r_end, BN_SUP, BLOCK_K)
+            u0 = first_tile(wu, D, r0, r_end, BN_SUP, BLOCK_K)
             t_next = tl.atomic_add(cursor_ptr, 1, sem="relaxed")
             st = wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, False, NT)
             if st == 0:
                 nw = wa_ptr + _lf(lrow, P.LF_MLP_NORM)
-                glu_task(wg, wu, g0, u0, D, r0, r_end, x_ptr, nw, eps, wg, wu, h_ptr + TOPK * I_MOE,
-                         glu_limit, glu_alpha, False, 0, BN_SUP, BLOCK_K)
+                stream_glu(wg, wu, g0, u0, D, r0, r_end, x_ptr, nw, eps, wg, wu, h_ptr + TOPK * I_MOE,
+                           glu_limit, glu_alpha, False, 0, BN_SUP, BLOCK_K)
                 if HAS_SH_GATE:
                     if r0 == 0:  # one task computes the shared expert's sigmoid gate
                         s = vec_dot_norm(wa_ptr + _lf(lrow, P.LF_SH_GATE), x_ptr, nw, D, eps, BLOCK_K)
@@ -192,27 +193,26 @@ def monokernel(
                 e = tl.sum(tl.where(offs_j == aux, ids, 0), axis=0).to(tl.int64)
                 wg = wa_ptr + _lf(lrow, P.LF_EGATE) + e * (I_MOE * D)
                 wu = wa_ptr + _lf(lrow, P.LF_EUP) + e * (I_MOE * D)
-                g0 = prefetch(wg, D, r0, r_end, BN_EUP, BLOCK_K)
-                u0 = prefetch(wu, D, r0, r_end, BN_EUP, BLOCK_K)
-                glu_task(wg, wu, g0, u0, D, r0, r_end, x_ptr, wa_ptr + _lf(lrow, P.LF_MLP_NORM), eps,
-                         wa_ptr + _lf(lrow, P.LF_EGATE_B) + e * I_MOE, wa_ptr + _lf(lrow, P.LF_EUP_B) + e * I_MOE,
-                         h_ptr + aux * I_MOE, glu_limit, glu_alpha, HAS_EBIAS, EXP_ACT, BN_EUP, BLOCK_K)
+                g0 = first_tile(wg, D, r0, r_end, BN_EUP, BLOCK_K)
+                u0 = first_tile(wu, D, r0, r_end, BN_EUP, BLOCK_K)
+                stream_glu(wg, wu, g0, u0, D, r0, r_end, x_ptr, wa_ptr + _lf(lrow, P.LF_MLP_NORM), eps,
+                           wa_ptr + _lf(lrow, P.LF_EGATE_B) + e * I_MOE, wa_ptr + _lf(lrow, P.LF_EUP_B) + e * I_MOE,
+                           h_ptr + aux * I_MOE, glu_limit, glu_alpha, HAS_EBIAS, EXP_ACT, BN_EUP, BLOCK_K)
         elif op == _OP_EXP_DOWN:
             t_next = tl.atomic_add(cursor_ptr, 1, sem="relaxed")
             st = wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, False, NT)
             if st == 0:
-                expert_down_task(wa_ptr + _lf(lrow, P.LF_EDOWN), wa_ptr + _lf(lrow, P.LF_EDOWN_B),
-                                 wa_ptr + _lf(lrow, P.LF_SDOWN), r0, r_end, h_ptr, rids_ptr + layer * TOPK,
-                                 rwts_ptr + layer * TOPK, sg_ptr, x_ptr, D, I_MOE, I_SH, TOPK, HAS_EBIAS,
-                                 HAS_SH_GATE, BN_EDOWN, BLOCK_K)
+                stream_expert_down(wa_ptr, _lf(lrow, P.LF_EDOWN), _lf(lrow, P.LF_EDOWN_B), _lf(lrow, P.LF_SDOWN),
+                                   r0, r_end, h_ptr, rids_ptr + layer * TOPK, rwts_ptr + layer * TOPK, sg_ptr, x_ptr,
+                                   D, I_MOE, I_SH, TOPK, HAS_EBIAS, HAS_SH_GATE, BLOCK_TOPK, BN_EDOWN, BLOCK_K)
         elif op == _OP_LM:
             w = wa_ptr + lm_off
-            w0 = prefetch(w, D, r0, r_end, BN_LM, BLOCK_K)
+            w0 = first_tile(w, D, r0, r_end, BN_LM, BLOCK_K)
             t_next = tl.atomic_add(cursor_ptr, 1, sem="relaxed")
             st = wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, False, NT)
             if st == 0:
-                lm_task(w, w0, D, r0, r_end, x_ptr, wa_ptr + fnorm_off, eps, aux, pv_ptr, pi_ptr, do_sample,
-                        inv_temp, seed, step, BN_LM, BLOCK_K)
+                stream_gemv(w, w0, D, r0, r_end, x_ptr, wa_ptr + fnorm_off, eps, w, pv_ptr, pv_ptr, aux, pv_ptr,
+                            pi_ptr, do_sample, inv_temp, seed, step, True, False, False, True, BN_LM, BLOCK_K)
         elif op == _OP_SAMPLE:
             t_next = tl.atomic_add(cursor_ptr, 1, sem="relaxed")
             st = wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, False, NT)

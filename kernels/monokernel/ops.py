@@ -1,7 +1,6 @@
-"""Device functions of the monokernel's tasks: GEMV row tiles (RMSNorm fused in front, bias / residual / GLU in
-the epilogue), decode attention per kv head with RoPE + KV append, the attention-split combine, MoE routing
-(top-k recomputed from the router logits by each consumer: no extra phase), LM-head partial argmax with Gumbel
-noise, and the counter-based RNG.
+"""Device functions of the monokernel's non-GEMV tasks (GEMV streaming: stream.py): decode attention per kv head
+with RoPE + KV append, the attention-split combine, MoE routing (top-k recomputed from the router logits by each
+consumer: no extra phase), the sampler's reduction over LM-head tiles, the next step's embedding row.
 
 Activations are fp32 end to end (a few KB; bandwidth is all weights), weights any float dtype of the arena.
 Reads of data other programs wrote use `.cg` (L2, never a stale L1 line). PyTorch references: every op is one
@@ -12,138 +11,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-
-# ---- GEMV --------------------------------------------------------------------------------------------------------
-
-@triton.jit
-def rstd(x_ptr, K, eps, BLOCK: tl.constexpr):
-    """1 / sqrt(mean(x^2) + eps) over x[K] (fp32)."""
-    ss = tl.zeros((BLOCK,), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK):
-        offs = k0 + tl.arange(0, BLOCK)
-        x = tl.load(x_ptr + offs, mask=offs < K, other=0.0, cache_modifier=".cg")
-        ss += x * x
-    return 1.0 / tl.sqrt(tl.sum(ss, axis=0) / K + eps)
-
-
-@triton.jit
-def x_chunk(x_ptr, nw_ptr, offs_k, k_mask, NORM: tl.constexpr):
-    """x[offs_k] (fp32), times the norm weight when NORM (the caller applies rstd to the dot product)."""
-    x = tl.load(x_ptr + offs_k, mask=k_mask, other=0.0, cache_modifier=".cg")
-    if NORM:
-        x = x * tl.load(nw_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
-    return x
-
-
-@triton.jit
-def prefetch(w_ptr, K, r0, r_end, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The first [BLOCK_N, BLOCK_K] weight tile of rows r0.. (masked to r_end): issued before the task's wait,
-    since weights never depend on activations."""
-    rows = r0 + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    mask = (rows < r_end)[:, None] & (offs_k < K)[None, :]
-    return tl.load(w_ptr + rows.to(tl.int64)[:, None] * K + offs_k[None, :], mask=mask, other=0.0)
-
-
-@triton.jit
-def dot_rows(w_ptr, K, r0, r_end, x_ptr, nw_ptr, w_first, use_first, NORM: tl.constexpr,
-             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """W[r0:r0+BLOCK_N, :K] @ x -> [BLOCK_N] fp32; the first K step comes from `w_first` when `use_first`."""
-    rows = r0 + tl.arange(0, BLOCK_N)
-    r_mask = rows < r_end
-    w_rows = w_ptr + rows.to(tl.int64)[:, None] * K
-    offs0 = tl.arange(0, BLOCK_K)
-    # 2-D accumulator: one cross-thread reduction after the loop, not one per K step
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    k_start = 0
-    if use_first:
-        acc += w_first.to(tl.float32) * x_chunk(x_ptr, nw_ptr, offs0, offs0 < K, NORM)[None, :]
-        k_start = BLOCK_K
-    for k0 in range(k_start, K, BLOCK_K):
-        offs_k = k0 + offs0
-        k_mask = offs_k < K
-        w = tl.load(w_rows + offs_k[None, :], mask=r_mask[:, None] & k_mask[None, :], other=0.0)
-        acc += w.to(tl.float32) * x_chunk(x_ptr, nw_ptr, offs_k, k_mask, NORM)[None, :]
-    return tl.sum(acc, axis=1)
-
-
-@triton.jit
-def dot_rows2(wg_ptr, wu_ptr, K, r0, r_end, x_ptr, nw_ptr, g_first, u_first, use_first, NORM: tl.constexpr,
-              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Two matrices against one x (gate and up rows of a GLU): x is loaded once per K step."""
-    rows = r0 + tl.arange(0, BLOCK_N)
-    r_mask = rows < r_end
-    g_rows = wg_ptr + rows.to(tl.int64)[:, None] * K
-    u_rows = wu_ptr + rows.to(tl.int64)[:, None] * K
-    offs0 = tl.arange(0, BLOCK_K)
-    acc_g = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    k_start = 0
-    if use_first:
-        x = x_chunk(x_ptr, nw_ptr, offs0, offs0 < K, NORM)[None, :]
-        acc_g += g_first.to(tl.float32) * x
-        acc_u += u_first.to(tl.float32) * x
-        k_start = BLOCK_K
-    for k0 in range(k_start, K, BLOCK_K):
-        offs_k = k0 + offs0
-        k_mask = offs_k < K
-        m = r_mask[:, None] & k_mask[None, :]
-        g = tl.load(g_rows + offs_k[None, :], mask=m, other=0.0)
-        u = tl.load(u_rows + offs_k[None, :], mask=m, other=0.0)
-        x = x_chunk(x_ptr, nw_ptr, offs_k, k_mask, NORM)[None, :]
-        acc_g += g.to(tl.float32) * x
-        acc_u += u.to(tl.float32) * x
-    return tl.sum(acc_g, axis=1), tl.sum(acc_u, axis=1)
-
-
-@triton.jit
-def glu(g, u, limit, alpha, ACT: tl.constexpr):
-    """ACT 0: silu(g) * u. ACT 1 (gpt-oss): g <= limit, |u| <= limit, (u + 1) * g * sigmoid(alpha * g)."""
-    if ACT == 0:
-        h = g * tl.sigmoid(g) * u
-    else:
-        g = tl.minimum(g, limit)
-        u = tl.minimum(tl.maximum(u, -limit), limit)
-        h = (u + 1.0) * (g * tl.sigmoid(alpha * g))
-    return h
-
-
-@triton.jit
-def gemv_task(w_ptr, w_first, K, row0, r_end, x_ptr, nw_ptr, eps, b_ptr, y_ptr, res_ptr,
-              NORM: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
-              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """y[r] = (rstd *) W[r] . (nw *) x (+ b[r]) (+ res[r]) for r in [row0, r_end). y may alias res (rows are
-    this task's own)."""
-    scale = 1.0
-    if NORM:
-        scale = rstd(x_ptr, K, eps, BLOCK_K)
-    for r0 in range(row0, r_end, BLOCK_N):
-        acc = dot_rows(w_ptr, K, r0, r_end, x_ptr, nw_ptr, w_first, r0 == row0, NORM, BLOCK_N, BLOCK_K) * scale
-        rows = r0 + tl.arange(0, BLOCK_N)
-        r_mask = rows < r_end
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + rows, mask=r_mask, other=0.0).to(tl.float32)
-        if HAS_RES:
-            acc += tl.load(res_ptr + rows, mask=r_mask, other=0.0, cache_modifier=".cg")
-        tl.store(y_ptr + rows, acc, mask=r_mask)
-
-
-@triton.jit
-def glu_task(wg_ptr, wu_ptr, g_first, u_first, K, row0, r_end, x_ptr, nw_ptr, eps, bg_ptr, bu_ptr, h_ptr,
-             limit, alpha, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """h[r] = glu(Wg[r] . xn + bg[r], Wu[r] . xn + bu[r]), xn = RMSNorm(x) (norm weight nw)."""
-    scale = rstd(x_ptr, K, eps, BLOCK_K)
-    for r0 in range(row0, r_end, BLOCK_N):
-        g, u = dot_rows2(wg_ptr, wu_ptr, K, r0, r_end, x_ptr, nw_ptr, g_first, u_first, r0 == row0, True,
-                         BLOCK_N, BLOCK_K)
-        g = g * scale
-        u = u * scale
-        rows = r0 + tl.arange(0, BLOCK_N)
-        r_mask = rows < r_end
-        if HAS_BIAS:
-            g += tl.load(bg_ptr + rows, mask=r_mask, other=0.0).to(tl.float32)
-            u += tl.load(bu_ptr + rows, mask=r_mask, other=0.0).to(tl.float32)
-        tl.store(h_ptr + rows, glu(g, u, limit, alpha, ACT), mask=r_mask)
+from .stream import rstd, x_chunk
 
 
 # ---- MoE routing ---------------------------------------------------------------------------------------------------
@@ -351,52 +219,6 @@ def attn_combine(ao_ptr, am_ptr, al_ptr, sink_ptr, n_splits, dst_ptr,
 # ---- LM head and sampling --------------------------------------------------------------------------------------------
 
 @triton.jit
-def hash32(x):
-    """lowbias32 integer hash (uint32 -> uint32); numpy mirror: runtime.gumbel_ref."""
-    x = x.to(tl.uint32)
-    x ^= x >> 16
-    x *= 0x7FEB352D
-    x ^= x >> 15
-    x *= 0x846CA68B
-    x ^= x >> 16
-    return x
-
-
-@triton.jit
-def gumbel(seed, step, offs):
-    """Gumbel(0, 1) noise for vocab ids `offs` at decode step `step`: counter-based (no state), so every program
-    draws its tile's noise independently and a seed replays exactly."""
-    key = hash32(seed.to(tl.uint32) + step.to(tl.uint32) * 0x9E3779B9)
-    h = hash32(key ^ offs.to(tl.uint32))
-    u = ((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
-    return -tl.log(-tl.log(u))
-
-
-@triton.jit
-def lm_task(w_ptr, w_first, K, row0, r_end, x_ptr, nw_ptr, eps, tile, pv_ptr, pi_ptr, do_sample, inv_temp, seed,
-            step, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Vocab rows [row0, r_end) of the LM head on RMSNorm(x): this tile's max and argmax of logits (greedy) or of
-    logits / T + Gumbel noise (sampling), ties to the lowest id (torch.argmax's rule)."""
-    scale = rstd(x_ptr, K, eps, BLOCK_K)
-    best_v = -float("inf")
-    best_i = row0
-    for r0 in range(row0, r_end, BLOCK_N):
-        logit = dot_rows(w_ptr, K, r0, r_end, x_ptr, nw_ptr, w_first, r0 == row0, True, BLOCK_N, BLOCK_K) * scale
-        rows = r0 + tl.arange(0, BLOCK_N)
-        val = logit
-        if do_sample != 0:
-            val = logit * inv_temp + gumbel(seed, step, rows)
-        val = tl.where(rows < r_end, val, -float("inf"))
-        cm = tl.max(val, axis=0)
-        ci = tl.argmax(val, axis=0) + r0
-        upd = cm > best_v
-        best_i = tl.where(upd, ci, best_i)
-        best_v = tl.where(upd, cm, best_v)
-    tl.store(pv_ptr + tile, best_v)
-    tl.store(pi_ptr + tile, best_i)
-
-
-@triton.jit
 def pick_token(pv_ptr, pi_ptr, n_tiles, BLOCK_P: tl.constexpr):
     """Reduce the LM-head tiles' (max, argmax) partials -> token id (first tile wins ties: lowest id)."""
     offs = tl.arange(0, BLOCK_P)
@@ -426,33 +248,3 @@ def vec_dot_norm(w_ptr, x_ptr, nw_ptr, K, eps, BLOCK_K: tl.constexpr):
         mask = offs < K
         acc += tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32) * x_chunk(x_ptr, nw_ptr, offs, mask, True)
     return tl.sum(acc, axis=0) * rstd(x_ptr, K, eps, BLOCK_K)
-
-
-@triton.jit
-def expert_down_task(ed_ptr, edb_ptr, sd_ptr, row0, r_end, h_ptr, ids_ptr, wts_ptr, sg_ptr, x_ptr,
-                     D: tl.constexpr, I_MOE: tl.constexpr, I_SH: tl.constexpr, TOPK: tl.constexpr,
-                     HAS_EBIAS: tl.constexpr, HAS_SH_GATE: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """x[r] += sum_j w_j * (Wdown[e_j][r] . h_j + bdown[e_j][r]) + sg * (Wsh_down[r] . h_sh), rows [row0, r_end):
-    every routed slot (and the shared expert) of this output tile in one task, routing weights folded in, so the
-    sum has a fixed order and needs no atomics. ed_ptr: expert 0's down [D, I_MOE]; h: [TOPK, I_MOE] + [I_SH]."""
-    none = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for r0 in range(row0, r_end, BLOCK_N):
-        rows = r0 + tl.arange(0, BLOCK_N)
-        r_mask = rows < r_end
-        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        for j in range(TOPK):
-            e = tl.load(ids_ptr + j, cache_modifier=".cg").to(tl.int64)
-            wj = tl.load(wts_ptr + j, cache_modifier=".cg")
-            d = dot_rows(ed_ptr + e * (D * I_MOE), I_MOE, r0, r_end, h_ptr + j * I_MOE, h_ptr, none, False, False,
-                         BLOCK_N, BLOCK_K)
-            if HAS_EBIAS:
-                d += tl.load(edb_ptr + e * D + rows, mask=r_mask, other=0.0).to(tl.float32)
-            acc += d * wj
-        if I_SH > 0:
-            sh = dot_rows(sd_ptr, I_SH, r0, r_end, h_ptr + TOPK * I_MOE, h_ptr, none, False, False, BLOCK_N, BLOCK_K)
-            if HAS_SH_GATE:
-                sh = sh * tl.load(sg_ptr, cache_modifier=".cg")
-            acc += sh
-        acc += tl.load(x_ptr + rows, mask=r_mask, other=0.0, cache_modifier=".cg")
-        tl.store(x_ptr + rows, acc, mask=r_mask)

@@ -275,7 +275,7 @@ def _bn(rows: list[tuple[int, int]], cap: int) -> int:
 
 def build_plan(spec: ModelSpec, weights=None, device: str | torch.device = "cpu", *,
                wdtype: torch.dtype | None = None, n_sms: int | None = None, block_k: int | None = None,
-               bn_cap: int | None = None, block_t: int | None = None, min_task_bytes: int = 16 << 10,
+               tile_elems: int | None = None, block_t: int | None = None, min_task_bytes: int = 16 << 10,
                max_task_bytes: int = 512 << 10, random_seed: int | None = None) -> Plan:
     """Pack `weights` (WeightStore-like: names(), get(canonical), `in`) into a device arena and tile every op.
     weights=None with random_seed: random weights drawn on the device (benchmarks; no host copy)."""
@@ -309,9 +309,13 @@ def build_plan(spec: ModelSpec, weights=None, device: str | torch.device = "cpu"
     # ---- tiles: bytes per row of each op (weights only; activations are KB) ----
     eb = buf.element_size()
     if block_k is None:
-        block_k = 512 if gpu else min(128, _pow2(max(d.D, d.HQ * d.DH, d.I_DENSE, d.I_MOE, d.I_SH)))
-    if bn_cap is None:
-        bn_cap = max(1, 8192 // block_k) if gpu else 64
+        block_k = 1024 if gpu else min(128, _pow2(max(d.D, d.HQ * d.DH, d.I_DENSE, d.I_MOE, d.I_SH)))
+    if tile_elems is None:
+        # elements per [BLOCK_N, BLOCK_K] weight tile buffer; a program holds two per matrix (double buffering),
+        # gate/up ops two matrices, so they get half. 16384 fits sm_90's 255 registers without spills (offline
+        # ptxas); larger tiles put more bytes in flight but spill (benchmarks/monokernel_bench.py --sweep).
+        tile_elems = 16384 if gpu else 64 * block_k
+    bn_cap = max(1, tile_elems // block_k)
     sp = lambda n, rb, g=1: split_rows(n, rb, n_sms, min_task_bytes, max_task_bytes, g)  # noqa: E731
     rows = {"qkv": sp(d.NQKV, d.D * eb), "o": sp(d.D, d.HQ * d.DH * eb), "lm": sp(d.V, d.D * eb)}
     if d.I_DENSE:
@@ -323,9 +327,12 @@ def build_plan(spec: ModelSpec, weights=None, device: str | torch.device = "cpu"
         rows["exp_down"] = sp(d.D, (d.TOPK * d.I_MOE + d.I_SH) * eb)
         if d.I_SH:
             rows["sh_up"] = sp(d.I_SH, 2 * d.D * eb)
-    bn = {k: _bn(v, bn_cap) for k, v in rows.items()}
+    pairs = ("gateup", "exp_up", "sh_up")
+    bn = {k: _bn(v, max(1, bn_cap // 2) if k in pairs else bn_cap) for k, v in rows.items()}
     if block_t is None:
+        # attention scores are [REP, BLOCK_T, Dh] products in registers: keep them <= 16K fp32 per program
         block_t = 32 if gpu else 16
+        block_t = max(1, min(block_t, 16384 // (_pow2(d.HQ // d.HKV) * _pow2(d.DH))))
     tiles = TileConfig(block_k=block_k, bn=bn, block_t=block_t, block_p=_pow2(len(rows["lm"])))
     return Plan(spec, d, device, wdtype, arena, buf, table.to(device), top["embed"], top["lm_head"],
                 top["final_norm"], n_sms, tiles, rows)
