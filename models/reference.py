@@ -49,16 +49,43 @@ def route(moe: MoESpec, logits: torch.Tensor, score_bias: torch.Tensor | None) -
     return ids, w * moe.routed_scaling_factor
 
 
+class _LazyWeights:
+    """dict-like view: name -> weights.get(name) converted on each access (lm_head falls back to embed)."""
+
+    def __init__(self, weights, device, dtype):
+        self.weights, self.device, self.dtype = weights, device, dtype
+        self.names = set(weights.names())
+
+    def get(self, name, default=None):
+        if name == "lm_head" and name not in self.names:
+            name = "embed"
+        if name not in self.names:
+            return default
+        return self.weights.get(name).to(self.device, self.dtype)
+
+    def __getitem__(self, name):
+        t = self.get(name)
+        if t is None:
+            raise KeyError(name)
+        return t
+
+
 class ReferenceDecoder:
     """forward(ids [S]) -> logits [S, V]; positions continue from the cache length."""
 
-    def __init__(self, spec: ModelSpec, weights, device: str | torch.device = "cpu", dtype: torch.dtype | None = None):
+    def __init__(self, spec: ModelSpec, weights, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
+                 lazy: bool = False):
+        """lazy: fetch (and convert) each weight from `weights` at every use instead of holding a converted copy --
+        for GPU backends whose own weight buffers are the only copy (their prefill runs through this class)."""
         self.spec = spec
         self.device = torch.device(device)
         self.dtype = dtype or (torch.float32 if self.device.type == "cpu" else torch.bfloat16)
-        self.w = {n: weights.get(n).to(self.device, self.dtype) for n in weights.names()}
-        if "lm_head" not in self.w:
-            self.w["lm_head"] = self.w["embed"]
+        if lazy:
+            self.w = _LazyWeights(weights, self.device, self.dtype)
+        else:
+            self.w = {n: weights.get(n).to(self.device, self.dtype) for n in weights.names()}
+            if "lm_head" not in self.w:
+                self.w["lm_head"] = self.w["embed"]
         self.reset()
 
     def reset(self):

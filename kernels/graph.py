@@ -1,0 +1,315 @@
+"""Backend "graph": a decode step as a sequence of Triton kernel launches, captured once into a CUDA graph and
+replayed per token. Prefill runs through the reference decoder's torch math on the GPU (reading the same weight
+buffers) and fills the KV caches these kernels read.
+
+Per step (position and token live on the device, so the graph replays unchanged):
+    x = embed[token]                                   (fp32 residual stream [D])
+    per layer:  q, k, v = rmsnorm_gemv(x, attn_norm, W_q|W_k|W_v)         (biases fused)
+                rope_append(q, k, v -> cache[pos])                        (q/k norm, RoPE, clip fused)
+                o = gqa_decode(q, cache, pos)          or the MLA path (absorbed decode)
+                x = W_o o + x
+                x = moe_experts(route(x), ...) + x     or dense gemv_glu + gemv, + shared expert
+    logits = rmsnorm_gemv(x, final_norm, lm_head);  token = sample(logits);  pos += 1
+Tokens stream back through a pinned host ring, one step behind the device (no host sync inside a step).
+"""
+from __future__ import annotations
+
+import os
+from typing import Iterator
+
+import torch
+
+from kie_moe.models.errors import InputError
+from kie_moe.models.reference import ReferenceDecoder
+from kie_moe.models.spec import canonical
+
+from .attention import gqa_decode, mla_decode
+from .gemv import gemv, gemv_glu
+from .moe import RouterConfig, Routing, moe_experts, route
+from .rope import mla_rope_append, rope_append, rope_tables
+from .sampling import DeviceSampler
+from .weights import WeightHandle, dequantize
+
+
+def _quantized(store, name):
+    """The raw quantized tensors of a canonical weight when the checkpoint is quantized (quant/ingest), else None."""
+    try:
+        from kie_moe.quant.ingest import quantized
+    except ImportError:
+        return None
+    try:
+        return quantized(store, name)
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+class HandleStore:
+    """canonical name -> WeightHandle on the device (quantized formats kept as their codes + scales).
+
+    Also a WeightStore-like view (names/get) over the same buffers, so the prefill's reference decoder reads the
+    backend's own copy (dequantizing on the fly for quantized formats) instead of holding a second one."""
+
+    def __init__(self, store, device, dtype):
+        self.store, self.device, self.dtype = store, device, dtype
+        self.h: dict[str, WeightHandle] = {}
+        self.dense: dict[str, torch.Tensor] = {}     # views for names served without a handle (norms, biases)
+
+    def handle(self, name: str) -> WeightHandle:
+        if name not in self.h:
+            q = _quantized(self.store, name)
+            if q is not None:
+                self.h[name] = WeightHandle.from_compressed({k: v.to(self.device) for k, v in q.tensors.items()},
+                                                            in_features=q.shape[-1])
+            else:
+                self.h[name] = WeightHandle.from_dense(self.store.get(name).to(self.device, self.dtype).contiguous())
+        return self.h[name]
+
+    def stacked(self, names: list[str], key: str) -> WeightHandle:
+        """Experts [E, out, in]; each expert's canonical name then reads a view of the stack."""
+        hs = [self.handle(n) for n in names]
+        st = WeightHandle.stack(hs)
+        for e, n in enumerate(names):
+            self.h[n] = st.expert(e)
+        self.h[key] = st
+        return st
+
+    def vec(self, name: str | None) -> torch.Tensor | None:
+        if name is None or name not in self.store:
+            return None
+        if name not in self.dense:
+            self.dense[name] = self.store.get(name).to(self.device, torch.float32).contiguous()
+        return self.dense[name]
+
+    # WeightStore-like view for the prefill
+    def names(self):
+        return self.store.names()
+
+    def __contains__(self, name):
+        return name in self.store
+
+    def get(self, name):
+        h = self.h.get(name)
+        if h is None:
+            return self.store.get(name)
+        if h.fmt in ("bf16", "fp16", "fp32"):
+            return h.weight
+        return dequantize(h).to(self.dtype)
+
+
+class GraphBackend:
+    name = "graph"
+
+    def __init__(self, model, device: torch.device | str = "cuda", dtype: torch.dtype | None = None):
+        self.device = torch.device(device)
+        # On CPU the same launches run eagerly through Triton's interpreter (tests; no CUDA graph there).
+        self.eager = self.device.type != "cuda"
+        if self.eager and os.environ.get("TRITON_INTERPRET") != "1":
+            raise InputError("graph backend: needs a CUDA GPU (or TRITON_INTERPRET=1 on CPU, for tests)")
+        dtype = dtype or (torch.float32 if self.eager else torch.bfloat16)
+        spec = model.spec
+        if not hasattr(spec, "layers") or spec.family == "laneformer":
+            raise InputError(f"graph backend: the {spec.family} family is not supported yet (use monokernel or reference)")
+        self.spec, self.dtype = spec, dtype
+        self.W = W = HandleStore(model.weights, self.device, dtype)
+        D, V = spec.hidden_size, spec.vocab_size
+        self.embed = model.weights.get("embed").to(self.device, dtype)
+        W.dense["embed"] = self.embed
+        self.lm_head = W.handle("lm_head" if "lm_head" in model.weights else "embed")
+        self.layers = []
+        for i, lay in enumerate(spec.layers):
+            c = lambda n: canonical(i, n)  # noqa: E731
+            L = {"spec": lay, "attn_norm": W.vec(c("attn_norm")), "mlp_norm": W.vec(c("mlp_norm"))}
+            a = lay.attn
+            if a.kind == "gqa":
+                for n in ("q", "k", "v", "o"):
+                    L[n] = W.handle(c(f"attn.{n}"))
+                    L[n + "_bias"] = W.vec(c(f"attn.{n}_bias"))
+                L["q_norm"], L["k_norm"], L["sinks"] = W.vec(c("attn.q_norm")), W.vec(c("attn.k_norm")), W.vec(c("attn.sinks"))
+            else:
+                for n in ("q", "q_a", "q_b", "kv_a", "o"):
+                    if c(f"attn.{n}") in model.weights:
+                        L[n] = W.handle(c(f"attn.{n}"))
+                L["q_a_norm"], L["kv_a_norm"] = W.vec(c("attn.q_a_norm")), W.vec(c("attn.kv_a_norm"))
+                kvb = W.handle(c("attn.kv_b"))
+                L["kv_b"] = kvb.weight if kvb.fmt in ("bf16", "fp16", "fp32") else dequantize(kvb).to(dtype)
+            if lay.moe is not None:
+                m = lay.moe
+                E = m.num_experts
+                for part in ("gate", "up", "down"):
+                    L["e_" + part] = W.stacked([c(f"moe.experts.{e}.{part}") for e in range(E)], c(f"moe.{part}_stack"))
+                if m.expert_bias:
+                    for part in ("gate", "up", "down"):
+                        L["eb_" + part] = torch.stack([W.vec(c(f"moe.experts.{e}.{part}_bias")) for e in range(E)])
+                L["router"] = model.weights.get(c("moe.router")).to(self.device, dtype).contiguous()
+                W.dense[c("moe.router")] = L["router"]
+                L["router_bias"], L["score_bias"] = W.vec(c("moe.router_bias")), W.vec(c("moe.score_bias"))
+                L["rcfg"] = RouterConfig(top_k=m.top_k, scoring=m.scoring, norm_topk_prob=m.norm_topk_prob,
+                                         routed_scaling_factor=m.routed_scaling_factor, n_group=m.n_group,
+                                         topk_group=m.topk_group, group_score="top2" if m.group_score == "top2sum" else "max")
+                L["routing"] = Routing(torch.empty(m.top_k, dtype=torch.int32, device=self.device),
+                                       torch.empty(m.top_k, dtype=torch.float32, device=self.device),
+                                       torch.empty(E, dtype=torch.float32, device=self.device))
+                if m.shared_intermediate_size:
+                    for part in ("gate", "up", "down"):
+                        L["s_" + part] = W.handle(c(f"moe.shared.{part}"))
+                    if m.shared_expert_gate:
+                        L["s_gate_w"] = W.handle(c("moe.shared_gate"))
+            else:
+                for part in ("gate", "up", "down"):
+                    L["m_" + part] = W.handle(c(f"mlp.{part}"))
+                    L["mb_" + part] = W.vec(c(f"mlp.{part}_bias"))
+            self.layers.append(L)
+        self.final_norm = W.vec("final_norm")
+        f32 = dict(dtype=torch.float32, device=self.device)
+        self.x = torch.zeros(D, **f32)
+        self.x2 = torch.zeros(D, **f32)
+        self.pos = torch.zeros(1, dtype=torch.int32, device=self.device)
+        self.token = torch.zeros(1, dtype=torch.int64, device=self.device)
+        self.logits = torch.zeros(V, **f32)
+        self.sampler = DeviceSampler(V, self.device, filter=True)
+        self.max_len = 0
+        self.graph = None
+        self.last_launch = {}
+
+    # ---- buffers that depend on the context length -------------------------------------------------------------
+    def _ensure(self, n: int):
+        if n <= self.max_len:
+            return
+        self.max_len = max_len = max(256, 1 << (n - 1).bit_length())
+        self.caches = []
+        for lay in self.spec.layers:
+            a = lay.attn
+            if a.kind == "gqa":
+                shape = (max_len, a.num_kv_heads, a.head_dim)
+                self.caches.append((torch.zeros(shape, dtype=self.dtype, device=self.device),
+                                    torch.zeros(shape, dtype=self.dtype, device=self.device)))
+            else:
+                self.caches.append(torch.zeros(max_len, a.kv_lora_rank + a.qk_rope_head_dim, dtype=self.dtype,
+                                               device=self.device))
+        a0 = self.spec.layers[0].attn
+        self.cos, self.sin = rope_tables(a0.rope, max_len, self.device)
+        self.graph = None
+
+    # ---- one decode step: launches only -------------------------------------------------------------------------
+    def _attention(self, i, L, a):
+        eps = self.spec.norm_eps
+        x = self.x
+        if a.kind == "gqa":
+            q = gemv(x, L["q"], bias=L["q_bias"], norm_weight=L["attn_norm"], eps=eps)
+            k = gemv(x, L["k"], bias=L["k_bias"], norm_weight=L["attn_norm"], eps=eps)
+            v = gemv(x, L["v"], bias=L["v_bias"], norm_weight=L["attn_norm"], eps=eps)
+            q, k, v = q.view(a.num_heads, a.head_dim), k.view(a.num_kv_heads, a.head_dim), v.view(a.num_kv_heads, a.head_dim)
+            kc, vc = self.caches[i]
+            rope_append(q, k, v, kc, vc, self.pos, self.cos, self.sin, style=a.rope.style, qk_norm=a.qk_norm,
+                        q_norm=L["q_norm"], k_norm=L["k_norm"], eps=eps, clip_qkv=a.clip_qkv)
+            o = gqa_decode(q, kc, vc, self.pos, softmax_scale=a.softmax_scale, window=L["spec"].sliding_window,
+                           sinks=L["sinks"])
+        else:
+            if "q_a" in L:
+                qa = gemv(x, L["q_a"], norm_weight=L["attn_norm"], eps=eps)
+                q = gemv(qa, L["q_b"], norm_weight=L["q_a_norm"], eps=eps)
+            else:
+                q = gemv(x, L["q"], norm_weight=L["attn_norm"], eps=eps)
+            kv = gemv(x, L["kv_a"], norm_weight=L["attn_norm"], eps=eps)
+            q = q.view(a.num_heads, a.head_dim)
+            mla_rope_append(q, kv, self.caches[i], self.pos, self.cos, self.sin, nope=a.qk_nope_head_dim,
+                            style=a.rope.style, kv_norm=L["kv_a_norm"], eps=eps)
+            o = mla_decode(q, self.caches[i], L["kv_b"], self.pos, nope=a.qk_nope_head_dim, v_head_dim=a.v_head_dim,
+                           softmax_scale=a.softmax_scale, window=L["spec"].sliding_window)
+        gemv(o.reshape(-1), L["o"], bias=L.get("o_bias"), residual=x, out=self.x2)
+        self.x.copy_(self.x2)
+
+    def _ffn(self, L, lay):
+        eps, x = self.spec.norm_eps, self.x
+        if lay.moe is None:
+            h = gemv_glu(x, L["m_gate"], L["m_up"], gate_bias=L["mb_gate"], up_bias=L["mb_up"],
+                         norm_weight=L["mlp_norm"], eps=eps)
+            gemv(h, L["m_down"], bias=L["mb_down"], residual=x, out=self.x2)
+            self.x.copy_(self.x2)
+            return
+        m = lay.moe
+        r = route(x, L["router"], L["rcfg"], router_bias=L["router_bias"], correction_bias=L["score_bias"],
+                  norm_weight=L["mlp_norm"], eps=eps, out=L["routing"])
+        act = "gpt_oss" if m.expert_act == "gptoss_glu" else "silu"
+        moe_experts(x, r.ids, r.weights, L["e_gate"], L["e_up"], L["e_down"], act=act, limit=m.swiglu_limit,
+                    alpha=m.glu_alpha, gate_bias=L.get("eb_gate"), up_bias=L.get("eb_up"), down_bias=L.get("eb_down"),
+                    residual=x, norm_weight=L["mlp_norm"], eps=eps, out=self.x2)
+        if m.shared_intermediate_size:
+            h = gemv_glu(x, L["s_gate"], L["s_up"], norm_weight=L["mlp_norm"], eps=eps)
+            sh = gemv(h, L["s_down"])
+            if m.shared_expert_gate:
+                g = gemv(x, L["s_gate_w"], norm_weight=L["mlp_norm"], eps=eps)
+                sh = sh * torch.sigmoid(g)
+            self.x2.add_(sh)
+        self.x.copy_(self.x2)
+
+    def _step(self):
+        self.x.copy_(self.embed.index_select(0, self.token).view(-1))
+        for i, (L, lay) in enumerate(zip(self.layers, self.spec.layers)):
+            self._attention(i, L, lay.attn)
+            self._ffn(L, lay)
+        gemv(self.x, self.lm_head, norm_weight=self.final_norm, eps=self.spec.norm_eps, out=self.logits)
+        tok = self.sampler(self.logits)
+        self.token.copy_(tok.view(1))
+        self.pos.add_(1)
+
+    # ---- prefill -------------------------------------------------------------------------------------------------
+    def prefill(self, ids: list[int]):
+        """Reference math over the prompt (GPU, bf16), then its KV cache copied into this backend's caches."""
+        self._ensure(len(ids) + 1)
+        if not ids:
+            return
+        dec = ReferenceDecoder(self.spec, self.W, self.device, self.dtype, lazy=True)
+        dec.forward(torch.tensor(ids, dtype=torch.long, device=self.device))
+        n = len(ids)
+        for i, (lay, cache) in enumerate(zip(self.spec.layers, dec.cache)):
+            if lay.attn.kind == "gqa":
+                self.caches[i][0][:n].copy_(cache[0])
+                self.caches[i][1][:n].copy_(cache[1])
+            else:
+                r = lay.attn.kv_lora_rank
+                self.caches[i][:n, :r].copy_(cache[0])
+                self.caches[i][:n, r:].copy_(cache[1])
+
+    def generate(self, prompt_ids: list[int], p, eos_ids: set[int]) -> Iterator[int]:
+        n = len(prompt_ids)
+        self._ensure(n + p.max_new_tokens + 1)
+        self.prefill(list(prompt_ids[:-1]))
+        self.pos.fill_(n - 1)
+        self.token.fill_(prompt_ids[-1])
+        self.sampler.configure(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
+                               seed=p.seed if p.seed is not None else 0)
+        if self.eager:
+            for s in range(p.max_new_tokens):
+                self._step()
+                tid = int(self.token)
+                yield tid
+                if tid in eos_ids and not p.ignore_eos:
+                    return
+            return
+        ring = torch.zeros(p.max_new_tokens, dtype=torch.int64, pin_memory=True)
+        events = []
+        stream = torch.cuda.current_stream(self.device)
+        if self.graph is None:
+            self._step()                       # step 0 eagerly: compiles every kernel before the capture
+            ring[0:1].copy_(self.token.view(1), non_blocking=True)
+            ev = torch.cuda.Event(); ev.record(stream); events.append(ev)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                self._step()
+            self.graph = g
+            first = 1
+        else:
+            first = 0
+        for s in range(first, p.max_new_tokens):
+            self.graph.replay()
+            ring[s:s + 1].copy_(self.token.view(1), non_blocking=True)
+            ev = torch.cuda.Event(); ev.record(stream); events.append(ev)
+            if s >= 1:                          # one step behind the device: the next replay is already queued
+                events[s - 1].synchronize()
+                tid = int(ring[s - 1])
+                yield tid
+                if tid in eos_ids and not p.ignore_eos:
+                    return
+        events[-1].synchronize()
+        yield int(ring[p.max_new_tokens - 1])
