@@ -33,6 +33,8 @@ from .weights import WeightHandle, dequantize
 
 def _quantized(store, name):
     """The raw quantized tensors of a canonical weight when the checkpoint is quantized (quant/ingest), else None."""
+    if hasattr(store, "quantized_tensor"):          # stores that quantize on the fly (benchmarks)
+        return store.quantized_tensor(name)
     try:
         from kie_moe.quant.ingest import quantized
     except ImportError:
@@ -159,6 +161,7 @@ class GraphBackend:
                     L["m_" + part] = W.handle(c(f"mlp.{part}"))
                     L["mb_" + part] = W.vec(c(f"mlp.{part}_bias"))
             self.layers.append(L)
+        self.bytes_per_token = self._bytes_per_token()
         self.final_norm = W.vec("final_norm")
         f32 = dict(dtype=torch.float32, device=self.device)
         self.x = torch.zeros(D, **f32)
@@ -170,6 +173,18 @@ class GraphBackend:
         self.max_len = 0
         self.graph = None
         self.last_launch = {}
+
+    def _bytes_per_token(self) -> int:
+        """Weight + scale bytes one decode step streams: every non-expert handle, top_k/E of each expert stack."""
+        n = 0
+        for L in self.layers:
+            for k, v in L.items():
+                if isinstance(v, WeightHandle):
+                    frac = L["spec"].moe.top_k / v.num_experts if v.num_experts else 1.0
+                    n += int(v.nbytes * frac)
+                elif isinstance(v, torch.Tensor) and k in ("router", "kv_b"):
+                    n += v.numel() * v.element_size()
+        return n + self.lm_head.nbytes
 
     # ---- buffers that depend on the context length -------------------------------------------------------------
     def _ensure(self, n: int):
