@@ -103,6 +103,8 @@ class GraphBackend:
 
     def __init__(self, model, device: torch.device | str = "cuda", dtype: torch.dtype | None = None):
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:  # kernels compare devices exactly
+            self.device = torch.device("cuda", torch.cuda.current_device())
         # On CPU the same launches run eagerly through Triton's interpreter (tests; no CUDA graph there).
         self.eager = self.device.type != "cuda"
         if self.eager and os.environ.get("TRITON_INTERPRET") != "1":
