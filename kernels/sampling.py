@@ -223,6 +223,8 @@ class DeviceSampler:
             if val < 1 or val & (val - 1):
                 raise ValueError(f"{name} must be a power of two, got {val}")
         self.V, self.device = vocab_size, torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:  # tensors report cuda:N; compare exactly
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.block_v = min(block_v, triton.next_power_of_2(vocab_size))
         self.filter, self.num_draws = filter, num_draws
         self.k_cand = min(k_cand, self.block_v)
