@@ -98,6 +98,19 @@ class HandleStore:
         return dequantize(h).to(self.dtype)
 
 
+def _fuse_rows(hs: list[WeightHandle], biases: list) -> tuple[WeightHandle | None, torch.Tensor | None]:
+    """q/k/v as one [Nq + 2 Nkv, D] handle (one launch instead of three) when their format allows a plain row
+    concatenation (float, or fp8 with per-row scales); None otherwise."""
+    fmt = hs[0].fmt
+    if any(h.fmt != fmt for h in hs) or fmt not in ("bf16", "fp16", "fp32", "fp8"):
+        return None, None
+    w = torch.cat([h.weight for h in hs])
+    scale = torch.cat([h.scale.expand(h.out_features, 1) for h in hs]).contiguous() if fmt == "fp8" else None
+    h = WeightHandle(fmt, w, scale, None, w.shape[0], hs[0].in_features)
+    b = None if biases[0] is None else torch.cat(biases)
+    return h, b
+
+
 class GraphBackend:
     name = "graph"
 
@@ -128,6 +141,10 @@ class GraphBackend:
                 for n in ("q", "k", "v", "o"):
                     L[n] = W.handle(c(f"attn.{n}"))
                     L[n + "_bias"] = W.vec(c(f"attn.{n}_bias"))
+                L["qkv"], L["qkv_bias"] = _fuse_rows([L["q"], L["k"], L["v"]], [L["q_bias"], L["k_bias"], L["v_bias"]])
+                if L["qkv"] is not None:        # the step reads only the fused copy (bytes_per_token counts it once)
+                    for n in ("q", "k", "v"):
+                        del L[n]
                 L["q_norm"], L["k_norm"], L["sinks"] = W.vec(c("attn.q_norm")), W.vec(c("attn.k_norm")), W.vec(c("attn.sinks"))
             else:
                 for n in ("q", "q_a", "q_b", "kv_a", "o"):
@@ -212,9 +229,14 @@ class GraphBackend:
         eps = self.spec.norm_eps
         x = self.x
         if a.kind == "gqa":
-            q = gemv(x, L["q"], bias=L["q_bias"], norm_weight=L["attn_norm"], eps=eps)
-            k = gemv(x, L["k"], bias=L["k_bias"], norm_weight=L["attn_norm"], eps=eps)
-            v = gemv(x, L["v"], bias=L["v_bias"], norm_weight=L["attn_norm"], eps=eps)
+            if L["qkv"] is not None:
+                qkv = gemv(x, L["qkv"], bias=L["qkv_bias"], norm_weight=L["attn_norm"], eps=eps)
+                nq, nkv = a.q_size, a.kv_size
+                q, k, v = qkv[:nq], qkv[nq:nq + nkv], qkv[nq + nkv:]
+            else:
+                q = gemv(x, L["q"], bias=L["q_bias"], norm_weight=L["attn_norm"], eps=eps)
+                k = gemv(x, L["k"], bias=L["k_bias"], norm_weight=L["attn_norm"], eps=eps)
+                v = gemv(x, L["v"], bias=L["v_bias"], norm_weight=L["attn_norm"], eps=eps)
             q, k, v = q.view(a.num_heads, a.head_dim), k.view(a.num_kv_heads, a.head_dim), v.view(a.num_kv_heads, a.head_dim)
             kc, vc = self.caches[i]
             rope_append(q, k, v, kc, vc, self.pos, self.cos, self.sin, style=a.rope.style, qk_norm=a.qk_norm,
@@ -234,7 +256,7 @@ class GraphBackend:
             o = mla_decode(q, self.caches[i], L["kv_b"], self.pos, nope=a.qk_nope_head_dim, v_head_dim=a.v_head_dim,
                            softmax_scale=a.softmax_scale, window=L["spec"].sliding_window)
         gemv(o.reshape(-1), L["o"], bias=L.get("o_bias"), residual=x, out=self.x2)
-        self.x.copy_(self.x2)
+        self._swap()
 
     def _ffn(self, L, lay):
         eps, x = self.spec.norm_eps, self.x
@@ -242,7 +264,7 @@ class GraphBackend:
             h = gemv_glu(x, L["m_gate"], L["m_up"], gate_bias=L["mb_gate"], up_bias=L["mb_up"],
                          norm_weight=L["mlp_norm"], eps=eps)
             gemv(h, L["m_down"], bias=L["mb_down"], residual=x, out=self.x2)
-            self.x.copy_(self.x2)
+            self._swap()
             return
         m = lay.moe
         r = route(x, L["router"], L["rcfg"], router_bias=L["router_bias"], correction_bias=L["score_bias"],
@@ -258,7 +280,12 @@ class GraphBackend:
                 g = gemv(x, L["s_gate_w"], norm_weight=L["mlp_norm"], eps=eps)
                 sh = sh * torch.sigmoid(g)
             self.x2.add_(sh)
-        self.x.copy_(self.x2)
+        self._swap()
+
+    def _swap(self):
+        """The residual stream ping-pongs between two buffers (the graph records whichever is current), so a
+        sublayer's output never needs a copy back."""
+        self.x, self.x2 = self.x2, self.x
 
     def _step(self):
         self.x.copy_(self.embed.index_select(0, self.token).view(-1))
