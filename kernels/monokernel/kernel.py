@@ -24,7 +24,7 @@ from kie_moe.kccl.sync import flag_is_set, read_counter, signal, st_release_sys,
 
 from . import plan as P
 from .ops import attention_task, attn_combine, embed_row, pick_token, route, vec_dot_norm
-from .stream import first_tile, stream_expert_down, stream_gemv, stream_glu
+from .stream import stream_expert_down, stream_gemv, stream_glu, tile
 
 # ctrl words (int32, device): written by the kernel, read by the host after the launch
 CT_STOP, CT_ERR, CT_ERR_TASK, CT_ERR_HAVE, CT_ERR_NEED, CT_REASON, CT_NTOK = range(7)
@@ -46,9 +46,24 @@ _NLF = tl.constexpr(P.NLF)
 
 
 @triton.jit
-def _lf(lrow, col: tl.constexpr):
-    """Element offset of a layer's tensor (int64, -1 when absent: never dereferenced then)."""
-    return tl.load(lrow + col)
+def _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM: tl.constexpr):
+    """Claim the next task and fetch its table row (one 64-byte vector load) while the current task streams.
+    The interpreter reads fields one by one instead (cheaper there than vector extraction)."""
+    t = tl.atomic_add(cursor_ptr, 1, sem="relaxed")
+    if USE_ASM:
+        row = tl.load(tasks_ptr + (t % n_tasks) * _NF + offs_f, mask=(offs_f < _NF) & (t < n_total), other=0)
+    else:
+        row = offs_f
+    return t, row
+
+
+@triton.jit
+def _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM: tl.constexpr, NT: tl.constexpr, MODE: tl.constexpr):
+    if MODE == 2:   # benchmark mode "no waits": streaming speed without dependency latency (wrong results)
+        st = 0
+    else:
+        st = wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, False, NT)
+    return st
 
 
 # Runtime integers vary per launch (positions, counts, seeds): without this, Triton would specialise on value 1
@@ -82,140 +97,156 @@ def monokernel(
     BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr,
     BLOCK_TOPK: tl.constexpr, BLOCK_EOS: tl.constexpr, BLOCK_X: tl.constexpr,
-    USE_ASM: tl.constexpr, NT: tl.constexpr,
+    USE_ASM: tl.constexpr, NT: tl.constexpr, MODE: tl.constexpr = 0,
 ):
+    """MODE 0: decode. Benchmark-only modes (wrong tokens, for locating time): 1 = tasks only claim, wait and
+    signal (the sampler still runs): the cost of scheduling + dependency latency; 2 = no waits: streaming speed."""
     pid = tl.program_id(0)
     stop_ptr = ctrl_ptr + 0  # CT_STOP
     n_total = n_tasks * n_steps
     NQ: tl.constexpr = HQ * DH
-    t = tl.atomic_add(cursor_ptr, 1, sem="relaxed")
+    offs_f = tl.arange(0, 16)
+    t, rowv = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
     while t < n_total:
         step = t // n_tasks
-        row = tasks_ptr + (t - step * n_tasks) * _NF
-        op = tl.load(row + 0)
-        layer = tl.load(row + 1)
-        r0 = tl.load(row + 2)
-        nr = tl.load(row + 3)
-        aux = tl.load(row + 4)
-        wctr = cnt_ptr + tl.load(row + 5)
-        target = tl.load(row + 6) * step + tl.load(row + 7)
-        sig = tl.load(row + 8)
+        if USE_ASM:   # fields of the prefetched row vector
+            op = tl.sum(tl.where(offs_f == 0, rowv, 0), axis=0)
+            layer = tl.sum(tl.where(offs_f == 1, rowv, 0), axis=0)
+            r0 = tl.sum(tl.where(offs_f == 2, rowv, 0), axis=0)
+            nr = tl.sum(tl.where(offs_f == 3, rowv, 0), axis=0)
+            aux = tl.sum(tl.where(offs_f == 4, rowv, 0), axis=0)
+            wc = tl.sum(tl.where(offs_f == 5, rowv, 0), axis=0)
+            target = (tl.sum(tl.where(offs_f == 6, rowv, 0), axis=0) * step
+                      + tl.sum(tl.where(offs_f == 7, rowv, 0), axis=0))
+            sig = tl.sum(tl.where(offs_f == 8, rowv, 0), axis=0)
+            woff = tl.sum(tl.where(offs_f == 10, rowv, 0), axis=0).to(tl.int64) * 2147483648 \
+                + tl.sum(tl.where(offs_f == 9, rowv, 0), axis=0)
+        else:         # the interpreter: plain loads are cheaper there
+            row = tasks_ptr + (t - step * n_tasks) * _NF
+            op = tl.load(row + 0)
+            layer = tl.load(row + 1)
+            r0 = tl.load(row + 2)
+            nr = tl.load(row + 3)
+            aux = tl.load(row + 4)
+            wc = tl.load(row + 5)
+            target = tl.load(row + 6) * step + tl.load(row + 7)
+            sig = tl.load(row + 8)
+            woff = tl.load(row + 10).to(tl.int64) * 2147483648 + tl.load(row + 9)
+        if MODE == 1:
+            op = tl.where(op == _OP_SAMPLE, op, 0)
+        wctr = cnt_ptr + wc
+        w = wa_ptr + woff   # the task's weights (ops with a static weight matrix)
         r_end = r0 + nr
         pos = start_pos + step
         lrow = layers_ptr + layer * _NLF
         st = 0
-        t_next = n_total
+        # every branch: issue the weight loads, claim the next task, wait for the input, compute
         if op == _OP_QKV:
-            w = wa_ptr + _lf(lrow, P.LF_QKV)
-            w0 = first_tile(w, D, r0, r_end, BN_QKV, BLOCK_K)
-            t_next = tl.atomic_add(cursor_ptr, 1, sem="relaxed")
-            st = wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, False, NT)
+            w0 = tile(w, D, r0, r_end, 0, 1, BN_QKV, BLOCK_K)
+            t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
+            st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE)
             if st == 0:
-                stream_gemv(w, w0, D, r0, r_end, x_ptr, wa_ptr + _lf(lrow, P.LF_ATTN_NORM), eps,
-                            wa_ptr + _lf(lrow, P.LF_QKV_B), qkv_ptr, qkv_ptr, 0, pv_ptr, pi_ptr, 0, 1.0, 0, 0,
+                stream_gemv(w, w0, D, r0, r_end, x_ptr, wa_ptr + tl.load(lrow + P.LF_ATTN_NORM), eps,
+                            wa_ptr + tl.load(lrow + P.LF_QKV_B), qkv_ptr, qkv_ptr, 0, pv_ptr, pi_ptr, 0, 1.0, 0, 0,
                             True, HAS_QKV_BIAS, False, False, BN_QKV, BLOCK_K)
         elif op == _OP_ATTN:
-            t_next = tl.atomic_add(cursor_ptr, 1, sem="relaxed")
-            st = wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, False, NT)
+            t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
+            st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE)
             if st == 0:
                 head = (layer * 2 * HKV + r0).to(tl.int64) * kv_tmax * DH  # cache [L, 2, HKV, T_max, DH]
-                attention_task(r0, nr, n_splits, pos, _lf(lrow, P.LF_WINDOW).to(tl.int32), qkv_ptr, kv_ptr + head,
+                attention_task(r0, nr, n_splits, pos, tl.load(lrow + P.LF_WINDOW).to(tl.int32), qkv_ptr, kv_ptr + head,
                                kv_ptr + head + HKV * kv_tmax * DH, cos_ptr, sin_ptr,
-                               wa_ptr + _lf(lrow, P.LF_Q_NORM), wa_ptr + _lf(lrow, P.LF_K_NORM),
+                               wa_ptr + tl.load(lrow + P.LF_Q_NORM), wa_ptr + tl.load(lrow + P.LF_K_NORM),
                                ao_ptr, am_ptr, al_ptr, eps, sm_scale, clip, HQ, HKV, DH, ROT, ROPE_PAIR, QK_NORM,
                                HAS_CLIP, BLOCK_R, BLOCK_H, BLOCK_C, BLOCK_D, BLOCK_T, BLOCK_X)
         elif op == _OP_O:
-            w = wa_ptr + _lf(lrow, P.LF_O)
-            w0 = first_tile(w, NQ, r0, r_end, BN_O, BLOCK_K)
-            t_next = tl.atomic_add(cursor_ptr, 1, sem="relaxed")
-            st = wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, False, NT)
+            w0 = tile(w, NQ, r0, r_end, 0, 1, BN_O, BLOCK_K)
+            t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
+            st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE)
             if st == 0:
                 # splits -> normalised attention output, in this program's private scratch row
                 scr = scratch_ptr + pid * NQ
-                attn_combine(ao_ptr, am_ptr, al_ptr, wa_ptr + _lf(lrow, P.LF_SINKS), n_splits, scr, HQ, DH,
+                attn_combine(ao_ptr, am_ptr, al_ptr, wa_ptr + tl.load(lrow + P.LF_SINKS), n_splits, scr, HQ, DH,
                              HAS_SINKS, BLOCK_X)
                 tl.debug_barrier()
-                stream_gemv(w, w0, NQ, r0, r_end, scr, scr, eps, wa_ptr + _lf(lrow, P.LF_O_B), x_ptr, x_ptr,
+                stream_gemv(w, w0, NQ, r0, r_end, scr, scr, eps, wa_ptr + tl.load(lrow + P.LF_O_B), x_ptr, x_ptr,
                             0, pv_ptr, pi_ptr, 0, 1.0, 0, 0, False, HAS_O_BIAS, True, False, BN_O, BLOCK_K)
         elif op == _OP_GATEUP:
-            wg = wa_ptr + _lf(lrow, P.LF_GATE)
-            wu = wa_ptr + _lf(lrow, P.LF_UP)
-            g0 = first_tile(wg, D, r0, r_end, BN_GU, BLOCK_K)
-            u0 = first_tile(wu, D, r0, r_end, BN_GU, BLOCK_K)
-            t_next = tl.atomic_add(cursor_ptr, 1, sem="relaxed")
-            st = wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, False, NT)
+            wu = w + I_DENSE * D   # up follows gate in the arena
+            g0 = tile(w, D, r0, r_end, 0, 1, BN_GU, BLOCK_K)
+            u0 = tile(wu, D, r0, r_end, 0, 1, BN_GU, BLOCK_K)
+            t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
+            st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE)
             if st == 0:
-                stream_glu(wg, wu, g0, u0, D, r0, r_end, x_ptr, wa_ptr + _lf(lrow, P.LF_MLP_NORM), eps, wg, wu,
+                stream_glu(w, wu, g0, u0, D, r0, r_end, x_ptr, wa_ptr + tl.load(lrow + P.LF_MLP_NORM), eps, w, wu,
                            h_ptr, glu_limit, glu_alpha, False, 0, BN_GU, BLOCK_K)
         elif op == _OP_DOWN:
-            w = wa_ptr + _lf(lrow, P.LF_DOWN)
-            w0 = first_tile(w, I_DENSE, r0, r_end, BN_DOWN, BLOCK_K)
-            t_next = tl.atomic_add(cursor_ptr, 1, sem="relaxed")
-            st = wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, False, NT)
+            w0 = tile(w, I_DENSE, r0, r_end, 0, 1, BN_DOWN, BLOCK_K)
+            t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
+            st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE)
             if st == 0:
                 stream_gemv(w, w0, I_DENSE, r0, r_end, h_ptr, h_ptr, eps, w, x_ptr, x_ptr, 0, pv_ptr, pi_ptr,
                             0, 1.0, 0, 0, False, False, True, False, BN_DOWN, BLOCK_K)
         elif op == _OP_ROUTER:
-            w = wa_ptr + _lf(lrow, P.LF_ROUTER)
-            w0 = first_tile(w, D, r0, r_end, BN_ROUTER, BLOCK_K)
-            t_next = tl.atomic_add(cursor_ptr, 1, sem="relaxed")
-            st = wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, False, NT)
+            w0 = tile(w, D, r0, r_end, 0, 1, BN_ROUTER, BLOCK_K)
+            t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
+            st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE)
             if st == 0:
-                stream_gemv(w, w0, D, r0, r_end, x_ptr, wa_ptr + _lf(lrow, P.LF_MLP_NORM), eps,
-                            wa_ptr + _lf(lrow, P.LF_ROUTER_B), rlog_ptr + layer * E, rlog_ptr, 0, pv_ptr, pi_ptr,
+                stream_gemv(w, w0, D, r0, r_end, x_ptr, wa_ptr + tl.load(lrow + P.LF_MLP_NORM), eps,
+                            wa_ptr + tl.load(lrow + P.LF_ROUTER_B), rlog_ptr + layer * E, rlog_ptr, 0, pv_ptr, pi_ptr,
                             0, 1.0, 0, 0, True, HAS_RBIAS, False, False, BN_ROUTER, BLOCK_K)
         elif op == _OP_SH_UP:
-            wg = wa_ptr + _lf(lrow, P.LF_SGATE)
-            wu = wa_ptr + _lf(lrow, P.LF_SUP)
-            g0 = first_tile(wg, D, r0, r_end, BN_SUP, BLOCK_K)
-            u0 = first_tile(wu, D, r0, r_end, BN_SUP, BLOCK_K)
-            t_next = tl.atomic_add(cursor_ptr, 1, sem="relaxed")
-            st = wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, False, NT)
+            wu = w + I_SH * D
+            g0 = tile(w, D, r0, r_end, 0, 1, BN_SUP, BLOCK_K)
+            u0 = tile(wu, D, r0, r_end, 0, 1, BN_SUP, BLOCK_K)
+            t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
+            st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE)
             if st == 0:
-                nw = wa_ptr + _lf(lrow, P.LF_MLP_NORM)
-                stream_glu(wg, wu, g0, u0, D, r0, r_end, x_ptr, nw, eps, wg, wu, h_ptr + TOPK * I_MOE,
+                nw = wa_ptr + tl.load(lrow + P.LF_MLP_NORM)
+                stream_glu(w, wu, g0, u0, D, r0, r_end, x_ptr, nw, eps, w, wu, h_ptr + TOPK * I_MOE,
                            glu_limit, glu_alpha, False, 0, BN_SUP, BLOCK_K)
                 if HAS_SH_GATE:
                     if r0 == 0:  # one task computes the shared expert's sigmoid gate
-                        s = vec_dot_norm(wa_ptr + _lf(lrow, P.LF_SH_GATE), x_ptr, nw, D, eps, BLOCK_K)
+                        s = vec_dot_norm(wa_ptr + tl.load(lrow + P.LF_SH_GATE), x_ptr, nw, D, eps, BLOCK_K)
                         tl.store(sg_ptr, tl.sigmoid(s))
         elif op == _OP_EXP_UP:
-            t_next = tl.atomic_add(cursor_ptr, 1, sem="relaxed")
-            st = wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, False, NT)
+            t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
+            st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE)
             if st == 0:
                 # every expert task recomputes the (tiny) top-k from the router logits: no extra phase
-                ids, wts = route(rlog_ptr + layer * E, wa_ptr + _lf(lrow, P.LF_SCORE_B), route_scale, E, TOPK,
+                ids, wts = route(rlog_ptr + layer * E, wa_ptr + tl.load(lrow + P.LF_SCORE_B), route_scale, E, TOPK,
                                  SCORING, NORM_TOPK, HAS_SBIAS, BLOCK_E, BLOCK_TOPK)
                 offs_j = tl.arange(0, BLOCK_TOPK)
                 if (aux == 0) & (r0 == 0):  # publish ids / weights for expert_down (and the host)
                     tl.store(rids_ptr + layer * TOPK + offs_j, ids, mask=offs_j < TOPK)
                     tl.store(rwts_ptr + layer * TOPK + offs_j, wts, mask=offs_j < TOPK)
                 e = tl.sum(tl.where(offs_j == aux, ids, 0), axis=0).to(tl.int64)
-                wg = wa_ptr + _lf(lrow, P.LF_EGATE) + e * (I_MOE * D)
-                wu = wa_ptr + _lf(lrow, P.LF_EUP) + e * (I_MOE * D)
-                g0 = first_tile(wg, D, r0, r_end, BN_EUP, BLOCK_K)
-                u0 = first_tile(wu, D, r0, r_end, BN_EUP, BLOCK_K)
-                stream_glu(wg, wu, g0, u0, D, r0, r_end, x_ptr, wa_ptr + _lf(lrow, P.LF_MLP_NORM), eps,
-                           wa_ptr + _lf(lrow, P.LF_EGATE_B) + e * I_MOE, wa_ptr + _lf(lrow, P.LF_EUP_B) + e * I_MOE,
+                wg = wa_ptr + tl.load(lrow + P.LF_EGATE) + e * (I_MOE * D)
+                wu = wa_ptr + tl.load(lrow + P.LF_EUP) + e * (I_MOE * D)
+                g0 = tile(wg, D, r0, r_end, 0, 1, BN_EUP, BLOCK_K)
+                u0 = tile(wu, D, r0, r_end, 0, 1, BN_EUP, BLOCK_K)
+                stream_glu(wg, wu, g0, u0, D, r0, r_end, x_ptr, wa_ptr + tl.load(lrow + P.LF_MLP_NORM), eps,
+                           wa_ptr + tl.load(lrow + P.LF_EGATE_B) + e * I_MOE,
+                           wa_ptr + tl.load(lrow + P.LF_EUP_B) + e * I_MOE,
                            h_ptr + aux * I_MOE, glu_limit, glu_alpha, HAS_EBIAS, EXP_ACT, BN_EUP, BLOCK_K)
         elif op == _OP_EXP_DOWN:
-            t_next = tl.atomic_add(cursor_ptr, 1, sem="relaxed")
-            st = wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, False, NT)
+            t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
+            st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE)
             if st == 0:
-                stream_expert_down(wa_ptr, _lf(lrow, P.LF_EDOWN), _lf(lrow, P.LF_EDOWN_B), _lf(lrow, P.LF_SDOWN),
+                stream_expert_down(wa_ptr, tl.load(lrow + P.LF_EDOWN), tl.load(lrow + P.LF_EDOWN_B),
+                                   tl.load(lrow + P.LF_SDOWN),
                                    r0, r_end, h_ptr, rids_ptr + layer * TOPK, rwts_ptr + layer * TOPK, sg_ptr, x_ptr,
                                    D, I_MOE, I_SH, TOPK, HAS_EBIAS, HAS_SH_GATE, BLOCK_TOPK, BN_EDOWN, BLOCK_K)
         elif op == _OP_LM:
-            w = wa_ptr + lm_off
-            w0 = first_tile(w, D, r0, r_end, BN_LM, BLOCK_K)
-            t_next = tl.atomic_add(cursor_ptr, 1, sem="relaxed")
-            st = wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, False, NT)
+            w0 = tile(w, D, r0, r_end, 0, 1, BN_LM, BLOCK_K)
+            t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
+            st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE)
             if st == 0:
                 stream_gemv(w, w0, D, r0, r_end, x_ptr, wa_ptr + fnorm_off, eps, w, pv_ptr, pv_ptr, aux, pv_ptr,
                             pi_ptr, do_sample, inv_temp, seed, step, True, False, False, True, BN_LM, BLOCK_K)
         elif op == _OP_SAMPLE:
-            t_next = tl.atomic_add(cursor_ptr, 1, sem="relaxed")
-            st = wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, False, NT)
+            t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
+            st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE)
             if st == 0:
                 tok = pick_token(pv_ptr, pi_ptr, n_lm, BLOCK_P)
                 tl.store(ring_ptr + 1 + step, tok)               # host-visible ring: token first,
@@ -229,6 +260,9 @@ def monokernel(
                 if hit | host_stop:
                     tl.store(ctrl_ptr + 5, tl.where(hit, 1, 2))  # CT_REASON
                     tl.store(stop_ptr, 1)
+        else:  # MODE 1 (sync only), or an unknown opcode: claim, wait, signal
+            t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
+            st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE)
         if st == 0:
             signal(cnt_ptr + sig, 1, USE_ASM)
         if st == 2:
@@ -240,5 +274,6 @@ def monokernel(
                 tl.store(ctrl_ptr + 4, target)                   # CT_ERR_NEED
             tl.atomic_xchg(stop_ptr, 1)
         t = t_next
+        rowv = row_next
         if flag_is_set(stop_ptr, USE_ASM, NT):
             t = n_total

@@ -32,8 +32,10 @@ OP_NAMES = {OP_QKV: "qkv_proj", OP_ATTN: "attention", OP_O: "o_proj", OP_GATEUP:
             OP_EXP_DOWN: "expert_down", OP_LM: "lm_head", OP_SAMPLE: "sample"}
 
 # ---- task table columns ----------------------------------------------------------------------------------------
-F_OP, F_LAYER, F_ROW0, F_NROWS, F_AUX, F_WAIT, F_WCNT, F_WBASE, F_SIG = range(9)
-NF = 10  # one spare column
+F_OP, F_LAYER, F_ROW0, F_NROWS, F_AUX, F_WAIT, F_WCNT, F_WBASE, F_SIG, F_WLO, F_WHI = range(11)
+NF = 12  # one spare column
+# F_WLO / F_WHI: the element offset of the task's (first) weight matrix, lo 31 bits + hi: the prefetch address
+# comes straight from the task row, not from a second (dependent) load of the layer table
 
 # ---- layer table columns (int64 element offsets into the weight arena) ------------------------------------------
 (LF_ATTN_NORM, LF_QKV, LF_QKV_B, LF_Q_NORM, LF_K_NORM, LF_O, LF_O_B, LF_SINKS, LF_MLP_NORM,
@@ -96,7 +98,8 @@ def model_dims(spec: ModelSpec) -> Dims:
     lay0 = spec.layers[0]
     a = lay0.attn
     if a.kind != "gqa":
-        raise NotImplementedError(f"monokernel: attention kind {a.kind!r} ({spec.family}) is not supported yet (gqa only)")
+        raise NotImplementedError(f"monokernel: attention kind {a.kind!r} ({spec.family}) is not supported yet "
+                                  "(gqa only)")
     for i, lay in enumerate(spec.layers):
         if lay.attn != a:
             raise NotImplementedError(f"monokernel: layer {i} attention differs from layer 0 ({spec.family})")
@@ -172,8 +175,7 @@ class Plan:
     n_sms: int
     tiles: TileConfig
     op_rows: dict                    # op name -> list[(row0, n_rows)] (static tilings)
-    cos: torch.Tensor | None = None  # [max_pos, ROT/2] fp32
-    sin: torch.Tensor | None = None
+    layers_host: torch.Tensor | None = None   # the same table on the CPU
 
     def view(self, name: str) -> torch.Tensor:
         off, shape = self.arena.entries[name]
@@ -224,8 +226,8 @@ def layout_arena(spec: ModelSpec, d: Dims, has) -> tuple[Arena, list[dict], dict
             o[LF_SINKS] = ar.add([(c("attn.sinks"), (d.HQ,))])
         if lay.moe is None:
             I = lay.mlp.intermediate_size
-            o[LF_GATE] = ar.add([(c("mlp.gate"), (I, D))])
-            o[LF_UP] = ar.add([(c("mlp.up"), (I, D))])
+            o[LF_GATE] = ar.add([(c("mlp.gate"), (I, D)), (c("mlp.up"), (I, D))])   # up = gate + I * D
+            o[LF_UP] = o[LF_GATE] + I * D
             o[LF_DOWN] = ar.add([(c("mlp.down"), (D, I))])
         else:
             E, I = d.E, d.I_MOE
@@ -243,8 +245,8 @@ def layout_arena(spec: ModelSpec, d: Dims, has) -> tuple[Arena, list[dict], dict
                 o[LF_EUP_B] = ar.add([(ex(e, "up_bias"), (I,)) for e in range(E)])
                 o[LF_EDOWN_B] = ar.add([(ex(e, "down_bias"), (D,)) for e in range(E)])
             if d.I_SH:
-                o[LF_SGATE] = ar.add([(c("moe.shared.gate"), (d.I_SH, D))])
-                o[LF_SUP] = ar.add([(c("moe.shared.up"), (d.I_SH, D))])
+                o[LF_SGATE] = ar.add([(c("moe.shared.gate"), (d.I_SH, D)), (c("moe.shared.up"), (d.I_SH, D))])
+                o[LF_SUP] = o[LF_SGATE] + d.I_SH * D
                 o[LF_SDOWN] = ar.add([(c("moe.shared.down"), (D, d.I_SH))])
                 if d.HAS_SH_GATE:
                     o[LF_SH_GATE] = ar.add([(c("moe.shared_gate"), (1, D))])
@@ -335,7 +337,7 @@ def build_plan(spec: ModelSpec, weights=None, device: str | torch.device = "cpu"
         block_t = max(1, min(block_t, 16384 // (_pow2(d.HQ // d.HKV) * _pow2(d.DH))))
     tiles = TileConfig(block_k=block_k, bn=bn, block_t=block_t, block_p=_pow2(len(rows["lm"])))
     return Plan(spec, d, device, wdtype, arena, buf, table.to(device), top["embed"], top["lm_head"],
-                top["final_norm"], n_sms, tiles, rows)
+                top["final_norm"], n_sms, tiles, rows, table)
 
 
 def _random_fill(buf: torch.Tensor, arena: Arena, d: Dims, seed: int):
@@ -369,8 +371,13 @@ def build_tasks(plan: Plan, n_splits: int = 1) -> torch.Tensor:
     rows: list[list[int]] = []
     count: dict[int, int] = {}
 
+    lt = plan.layers_host
+    wcol = {OP_QKV: LF_QKV, OP_O: LF_O, OP_GATEUP: LF_GATE, OP_DOWN: LF_DOWN, OP_ROUTER: LF_ROUTER,
+            OP_SH_UP: LF_SGATE}
+
     def emit(op, layer, r0, n, aux, wait, wcnt, wbase, sig):
-        rows.append([op, layer, r0, n, aux, wait, wcnt, wbase, sig, 0])
+        w = plan.lm_off if op == OP_LM else int(lt[layer, wcol[op]]) if op in wcol else 0
+        rows.append([op, layer, r0, n, aux, wait, wcnt, wbase, sig, w & 0x7FFFFFFF, w >> 31, 0])
         count[sig] = count.get(sig, 0) + 1
 
     def after(ctr):  # wait for every signal `ctr` gets in this step
@@ -417,5 +424,6 @@ def describe_task(tasks: torch.Tensor, i: int) -> str:
     elif op == OP_SAMPLE:
         where = ""
     else:
-        where = f"rows {r0}..{r0 + n - 1}" + (f" slot {aux}" if op == OP_EXP_UP else f" tile {aux}" if op == OP_LM else "")
+        extra = f" slot {aux}" if op == OP_EXP_UP else f" tile {aux}" if op == OP_LM else ""
+        where = f"rows {r0}..{r0 + n - 1}{extra}"
     return f"{name} layer {layer} {where}".strip()

@@ -181,8 +181,9 @@ class MonokernelBackend:
 
     # ---- decode --------------------------------------------------------------------------------------------------
     def launch(self, last_token: int, start_pos: int, n_steps: int, eos_ids, *, ignore_eos: bool = False,
-               temperature: float = 0.0, seed: int = 0):
-        """Start one launch decoding `n_steps` tokens after `last_token` (at position start_pos). Async on the GPU."""
+               temperature: float = 0.0, seed: int = 0, mode: int = 0):
+        """Start one launch decoding `n_steps` tokens after `last_token` (at position start_pos). Async on the GPU.
+        mode 1 / 2: benchmark-only kernel variants (kernel.monokernel's MODE: sync only / no waits)."""
         d, pl = self.dims, self.plan
         if self._done is not None:      # the previous launch may still write the ring we are about to reuse
             self._done.synchronize()
@@ -215,6 +216,7 @@ class MonokernelBackend:
         self.x.copy_(pl.view("embed")[last_token].float())
         self.last_launch = dict(n_steps=n_steps, n_splits=n_splits, n_tasks=int(tasks.shape[0]), start_pos=start_pos)
         args, meta = self.kernel_args(tasks, n_steps, start_pos, n_splits, len(eos), ignore_eos, temperature, seed)
+        meta["MODE"] = mode
         monokernel[(self.grid,)](*args, **meta, num_warps=self.num_warps, launch_cooperative_grid=True)
         if self.device.type == "cuda":
             self._done = torch.cuda.Event()

@@ -49,18 +49,6 @@ def tile(w_ptr, K: tl.constexpr, row0, r_end, j, n_tiles, BLOCK_N: tl.constexpr,
 
 
 @triton.jit
-def first_tile(w_ptr, K: tl.constexpr, row0, r_end, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The tile a task loads before it waits."""
-    return tile(w_ptr, K, row0, r_end, 0, 1, BLOCK_N, BLOCK_K)
-
-
-@triton.jit
-def n_tiles_of(row0, r_end, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    NK: tl.constexpr = (K + BLOCK_K - 1) // BLOCK_K + (K == 0)  # >= 1: ops absent from a model still compile
-    return (r_end - row0 + BLOCK_N - 1) // BLOCK_N * NK
-
-
-@triton.jit
 def glu(g, u, limit, alpha, ACT: tl.constexpr):
     """ACT 0: silu(g) * u. ACT 1 (gpt-oss): g <= limit, |u| <= limit, (u + 1) * g * sigmoid(alpha * g)."""
     if ACT == 0:
@@ -95,6 +83,20 @@ def gumbel(seed, step, offs):
 
 
 @triton.jit
+def x_tile(x_ptr, nw_ptr, K: tl.constexpr, j, n_tiles, NORM: tl.constexpr, BLOCK_K: tl.constexpr):
+    """(raw x, norm weight) chunks for tile j of a K-major walk (masked when j >= n_tiles). Raw x feeds the
+    sum of squares of the fused RMSNorm, accumulated during the first row chunk's sweep over K."""
+    NK: tl.constexpr = (K + BLOCK_K - 1) // BLOCK_K + (K == 0)
+    offs = (j % NK) * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask = (offs < K) & (j < n_tiles)
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg")
+    nw = x
+    if NORM:
+        nw = tl.load(nw_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    return x, nw
+
+
+@triton.jit
 def stream_gemv(w_ptr, w_first, K: tl.constexpr, row0, r_end, x_ptr, nw_ptr, eps, b_ptr, y_ptr, res_ptr,
                 tile_id, pv_ptr, pi_ptr, do_sample, inv_temp, seed, step,
                 NORM: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, LM: tl.constexpr,
@@ -104,21 +106,27 @@ def stream_gemv(w_ptr, w_first, K: tl.constexpr, row0, r_end, x_ptr, nw_ptr, eps
     Gumbel noise (sampling), lowest id on ties, to pv / pi[tile_id]."""
     NK: tl.constexpr = (K + BLOCK_K - 1) // BLOCK_K + (K == 0)  # >= 1: ops absent from a model still compile
     offs_n = tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    scale = 1.0
-    if NORM:
-        scale = rstd(x_ptr, K, eps, BLOCK_K)
-    n = n_tiles_of(row0, r_end, K, BLOCK_N, BLOCK_K)
+    n = (r_end - row0 + BLOCK_N - 1) // BLOCK_N * NK
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    ss = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    scale = 1.0
     best_v = -float("inf")
     best_i = row0
     w_cur = w_first
+    x_cur, n_cur = x_tile(x_ptr, nw_ptr, K, 0, n, NORM, BLOCK_K)
     for i in range(0, n):
-        w_nxt = tile(w_ptr, K, row0, r_end, i + 1, n, BLOCK_N, BLOCK_K)   # in flight during this tile's math
-        k0 = (i % NK) * BLOCK_K
-        x = x_chunk(x_ptr, nw_ptr, k0 + offs_k, k0 + offs_k < K, NORM)
-        acc += tl.sum(w_cur.to(tl.float32) * x[None, :], axis=1)
+        # tile i+1 (weights and x) is in flight while tile i's FMAs run
+        w_nxt = tile(w_ptr, K, row0, r_end, i + 1, n, BLOCK_N, BLOCK_K)
+        x_nxt, n_nxt = x_tile(x_ptr, nw_ptr, K, i + 1, n, NORM, BLOCK_K)
+        xv = x_cur
+        if NORM:
+            ss += tl.where(i < NK, x_cur * x_cur, 0.0)
+            xv = x_cur * n_cur
+        acc += tl.sum(w_cur.to(tl.float32) * xv[None, :], axis=1)
         if i % NK == NK - 1:
+            if NORM:
+                if i == NK - 1:   # end of the first row chunk: the sweep has seen all of x
+                    scale = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / K + eps)
             r0 = row0 + (i // NK) * BLOCK_N
             rows = r0 + offs_n
             r_mask = rows < r_end
@@ -140,6 +148,8 @@ def stream_gemv(w_ptr, w_first, K: tl.constexpr, row0, r_end, x_ptr, nw_ptr, eps
                 tl.store(y_ptr + rows, y, mask=r_mask)
             acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
         w_cur = w_nxt
+        x_cur = x_nxt
+        n_cur = n_nxt
     if LM:
         tl.store(pv_ptr + tile_id, best_v)
         tl.store(pi_ptr + tile_id, best_i)
@@ -151,23 +161,27 @@ def stream_glu(wg_ptr, wu_ptr, g_first, u_first, K: tl.constexpr, row0, r_end, x
                HAS_BIAS: tl.constexpr, ACT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """h[r] = glu(Wg[r] . xn (+ bg[r]), Wu[r] . xn (+ bu[r])), xn = RMSNorm(x; nw): gate and up rows of a tile
     stream side by side and share each x chunk."""
-    NK: tl.constexpr = (K + BLOCK_K - 1) // BLOCK_K + (K == 0)  # >= 1: ops absent from a model still compile
+    NK: tl.constexpr = (K + BLOCK_K - 1) // BLOCK_K + (K == 0)
     offs_n = tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    scale = rstd(x_ptr, K, eps, BLOCK_K)
-    n = n_tiles_of(row0, r_end, K, BLOCK_N, BLOCK_K)
+    n = (r_end - row0 + BLOCK_N - 1) // BLOCK_N * NK
     acc_g = tl.zeros((BLOCK_N,), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    ss = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    scale = 1.0
     g_cur = g_first
     u_cur = u_first
+    x_cur, n_cur = x_tile(x_ptr, nw_ptr, K, 0, n, True, BLOCK_K)
     for i in range(0, n):
         g_nxt = tile(wg_ptr, K, row0, r_end, i + 1, n, BLOCK_N, BLOCK_K)
         u_nxt = tile(wu_ptr, K, row0, r_end, i + 1, n, BLOCK_N, BLOCK_K)
-        k0 = (i % NK) * BLOCK_K
-        x = x_chunk(x_ptr, nw_ptr, k0 + offs_k, k0 + offs_k < K, True)[None, :]
-        acc_g += tl.sum(g_cur.to(tl.float32) * x, axis=1)
-        acc_u += tl.sum(u_cur.to(tl.float32) * x, axis=1)
+        x_nxt, n_nxt = x_tile(x_ptr, nw_ptr, K, i + 1, n, True, BLOCK_K)
+        ss += tl.where(i < NK, x_cur * x_cur, 0.0)
+        xv = (x_cur * n_cur)[None, :]
+        acc_g += tl.sum(g_cur.to(tl.float32) * xv, axis=1)
+        acc_u += tl.sum(u_cur.to(tl.float32) * xv, axis=1)
         if i % NK == NK - 1:
+            if i == NK - 1:
+                scale = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / K + eps)
             rows = row0 + (i // NK) * BLOCK_N + offs_n
             r_mask = rows < r_end
             g = acc_g * scale
@@ -180,14 +194,17 @@ def stream_glu(wg_ptr, wu_ptr, g_first, u_first, K: tl.constexpr, row0, r_end, x
             acc_u = tl.zeros((BLOCK_N,), dtype=tl.float32)
         g_cur = g_nxt
         u_cur = u_nxt
+        x_cur = x_nxt
+        n_cur = n_nxt
 
 
 @triton.jit
-def _down_tile(wa_ptr, ed_off, sd_off, ids, offs_j, row0, r_end, q, n,
+def _down_tile(wa_ptr, ed_off, sd_off, ids, wts, sg, offs_j, h_ptr, row0, r_end, q, n,
                D: tl.constexpr, I_MOE: tl.constexpr, I_SH: tl.constexpr, TOPK: tl.constexpr,
                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Tile q of expert_down's walk: per row chunk, every slot's [D, I_MOE] down rows (slot j = expert ids[j]),
-    then the shared expert's [D, I_SH]; each segment padded to whole K steps. Masked when q >= n."""
+    """Tile q of expert_down's walk and its activation chunk: per row chunk, every slot's [D, I_MOE] down rows
+    (slot j = expert ids[j]; activations h_j * w_j), then the shared expert's [D, I_SH] (h_sh * sg); each
+    segment padded to whole K steps. Masked when q >= n."""
     NKE: tl.constexpr = (I_MOE + BLOCK_K - 1) // BLOCK_K + (I_MOE == 0)
     NKS: tl.constexpr = (I_SH + BLOCK_K - 1) // BLOCK_K
     PER: tl.constexpr = TOPK * NKE + NKS + (TOPK * NKE + NKS == 0)  # tiles per row chunk (>= 1)
@@ -200,8 +217,13 @@ def _down_tile(wa_ptr, ed_off, sd_off, ids, offs_j, row0, r_end, q, n,
     k0 = tl.where(is_exp, c % NKE, c - TOPK * NKE) * BLOCK_K
     rows = row0 + (q // PER) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = k0 + tl.arange(0, BLOCK_K)
-    mask = (rows < r_end)[:, None] & (cols < K)[None, :] & (q < n)
-    return tl.load(wa_ptr + off + rows.to(tl.int64)[:, None] * K + cols[None, :], mask=mask, other=0.0)
+    live = q < n
+    w = tl.load(wa_ptr + off + rows.to(tl.int64)[:, None] * K + cols[None, :],
+                mask=(rows < r_end)[:, None] & (cols < K)[None, :] & live, other=0.0)
+    xs = tl.where(is_exp, tl.sum(tl.where(offs_j == j, wts, 0.0), axis=0), sg)   # routing weight / shared gate
+    h_off = tl.where(is_exp, j * I_MOE, TOPK * I_MOE)
+    x = tl.load(h_ptr + h_off + cols, mask=(cols < K) & live, other=0.0, cache_modifier=".cg") * xs
+    return w, x
 
 
 @triton.jit
@@ -216,7 +238,6 @@ def stream_expert_down(wa_ptr, ed_off, edb_off, sd_off, row0, r_end, h_ptr, ids_
     NKS: tl.constexpr = (I_SH + BLOCK_K - 1) // BLOCK_K
     PER: tl.constexpr = TOPK * NKE + NKS + (TOPK * NKE + NKS == 0)
     offs_n = tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
     offs_j = tl.arange(0, BLOCK_TOPK)
     ids = tl.load(ids_ptr + offs_j, mask=offs_j < TOPK, other=0, cache_modifier=".cg")
     wts = tl.load(wts_ptr + offs_j, mask=offs_j < TOPK, other=0.0, cache_modifier=".cg")
@@ -225,21 +246,13 @@ def stream_expert_down(wa_ptr, ed_off, edb_off, sd_off, row0, r_end, h_ptr, ids_
         sg = tl.load(sg_ptr, cache_modifier=".cg")
     n = (r_end - row0 + BLOCK_N - 1) // BLOCK_N * PER
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    w_cur = _down_tile(wa_ptr, ed_off, sd_off, ids, offs_j, row0, r_end, 0, n, D, I_MOE, I_SH, TOPK,
-                       BLOCK_N, BLOCK_K)
+    w_cur, x_cur = _down_tile(wa_ptr, ed_off, sd_off, ids, wts, sg, offs_j, h_ptr, row0, r_end, 0, n,
+                              D, I_MOE, I_SH, TOPK, BLOCK_N, BLOCK_K)
     for q in range(0, n):
-        w_nxt = _down_tile(wa_ptr, ed_off, sd_off, ids, offs_j, row0, r_end, q + 1, n, D, I_MOE, I_SH, TOPK,
-                           BLOCK_N, BLOCK_K)
-        c = q % PER
-        is_exp = c < TOPK * NKE
-        j = c // NKE
-        xs = tl.where(is_exp, tl.sum(tl.where(offs_j == j, wts, 0.0), axis=0), sg)   # routing weight / gate
-        x_off = tl.where(is_exp, j * I_MOE + (c % NKE) * BLOCK_K, TOPK * I_MOE + (c - TOPK * NKE) * BLOCK_K)
-        K = tl.where(is_exp, I_MOE, I_SH)
-        kk = tl.where(is_exp, c % NKE, c - TOPK * NKE) * BLOCK_K + offs_k
-        x = tl.load(h_ptr + x_off + offs_k, mask=kk < K, other=0.0, cache_modifier=".cg") * xs
-        acc += tl.sum(w_cur.to(tl.float32) * x[None, :], axis=1)
-        if c == PER - 1:
+        w_nxt, x_nxt = _down_tile(wa_ptr, ed_off, sd_off, ids, wts, sg, offs_j, h_ptr, row0, r_end, q + 1, n,
+                                  D, I_MOE, I_SH, TOPK, BLOCK_N, BLOCK_K)
+        acc += tl.sum(w_cur.to(tl.float32) * x_cur[None, :], axis=1)
+        if q % PER == PER - 1:
             rows = row0 + (q // PER) * BLOCK_N + offs_n
             r_mask = rows < r_end
             if HAS_EBIAS:
@@ -251,3 +264,4 @@ def stream_expert_down(wa_ptr, ed_off, edb_off, sd_off, row0, r_end, h_ptr, ids_
             tl.store(x_ptr + rows, acc, mask=r_mask)
             acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
         w_cur = w_nxt
+        x_cur = x_nxt

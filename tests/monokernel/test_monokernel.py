@@ -1,6 +1,6 @@
 """The monokernel end to end under TRITON_INTERPRET=1 (CPU): whole decode steps against ReferenceDecoder.
 
-Greedy tokens must be identical for 10 steps; the last step's LM-head tile maxima must equal the reference's
+Greedy tokens must be identical for 8 steps; the last step's LM-head tile maxima must equal the reference's
 logits (so a near-miss cannot hide behind argmax), and the K/V rows the kernel appended must equal the reference
 decoder's cache. Plus: attention split over the sequence (with sinks and windows), temperature sampling against a
 host replay of the same Gumbel noise, EOS, the engine contract, and the watchdog."""
@@ -15,7 +15,7 @@ from kie_moe.sampling import SamplingParams
 
 # 13 prompt tokens: longer than the sliding windows of the test models (6, 7), so windows matter
 PROMPT = [5, 17, 33, 2, 101, 7, 9, 150, 3, 44, 61, 200, 12]
-N = 10
+N = 8
 
 
 def reference_run(m, prompt, tokens):
@@ -95,9 +95,9 @@ def test_bf16_weights(tiny_model):
 def test_temperature_sampling_replays_gumbel_max(tiny_model):
     """Gumbel-max in the kernel == argmax(logits / T + the same counter-based noise) on the host, step by step;
     the same seed replays, another seed differs."""
-    m = tiny_model("qwen2_moe")
+    m = tiny_model("llama")
     be = MonokernelBackend(m, "cpu", n_sms=2)
-    p = SamplingParams(max_new_tokens=8, temperature=1.5, seed=1234, ignore_eos=True)
+    p = SamplingParams(max_new_tokens=6, temperature=1.5, seed=1234, ignore_eos=True)
     got = list(be.generate(PROMPT, p, set()))
     logits, _ = reference_run(m, PROMPT, got)
     V = m.spec.vocab_size
@@ -105,10 +105,10 @@ def test_temperature_sampling_replays_gumbel_max(tiny_model):
         noisy = logits[s].numpy() / np.float32(1.5) + gumbel_ref(1234, s, np.arange(V))
         assert tok == int(np.argmax(noisy)), f"step {s}"
     assert list(be.generate(PROMPT, p, set())) == got
-    other = list(be.generate(PROMPT, SamplingParams(max_new_tokens=8, temperature=1.5, seed=99, ignore_eos=True),
+    other = list(be.generate(PROMPT, SamplingParams(max_new_tokens=6, temperature=1.5, seed=99, ignore_eos=True),
                              set()))
     assert other != got
-    assert got != reference_greedy(m, PROMPT, 8)
+    assert got != reference_greedy(m, PROMPT, 6)
 
 
 def test_gumbel_noise_is_standard():

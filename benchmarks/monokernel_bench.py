@@ -1,0 +1,140 @@
+"""Monokernel decode speed on real shapes (random weights drawn straight into the plan's device arena: no
+checkpoint, no host copy), beside the read-bandwidth probe. GPU only; `--help` works anywhere.
+
+For each preset: build the plan, compile + warm up with one short launch, then time `--reps` launches of
+`--new-tokens` greedy steps each (one launch = all steps; CUDA events around it; KV positions before
+`--prompt-len` are zeros: their values do not change the bytes read). Reports tok/s, ms/token, the bytes one
+step streams (active weights + LM head + KV), GB/s and % of the probe. `--sweep` repeats the first preset over a
+small grid of tile shapes (block_k x tile elements x warps x task bytes) so the lead can pick defaults.
+
+    python benchmarks/monokernel_bench.py --out results.json
+    python benchmarks/monokernel_bench.py --archs llama-3.2-1b --sweep --out sweep.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+import traceback
+
+DEFAULT_ARCHS = "llama-3.2-1b,qwen3-30b-a3b"
+SWEEP = [  # (block_k, tile_elems, num_warps, max_task_kb)
+    (1024, 16384, 8, 512), (512, 8192, 8, 512), (1024, 32768, 8, 512), (2048, 32768, 8, 512),
+    (1024, 16384, 4, 512), (1024, 16384, 8, 128), (1024, 16384, 8, 2048),
+]
+
+
+def read_probe_gbps(nbytes: int = 4 << 30) -> float:
+    """torch int64 sum over 4 GiB: the read ceiling the roofline percentages use (as benchmarks/gpu_smoke.py)."""
+    import torch
+    import triton.testing as tt
+    x = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_()
+    ms = tt.do_bench(lambda: x.view(torch.int64).sum(), warmup=50, rep=300, return_mode="median")
+    del x
+    torch.cuda.empty_cache()
+    return nbytes / ms / 1e6
+
+
+def spec_of(arch: str, layers: int | None = None):
+    from kie_moe.models.presets import preset
+    from kie_moe.models.registry import spec_from_config
+    cfg = preset(arch)
+    if layers:
+        cfg["num_hidden_layers"] = layers
+        if isinstance(cfg.get("layer_types"), list):
+            cfg["layer_types"] = cfg["layer_types"][:layers]
+        if "max_window_layers" in cfg:
+            cfg["max_window_layers"] = min(cfg["max_window_layers"], layers)
+    return spec_from_config(cfg)
+
+
+def bench_one(arch: str, probe: float, *, new_tokens: int, prompt_len: int, reps: int, layers: int | None = None,
+              block_k=None, tile_elems=None, num_warps=8, max_task_kb=512) -> dict:
+    import torch
+    from kie_moe.kernels.monokernel import plan as P
+    from kie_moe.kernels.monokernel.runtime import MonokernelBackend
+    r = dict(arch=arch, layers=layers, block_k=block_k, tile_elems=tile_elems, num_warps=num_warps,
+             max_task_kb=max_task_kb, new_tokens=new_tokens, prompt_len=prompt_len)
+    mk = None
+    try:
+        spec = spec_of(arch, layers)
+        t0 = time.perf_counter()
+        plan = P.build_plan(spec, None, "cuda", random_seed=0, block_k=block_k, tile_elems=tile_elems,
+                            max_task_bytes=max_task_kb << 10)
+        torch.cuda.synchronize()
+        r["plan_s"] = time.perf_counter() - t0
+        r["tiles"] = dict(block_k=plan.tiles.block_k, bn=plan.tiles.bn, block_t=plan.tiles.block_t)
+        r["tasks_per_op"] = {k: len(v) for k, v in plan.op_rows.items()}
+        mk = MonokernelBackend(None, torch.device("cuda"), plan=plan, num_warps=num_warps)
+        tok = 1000 % spec.vocab_size
+        t0 = time.perf_counter()
+        mk.launch(tok, prompt_len, 4, (), ignore_eos=True)          # compile + warm up
+        torch.cuda.synchronize()
+        mk.check_error()
+        r["compile_and_warmup_s"] = time.perf_counter() - t0
+        times = []
+        for _ in range(reps):
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            mk.launch(tok, prompt_len, new_tokens, (), ignore_eos=True)
+            e.record()
+            torch.cuda.synchronize()
+            mk.check_error()
+            assert int(mk.ring[0]) == new_tokens, f"ring holds {int(mk.ring[0])} tokens, expected {new_tokens}"
+            times.append(s.elapsed_time(e) / 1e3)
+        t = sorted(times)[len(times) // 2]
+        d = plan.dims
+        kv = 2 * d.L * d.HKV * d.DH * mk.kv.element_size() * (prompt_len + new_tokens / 2)   # mean context
+        bpt = plan.weight_bytes_per_token() + kv
+        r.update(tok_per_s=new_tokens / t, ms_per_token=1e3 * t / new_tokens, runs_s=times,
+                 bytes_per_token=bpt, gbps=bpt * new_tokens / t / 1e9,
+                 pct_of_probe=100 * bpt * new_tokens / t / 1e9 / probe,
+                 n_tasks_per_step=mk.last_launch["n_tasks"], n_splits=mk.last_launch["n_splits"],
+                 tokens_sample=mk.ring[1:9].tolist())
+    except Exception as ex:  # one failing config must not lose the others
+        r["error"] = f"{type(ex).__name__}: {ex}"[:2000]
+        r["trace"] = traceback.format_exc()[-3000:]
+    finally:
+        del mk
+        try:
+            import torch
+            torch.cuda.empty_cache()
+        except Exception:
+            pass
+    print(json.dumps({k: v for k, v in r.items() if k not in ("trace", "runs_s")}), flush=True)
+    return r
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", help="write the results as JSON here")
+    ap.add_argument("--archs", default=DEFAULT_ARCHS, help=f"comma-separated presets (default {DEFAULT_ARCHS})")
+    ap.add_argument("--layers", type=int, default=None, help="cut every preset to this many layers")
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--sweep", action="store_true", help="tile-shape grid on the first preset")
+    a = ap.parse_args(argv)
+
+    import torch
+    import triton
+    if not torch.cuda.is_available():
+        raise SystemExit("monokernel_bench: needs a CUDA GPU")
+    res = dict(device=torch.cuda.get_device_name(), sms=torch.cuda.get_device_properties(0).multi_processor_count,
+               torch=torch.__version__, triton=triton.__version__, date=time.strftime("%Y-%m-%d"))
+    res["read_probe_gbps"] = probe = read_probe_gbps()
+    print(json.dumps(res), flush=True)
+    kw = dict(new_tokens=a.new_tokens, prompt_len=a.prompt_len, reps=a.reps, layers=a.layers)
+    archs = [x for x in a.archs.split(",") if x]
+    res["runs"] = [bench_one(x, probe, **kw) for x in archs]
+    if a.sweep:
+        res["sweep"] = [bench_one(archs[0], probe, block_k=bk, tile_elems=te, num_warps=nw, max_task_kb=mt, **kw)
+                        for bk, te, nw, mt in SWEEP]
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(res, f, indent=1)
+    return res
+
+
+if __name__ == "__main__":
+    main()
