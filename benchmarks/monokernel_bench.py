@@ -4,8 +4,12 @@ checkpoint, no host copy), beside the read-bandwidth probe. GPU only; `--help` w
 For each preset: build the plan, compile + warm up with one short launch, then time `--reps` launches of
 `--new-tokens` greedy steps each (one launch = all steps; CUDA events around it; KV positions before
 `--prompt-len` are zeros: their values do not change the bytes read). Reports tok/s, ms/token, the bytes one
-step streams (active weights + LM head + KV), GB/s and % of the probe. `--sweep` repeats the first preset over a
-small grid of tile shapes (block_k x tile elements x warps x task bytes) so the lead can pick defaults.
+step streams (active weights + LM head + KV), GB/s and % of the probe.
+
+Breakdown (on by default): the same plan in the kernel's two benchmark modes, which give wrong tokens but say
+where time goes: `sync_only` (every task only claims, waits and signals: scheduling + dependency latency per
+step) and `no_wait` (no dependency waits: how fast the task structure streams weights). `--sweep` repeats the
+first preset over a small grid of tile shapes (block_k x tile elements x warps x task bytes).
 
     python benchmarks/monokernel_bench.py --out results.json
     python benchmarks/monokernel_bench.py --archs llama-3.2-1b --sweep --out sweep.json
@@ -35,21 +39,8 @@ def read_probe_gbps(nbytes: int = 4 << 30) -> float:
     return nbytes / ms / 1e6
 
 
-def spec_of(arch: str, layers: int | None = None):
-    from kie_moe.models.presets import preset
-    from kie_moe.models.registry import spec_from_config
-    cfg = preset(arch)
-    if layers:
-        cfg["num_hidden_layers"] = layers
-        if isinstance(cfg.get("layer_types"), list):
-            cfg["layer_types"] = cfg["layer_types"][:layers]
-        if "max_window_layers" in cfg:
-            cfg["max_window_layers"] = min(cfg["max_window_layers"], layers)
-    return spec_from_config(cfg)
-
-
 def bench_one(arch: str, probe: float, *, new_tokens: int, prompt_len: int, reps: int, layers: int | None = None,
-              block_k=None, tile_elems=None, num_warps=8, max_task_kb=512) -> dict:
+              block_k=None, tile_elems=None, num_warps=8, max_task_kb=512, breakdown: bool = False) -> dict:
     import torch
     from kie_moe.kernels.monokernel import plan as P
     from kie_moe.kernels.monokernel.runtime import MonokernelBackend
@@ -57,7 +48,7 @@ def bench_one(arch: str, probe: float, *, new_tokens: int, prompt_len: int, reps
              max_task_kb=max_task_kb, new_tokens=new_tokens, prompt_len=prompt_len)
     mk = None
     try:
-        spec = spec_of(arch, layers)
+        spec = P.preset_spec(arch, layers)
         t0 = time.perf_counter()
         plan = P.build_plan(spec, None, "cuda", random_seed=0, block_k=block_k, tile_elems=tile_elems,
                             max_task_bytes=max_task_kb << 10)
@@ -67,22 +58,26 @@ def bench_one(arch: str, probe: float, *, new_tokens: int, prompt_len: int, reps
         r["tasks_per_op"] = {k: len(v) for k, v in plan.op_rows.items()}
         mk = MonokernelBackend(None, torch.device("cuda"), plan=plan, num_warps=num_warps)
         tok = 1000 % spec.vocab_size
-        t0 = time.perf_counter()
-        mk.launch(tok, prompt_len, 4, (), ignore_eos=True)          # compile + warm up
-        torch.cuda.synchronize()
-        mk.check_error()
-        r["compile_and_warmup_s"] = time.perf_counter() - t0
-        times = []
-        for _ in range(reps):
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            mk.launch(tok, prompt_len, new_tokens, (), ignore_eos=True)
-            e.record()
+
+        def timed(mode: int) -> tuple[float, list, float]:
+            t0 = time.perf_counter()
+            mk.launch(tok, prompt_len, 4, (), ignore_eos=True, mode=mode)          # compile + warm up
             torch.cuda.synchronize()
             mk.check_error()
-            assert int(mk.ring[0]) == new_tokens, f"ring holds {int(mk.ring[0])} tokens, expected {new_tokens}"
-            times.append(s.elapsed_time(e) / 1e3)
-        t = sorted(times)[len(times) // 2]
+            warm = time.perf_counter() - t0
+            times = []
+            for _ in range(reps):
+                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                s.record()
+                mk.launch(tok, prompt_len, new_tokens, (), ignore_eos=True, mode=mode)
+                e.record()
+                torch.cuda.synchronize()
+                mk.check_error()
+                assert int(mk.ring[0]) == new_tokens, f"ring holds {int(mk.ring[0])} tokens, expected {new_tokens}"
+                times.append(s.elapsed_time(e) / 1e3)
+            return sorted(times)[len(times) // 2], times, warm
+
+        t, times, r["compile_and_warmup_s"] = timed(0)
         d = plan.dims
         kv = 2 * d.L * d.HKV * d.DH * mk.kv.element_size() * (prompt_len + new_tokens / 2)   # mean context
         bpt = plan.weight_bytes_per_token() + kv
@@ -91,6 +86,11 @@ def bench_one(arch: str, probe: float, *, new_tokens: int, prompt_len: int, reps
                  pct_of_probe=100 * bpt * new_tokens / t / 1e9 / probe,
                  n_tasks_per_step=mk.last_launch["n_tasks"], n_splits=mk.last_launch["n_splits"],
                  tokens_sample=mk.ring[1:9].tolist())
+        if breakdown:
+            for mode, name in ((1, "sync_only"), (2, "no_wait")):
+                tm, _, _ = timed(mode)
+                r[name] = dict(ms_per_token=1e3 * tm / new_tokens, tok_per_s=new_tokens / tm,
+                               pct_of_probe=100 * bpt * new_tokens / tm / 1e9 / probe)
     except Exception as ex:  # one failing config must not lose the others
         r["error"] = f"{type(ex).__name__}: {ex}"[:2000]
         r["trace"] = traceback.format_exc()[-3000:]
@@ -114,6 +114,7 @@ def main(argv=None):
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--sweep", action="store_true", help="tile-shape grid on the first preset")
+    ap.add_argument("--no-breakdown", action="store_true", help="skip the sync-only / no-wait kernel variants")
     a = ap.parse_args(argv)
 
     import torch
@@ -126,7 +127,7 @@ def main(argv=None):
     print(json.dumps(res), flush=True)
     kw = dict(new_tokens=a.new_tokens, prompt_len=a.prompt_len, reps=a.reps, layers=a.layers)
     archs = [x for x in a.archs.split(",") if x]
-    res["runs"] = [bench_one(x, probe, **kw) for x in archs]
+    res["runs"] = [bench_one(x, probe, breakdown=not a.no_breakdown, **kw) for x in archs]
     if a.sweep:
         res["sweep"] = [bench_one(archs[0], probe, block_k=bk, tile_elems=te, num_warps=nw, max_task_kb=mt, **kw)
                         for bk, te, nw, mt in SWEEP]

@@ -340,6 +340,21 @@ def build_plan(spec: ModelSpec, weights=None, device: str | torch.device = "cpu"
                 top["final_norm"], n_sms, tiles, rows, table)
 
 
+def preset_spec(arch: str, layers: int | None = None) -> ModelSpec:
+    """ModelSpec of a models.presets entry (e.g. "qwen3-30b-a3b"), optionally cut to its first `layers` layers
+    (benchmarks and GPU tests: real widths, a depth that leaves room for an fp32 reference)."""
+    from kie_moe.models.presets import preset
+    from kie_moe.models.registry import spec_from_config
+    cfg = preset(arch)
+    if layers:
+        cfg["num_hidden_layers"] = layers
+        if isinstance(cfg.get("layer_types"), list):
+            cfg["layer_types"] = cfg["layer_types"][:layers]
+        if "max_window_layers" in cfg:
+            cfg["max_window_layers"] = min(cfg["max_window_layers"], layers)
+    return spec_from_config(cfg)
+
+
 def _random_fill(buf: torch.Tensor, arena: Arena, d: Dims, seed: int):
     """Benchmark weights: N(0, 1/in) for matrices, 1 for norms, small biases (decodes without inf/NaN)."""
     g = torch.Generator(device=buf.device).manual_seed(seed)
