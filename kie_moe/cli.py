@@ -60,6 +60,18 @@ def cmd_generate(a) -> int:
     return 0
 
 
+def cmd_convert(a) -> int:
+    from tqdm import tqdm
+    from kie_moe.models.quantizable import convert_checkpoint
+    rep = convert_checkpoint(a.src, a.dst, a.scheme, force=a.force, experts_only=a.experts_only, ignore=a.ignore,
+                             quantize_lm_head=a.quantize_lm_head, progress=not a.quiet,
+                             on_warning=lambda m: tqdm.write(f"kie convert: warning: {m}", file=sys.stderr))
+    print(rep.dst)
+    print(f"[{rep.scheme}: {len(rep.quantized)} weights quantized ({len(rep.repacked)} re-packed as stored), "
+          f"{len(rep.kept)} Linear weights kept in float, {rep.bytes_written / 1e6:.1f} MB]", file=sys.stderr)
+    return 0
+
+
 def cmd_synth(a) -> int:
     import torch
     from kie_moe.models import synth
@@ -98,6 +110,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help='print one JSON object: {"token_ids", "text", "tokens_per_s", "backend", ...}')
     _device_args(g)
     g.set_defaults(fn=cmd_generate)
+
+    c = sub.add_parser("convert", help="convert an HF checkpoint to fp8 / fp8-block / nvfp4 / mxfp4",
+                       description="Write SRC's weights quantized to DST (compressed-tensors format), shard by shard. "
+                                   "Attention, dense MLP and expert Linears are quantized; routers, embeddings, norms "
+                                   "and lm_head stay as stored.")
+    c.add_argument("src", metavar="SRC", help="checkpoint directory (float, or already FP8 / MXFP4)")
+    c.add_argument("dst", metavar="DST", help="output directory (must not exist unless --force)")
+    c.add_argument("--scheme", required=True, help="fp8 | fp8-block | nvfp4 | mxfp4")
+    c.add_argument("--force", action="store_true", help="replace DST if it exists (only once the new one is complete)")
+    c.add_argument("--experts-only", action="store_true", help="quantize only the routed and shared experts")
+    c.add_argument("--ignore", nargs="+", action="extend", default=[], metavar="REGEX",
+                   help="keep modules whose name matches REGEX in float (re.match, anchored at the end)")
+    c.add_argument("--quantize-lm-head", action="store_true", help="quantize lm_head too")
+    c.add_argument("--quiet", action="store_true", help="no progress bar")
+    c.set_defaults(fn=cmd_convert)
 
     s = sub.add_parser("synth", help="write a random-weight checkpoint with a real architecture's shapes",
                        description="Write an HF-format checkpoint (config + sharded safetensors) with ARCH's shapes "
