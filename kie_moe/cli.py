@@ -89,6 +89,22 @@ def cmd_serve(a) -> int:
     return 0
 
 
+def cmd_demo(a) -> int:
+    from kie_moe import demo
+    schemes = tuple(x for x in a.schemes.replace(" ", "").split(",") if x)
+    log = lambda m: print(f"kie demo: {m}", file=sys.stderr)
+    on_text = None if a.json else (lambda t: (sys.stdout.write(t), sys.stdout.flush()))
+    res = demo.run_demo(a.model, a.out, device=a.device, backend=a.backend, schemes=schemes,
+                        max_new_tokens=a.max_new_tokens, windows=a.windows, window_len=a.window_len,
+                        on_text=on_text, log=log)
+    if a.json:
+        print(json.dumps(res.to_dict()))
+    else:
+        print()
+        demo.print_table(res)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="kie", description="KIE-MoE: batch-1 LLM inference for MoE checkpoints")
     sub = ap.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
@@ -153,6 +169,24 @@ def build_parser() -> argparse.ArgumentParser:
                    help="model name clients send and /v1/models lists (default: MODEL_DIR as given)")
     _device_args(v)
     v.set_defaults(fn=cmd_serve)
+
+    d = sub.add_parser("demo", help="the embedded demo model end to end: convert, generate, compare with bf16",
+                       description="Convert the embedded demo model (a small Qwen3-MoE trained on Python's standard "
+                                   "library) to each scheme, complete a Python prompt with each, and print a table: "
+                                   "weight bytes, decode tok/s, and top-1 agreement / KL vs bf16 and perplexity, "
+                                   "teacher-forced on held-out text.")
+    d.add_argument("--model", default=None, metavar="MODEL_DIR",
+                   help="another checkpoint with tokenizer files (default: the embedded kie_moe/assets/demo-moe)")
+    d.add_argument("--out", default=None, metavar="DIR",
+                   help="where converted checkpoints are cached (default: ~/.cache/kie-moe/demo)")
+    d.add_argument("--schemes", default="fp8,nvfp4", help="comma-separated quantized schemes (default fp8,nvfp4)")
+    d.add_argument("--max-new-tokens", type=int, default=48, help="tokens to generate per scheme (default 48)")
+    d.add_argument("--windows", type=int, default=4, help="held-out windows scored per scheme (default 4)")
+    d.add_argument("--window-len", type=int, default=256, help="tokens per held-out window (default 256)")
+    d.add_argument("--json", action="store_true", help="print one JSON object (rows: scheme, bytes, tokens_per_s, "
+                                                       "top1, kl, ppl, text, ...) instead of the table")
+    _device_args(d)
+    d.set_defaults(fn=cmd_demo)
     return ap
 
 
