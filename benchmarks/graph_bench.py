@@ -12,33 +12,8 @@ import traceback
 
 import torch
 
-LINEAR = ("attn.q", "attn.k", "attn.v", "attn.o", "attn.q_a", "attn.q_b", "attn.kv_a", "mlp.", "moe.experts.",
-          "moe.shared.gate", "moe.shared.up", "moe.shared.down")
-
-
-class QuantizingStore:
-    """WeightStore-like wrapper that hands the backends each Linear already quantized to `scheme` (on the GPU),
-    as a converted checkpoint would; everything else (norms, router, embeddings, lm_head) stays bf16."""
-
-    def __init__(self, store, scheme: str):
-        self.store, self.scheme = store, scheme
-
-    def names(self):
-        return self.store.names()
-
-    def __contains__(self, n):
-        return n in self.store
-
-    def get(self, n):
-        return self.store.get(n)
-
-    def quantized_tensor(self, n):
-        from kie_moe.quant.schemes import quantize, get_scheme
-        if self.scheme == "bf16" or not any(f".{p}" in f".{n}" or n.startswith(p) for p in LINEAR):
-            return None
-        if n.endswith("_bias") or n.endswith("shared_gate"):
-            return None
-        return quantize(self.store.get(n), get_scheme(self.scheme), name=n)
+# moved into the product (kie bench / kie sweep use it); imported here so this script's runs stay comparable
+from kie_moe.synthetic import QuantizingStore  # noqa: E402
 
 
 def probe_gbps(nbytes=4 << 30) -> float:

@@ -105,6 +105,28 @@ def cmd_demo(a) -> int:
     return 0
 
 
+def cmd_bench(a) -> int:
+    from kie_moe.bench import cmd_bench as run
+    return run(a)
+
+
+def cmd_sweep(a) -> int:
+    from kie_moe.sweep import cmd_sweep as run
+    return run(a)
+
+
+def cmd_preview(a) -> int:
+    from kie_moe.preview import cmd_preview as run
+    return run(a)
+
+
+def _measure_args(p: argparse.ArgumentParser, new_tokens: int):
+    p.add_argument("--prompt-len", type=int, default=32, help="prompt tokens (default 32)")
+    p.add_argument("--new-tokens", type=int, default=new_tokens, help=f"tokens decoded per run (default {new_tokens})")
+    p.add_argument("--runs", type=int, default=3, help="timed runs after one warm-up; the median is reported")
+    p.add_argument("--probe-mb", type=int, default=None, help=argparse.SUPPRESS)  # tests: a smaller CPU read probe
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="kie", description="KIE-MoE: batch-1 LLM inference for MoE checkpoints")
     sub = ap.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
@@ -187,11 +209,69 @@ def build_parser() -> argparse.ArgumentParser:
                                                        "top1, kl, ppl, text, ...) instead of the table")
     _device_args(d)
     d.set_defaults(fn=cmd_demo)
+
+    b = sub.add_parser("bench", help="decode tok/s, GB/s and %% of the read-bandwidth roofline",
+                       description="Time batch-1 greedy decoding of MODEL (a checkpoint directory, or a preset ARCH "
+                                   "built with random weights on the device) beside a read-bandwidth probe run in "
+                                   "the same process. Reports tok/s (median, spread), ms/token, TTFT, bytes/token "
+                                   "(active weights + scales + KV), GB/s and % of the roofline.")
+    b.add_argument("model", metavar="MODEL", nargs="?",
+                   help="checkpoint directory, preset name (see kie synth), or demo (the embedded model)")
+    b.add_argument("--all", action="store_true", help="the standard matrix of presets x schemes x GPU backends")
+    b.add_argument("--scheme", default="bf16", choices=["bf16", "fp8", "fp8-block", "nvfp4", "mxfp4"],
+                   help="quantize a float model's Linear weights in memory first (default bf16: as stored)")
+    b.add_argument("--tiny", action="store_true", help="a preset's tiny variant (tests, CPU)")
+    _measure_args(b, 128)
+    b.add_argument("--context-len", type=int, default=None,
+                   help="start decoding at this context length instead of --prompt-len")
+    b.add_argument("--context-fill", default="auto", choices=["auto", "prefill", "synthetic"],
+                   help="how --context-len is reached: random KV values (graph, monokernel) or a real prefill "
+                        "(default auto: random values where the backend allows)")
+    b.add_argument("--json", action="store_true", help="print the JSON result instead of the table")
+    b.add_argument("--out", default=None, metavar="FILE", help="also write the JSON result to FILE")
+    _device_args(b)
+    b.set_defaults(fn=cmd_bench)
+
+    w = sub.add_parser("sweep", help="throughput vs quality per quantization scheme: table + plot",
+                       description="For each scheme: convert MODEL (cached in --cache), measure decode speed, and "
+                                   "compare with the bf16 model teacher-forced over text (mean KL, top-1 agreement, "
+                                   "perplexity). Writes results.md, results.csv, results.json and tradeoff.png.")
+    w.add_argument("model", metavar="MODEL", help="float checkpoint directory, demo (the embedded model), or a "
+                                                  "preset ARCH (speed of real shapes; quality only vs its bf16 self "
+                                                  "on random ids)")
+    w.add_argument("--schemes", default="bf16,fp8,fp8-block,nvfp4,mxfp4", help="comma-separated (default: all)")
+    w.add_argument("--text", default=None, metavar="FILE", help="text to score (default: the model's heldout.txt, "
+                                                                "else the embedded demo model's, else random ids)")
+    w.add_argument("--out", required=True, metavar="DIR", help="results.{md,csv,json} and tradeoff.png go here")
+    w.add_argument("--cache", default=None, metavar="DIR",
+                   help="converted checkpoints, reused across runs (default: OUT/checkpoints)")
+    w.add_argument("--tiny", action="store_true", help="a preset's tiny variant (tests, CPU)")
+    w.add_argument("--window", type=int, default=128, help="tokens per teacher-forced window (default 128)")
+    w.add_argument("--max-tokens", type=int, default=512, help="tokens of text scored per scheme (default 512)")
+    _measure_args(w, 64)
+    w.add_argument("--quiet", action="store_true", help="no progress bar")
+    _device_args(w)
+    w.set_defaults(fn=cmd_sweep)
+
+    pv = sub.add_parser("preview", help="the dense Laneformer-2B preview reproduction (FP16, batch 1)",
+                        description="Build laneformer-2b with random FP16 weights on the GPU, decode, and print tok/s "
+                                    "and % of the roofline beside the published 2,100 tok/s on 8x H200.")
+    pv.add_argument("--devices", type=int, default=1, help="GPUs to decode on (default 1; more needs KCCL: later)")
+    pv.add_argument("--backend", default="monokernel", choices=["monokernel", "graph", "reference"],
+                    help="monokernel (default) or graph; falls back to the reference backend, labelled, when the "
+                         "backend does not run the laneformer family yet")
+    pv.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default cuda (cpu only with --tiny)")
+    pv.add_argument("--tiny", action="store_true", help="laneformer-tiny: a smoke test, not the preview")
+    _measure_args(pv, 128)
+    pv.add_argument("--json", action="store_true", help="print the JSON result instead of the report")
+    pv.add_argument("--out", default=None, metavar="FILE", help="also write the JSON result to FILE")
+    pv.set_defaults(fn=cmd_preview)
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = sys.argv[1:] if argv is None else list(argv)   # recorded with bench / sweep / preview results
     try:
         return args.fn(args)
     except KieError as e:

@@ -1,0 +1,164 @@
+"""Models for bench / sweep / preview: a checkpoint directory, or a preset ARCH built straight into device memory
+(models/synth: real shapes, random weights, no disk), optionally quantized in memory (QuantizingStore).
+
+QuantizingStore is what a converted checkpoint would give the backends, without writing one: the graph backend
+asks `quantized_tensor(name)` and streams the codes + scales; any backend that reads `get(name)` (reference,
+monokernel's bf16 arena, every prefill) gets the scheme's *dequantized* values, so quality numbers are the
+scheme's even where the bytes streamed are still bf16 (bench labels that case).
+"""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+
+import torch
+
+from kie_moe.models.errors import InputError
+
+# Which canonical tensors are quantized Linear weights. Mirrors the converter's table (models/quantizable.role:
+# attn q/k/v/o/q_a/q_b/kv_a/kv_b, dense mlp, routed and shared experts); routers, the shared-expert gate,
+# embeddings, norms, biases and lm_head stay in float (DESIGN.md §4). tests/test_bench.py checks the two agree.
+_LINEAR = re.compile(r"layers\.\d+\.(attn\.(q|k|v|o|q_a|q_b|kv_a|kv_b)|mlp\.(gate|up|down)|"
+                     r"moe\.experts\.\d+\.(gate|up|down)|moe\.shared\.(gate|up|down))")
+SCHEMES = ("bf16", "fp8", "fp8-block", "nvfp4", "mxfp4")
+
+
+def is_quantized_linear(canonical: str) -> bool:
+    return _LINEAR.fullmatch(canonical) is not None
+
+
+def check_scheme(scheme: str, where: str = "--scheme") -> str:
+    if scheme not in SCHEMES:
+        raise InputError(f"{where}: unknown scheme {scheme!r} (choose from {', '.join(SCHEMES)})")
+    return scheme
+
+
+class QuantizingStore:
+    """WeightStore-like wrapper: Linear weights quantized to `scheme` on their own device, on request.
+
+    Nothing is cached: the graph backend keeps the codes it asked for (stacked per expert), and caching here too
+    would hold a second quantized copy (30 GB for qwen3-30b-a3b in fp8) next to the bf16 original."""
+
+    def __init__(self, store, scheme: str):
+        self.store, self.scheme = store, check_scheme(scheme)
+        self.path = getattr(store, "path", "<memory>")
+
+    def names(self):
+        return self.store.names()
+
+    def __contains__(self, n):
+        return n in self.store
+
+    def _quantize(self, n, w):
+        """QuantizedTensor of `w`, or None where the format cannot hold its shape (e.g. nvfp4 needs in % 16 == 0):
+        such weights stay in float, as kie convert keeps them (roofline.weight_bytes counts them so too)."""
+        from kie_moe.quant.schemes import NotQuantizable, quantize
+        try:
+            return quantize(w, self.scheme, name=n)
+        except NotQuantizable:
+            return None
+
+    def quantized_tensor(self, n):
+        if self.scheme == "bf16" or not is_quantized_linear(n):
+            return None
+        return self._quantize(n, self.store.get(n))
+
+    def get(self, n):
+        w = self.store.get(n)
+        if self.scheme == "bf16" or not is_quantized_linear(n):
+            return w
+        q = self._quantize(n, w)
+        return w if q is None else q.dequantize(w.dtype)
+
+
+@dataclass
+class Source:
+    """What MODEL named: a checkpoint directory or a preset, and the scheme its Linear weights are in."""
+    model: object                # registry.LoadedModel
+    kind: str                    # "checkpoint" | "synthetic"
+    name: str                    # the directory, or the preset name (+ " (tiny)")
+    scheme: str                  # bf16 (float), or the quantization scheme
+    scheme_of: object            # canonical name -> scheme of that tensor ("bf16" for float)
+    note: str = ""
+
+
+# `demo` names the embedded demo model (kie_moe/demo.py's DEFAULT_MODEL) unless a directory of that name exists here
+EMBEDDED_DEMO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "demo-moe")
+
+
+def resolve_model(model: str) -> str:
+    return EMBEDDED_DEMO if model == "demo" and not os.path.exists(model) else model
+
+
+def is_checkpoint_dir(model: str) -> bool:
+    return os.path.isdir(model) and os.path.exists(os.path.join(model, "config.json"))
+
+
+def checkpoint_schemes(cfg: dict, spec, refs) -> tuple[str, dict]:
+    """(scheme, {canonical: scheme}) of a checkpoint's Linear weights, from its config.json. A float checkpoint:
+    ("bf16", {}). compressed-tensors: per module (its own matching rules); native FP8 block: fp8-block; gpt-oss
+    native MXFP4: its experts. Bytes of anything else are counted as float."""
+    qc = cfg.get("quantization_config")
+    if not qc:
+        return "bf16", {}
+    method = qc.get("quant_method", "compressed-tensors")
+    per: dict[str, str] = {}
+    for r in refs:
+        if r.optional or not is_quantized_linear(r.name):
+            continue
+        hf = r.layouts[0].hf_name
+        if method == "compressed-tensors":
+            from kie_moe.quant.ct_format import module_scheme
+            prefix = hf[:-len(".weight")] if hf.endswith(".weight") else hf
+            s = module_scheme(cfg, prefix)
+        elif method == "fp8":
+            s = "fp8-block"
+        elif method == "mxfp4":
+            s = "mxfp4" if ".experts." in r.name else None
+        else:
+            s = None
+        if s:
+            per[r.name] = s
+    found = sorted(set(per.values()))
+    return (found[0] if len(found) == 1 else "+".join(found) or "bf16"), per
+
+
+def open_model(model: str, device: torch.device, *, scheme: str = "bf16", tiny: bool = False,
+               dtype: torch.dtype | None = None, seed: int = 0) -> Source:
+    """MODEL (a checkpoint directory or a preset name) -> Source. Presets are built on `device` in `dtype`
+    (default bf16); `scheme` quantizes float Linear weights in memory (a quantized checkpoint must not be
+    quantized again: its own scheme is reported instead)."""
+    from kie_moe.models.registry import LoadedModel, adapter_for, load_model
+    check_scheme(scheme)
+    model = resolve_model(model)
+    if is_checkpoint_dir(model):
+        if tiny:
+            raise InputError(f"--tiny applies to a preset ARCH, not to the checkpoint directory {model}")
+        m = load_model(model)
+        refs = adapter_for(m.spec.family).tensor_refs(m.spec)
+        ck, per = checkpoint_schemes(m.config, m.spec, refs)
+        if ck != "bf16":
+            if scheme not in ("bf16", ck):
+                raise InputError(f"{model}/config.json: the checkpoint is already {ck}; --scheme {scheme} would "
+                                 f"quantize it twice (leave --scheme out)")
+            return Source(m, "checkpoint", model, ck, lambda n: per.get(n, "bf16"))
+        if scheme != "bf16":
+            m = LoadedModel(m.path, m.config, m.spec, QuantizingStore(m.weights, scheme))
+        return Source(m, "checkpoint", model, scheme, _scheme_fn(scheme))
+    if os.path.exists(model):
+        raise InputError(f"{model}: not a checkpoint directory (no config.json there)")
+    from kie_moe.models.presets import preset_names
+    if model not in preset_names():
+        raise InputError(f"{model!r} is neither a checkpoint directory nor a preset "
+                         f"(presets: {', '.join(preset_names())})")
+    from kie_moe.models.synth import synth_weights_on_device
+    spec, store = synth_weights_on_device(model, device, dtype or torch.bfloat16, tiny=tiny, seed=seed)
+    name = model + (" (tiny)" if tiny else "")
+    w = QuantizingStore(store, scheme) if scheme != "bf16" else store
+    return Source(LoadedModel(f"<synthetic {name}>", {}, spec, w), "synthetic", name, scheme, _scheme_fn(scheme),
+                  "random weights with the preset's shapes, built on the device")
+
+
+def _scheme_fn(scheme: str):
+    return lambda n: scheme if (scheme != "bf16" and is_quantized_linear(n)) else "bf16"

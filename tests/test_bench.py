@@ -1,0 +1,206 @@
+"""kie bench / kie preview on CPU: the JSON schema, the numbers' internal consistency (bytes x tok/s = GB/s, % of
+the probe), the bytes-per-token accounting against independent counts, and the user errors (exit 2, one line)."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from kie_moe import bench as B
+from kie_moe import roofline as R
+from kie_moe.cli import main
+
+RUN = ["--device", "cpu", "--new-tokens", "4", "--runs", "2", "--probe-mb", "16"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """Tiny models on a busy 2-core machine: OpenMP spin-waits make 2 threads far slower than 1."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory) -> str:
+    from tests.server.tiny_chat import make_chat_checkpoint
+    return make_chat_checkpoint(str(tmp_path_factory.mktemp("bench_ckpt")), max_position=512)
+
+
+def run_json(capsys, argv) -> tuple[int, dict]:
+    rc = main(argv)
+    out = capsys.readouterr().out
+    return rc, json.loads(out)
+
+
+def check_row(r: dict, runs: int):
+    assert set(B.ROW_FIELDS) <= set(r), set(B.ROW_FIELDS) - set(r)
+    assert len(r["tok_per_s_runs"]) == r["runs"] == runs
+    assert r["tok_per_s"] > 0 and min(r["tok_per_s_runs"]) <= r["tok_per_s"] <= max(r["tok_per_s_runs"])
+    assert math.isclose(r["ms_per_token"], 1e3 / r["tok_per_s"])
+    assert r["ttft_s"] > 0 and len(r["ttft_s_runs"]) == runs
+    b = r["bytes"]
+    assert b["total"] == b["weights"] + b["scales"] + b["kv"] == r["bytes_per_token"] > 0
+    assert sum(b["detail"].values()) == b["weights"] + b["scales"]
+    assert math.isclose(r["achieved_gbps"], r["tok_per_s"] * r["bytes_per_token"] / 1e9)
+    assert math.isclose(r["pct_roofline"], 100 * r["achieved_gbps"] / r["read_probe_gbps"])
+    assert math.isclose(r["roofline_tok_per_s"], r["read_probe_gbps"] * 1e9 / r["bytes_per_token"])
+
+
+def test_bench_checkpoint_json(ckpt, tmp_path, capsys):
+    out = tmp_path / "sub" / "bench.json"
+    rc, res = run_json(capsys, ["bench", ckpt, *RUN, "--json", "--out", str(out)])
+    assert rc == 0
+    assert res == json.loads(out.read_text())
+    assert res["schema"] == B.SCHEMA
+    env = res["env"]
+    for k in ("date", "command", "torch", "triton", "python", "device", "driver", "git_commit"):
+        assert k in env
+    assert env["command"].startswith("kie bench ") and env["device"] == "cpu"
+    assert res["read_probe"]["gbps"] > 0 and res["read_probe"]["bytes"] == 16 << 20
+    (r,) = res["rows"]
+    check_row(r, 2)
+    assert (r["source"], r["scheme"], r["backend"], r["prompt_len"], r["context_fill"]) == \
+        ("checkpoint", "bf16", "reference", 32, "prefill")
+    assert r["bytes"]["scales"] == 0 and r["backend_note"] == ""
+
+
+def test_bench_table_and_context(ckpt, capsys):
+    assert main(["bench", ckpt, *RUN, "--context-len", "100"]) == 0
+    text = capsys.readouterr().out
+    for word in ("tok/s", "ms/token", "TTFT", "bytes/token", "achieved", "roofline", "prompt 100 tokens"):
+        assert word in text
+
+
+def test_bench_synthetic_scheme(capsys):
+    rc, res = run_json(capsys, ["bench", "qwen3-30b-a3b", "--tiny", "--scheme", "fp8", *RUN, "--json"])
+    assert rc == 0
+    (r,) = res["rows"]
+    check_row(r, 2)
+    assert (r["source"], r["model"], r["scheme"], r["family"]) == \
+        ("synthetic", "qwen3-30b-a3b (tiny)", "fp8", "qwen3_moe")
+    # the reference backend dequantizes: it streams float32, and says so
+    assert "dequantizes fp8" in r["backend_note"] and r["bytes"]["scales"] == 0
+
+
+def test_weight_bytes_against_param_counts():
+    from kie_moe.models.synth import build, count_params
+    from kie_moe.models.presets import preset
+    for arch in ("qwen3-30b-a3b", "llama-3.2-1b"):
+        _, spec = build(preset(arch))
+        b = R.weight_bytes(spec)
+        _, active_no_embed = count_params(spec, embed_in_active=False)
+        row = 0 if spec.tie_word_embeddings else spec.hidden_size   # one embedding row unless it is the head
+        assert b.weights == 2 * (active_no_embed + row) and b.scales == 0
+    # qwen3-30b-a3b fp8: Linear codes 1 byte instead of 2, plus one float32 scale per output row
+    from kie_moe.synthetic import is_quantized_linear
+    _, spec = build(preset("qwen3-30b-a3b"))
+    f = R.weight_bytes(spec, lambda n: "fp8" if is_quantized_linear(n) else "bf16")
+    bf = R.weight_bytes(spec)
+    D, lin, rows = spec.hidden_size, 0, 0
+    for lay in spec.layers:
+        a, m = lay.attn, lay.moe
+        lin += D * (a.q_size + 2 * a.kv_size) + a.q_size * D + m.top_k * 3 * m.intermediate_size * D
+        rows += a.q_size + 2 * a.kv_size + D + m.top_k * (2 * m.intermediate_size + D)
+    assert f.weights == bf.weights - lin
+    assert f.scales == 4 * rows
+
+
+def test_weight_bytes_unquantizable_shapes_stay_float():
+    from kie_moe.models.synth import build
+    from kie_moe.models.presets import tiny
+    _, spec = build(tiny("qwen3-30b-a3b"))
+    # fp8-block needs no multiple of 128, but nvfp4 needs in % 16 == 0: the tiny expert down (in=24) stays float
+    nv = R.weight_bytes(spec, lambda n: "nvfp4" if "experts." in n else "bf16")
+    from kie_moe.quant.schemes import NotQuantizable, get_scheme
+    with pytest.raises(NotQuantizable):
+        get_scheme("nvfp4").check((spec.hidden_size, spec.layers[0].moe.intermediate_size))
+    assert nv.scales > 0 and nv.weights < R.weight_bytes(spec).weights
+
+
+def test_kv_bytes():
+    from types import SimpleNamespace as NS
+    from kie_moe.models.synth import build
+    from kie_moe.models.presets import preset
+    _, spec = build(preset("llama-3.2-1b"))
+    a = spec.layers[0].attn
+    per = 2 * a.num_kv_heads * a.head_dim * 2 * spec.num_layers
+    assert R.kv_bytes_mean(spec, 100, 1) == per * 101
+    assert R.kv_bytes_mean(spec, 0, 4) == per * (1 + 2 + 3 + 4) // 4
+    # a sliding layer reads at most its window; MLA caches the latent + rope key
+    gqa = NS(kind="gqa", num_kv_heads=2, head_dim=8, kv_lora_rank=0, qk_rope_head_dim=0)
+    mla = NS(kind="mla", num_kv_heads=4, head_dim=24, kv_lora_rank=16, qk_rope_head_dim=8)
+    sp = NS(layers=[NS(attn=gqa, sliding_window=7), NS(attn=gqa, sliding_window=None),
+                    NS(attn=mla, sliding_window=None)])
+    assert R.kv_bytes_mean(sp, 99, 1, elem_bytes=2) == 2 * (32 * 7 + 32 * 100 + 24 * 100)
+
+
+def test_quantized_linear_table_matches_converter():
+    quantizable = pytest.importorskip("kie_moe.models.quantizable")
+    from kie_moe.models.registry import adapter_for
+    from kie_moe.models.synth import build
+    from kie_moe.models.presets import tiny
+    from kie_moe.synthetic import is_quantized_linear
+    for arch in ("qwen3-30b-a3b", "deepseek-v3", "gpt-oss-20b", "llama-3.2-1b"):
+        _, spec = build(tiny(arch))
+        for ref in adapter_for(spec.family).tensor_refs(spec):
+            assert is_quantized_linear(ref.name) == quantizable.is_linear(ref.name), ref.name
+
+
+def test_synthetic_prefill_fills_known_caches():
+    class Graphish:
+        name = "graph"
+        caches = [(torch.zeros(8, 2, 4), torch.zeros(8, 2, 4)), torch.zeros(8, 6)]
+    be = Graphish()
+    B.synthetic_prefill(be)(list(range(5)))
+    for t in (be.caches[0][0], be.caches[0][1], be.caches[1]):
+        assert t[:5].abs().sum() > 0 and t[5:].abs().sum() == 0
+
+    class Ref:
+        name = "reference"
+    assert B.synthetic_prefill(Ref()) is None
+
+
+def test_bench_user_errors(tmp_path, capsys):
+    assert main(["bench", str(tmp_path), *RUN]) == 2
+    assert f"{tmp_path}: not a checkpoint directory" in capsys.readouterr().err
+    assert main(["bench", "no-such-arch", *RUN]) == 2
+    assert "neither a checkpoint directory nor a preset" in capsys.readouterr().err
+    assert main(["bench", "--all", "llama-3.2-1b", *RUN]) == 2
+    assert main(["bench", "qwen3-30b-a3b", "--tiny", *RUN[:2], "--new-tokens", "1"]) == 2
+    assert "--new-tokens must be at least 2" in capsys.readouterr().err
+
+
+def test_preview_tiny_and_devices(capsys):
+    rc, res = run_json(capsys, ["preview", "--tiny", *RUN, "--json"])
+    assert rc == 0
+    r, rf = res["row"], res["roofline"]
+    check_row(r, 2)
+    assert res["published"]["tok_per_s"] == 2100 and res["published"]["devices"] == 8
+    assert r["backend_label"].startswith("reference (fallback: monokernel")      # labelled, never passed off
+    ideal = rf["ideal_tok_per_s"]
+    assert math.isclose(ideal["8"], 8 * ideal["1"])
+    assert math.isclose(ideal["1"], rf["bandwidth_gbps"] * 1e9 / r["bytes_per_token"])
+    assert main(["preview", "--devices", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "--devices 2" in err and "KCCL" in err
+    assert main(["preview"]) == 2 or torch.cuda.is_available()
+
+
+def test_bench_all_records_every_row(monkeypatch, capsys):
+    # the suite's loop on CPU: one synthetic model per arch, wrapped per scheme; a failing row is recorded, not fatal
+    monkeypatch.setattr(B, "SUITE", (("llama-3.2-1b", "bf16", ("reference",)),
+                                     ("qwen3-30b-a3b", "bf16", ("reference",)),
+                                     ("qwen3-30b-a3b", "nvfp4", ("reference", "no-such-backend"))))
+    rc, res = run_json(capsys, ["bench", "--all", "--tiny", *RUN, "--json"])
+    assert rc == 1
+    rows = res["rows"]
+    assert [(r["model"], r["scheme"], r["backend"]) for r in rows] == [
+        ("llama-3.2-1b (tiny)", "bf16", "reference"), ("qwen3-30b-a3b (tiny)", "bf16", "reference"),
+        ("qwen3-30b-a3b (tiny)", "nvfp4", "reference"), ("qwen3-30b-a3b (tiny)", "nvfp4", "no-such-backend")]
+    for r in rows[:3]:
+        check_row(r, 2)
+    assert "unknown backend 'no-such-backend'" in rows[3]["error"]

@@ -1,0 +1,146 @@
+"""kie sweep on CPU: one row per scheme in results.json / .csv / .md, a real PNG whose plotted points are the
+table's numbers, cached conversions, the in-memory fallback, and a synthetic ARCH labelled as random-id quality."""
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+
+import pytest
+import torch
+
+from kie_moe import sweep as S
+from kie_moe.cli import main
+from kie_moe.models.errors import InputError
+
+ALL = "bf16,fp8,fp8-block,nvfp4,mxfp4"
+FAST = ["--device", "cpu", "--new-tokens", "3", "--runs", "1", "--probe-mb", "16", "--window", "32",
+        "--max-tokens", "64", "--quiet"]
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory) -> str:
+    from tests.server.tiny_chat import make_chat_checkpoint
+    return make_chat_checkpoint(str(tmp_path_factory.mktemp("sweep_ckpt")), max_position=512)
+
+
+@pytest.fixture(scope="module")
+def text_file(tmp_path_factory) -> str:
+    from tests.server.tiny_chat import corpus
+    p = tmp_path_factory.mktemp("text") / "sample.txt"
+    p.write_text("\n".join(corpus(400, seed=7)))
+    return str(p)
+
+
+@pytest.fixture(scope="module")
+def swept(ckpt, text_file, tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("sweep_out"))
+    rc = main(["sweep", ckpt, "--schemes", ALL, "--text", text_file, "--out", out, *FAST])
+    return rc, out, json.load(open(os.path.join(out, "results.json")))
+
+
+def test_results_json(swept):
+    rc, out, res = swept
+    assert rc == 0
+    assert res["schema"] == S.SCHEMA
+    assert [r["scheme"] for r in res["rows"]] == ALL.split(",")
+    assert res["quality_data"].startswith("text sample.txt (64 tokens, windows of 32)")
+    for r in res["rows"]:
+        assert "error" not in r, r
+        for k in ("backend", "tok_per_s", "ms_per_token", "bytes_per_token", "pct_roofline", "kl", "top1", "ppl",
+                  "ppl_bf16", "quality_tokens", "model_source"):
+            assert r[k] is not None, (r["scheme"], k)
+        assert r["tok_per_s"] > 0 and r["kl"] >= 0 and 0 <= r["top1"] <= 1 and r["ppl"] > 1
+        assert r["quality_tokens"] == 64 and math.isclose(r["ppl_bf16"], res["rows"][0]["ppl"])
+    bf16 = res["rows"][0]
+    assert bf16["kl"] == 0 and bf16["top1"] == 1
+    # 4-bit formats move the distribution more than per-channel fp8 does
+    by = {r["scheme"]: r for r in res["rows"]}
+    assert 0 < by["fp8"]["kl"] < by["nvfp4"]["kl"] and by["mxfp4"]["kl"] > 0
+
+
+def test_csv_and_markdown_rows(swept):
+    _, out, res = swept
+    with open(os.path.join(out, "results.csv")) as f:
+        rows = list(csv.DictReader(f))
+    assert list(rows[0]) == list(S.CSV_FIELDS)
+    assert [r["scheme"] for r in rows] == ALL.split(",")
+    for c, j in zip(rows, res["rows"]):
+        for k in ("tok_per_s", "kl", "top1", "ppl", "bytes_per_token", "pct_roofline"):
+            assert float(c[k]) == j[k], (j["scheme"], k)          # repr round trip: exact
+    md = open(os.path.join(out, "results.md")).read()
+    table = [line for line in md.splitlines() if line.startswith("| ") and not line.startswith(("| scheme", "| ---"))]
+    assert [line.split("|")[1].strip() for line in table] == ALL.split(",")
+    for line, j in zip(table, res["rows"]):
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        assert cells[2] == f"{j['tok_per_s']:.1f}" and cells[7] == f"{j['kl']:.5f}" and cells[8] == f"{j['top1']:.4f}"
+    assert f"![tok/s vs KL]({S.PLOT_FILE})" in md and res["env"]["command"] in md
+
+
+def test_png_is_real_and_plots_the_table(swept):
+    _, out, res = swept
+    path = os.path.join(out, S.PLOT_FILE)
+    with open(path, "rb") as f:
+        assert f.read(8) == PNG_SIGNATURE
+    import matplotlib.image as mpimg
+    img = mpimg.imread(path)
+    w, h = res["plot"]["size_px"]
+    assert img.shape[:2] == (h, w) == (450, 700)
+    assert img.std() > 0.01                                            # not a blank canvas
+    pts = res["plot"]["points"]
+    assert [p["scheme"] for p in pts] == ALL.split(",")
+    for p, r in zip(pts, res["rows"]):
+        assert p["x"] == r["kl"] and p["y"] == r["tok_per_s"]
+
+
+def test_conversions_are_cached(swept, ckpt):
+    if S.converter() is None:
+        pytest.skip("kie convert is not in this build (test_without_converter_quantizes_in_memory covers that path)")
+    _, out, res = swept
+    assert res["converter"] == "kie convert"
+    assert res["rows"][1]["model_source"].startswith("converted: ")
+    d, how = S.scheme_checkpoint(ckpt, "fp8", os.path.join(out, "checkpoints"), S.converter())
+    assert how == "cached" and d == os.path.join(out, "checkpoints", "fp8")
+    # fp8-block on a 64-wide model: every weight is smaller than one 128 x 128 block, kept in float, and said so
+    assert "kept them in float" in res["rows"][2]["note"] and res["rows"][2]["kl"] == 0
+
+
+def test_without_converter_quantizes_in_memory(ckpt, text_file, tmp_path, monkeypatch):
+    monkeypatch.setattr(S, "converter", lambda: None)
+    res = S.run(ckpt, ["bf16", "nvfp4"], str(tmp_path), text=text_file, device="cpu", window=32, max_tokens=32,
+                new_tokens=3, runs=1, probe_bytes=16 << 20, progress=False)
+    assert "kie convert is not in this build" in res["converter"]
+    assert res["rows"][1]["model_source"] == "quantized in memory" and res["rows"][1]["kl"] > 0
+    assert not os.path.exists(tmp_path / "checkpoints")
+
+
+def test_synthetic_arch_is_labelled(tmp_path):
+    res = S.run("qwen3-30b-a3b", ["bf16", "fp8"], str(tmp_path), tiny=True, device="cpu", window=16, max_tokens=32,
+                new_tokens=3, runs=1, probe_bytes=16 << 20, progress=False)
+    assert res["quality_data"].startswith("random token ids") and "no perplexity" in res["quality_data"]
+    assert [r["scheme"] for r in res["rows"]] == ["bf16", "fp8"]
+    assert all(r["ppl"] is None and r["tok_per_s"] > 0 for r in res["rows"])
+    assert res["rows"][1]["kl"] > 0 and res["rows"][1]["model_source"] == "quantized in memory"
+    assert (tmp_path / S.PLOT_FILE).read_bytes()[:8] == PNG_SIGNATURE
+
+
+def test_bad_arguments(ckpt, tmp_path, capsys):
+    with pytest.raises(InputError):
+        S.parse_schemes("fp8,int3")
+    with pytest.raises(InputError):
+        S.parse_schemes("fp8,fp8")
+    assert main(["sweep", "qwen3-30b-a3b", "--tiny", "--text", str(tmp_path / "x.txt"), "--out", str(tmp_path),
+                 *FAST]) == 2
+    assert "a preset ARCH has random weights and no tokenizer" in capsys.readouterr().err
+    assert main(["sweep", ckpt, "--text", str(tmp_path / "missing.txt"), "--out", str(tmp_path), *FAST]) == 2
+    assert "missing.txt: cannot read it" in capsys.readouterr().err
