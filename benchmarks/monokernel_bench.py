@@ -9,7 +9,7 @@ step streams (active weights + LM head + KV), GB/s and % of the probe.
 Breakdown (on by default): the same plan in the kernel's two benchmark modes, which give wrong tokens but say
 where time goes: `sync_only` (every task only claims, waits and signals: scheduling + dependency latency per
 step) and `no_wait` (no dependency waits: how fast the task structure streams weights). `--sweep` repeats the
-first preset over a small grid of tile shapes (block_k x tile elements x warps x task bytes).
+first preset over a small grid of tile shapes (block_k x tile elements x warps x task bytes x x-layout).
 
     python benchmarks/monokernel_bench.py --out results.json
     python benchmarks/monokernel_bench.py --archs llama-3.2-1b --sweep --out sweep.json
@@ -22,9 +22,10 @@ import time
 import traceback
 
 DEFAULT_ARCHS = "llama-3.2-1b,qwen3-30b-a3b"
-SWEEP = [  # (block_k, tile_elems, num_warps, max_task_kb)
-    (1024, 16384, 8, 512), (512, 8192, 8, 512), (1024, 32768, 8, 512), (2048, 32768, 8, 512),
-    (1024, 16384, 4, 512), (1024, 16384, 8, 128), (1024, 16384, 8, 2048),
+SWEEP = [  # (block_k, tile_elems, num_warps, max_task_kb, x_bcast)
+    (1024, 16384, 8, 512, False), (1024, 32768, 8, 512, False), (2048, 32768, 8, 512, False),
+    (512, 8192, 8, 512, False), (512, 4096, 8, 512, True), (1024, 8192, 8, 512, True),
+    (1024, 16384, 4, 512, False), (1024, 16384, 8, 128, False), (1024, 16384, 8, 2048, False),
 ]
 
 
@@ -40,18 +41,19 @@ def read_probe_gbps(nbytes: int = 4 << 30) -> float:
 
 
 def bench_one(arch: str, probe: float, *, new_tokens: int, prompt_len: int, reps: int, layers: int | None = None,
-              block_k=None, tile_elems=None, num_warps=8, max_task_kb=512, breakdown: bool = False) -> dict:
+              block_k=None, tile_elems=None, num_warps=8, max_task_kb=512, x_bcast=False,
+              breakdown: bool = False) -> dict:
     import torch
     from kie_moe.kernels.monokernel import plan as P
     from kie_moe.kernels.monokernel.runtime import MonokernelBackend
     r = dict(arch=arch, layers=layers, block_k=block_k, tile_elems=tile_elems, num_warps=num_warps,
-             max_task_kb=max_task_kb, new_tokens=new_tokens, prompt_len=prompt_len)
+             max_task_kb=max_task_kb, x_bcast=x_bcast, new_tokens=new_tokens, prompt_len=prompt_len)
     mk = None
     try:
         spec = P.preset_spec(arch, layers)
         t0 = time.perf_counter()
         plan = P.build_plan(spec, None, "cuda", random_seed=0, block_k=block_k, tile_elems=tile_elems,
-                            max_task_bytes=max_task_kb << 10)
+                            max_task_bytes=max_task_kb << 10, x_bcast=x_bcast)
         torch.cuda.synchronize()
         r["plan_s"] = time.perf_counter() - t0
         r["tiles"] = dict(block_k=plan.tiles.block_k, bn=plan.tiles.bn, block_t=plan.tiles.block_t)
@@ -129,8 +131,8 @@ def main(argv=None):
     archs = [x for x in a.archs.split(",") if x]
     res["runs"] = [bench_one(x, probe, breakdown=not a.no_breakdown, **kw) for x in archs]
     if a.sweep:
-        res["sweep"] = [bench_one(archs[0], probe, block_k=bk, tile_elems=te, num_warps=nw, max_task_kb=mt, **kw)
-                        for bk, te, nw, mt in SWEEP]
+        res["sweep"] = [bench_one(archs[0], probe, block_k=bk, tile_elems=te, num_warps=nw, max_task_kb=mt,
+                                  x_bcast=xb, **kw) for bk, te, nw, mt, xb in SWEEP]
     if a.out:
         with open(a.out, "w") as f:
             json.dump(res, f, indent=1)

@@ -97,7 +97,7 @@ def monokernel(
     BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr,
     BLOCK_TOPK: tl.constexpr, BLOCK_EOS: tl.constexpr, BLOCK_X: tl.constexpr,
-    USE_ASM: tl.constexpr, NT: tl.constexpr, MODE: tl.constexpr = 0,
+    XB: tl.constexpr, USE_ASM: tl.constexpr, NT: tl.constexpr, MODE: tl.constexpr = 0,
 ):
     """MODE 0: decode. Benchmark-only modes (wrong tokens, for locating time): 1 = tasks only claim, wait and
     signal (the sampler still runs): the cost of scheduling + dependency latency; 2 = no waits: streaming speed."""
@@ -148,7 +148,7 @@ def monokernel(
             if st == 0:
                 stream_gemv(w, w0, D, r0, r_end, x_ptr, wa_ptr + tl.load(lrow + P.LF_ATTN_NORM), eps,
                             wa_ptr + tl.load(lrow + P.LF_QKV_B), qkv_ptr, qkv_ptr, 0, pv_ptr, pi_ptr, 0, 1.0, 0, 0,
-                            True, HAS_QKV_BIAS, False, False, BN_QKV, BLOCK_K)
+                            True, HAS_QKV_BIAS, False, False, BN_QKV, BLOCK_K, XB)
         elif op == _OP_ATTN:
             t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
             st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE)
@@ -170,7 +170,7 @@ def monokernel(
                              HAS_SINKS, BLOCK_X)
                 tl.debug_barrier()
                 stream_gemv(w, w0, NQ, r0, r_end, scr, scr, eps, wa_ptr + tl.load(lrow + P.LF_O_B), x_ptr, x_ptr,
-                            0, pv_ptr, pi_ptr, 0, 1.0, 0, 0, False, HAS_O_BIAS, True, False, BN_O, BLOCK_K)
+                            0, pv_ptr, pi_ptr, 0, 1.0, 0, 0, False, HAS_O_BIAS, True, False, BN_O, BLOCK_K, XB)
         elif op == _OP_GATEUP:
             wu = w + I_DENSE * D   # up follows gate in the arena
             g0 = tile(w, D, r0, r_end, 0, 1, BN_GU, BLOCK_K)
@@ -179,14 +179,14 @@ def monokernel(
             st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE)
             if st == 0:
                 stream_glu(w, wu, g0, u0, D, r0, r_end, x_ptr, wa_ptr + tl.load(lrow + P.LF_MLP_NORM), eps, w, wu,
-                           h_ptr, glu_limit, glu_alpha, False, 0, BN_GU, BLOCK_K)
+                           h_ptr, glu_limit, glu_alpha, False, 0, BN_GU, BLOCK_K, XB)
         elif op == _OP_DOWN:
             w0 = tile(w, I_DENSE, r0, r_end, 0, 1, BN_DOWN, BLOCK_K)
             t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
             st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE)
             if st == 0:
                 stream_gemv(w, w0, I_DENSE, r0, r_end, h_ptr, h_ptr, eps, w, x_ptr, x_ptr, 0, pv_ptr, pi_ptr,
-                            0, 1.0, 0, 0, False, False, True, False, BN_DOWN, BLOCK_K)
+                            0, 1.0, 0, 0, False, False, True, False, BN_DOWN, BLOCK_K, XB)
         elif op == _OP_ROUTER:
             w0 = tile(w, D, r0, r_end, 0, 1, BN_ROUTER, BLOCK_K)
             t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
@@ -194,7 +194,7 @@ def monokernel(
             if st == 0:
                 stream_gemv(w, w0, D, r0, r_end, x_ptr, wa_ptr + tl.load(lrow + P.LF_MLP_NORM), eps,
                             wa_ptr + tl.load(lrow + P.LF_ROUTER_B), rlog_ptr + layer * E, rlog_ptr, 0, pv_ptr, pi_ptr,
-                            0, 1.0, 0, 0, True, HAS_RBIAS, False, False, BN_ROUTER, BLOCK_K)
+                            0, 1.0, 0, 0, True, HAS_RBIAS, False, False, BN_ROUTER, BLOCK_K, XB)
         elif op == _OP_SH_UP:
             wu = w + I_SH * D
             g0 = tile(w, D, r0, r_end, 0, 1, BN_SUP, BLOCK_K)
@@ -204,7 +204,7 @@ def monokernel(
             if st == 0:
                 nw = wa_ptr + tl.load(lrow + P.LF_MLP_NORM)
                 stream_glu(w, wu, g0, u0, D, r0, r_end, x_ptr, nw, eps, w, wu, h_ptr + TOPK * I_MOE,
-                           glu_limit, glu_alpha, False, 0, BN_SUP, BLOCK_K)
+                           glu_limit, glu_alpha, False, 0, BN_SUP, BLOCK_K, XB)
                 if HAS_SH_GATE:
                     if r0 == 0:  # one task computes the shared expert's sigmoid gate
                         s = vec_dot_norm(wa_ptr + tl.load(lrow + P.LF_SH_GATE), x_ptr, nw, D, eps, BLOCK_K)
@@ -228,7 +228,7 @@ def monokernel(
                 stream_glu(wg, wu, g0, u0, D, r0, r_end, x_ptr, wa_ptr + tl.load(lrow + P.LF_MLP_NORM), eps,
                            wa_ptr + tl.load(lrow + P.LF_EGATE_B) + e * I_MOE,
                            wa_ptr + tl.load(lrow + P.LF_EUP_B) + e * I_MOE,
-                           h_ptr + aux * I_MOE, glu_limit, glu_alpha, HAS_EBIAS, EXP_ACT, BN_EUP, BLOCK_K)
+                           h_ptr + aux * I_MOE, glu_limit, glu_alpha, HAS_EBIAS, EXP_ACT, BN_EUP, BLOCK_K, XB)
         elif op == _OP_EXP_DOWN:
             t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
             st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE)
@@ -236,14 +236,14 @@ def monokernel(
                 stream_expert_down(wa_ptr, tl.load(lrow + P.LF_EDOWN), tl.load(lrow + P.LF_EDOWN_B),
                                    tl.load(lrow + P.LF_SDOWN),
                                    r0, r_end, h_ptr, rids_ptr + layer * TOPK, rwts_ptr + layer * TOPK, sg_ptr, x_ptr,
-                                   D, I_MOE, I_SH, TOPK, HAS_EBIAS, HAS_SH_GATE, BLOCK_TOPK, BN_EDOWN, BLOCK_K)
+                                   D, I_MOE, I_SH, TOPK, HAS_EBIAS, HAS_SH_GATE, BLOCK_TOPK, BN_EDOWN, BLOCK_K, XB)
         elif op == _OP_LM:
             w0 = tile(w, D, r0, r_end, 0, 1, BN_LM, BLOCK_K)
             t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
             st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE)
             if st == 0:
                 stream_gemv(w, w0, D, r0, r_end, x_ptr, wa_ptr + fnorm_off, eps, w, pv_ptr, pv_ptr, aux, pv_ptr,
-                            pi_ptr, do_sample, inv_temp, seed, step, True, False, False, True, BN_LM, BLOCK_K)
+                            pi_ptr, do_sample, inv_temp, seed, step, True, False, False, True, BN_LM, BLOCK_K, XB)
         elif op == _OP_SAMPLE:
             t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
             st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE)

@@ -158,6 +158,7 @@ class TileConfig:
     bn: dict           # op name -> BLOCK_N
     block_t: int       # attention positions per step
     block_p: int       # >= number of LM-head tiles
+    xb: int = 0        # x as a broadcast tile in the weight layout (stream.x_load) instead of a broadcast row
 
 
 @dataclass
@@ -278,6 +279,7 @@ def _bn(rows: list[tuple[int, int]], cap: int) -> int:
 def build_plan(spec: ModelSpec, weights=None, device: str | torch.device = "cpu", *,
                wdtype: torch.dtype | None = None, n_sms: int | None = None, block_k: int | None = None,
                tile_elems: int | None = None, block_t: int | None = None, min_task_bytes: int = 16 << 10,
+               x_bcast: bool = False,
                max_task_bytes: int = 512 << 10, random_seed: int | None = None) -> Plan:
     """Pack `weights` (WeightStore-like: names(), get(canonical), `in`) into a device arena and tile every op.
     weights=None with random_seed: random weights drawn on the device (benchmarks; no host copy)."""
@@ -335,7 +337,7 @@ def build_plan(spec: ModelSpec, weights=None, device: str | torch.device = "cpu"
         # attention scores are [REP, BLOCK_T, Dh] products in registers: keep them <= 16K fp32 per program
         block_t = 32 if gpu else 16
         block_t = max(1, min(block_t, 16384 // (_pow2(d.HQ // d.HKV) * _pow2(d.DH))))
-    tiles = TileConfig(block_k=block_k, bn=bn, block_t=block_t, block_p=_pow2(len(rows["lm"])))
+    tiles = TileConfig(block_k=block_k, bn=bn, block_t=block_t, block_p=_pow2(len(rows["lm"])), xb=int(x_bcast))
     return Plan(spec, d, device, wdtype, arena, buf, table.to(device), top["embed"], top["lm_head"],
                 top["final_norm"], n_sms, tiles, rows, table)
 

@@ -5,8 +5,12 @@ across row-chunk (and expert) boundaries too, so a program always has a tile in 
 from the caller, which loads it before waiting on the task's input (weights never depend on activations).
 
 A persistent kernel runs one program per SM, so latency is hidden by bytes in flight per program, not by
-occupancy; the accumulator is 1-D (one cross-thread reduction per tile) to leave registers for the tiles.
-Epilogues (RMSNorm scale, bias, residual, GLU, LM-head argmax) run when a row chunk's last K step is done.
+occupancy. From kernels/tiles.py (the shared GEMV building blocks) we take its two register tricks: x is loaded
+as a [BLOCK_N, BLOCK_K] broadcast tile (`_bcast_load`: the weight tile's own layout, no shared-memory layout
+conversion and barrier per step), and the accumulator keeps one value per row and 16-byte vector (the in-thread
+part of the reduction per step, the cross-thread part once per row chunk). Epilogues (RMSNorm scale, bias,
+residual, GLU, LM-head argmax) run when a row chunk's last K step is done; the RMSNorm's sum of squares is
+accumulated during the first row chunk's sweep over K (no separate pass over x after the wait).
 
 PyTorch reference of each: y = W @ (rmsnorm(x) or x) (+ b) (+ res); the tests compare whole decode steps.
 """
@@ -14,6 +18,8 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from kie_moe.kernels.tiles import _bcast_load
 
 
 @triton.jit
@@ -83,54 +89,86 @@ def gumbel(seed, step, offs):
 
 
 @triton.jit
-def x_tile(x_ptr, nw_ptr, K: tl.constexpr, j, n_tiles, NORM: tl.constexpr, BLOCK_K: tl.constexpr):
-    """(raw x, norm weight) chunks for tile j of a K-major walk (masked when j >= n_tiles). Raw x feeds the
-    sum of squares of the fused RMSNorm, accumulated during the first row chunk's sweep over K."""
-    NK: tl.constexpr = (K + BLOCK_K - 1) // BLOCK_K + (K == 0)
-    offs = (j % NK) * BLOCK_K + tl.arange(0, BLOCK_K)
-    mask = (offs < K) & (j < n_tiles)
-    x = tl.load(x_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg")
-    nw = x
-    if NORM:
-        nw = tl.load(nw_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    return x, nw
+def x_load(x_ptr, kk, mask, BLOCK_N: tl.constexpr, XB: tl.constexpr):
+    """x[kk] for a [BLOCK_N, BLOCK_K] weight tile. XB=1: kernels/tiles.py's broadcast load, [BLOCK_N, BLOCK_K]
+    in the weight tile's layout (no layout conversion, but BLOCK_N x BLOCK_K fp32 registers: small tiles only);
+    XB=0: a [1, BLOCK_K] row the FMA broadcasts (one shared-memory layout conversion per step, few registers:
+    leaves room for big tiles, i.e. more bytes in flight per program)."""
+    if XB:
+        x = _bcast_load(x_ptr, kk, mask, BLOCK_N, True)
+    else:
+        x = tl.load(x_ptr + kk, mask=mask, other=0.0).to(tl.float32)[None, :]
+    return x
+
+
+@triton.jit
+def mac(acc, p, VEC: tl.constexpr, XB: tl.constexpr):
+    """acc += p summed over K. XB=1 (with kernels/tiles.py's layout): acc [R, BLOCK_K // VEC] keeps one value per
+    row and 16-byte vector, the in-thread part of the sum (cross-thread once per row chunk); XB=0: acc [R], a
+    full row sum per step (a few shuffles), which leaves the registers to weight tiles in flight."""
+    if XB:
+        acc += tl.sum(tl.reshape(p, (p.shape[0], p.shape[1] // VEC, VEC)), axis=2)
+    else:
+        acc += tl.sum(p, axis=1)
+    return acc
+
+
+@triton.jit
+def acc_zeros(R: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr, XB: tl.constexpr):
+    if XB:
+        z = tl.zeros((R, BLOCK_K // VEC), dtype=tl.float32)
+    else:
+        z = tl.zeros((R,), dtype=tl.float32)
+    return z
+
+
+@triton.jit
+def acc_total(acc, XB: tl.constexpr):
+    """Per-row totals [R] of an accumulator."""
+    if XB:
+        t = tl.sum(acc, axis=1)
+    else:
+        t = acc
+    return t
 
 
 @triton.jit
 def stream_gemv(w_ptr, w_first, K: tl.constexpr, row0, r_end, x_ptr, nw_ptr, eps, b_ptr, y_ptr, res_ptr,
                 tile_id, pv_ptr, pi_ptr, do_sample, inv_temp, seed, step,
                 NORM: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, LM: tl.constexpr,
-                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, XB: tl.constexpr):
     """y[r] = (rstd *) W[r] . (nw *) x (+ b[r]) (+ res[r]) for r in [row0, r_end); y may alias res (each task
     owns its rows). LM: instead of storing logits, the tile's max / argmax of logits (greedy) or of logits / T +
     Gumbel noise (sampling), lowest id on ties, to pv / pi[tile_id]."""
     NK: tl.constexpr = (K + BLOCK_K - 1) // BLOCK_K + (K == 0)  # >= 1: ops absent from a model still compile
+    VEC: tl.constexpr = min(BLOCK_K, 128 // w_ptr.dtype.element_ty.primitive_bitwidth)  # columns per 16-B load
     offs_n = tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
     n = (r_end - row0 + BLOCK_N - 1) // BLOCK_N * NK
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    ss = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    SR: tl.constexpr = BLOCK_N if XB else 1     # rows of x (and of the sum of squares)
+    acc = acc_zeros(BLOCK_N, BLOCK_K, VEC, XB)
+    ss = acc_zeros(SR, BLOCK_K, VEC, XB)
     scale = 1.0
     best_v = -float("inf")
     best_i = row0
     w_cur = w_first
-    x_cur, n_cur = x_tile(x_ptr, nw_ptr, K, 0, n, NORM, BLOCK_K)
     for i in range(0, n):
-        # tile i+1 (weights and x) is in flight while tile i's FMAs run
-        w_nxt = tile(w_ptr, K, row0, r_end, i + 1, n, BLOCK_N, BLOCK_K)
-        x_nxt, n_nxt = x_tile(x_ptr, nw_ptr, K, i + 1, n, NORM, BLOCK_K)
-        xv = x_cur
+        w_nxt = tile(w_ptr, K, row0, r_end, i + 1, n, BLOCK_N, BLOCK_K)   # in flight during this tile's math
+        kk = (i % NK) * BLOCK_K + offs_k
+        x = x_load(x_ptr, kk, kk < K, BLOCK_N, XB)
         if NORM:
-            ss += tl.where(i < NK, x_cur * x_cur, 0.0)
-            xv = x_cur * n_cur
-        acc += tl.sum(w_cur.to(tl.float32) * xv[None, :], axis=1)
+            if i < NK:   # the first row chunk sweeps all of x once: its sum of squares, for free
+                ss = mac(ss, x * x, VEC, XB)
+            x = x * x_load(nw_ptr, kk, kk < K, BLOCK_N, XB)
+        acc = mac(acc, w_cur.to(tl.float32) * x, VEC, XB)
         if i % NK == NK - 1:
             if NORM:
-                if i == NK - 1:   # end of the first row chunk: the sweep has seen all of x
-                    scale = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / K + eps)
+                if i == NK - 1:   # every row of ss holds the same sum: divide by SR too
+                    scale = 1.0 / tl.sqrt(tl.sum(acc_total(ss, XB), axis=0) / (SR * K) + eps)
             r0 = row0 + (i // NK) * BLOCK_N
             rows = r0 + offs_n
             r_mask = rows < r_end
-            y = acc * scale
+            y = acc_total(acc, XB) * scale
             if LM:
                 if do_sample != 0:
                     y = y * inv_temp + gumbel(seed, step, rows)
@@ -146,10 +184,8 @@ def stream_gemv(w_ptr, w_first, K: tl.constexpr, row0, r_end, x_ptr, nw_ptr, eps
                 if HAS_RES:
                     y += tl.load(res_ptr + rows, mask=r_mask, other=0.0, cache_modifier=".cg")
                 tl.store(y_ptr + rows, y, mask=r_mask)
-            acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            acc = acc_zeros(BLOCK_N, BLOCK_K, VEC, XB)
         w_cur = w_nxt
-        x_cur = x_nxt
-        n_cur = n_nxt
     if LM:
         tl.store(pv_ptr + tile_id, best_v)
         tl.store(pi_ptr + tile_id, best_i)
@@ -158,53 +194,55 @@ def stream_gemv(w_ptr, w_first, K: tl.constexpr, row0, r_end, x_ptr, nw_ptr, eps
 @triton.jit
 def stream_glu(wg_ptr, wu_ptr, g_first, u_first, K: tl.constexpr, row0, r_end, x_ptr, nw_ptr, eps,
                bg_ptr, bu_ptr, h_ptr, limit, alpha,
-               HAS_BIAS: tl.constexpr, ACT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+               HAS_BIAS: tl.constexpr, ACT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+               XB: tl.constexpr):
     """h[r] = glu(Wg[r] . xn (+ bg[r]), Wu[r] . xn (+ bu[r])), xn = RMSNorm(x; nw): gate and up rows of a tile
     stream side by side and share each x chunk."""
     NK: tl.constexpr = (K + BLOCK_K - 1) // BLOCK_K + (K == 0)
+    VEC: tl.constexpr = min(BLOCK_K, 128 // wg_ptr.dtype.element_ty.primitive_bitwidth)
     offs_n = tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
     n = (r_end - row0 + BLOCK_N - 1) // BLOCK_N * NK
-    acc_g = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    ss = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    SR: tl.constexpr = BLOCK_N if XB else 1
+    acc_g = acc_zeros(BLOCK_N, BLOCK_K, VEC, XB)
+    acc_u = acc_zeros(BLOCK_N, BLOCK_K, VEC, XB)
+    ss = acc_zeros(SR, BLOCK_K, VEC, XB)
     scale = 1.0
     g_cur = g_first
     u_cur = u_first
-    x_cur, n_cur = x_tile(x_ptr, nw_ptr, K, 0, n, True, BLOCK_K)
     for i in range(0, n):
         g_nxt = tile(wg_ptr, K, row0, r_end, i + 1, n, BLOCK_N, BLOCK_K)
         u_nxt = tile(wu_ptr, K, row0, r_end, i + 1, n, BLOCK_N, BLOCK_K)
-        x_nxt, n_nxt = x_tile(x_ptr, nw_ptr, K, i + 1, n, True, BLOCK_K)
-        ss += tl.where(i < NK, x_cur * x_cur, 0.0)
-        xv = (x_cur * n_cur)[None, :]
-        acc_g += tl.sum(g_cur.to(tl.float32) * xv, axis=1)
-        acc_u += tl.sum(u_cur.to(tl.float32) * xv, axis=1)
+        kk = (i % NK) * BLOCK_K + offs_k
+        x = x_load(x_ptr, kk, kk < K, BLOCK_N, XB)
+        if i < NK:
+            ss = mac(ss, x * x, VEC, XB)
+        x = x * x_load(nw_ptr, kk, kk < K, BLOCK_N, XB)
+        acc_g = mac(acc_g, g_cur.to(tl.float32) * x, VEC, XB)
+        acc_u = mac(acc_u, u_cur.to(tl.float32) * x, VEC, XB)
         if i % NK == NK - 1:
             if i == NK - 1:
-                scale = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / K + eps)
+                scale = 1.0 / tl.sqrt(tl.sum(acc_total(ss, XB), axis=0) / (SR * K) + eps)
             rows = row0 + (i // NK) * BLOCK_N + offs_n
             r_mask = rows < r_end
-            g = acc_g * scale
-            u = acc_u * scale
+            g = acc_total(acc_g, XB) * scale
+            u = acc_total(acc_u, XB) * scale
             if HAS_BIAS:
                 g += tl.load(bg_ptr + rows, mask=r_mask, other=0.0).to(tl.float32)
                 u += tl.load(bu_ptr + rows, mask=r_mask, other=0.0).to(tl.float32)
             tl.store(h_ptr + rows, glu(g, u, limit, alpha, ACT), mask=r_mask)
-            acc_g = tl.zeros((BLOCK_N,), dtype=tl.float32)
-            acc_u = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            acc_g = acc_zeros(BLOCK_N, BLOCK_K, VEC, XB)
+            acc_u = acc_zeros(BLOCK_N, BLOCK_K, VEC, XB)
         g_cur = g_nxt
         u_cur = u_nxt
-        x_cur = x_nxt
-        n_cur = n_nxt
 
 
 @triton.jit
-def _down_tile(wa_ptr, ed_off, sd_off, ids, wts, sg, offs_j, h_ptr, row0, r_end, q, n,
+def _down_tile(wa_ptr, ed_off, sd_off, ids, offs_j, row0, r_end, q, n,
                D: tl.constexpr, I_MOE: tl.constexpr, I_SH: tl.constexpr, TOPK: tl.constexpr,
                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Tile q of expert_down's walk and its activation chunk: per row chunk, every slot's [D, I_MOE] down rows
-    (slot j = expert ids[j]; activations h_j * w_j), then the shared expert's [D, I_SH] (h_sh * sg); each
-    segment padded to whole K steps. Masked when q >= n."""
+    """Tile q of expert_down's walk: per row chunk, every slot's [D, I_MOE] down rows (slot j = expert ids[j]),
+    then the shared expert's [D, I_SH]; each segment padded to whole K steps. Masked when q >= n."""
     NKE: tl.constexpr = (I_MOE + BLOCK_K - 1) // BLOCK_K + (I_MOE == 0)
     NKS: tl.constexpr = (I_SH + BLOCK_K - 1) // BLOCK_K
     PER: tl.constexpr = TOPK * NKE + NKS + (TOPK * NKE + NKS == 0)  # tiles per row chunk (>= 1)
@@ -220,17 +258,14 @@ def _down_tile(wa_ptr, ed_off, sd_off, ids, wts, sg, offs_j, h_ptr, row0, r_end,
     live = q < n
     w = tl.load(wa_ptr + off + rows.to(tl.int64)[:, None] * K + cols[None, :],
                 mask=(rows < r_end)[:, None] & (cols < K)[None, :] & live, other=0.0)
-    xs = tl.where(is_exp, tl.sum(tl.where(offs_j == j, wts, 0.0), axis=0), sg)   # routing weight / shared gate
-    h_off = tl.where(is_exp, j * I_MOE, TOPK * I_MOE)
-    x = tl.load(h_ptr + h_off + cols, mask=(cols < K) & live, other=0.0, cache_modifier=".cg") * xs
-    return w, x
+    return w
 
 
 @triton.jit
 def stream_expert_down(wa_ptr, ed_off, edb_off, sd_off, row0, r_end, h_ptr, ids_ptr, wts_ptr, sg_ptr, x_ptr,
                        D: tl.constexpr, I_MOE: tl.constexpr, I_SH: tl.constexpr, TOPK: tl.constexpr,
                        HAS_EBIAS: tl.constexpr, HAS_SH_GATE: tl.constexpr, BLOCK_TOPK: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, XB: tl.constexpr):
     """x[r] += sum_j w_j (Wdown[e_j][r] . h_j + bdown[e_j][r]) + sg (Wsh_down[r] . h_sh), r in [row0, r_end):
     every routed slot and the shared expert of an output tile in one task, routing weights folded into the
     activations, so the sum has a fixed order and needs no atomics. h: [TOPK, I_MOE] then [I_SH]."""
@@ -244,24 +279,35 @@ def stream_expert_down(wa_ptr, ed_off, edb_off, sd_off, row0, r_end, h_ptr, ids_
     sg = 1.0
     if HAS_SH_GATE:
         sg = tl.load(sg_ptr, cache_modifier=".cg")
+    VEC: tl.constexpr = min(BLOCK_K, 128 // wa_ptr.dtype.element_ty.primitive_bitwidth)
+    offs_k = tl.arange(0, BLOCK_K)
     n = (r_end - row0 + BLOCK_N - 1) // BLOCK_N * PER
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    w_cur, x_cur = _down_tile(wa_ptr, ed_off, sd_off, ids, wts, sg, offs_j, h_ptr, row0, r_end, 0, n,
-                              D, I_MOE, I_SH, TOPK, BLOCK_N, BLOCK_K)
+    acc = acc_zeros(BLOCK_N, BLOCK_K, VEC, XB)
+    w_cur = _down_tile(wa_ptr, ed_off, sd_off, ids, offs_j, row0, r_end, 0, n, D, I_MOE, I_SH, TOPK,
+                       BLOCK_N, BLOCK_K)
     for q in range(0, n):
-        w_nxt, x_nxt = _down_tile(wa_ptr, ed_off, sd_off, ids, wts, sg, offs_j, h_ptr, row0, r_end, q + 1, n,
-                                  D, I_MOE, I_SH, TOPK, BLOCK_N, BLOCK_K)
-        acc += tl.sum(w_cur.to(tl.float32) * x_cur[None, :], axis=1)
-        if q % PER == PER - 1:
+        w_nxt = _down_tile(wa_ptr, ed_off, sd_off, ids, offs_j, row0, r_end, q + 1, n, D, I_MOE, I_SH, TOPK,
+                           BLOCK_N, BLOCK_K)
+        # this tile's activations: h_j * w_j for routed slot j, h_sh * sg for the shared expert
+        c = q % PER
+        is_exp = c < TOPK * NKE
+        j = c // NKE
+        xs = tl.where(is_exp, tl.sum(tl.where(offs_j == j, wts, 0.0), axis=0), sg)
+        K = tl.where(is_exp, I_MOE, I_SH)
+        kk = tl.where(is_exp, c % NKE, c - TOPK * NKE) * BLOCK_K + offs_k
+        h_off = tl.where(is_exp, j * I_MOE, TOPK * I_MOE)
+        x = x_load(h_ptr + h_off, kk, kk < K, BLOCK_N, XB) * xs
+        acc = mac(acc, w_cur.to(tl.float32) * x, VEC, XB)
+        if c == PER - 1:
             rows = row0 + (q // PER) * BLOCK_N + offs_n
             r_mask = rows < r_end
+            y = acc_total(acc, XB)
             if HAS_EBIAS:
                 for jj in range(TOPK):
                     e = tl.sum(tl.where(offs_j == jj, ids, 0), axis=0).to(tl.int64)
                     wj = tl.sum(tl.where(offs_j == jj, wts, 0.0), axis=0)
-                    acc += wj * tl.load(wa_ptr + edb_off + e * D + rows, mask=r_mask, other=0.0).to(tl.float32)
-            acc += tl.load(x_ptr + rows, mask=r_mask, other=0.0, cache_modifier=".cg")
-            tl.store(x_ptr + rows, acc, mask=r_mask)
-            acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+                    y += wj * tl.load(wa_ptr + edb_off + e * D + rows, mask=r_mask, other=0.0).to(tl.float32)
+            y += tl.load(x_ptr + rows, mask=r_mask, other=0.0, cache_modifier=".cg")
+            tl.store(x_ptr + rows, y, mask=r_mask)
+            acc = acc_zeros(BLOCK_N, BLOCK_K, VEC, XB)
         w_cur = w_nxt
-        x_cur = x_nxt

@@ -84,10 +84,11 @@ def test_attention_split_over_sequence(case, splits, tiny_model):
     check_against_reference(be, m, PROMPT, got)
 
 
-def test_bf16_weights(tiny_model):
-    """bf16 arena (the GPU default): the reference upcasts the same bf16 values, so tokens still match."""
+def test_bf16_weights_and_broadcast_x_tiles(tiny_model):
+    """bf16 arena (the GPU default): the reference upcasts the same bf16 values, so tokens still match. Also the
+    x-as-broadcast-tile streaming variant (x_bcast, kernels/tiles.py's layout) with its per-vector accumulators."""
     m = tiny_model("qwen3_moe_mixed", torch.bfloat16)
-    be = MonokernelBackend(m, "cpu", wdtype=torch.bfloat16, n_sms=2)
+    be = MonokernelBackend(m, "cpu", wdtype=torch.bfloat16, n_sms=2, x_bcast=True)
     got = list(be.generate(PROMPT, SamplingParams(max_new_tokens=8, ignore_eos=True), set()))
     assert got == reference_greedy(m, PROMPT, 8)
 
