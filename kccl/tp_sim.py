@@ -1,0 +1,200 @@
+"""N-rank CPU simulations whose ranks talk only through KCCL's one-shot algorithms (kccl/collectives.py):
+
+- `kccl_laneformer(spec, weights, world)`: dense/simulate.py's SimulatedDecoder (Laneformer DTP lane plans) with
+  its in-process group swapped for KCCL over a HostPool.
+- `TpSimulatedDecoder`: a MoE without DTP, plain tensor + expert parallel. Rank r of N owns 1/N of every layer's
+  query heads (with the kv heads those heads read: kv heads are duplicated when there are fewer than N), 1/N of
+  the dense MLP / shared-expert columns, the routed experts e with e*N // E == r, and a 1/N vocab piece of lm_head.
+  The router runs on every rank (replicated). Per sublayer each rank's output is a partial sum of the full
+  output, so `x += all_reduce_sum(partial)`; the logits pieces are all-gathered. Biases of row-split outputs
+  (o, down) are added by rank 0 only (else N times).
+
+Ranks reuse models/reference.py's ReferenceDecoder pieces (attention, swiglu, routing, experts) on their slices.
+Ranks are threads here; on GPUs the same rank code runs one per process (kie_moe/launch.py) with GpuHeap.
+"""
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+import torch
+
+from kie_moe.models.errors import ConfigError
+from kie_moe.models.reference import ReferenceDecoder, linear, rms_norm
+from kie_moe.models.spec import ModelSpec, canonical
+
+from .collectives import KcclThreadGroup
+from .symm import KcclAborted
+
+
+def kccl_laneformer(spec, weights, world: int, timeout: float = 60.0, capacity_bytes: int = 1 << 16):
+    """dense/simulate.SimulatedDecoder whose ranks exchange partials through KCCL instead of InProcessGroup."""
+    from kie_moe.dense.simulate import SimulatedDecoder
+    sim = SimulatedDecoder(spec, weights, world, timeout)
+    sim.group = KcclThreadGroup(world, timeout, capacity_bytes)
+    for r in sim.ranks:
+        r.coll = sim.group.handle(r.plan.rank)
+    return sim
+
+
+# ---- tensor / expert parallel split of a ModelSpec ----------------------------------------------------------------
+
+def _heads(a, rank: int, world: int) -> tuple[slice, slice]:
+    """-> (q head slice, kv head slice) of `rank`. A rank's q heads must read whole kv groups or share one."""
+    if a.kind != "gqa":
+        raise ConfigError(f"tensor-parallel simulation supports gqa attention, not {a.kind!r}")
+    if a.qk_norm == "full":
+        raise ConfigError("qk_norm='full' normalises the whole projection across heads: not head-splittable")
+    if a.num_heads % world:
+        raise ConfigError(f"{world} ranks cannot split num_heads={a.num_heads}")
+    hq, rep = a.num_heads // world, a.num_heads // a.num_kv_heads
+    if hq % rep and rep % hq:
+        raise ConfigError(f"{world} ranks: {hq} q heads per rank straddle kv groups of {rep} heads")
+    q0 = rank * hq
+    return slice(q0, q0 + hq), slice(q0 // rep, (q0 + hq - 1) // rep + 1)
+
+
+def _cols(n: int, rank: int, world: int, what: str) -> slice:
+    if n % world:
+        raise ConfigError(f"{world} ranks cannot split {what} of {n} columns")
+    return slice(rank * n // world, (rank + 1) * n // world)
+
+
+def owns_expert(e: int, num_experts: int, rank: int, world: int) -> bool:
+    return e * world // num_experts == rank
+
+
+def vocab_piece(vocab: int, rank: int, world: int) -> slice:
+    """Contiguous pieces of ceil(V/N) rows (the last may be short or empty: all-gather pads it)."""
+    per = -(-vocab // world)
+    return slice(min(rank * per, vocab), min((rank + 1) * per, vocab))
+
+
+def rank_weights(spec: ModelSpec, weights, rank: int, world: int) -> tuple[ModelSpec, dict]:
+    """-> (rank's spec: heads / kv heads per rank; name -> float32 tensor of the rank's slices only)."""
+    names = set(weights.names())
+    get = lambda n: weights.get(n).to("cpu", torch.float32)
+    w = {"embed": get("embed"), "final_norm": get("final_norm")}
+    w["lm_head"] = (get("lm_head") if "lm_head" in names else w["embed"])[vocab_piece(spec.vocab_size, rank, world)]
+    layers = []
+    for i, lay in enumerate(spec.layers):
+        a = lay.attn
+        qs, ks = _heads(a, rank, world)
+        Dh = a.head_dim
+        rows = lambda s: slice(s.start * Dh, s.stop * Dh)
+        n = lambda s: canonical(i, s)
+        for nm in ("attn_norm", "mlp_norm", "attn.q_norm", "attn.k_norm", "moe.router", "moe.router_bias",
+                   "moe.score_bias", "moe.shared_gate"):
+            if n(nm) in names:
+                w[n(nm)] = get(n(nm))                                 # replicated
+        for nm, sl in (("attn.q", qs), ("attn.k", ks), ("attn.v", ks)):
+            w[n(nm)] = get(n(nm))[rows(sl)]                           # [heads*Dh, D] rows
+            if n(nm + "_bias") in names:
+                w[n(nm + "_bias")] = get(n(nm + "_bias"))[rows(sl)]
+        w[n("attn.o")] = get(n("attn.o"))[:, rows(qs)]                # [D, heads*Dh] columns
+        if n("attn.o_bias") in names and rank == 0:
+            w[n("attn.o_bias")] = get(n("attn.o_bias"))
+        if n("attn.sinks") in names:
+            w[n("attn.sinks")] = get(n("attn.sinks"))[qs]
+        prefixes = ["mlp"] if lay.moe is None else (["moe.shared"] if lay.moe.shared_intermediate_size else [])
+        for pre in prefixes:                                          # column-split swiglu
+            c = _cols(get(n(f"{pre}.gate")).shape[0], rank, world, f"layer {i} {pre}")
+            for nm in ("gate", "up"):
+                w[n(f"{pre}.{nm}")] = get(n(f"{pre}.{nm}"))[c]
+                if n(f"{pre}.{nm}_bias") in names:
+                    w[n(f"{pre}.{nm}_bias")] = get(n(f"{pre}.{nm}_bias"))[c]
+            w[n(f"{pre}.down")] = get(n(f"{pre}.down"))[:, c]
+            if n(f"{pre}.down_bias") in names and rank == 0:
+                w[n(f"{pre}.down_bias")] = get(n(f"{pre}.down_bias"))
+        if lay.moe is not None:                                       # whole experts, owned by one rank
+            E = lay.moe.num_experts
+            for e in range(E):
+                if owns_expert(e, E, rank, world):
+                    pre = n(f"moe.experts.{e}.")
+                    for nm in names:
+                        if nm.startswith(pre):
+                            w[nm] = get(nm)
+        attn = dataclasses.replace(a, num_heads=qs.stop - qs.start, num_kv_heads=ks.stop - ks.start)
+        layers.append(dataclasses.replace(lay, attn=attn))
+    return dataclasses.replace(spec, layers=tuple(layers)), w
+
+
+class _DictWeights:
+    def __init__(self, d: dict):
+        self.d = d
+
+    def names(self):
+        return list(self.d)
+
+    def get(self, name):
+        return self.d[name]
+
+
+class TpRankDecoder(ReferenceDecoder):
+    """One rank: ReferenceDecoder on its slices, with an all-reduce after each sublayer. forward(ids [S]) ->
+    logits [S, V] (identical on every rank: the pieces are all-gathered)."""
+
+    def __init__(self, spec: ModelSpec, weights, rank: int, world: int, coll):
+        self.full_spec, self.rank, self.world, self.coll = spec, rank, world, coll
+        rspec, w = rank_weights(spec, weights, rank, world)
+        super().__init__(rspec, _DictWeights(w))
+
+    def _expert(self, i, moe, e, x):
+        if not owns_expert(e, moe.num_experts, self.rank, self.world):
+            return torch.zeros(x.shape[0], self.spec.hidden_size, dtype=x.dtype)   # another rank adds it
+        return super()._expert(i, moe, e, x)
+
+    @torch.no_grad()
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        spec, start = self.spec, self.pos
+        x = self.w["embed"][ids]                                              # [S, D], replicated
+        for i, lay in enumerate(spec.layers):
+            h = rms_norm(x, self.p(i, "attn_norm"), spec.norm_eps)
+            x = x + self.coll.all_reduce_sum(self._gqa(i, lay, h, start))    # partial over this rank's heads
+            h = rms_norm(x, self.p(i, "mlp_norm"), spec.norm_eps)
+            part = self._moe(i, lay.moe, h) if lay.moe is not None else self._swiglu(i, "mlp", h)
+            x = x + self.coll.all_reduce_sum(part)                            # partial over columns / experts
+        self.pos += ids.shape[0]
+        x = rms_norm(x, self.w["final_norm"], spec.norm_eps)
+        piece = linear(x, self.w["lm_head"]).float()                          # [S, V/N piece]
+        per = -(-spec.vocab_size // self.world)
+        pad = torch.nn.functional.pad(piece, (0, per - piece.shape[1]))       # equal shapes for the gather
+        got = self.coll.all_gather(pad)                                       # [N, S, per]
+        return got.permute(1, 0, 2).reshape(ids.shape[0], -1)[:, :spec.vocab_size]
+
+
+class TpSimulatedDecoder:
+    """N TpRankDecoders in threads over KCCL: forward(ids [S]) -> logits [S, V], reset(); checks every rank got
+    bit-identical logits and returns rank 0's."""
+
+    def __init__(self, spec: ModelSpec, weights, world: int, timeout: float = 60.0, capacity_bytes: int = 1 << 16):
+        self.spec, self.world = spec, world
+        self.group = KcclThreadGroup(world, timeout, capacity_bytes)
+        self.ranks = [TpRankDecoder(spec, weights, r, world, self.group.handle(r)) for r in range(world)]
+
+    def reset(self):
+        for r in self.ranks:
+            r.reset()
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        out: list = [None] * self.world
+        errors: list[BaseException] = []
+
+        def run(r: int):
+            try:
+                out[r] = self.ranks[r].forward(ids)
+            except BaseException as e:           # wake the others (their waits abort) and report the first cause
+                errors.append(e)
+                self.group.abort()
+
+        threads = [threading.Thread(target=run, args=(r,), name=f"tp-rank-{r}") for r in range(self.world)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise ([e for e in errors if not isinstance(e, KcclAborted)] or errors)[0]
+        for r in range(1, self.world):
+            if not torch.equal(out[r], out[0]):
+                raise RuntimeError(f"rank {r}'s logits differ from rank 0's")
+        return out[0]
