@@ -70,10 +70,11 @@ def vocab_piece(vocab: int, rank: int, world: int) -> slice:
     return slice(min(rank * per, vocab), min((rank + 1) * per, vocab))
 
 
-def rank_weights(spec: ModelSpec, weights, rank: int, world: int) -> tuple[ModelSpec, dict]:
-    """-> (rank's spec: heads / kv heads per rank; name -> float32 tensor of the rank's slices only)."""
+def rank_weights(spec: ModelSpec, weights, rank: int, world: int, device="cpu",
+                 dtype=torch.float32) -> tuple[ModelSpec, dict]:
+    """-> (rank's spec: heads / kv heads per rank; name -> tensor of the rank's slices only, on `device`)."""
     names = set(weights.names())
-    get = lambda n: weights.get(n).to("cpu", torch.float32)
+    get = lambda n: weights.get(n).to(device, dtype)
     w = {"embed": get("embed"), "final_norm": get("final_norm")}
     w["lm_head"] = (get("lm_head") if "lm_head" in names else w["embed"])[vocab_piece(spec.vocab_size, rank, world)]
     layers = []
@@ -134,20 +135,21 @@ class TpRankDecoder(ReferenceDecoder):
     """One rank: ReferenceDecoder on its slices, with an all-reduce after each sublayer. forward(ids [S]) ->
     logits [S, V] (identical on every rank: the pieces are all-gathered)."""
 
-    def __init__(self, spec: ModelSpec, weights, rank: int, world: int, coll):
+    def __init__(self, spec: ModelSpec, weights, rank: int, world: int, coll, device="cpu", dtype=None):
         self.full_spec, self.rank, self.world, self.coll = spec, rank, world, coll
-        rspec, w = rank_weights(spec, weights, rank, world)
-        super().__init__(rspec, _DictWeights(w))
+        dtype = dtype or (torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16)
+        rspec, w = rank_weights(spec, weights, rank, world, device, dtype)
+        super().__init__(rspec, _DictWeights(w), device, dtype)
 
     def _expert(self, i, moe, e, x):
         if not owns_expert(e, moe.num_experts, self.rank, self.world):
-            return torch.zeros(x.shape[0], self.spec.hidden_size, dtype=x.dtype)   # another rank adds it
+            return torch.zeros(x.shape[0], self.spec.hidden_size, dtype=x.dtype, device=x.device)   # another rank adds it
         return super()._expert(i, moe, e, x)
 
     @torch.no_grad()
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         spec, start = self.spec, self.pos
-        x = self.w["embed"][ids]                                              # [S, D], replicated
+        x = self.w["embed"][ids.to(self.device)]                              # [S, D], replicated
         for i, lay in enumerate(spec.layers):
             h = rms_norm(x, self.p(i, "attn_norm"), spec.norm_eps)
             x = x + self.coll.all_reduce_sum(self._gqa(i, lay, h, start))    # partial over this rank's heads

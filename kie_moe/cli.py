@@ -24,6 +24,17 @@ def _parse_ids(s: str) -> list[int]:
 
 
 def cmd_generate(a) -> int:
+    from kie_moe.launch import launch         # N workers on 127.0.0.1; N = 1 runs here, through the same call
+    return launch(getattr(a, "devices", 1), getattr(a, "argv", []),
+                  lambda env: _generate(a) if env.world == 1 else _generate_tp(a, env))
+
+
+def _generate_tp(a, env) -> int:
+    from kie_moe.launch import generate_worker
+    return generate_worker(a, env)
+
+
+def _generate(a) -> int:
     from kie_moe.engine import Engine
     from kie_moe.sampling import SamplingParams
     from kie_moe.tokenizer import IncrementalDecoder
@@ -146,6 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
     g.add_argument("--json", action="store_true",
                    help='print one JSON object: {"token_ids", "text", "tokens_per_s", "backend", ...}')
+    g.add_argument("--devices", type=int, default=1,
+                   help="GPUs: N > 1 starts N worker processes (tensor + expert parallel over KCCL, greedy)")
     _device_args(g)
     g.set_defaults(fn=cmd_generate)
 

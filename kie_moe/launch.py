@@ -137,3 +137,47 @@ def init_process_group(env: WorkerEnv, backend: str = "nccl"):
         torch.cuda.set_device(env.local_rank)
     dist.init_process_group(backend, init_method=f"tcp://{MASTER_ADDR}:{env.master_port}", rank=env.rank,
                             world_size=env.world)
+
+
+def generate_worker(a, env: WorkerEnv) -> int:
+    """One rank of `kie generate --devices N`: greedy decode of a tensor + expert parallel split of the model
+    (kccl/tp_sim.TpRankDecoder on GPU `local_rank`, all-reduces through KCCL's GpuHeap). Rank 0 prints the
+    result like the single-device path. Greedy only; reference-speed math (the correctness path, not the fast one)."""
+    import json
+
+    import torch
+
+    from kie_moe.kccl.collectives import KcclCollective
+    from kie_moe.kccl.symm_gpu import GpuHeap
+    from kie_moe.kccl.tp_sim import TpRankDecoder
+    from kie_moe.models.registry import load_model
+
+    if a.temperature != 0.0:
+        raise InputError("--devices > 1 decodes greedily only (use --temperature 0)")
+    init_process_group(env, "nccl")
+    import torch.distributed as dist
+    try:
+        m = load_model(a.model)
+        if a.prompt_ids is not None:
+            ids = [int(x) for x in a.prompt_ids.replace(" ", "").split(",") if x]
+        else:
+            from kie_moe.tokenizer import Tokenizer, has_tokenizer
+            if not has_tokenizer(a.model):
+                raise InputError(f"{a.model}: --prompt needs the model's tokenizer files (or use --prompt-ids)")
+            ids = Tokenizer(a.model).encode(a.prompt)
+        dev = torch.device("cuda", env.local_rank)
+        coll = KcclCollective(GpuHeap.rendezvous(capacity_bytes=1 << 20))
+        dec = TpRankDecoder(m.spec, m.weights, env.rank, env.world, coll, device=dev)
+        eos = set(m.spec.eos_token_ids)
+        logits, out = dec.forward(torch.tensor(ids)), []
+        for _ in range(a.max_new_tokens):
+            out.append(int(logits[-1].argmax()))
+            if out[-1] in eos and not a.ignore_eos:
+                break
+            logits = dec.forward(torch.tensor([out[-1]]))
+        if env.rank == 0:
+            print(json.dumps({"token_ids": out, "devices": env.world, "backend": "tp-reference+kccl"}) if a.json
+                  else ",".join(map(str, out)))
+        return 0
+    finally:
+        dist.destroy_process_group()
