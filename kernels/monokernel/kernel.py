@@ -12,6 +12,10 @@ deadlock: the lowest unfinished claimed task is always some program's *current* 
 earlier tasks, hence finished. Triton has no break/continue: `t = t_next` at the bottom of the `while t <
 n_total` loop, and the stop flag (EOS, host stop, watchdog) turns it into n_total.
 
+Weight formats: FMT_ATTN / FMT_MLP / FMT_EXP (constexprs, kernels/tiles.py's FMT_ID) say where each Linear
+kind lives: the float arena (wa) or the quantized buffers of qarena.py (codes qw: read as e4m3 bytes or u32
+words; scales qs8 / qf32; per-row factors qf32). Router, LM head, embeddings, norms and biases are always float.
+
 Under TRITON_INTERPRET=1 the same kernel runs on the CPU (USE_ASM=False); programs run one after another, so
 program 0 claims every task in order and every wait is either satisfied or reported at once.
 """
@@ -58,6 +62,53 @@ def _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM: tl.constexp
 
 
 @triton.jit
+def _wp(FMT: tl.constexpr, wa_ptr, qw8_ptr, qw32_ptr, off):
+    """Typed pointer to a Linear's weights: float elements (wa), e4m3 bytes or u32 words of packed e2m1 (qw;
+    `off` in bytes, 128-byte aligned)."""
+    if FMT == 0:
+        p = wa_ptr + tl.multiple_of(off, 64)
+    elif FMT <= 2:
+        p = qw8_ptr + tl.multiple_of(off, 128)
+    else:
+        p = qw32_ptr + tl.multiple_of(off // 4, 32)
+    return p
+
+
+@triton.jit
+def _wbase(FMT: tl.constexpr, wa_ptr, qw8_ptr, qw32_ptr):
+    """_wp's pointer type, at the start of its buffer."""
+    if FMT == 0:
+        p = wa_ptr
+    elif FMT <= 2:
+        p = qw8_ptr
+    else:
+        p = qw32_ptr
+    return p
+
+
+@triton.jit
+def _wu(FMT: tl.constexpr, off):
+    """A byte (or float element) offset in the units of _wp's pointer."""
+    if FMT >= 3:
+        u = off // 4
+    else:
+        u = off
+    return u
+
+
+@triton.jit
+def _sp(FMT: tl.constexpr, qf32_ptr, qs8f_ptr, qs8u_ptr, off):
+    """Typed pointer to a quantized Linear's scales (unused for float and fp8)."""
+    if FMT == 3:
+        p = qs8f_ptr + off
+    elif FMT == 4:
+        p = qs8u_ptr + off
+    else:
+        p = qf32_ptr + off
+    return p
+
+
+@triton.jit
 def _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM: tl.constexpr, NT: tl.constexpr, MODE: tl.constexpr):
     if MODE == 2:   # benchmark mode "no waits": streaming speed without dependency latency (wrong results)
         st = 0
@@ -74,8 +125,8 @@ _DYNAMIC = ["n_tasks", "n_steps", "start_pos", "kv_tmax", "n_splits", "n_lm", "n
 
 @triton.jit(do_not_specialize=_DYNAMIC)
 def monokernel(
-    # plan
-    tasks_ptr, layers_ptr, wa_ptr, kv_ptr, cos_ptr, sin_ptr,
+    # plan: tasks, layer table, float arena, quantized buffers (qarena.py), KV cache, RoPE tables
+    tasks_ptr, layers_ptr, wa_ptr, qw8_ptr, qw32_ptr, qf32_ptr, qs8f_ptr, qs8u_ptr, kv_ptr, cos_ptr, sin_ptr,
     # activations (fp32) and per-layer routing
     x_ptr, qkv_ptr, ao_ptr, am_ptr, al_ptr, scratch_ptr, h_ptr, rlog_ptr, rids_ptr, rwts_ptr, sg_ptr,
     pv_ptr, pi_ptr,
@@ -90,7 +141,7 @@ def monokernel(
     HAS_SINKS: tl.constexpr, HAS_CLIP: tl.constexpr, I_DENSE: tl.constexpr, E: tl.constexpr, TOPK: tl.constexpr,
     I_MOE: tl.constexpr, I_SH: tl.constexpr, SCORING: tl.constexpr, NORM_TOPK: tl.constexpr,
     HAS_RBIAS: tl.constexpr, HAS_SBIAS: tl.constexpr, EXP_ACT: tl.constexpr, HAS_EBIAS: tl.constexpr,
-    HAS_SH_GATE: tl.constexpr,
+    HAS_SH_GATE: tl.constexpr, FMT_ATTN: tl.constexpr, FMT_MLP: tl.constexpr, FMT_EXP: tl.constexpr,
     # tiles
     BN_QKV: tl.constexpr, BN_O: tl.constexpr, BN_GU: tl.constexpr, BN_DOWN: tl.constexpr, BN_ROUTER: tl.constexpr,
     BN_EUP: tl.constexpr, BN_EDOWN: tl.constexpr, BN_SUP: tl.constexpr, BN_LM: tl.constexpr,
@@ -105,6 +156,11 @@ def monokernel(
     stop_ptr = ctrl_ptr + 0  # CT_STOP
     n_total = n_tasks * n_steps
     NQ: tl.constexpr = HQ * DH
+    # a D-long weight row in units of _wp's pointer (elements, e4m3 bytes, u32 words) and its scale entries
+    RU_D_MLP: tl.constexpr = D // 8 if FMT_MLP >= 3 else D
+    RU_D_EXP: tl.constexpr = D // 8 if FMT_EXP >= 3 else D
+    SC_D_MLP: tl.constexpr = (D + 127) // 128 if FMT_MLP == 2 else (D // 16 if FMT_MLP == 3 else D // 32)
+    SC_D_EXP: tl.constexpr = (D + 127) // 128 if FMT_EXP == 2 else (D // 16 if FMT_EXP == 3 else D // 32)
     offs_f = tl.arange(0, 16)
     t, rowv = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
     while t < n_total:
@@ -135,32 +191,38 @@ def monokernel(
         if MODE == 1:
             op = tl.where(op == _OP_SAMPLE, op, 0)
         wctr = cnt_ptr + wc
-        w = wa_ptr + woff   # the task's weights (ops with a static weight matrix)
         r_end = r0 + nr
         pos = start_pos + step
         lrow = layers_ptr + layer * _NLF
         st = 0
-        # every branch: issue the weight loads, claim the next task, wait for the input, compute
+        # Every branch: issue the weight loads, claim the next task, wait for the input, compute. Offsets read
+        # from the tables are multiples of 64 elements / 128 bytes (plan.Arena, qarena): tl.multiple_of tells
+        # Triton, so weight loads vectorise (16-byte ld.global.v4 instead of 2-byte loads).
         if op == _OP_QKV:
-            w0 = tile(w, D, r0, r_end, 0, 1, BN_QKV, BLOCK_K)
+            w = _wp(FMT_ATTN, wa_ptr, qw8_ptr, qw32_ptr, woff)
+            sq = _sp(FMT_ATTN, qf32_ptr, qs8f_ptr, qs8u_ptr, tl.load(lrow + P.LF_QKV_S))
+            w0, s0 = tile(w, sq, D, r0, r_end, 0, 1, FMT_ATTN, BN_QKV, BLOCK_K)
             t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
             st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE)
             if st == 0:
-                stream_gemv(w, w0, D, r0, r_end, x_ptr, wa_ptr + tl.load(lrow + P.LF_ATTN_NORM), eps,
-                            wa_ptr + tl.load(lrow + P.LF_QKV_B), qkv_ptr, qkv_ptr, 0, pv_ptr, pi_ptr, 0, 1.0, 0, 0,
-                            True, HAS_QKV_BIAS, False, False, BN_QKV, BLOCK_K, XB)
+                stream_gemv(w, sq, qf32_ptr + tl.load(lrow + P.LF_QKV_F), w0, s0, D, r0, r_end, x_ptr,
+                            wa_ptr + tl.multiple_of(tl.load(lrow + P.LF_ATTN_NORM), 64), eps,
+                            wa_ptr + tl.multiple_of(tl.load(lrow + P.LF_QKV_B), 64), qkv_ptr, qkv_ptr, 0, pv_ptr,
+                            pi_ptr, 0, 1.0, 0, 0, True, HAS_QKV_BIAS, False, False, FMT_ATTN, BN_QKV, BLOCK_K, XB)
         elif op == _OP_ATTN:
             t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
             st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE)
             if st == 0:
                 head = (layer * 2 * HKV + r0).to(tl.int64) * kv_tmax * DH  # cache [L, 2, HKV, T_max, DH]
-                attention_task(r0, nr, n_splits, pos, tl.load(lrow + P.LF_WINDOW).to(tl.int32), qkv_ptr, kv_ptr + head,
-                               kv_ptr + head + HKV * kv_tmax * DH, cos_ptr, sin_ptr,
+                attention_task(r0, nr, n_splits, pos, tl.load(lrow + P.LF_WINDOW).to(tl.int32), qkv_ptr,
+                               kv_ptr + head, kv_ptr + head + HKV * kv_tmax * DH, cos_ptr, sin_ptr,
                                wa_ptr + tl.load(lrow + P.LF_Q_NORM), wa_ptr + tl.load(lrow + P.LF_K_NORM),
                                ao_ptr, am_ptr, al_ptr, eps, sm_scale, clip, HQ, HKV, DH, ROT, ROPE_PAIR, QK_NORM,
                                HAS_CLIP, BLOCK_R, BLOCK_H, BLOCK_C, BLOCK_D, BLOCK_T, BLOCK_X)
         elif op == _OP_O:
-            w0 = tile(w, NQ, r0, r_end, 0, 1, BN_O, BLOCK_K)
+            w = _wp(FMT_ATTN, wa_ptr, qw8_ptr, qw32_ptr, woff)
+            sq = _sp(FMT_ATTN, qf32_ptr, qs8f_ptr, qs8u_ptr, tl.load(lrow + P.LF_O_S))
+            w0, s0 = tile(w, sq, NQ, r0, r_end, 0, 1, FMT_ATTN, BN_O, BLOCK_K)
             t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
             st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE)
             if st == 0:
@@ -169,42 +231,62 @@ def monokernel(
                 attn_combine(ao_ptr, am_ptr, al_ptr, wa_ptr + tl.load(lrow + P.LF_SINKS), n_splits, scr, HQ, DH,
                              HAS_SINKS, BLOCK_X)
                 tl.debug_barrier()
-                stream_gemv(w, w0, NQ, r0, r_end, scr, scr, eps, wa_ptr + tl.load(lrow + P.LF_O_B), x_ptr, x_ptr,
-                            0, pv_ptr, pi_ptr, 0, 1.0, 0, 0, False, HAS_O_BIAS, True, False, BN_O, BLOCK_K, XB)
+                stream_gemv(w, sq, qf32_ptr + tl.load(lrow + P.LF_O_F), w0, s0, NQ, r0, r_end, scr, scr, eps,
+                            wa_ptr + tl.multiple_of(tl.load(lrow + P.LF_O_B), 64), x_ptr, x_ptr, 0, pv_ptr, pi_ptr,
+                            0, 1.0, 0, 0, False, HAS_O_BIAS, True, False, FMT_ATTN, BN_O, BLOCK_K, XB)
         elif op == _OP_GATEUP:
-            wu = w + I_DENSE * D   # up follows gate in the arena
-            g0 = tile(w, D, r0, r_end, 0, 1, BN_GU, BLOCK_K)
-            u0 = tile(wu, D, r0, r_end, 0, 1, BN_GU, BLOCK_K)
+            # up rows follow gate rows (codes, scales, factors)
+            wg = _wp(FMT_MLP, wa_ptr, qw8_ptr, qw32_ptr, woff)
+            wu = wg + I_DENSE * RU_D_MLP
+            s_off = tl.load(lrow + P.LF_GATE_S)
+            f_off = tl.load(lrow + P.LF_GATE_F)
+            sg_ = _sp(FMT_MLP, qf32_ptr, qs8f_ptr, qs8u_ptr, s_off)
+            su_ = _sp(FMT_MLP, qf32_ptr, qs8f_ptr, qs8u_ptr, s_off + I_DENSE * SC_D_MLP)
+            g0, gs0 = tile(wg, sg_, D, r0, r_end, 0, 1, FMT_MLP, BN_GU, BLOCK_K)
+            u0, us0 = tile(wu, su_, D, r0, r_end, 0, 1, FMT_MLP, BN_GU, BLOCK_K)
             t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
             st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE)
             if st == 0:
-                stream_glu(w, wu, g0, u0, D, r0, r_end, x_ptr, wa_ptr + tl.load(lrow + P.LF_MLP_NORM), eps, w, wu,
-                           h_ptr, glu_limit, glu_alpha, False, 0, BN_GU, BLOCK_K, XB)
+                stream_glu(wg, wu, sg_, su_, qf32_ptr + f_off, qf32_ptr + f_off + I_DENSE, g0, u0, gs0, us0, D, r0,
+                           r_end, x_ptr, wa_ptr + tl.multiple_of(tl.load(lrow + P.LF_MLP_NORM), 64), eps, wa_ptr,
+                           wa_ptr, h_ptr, glu_limit, glu_alpha, False, 0, FMT_MLP, BN_GU, BLOCK_K, XB)
         elif op == _OP_DOWN:
-            w0 = tile(w, I_DENSE, r0, r_end, 0, 1, BN_DOWN, BLOCK_K)
+            w = _wp(FMT_MLP, wa_ptr, qw8_ptr, qw32_ptr, woff)
+            sq = _sp(FMT_MLP, qf32_ptr, qs8f_ptr, qs8u_ptr, tl.load(lrow + P.LF_DOWN_S))
+            w0, s0 = tile(w, sq, I_DENSE, r0, r_end, 0, 1, FMT_MLP, BN_DOWN, BLOCK_K)
             t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
             st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE)
             if st == 0:
-                stream_gemv(w, w0, I_DENSE, r0, r_end, h_ptr, h_ptr, eps, w, x_ptr, x_ptr, 0, pv_ptr, pi_ptr,
-                            0, 1.0, 0, 0, False, False, True, False, BN_DOWN, BLOCK_K, XB)
+                stream_gemv(w, sq, qf32_ptr + tl.load(lrow + P.LF_DOWN_F), w0, s0, I_DENSE, r0, r_end, h_ptr, h_ptr,
+                            eps, wa_ptr, x_ptr, x_ptr, 0, pv_ptr, pi_ptr, 0, 1.0, 0, 0, False, False, True, False,
+                            FMT_MLP, BN_DOWN, BLOCK_K, XB)
         elif op == _OP_ROUTER:
-            w0 = tile(w, D, r0, r_end, 0, 1, BN_ROUTER, BLOCK_K)
+            w = wa_ptr + tl.multiple_of(woff, 64)
+            w0, s0 = tile(w, qf32_ptr, D, r0, r_end, 0, 1, 0, BN_ROUTER, BLOCK_K)
             t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
             st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE)
             if st == 0:
-                stream_gemv(w, w0, D, r0, r_end, x_ptr, wa_ptr + tl.load(lrow + P.LF_MLP_NORM), eps,
-                            wa_ptr + tl.load(lrow + P.LF_ROUTER_B), rlog_ptr + layer * E, rlog_ptr, 0, pv_ptr, pi_ptr,
-                            0, 1.0, 0, 0, True, HAS_RBIAS, False, False, BN_ROUTER, BLOCK_K, XB)
+                stream_gemv(w, qf32_ptr, qf32_ptr, w0, s0, D, r0, r_end, x_ptr,
+                            wa_ptr + tl.multiple_of(tl.load(lrow + P.LF_MLP_NORM), 64), eps,
+                            wa_ptr + tl.multiple_of(tl.load(lrow + P.LF_ROUTER_B), 64), rlog_ptr + layer * E,
+                            rlog_ptr, 0, pv_ptr, pi_ptr, 0, 1.0, 0, 0, True, HAS_RBIAS, False, False, 0, BN_ROUTER,
+                            BLOCK_K, XB)
         elif op == _OP_SH_UP:
-            wu = w + I_SH * D
-            g0 = tile(w, D, r0, r_end, 0, 1, BN_SUP, BLOCK_K)
-            u0 = tile(wu, D, r0, r_end, 0, 1, BN_SUP, BLOCK_K)
+            wg = _wp(FMT_EXP, wa_ptr, qw8_ptr, qw32_ptr, woff)
+            wu = wg + I_SH * RU_D_EXP
+            s_off = tl.load(lrow + P.LF_SGATE_S)
+            f_off = tl.load(lrow + P.LF_SGATE_F)
+            sg_ = _sp(FMT_EXP, qf32_ptr, qs8f_ptr, qs8u_ptr, s_off)
+            su_ = _sp(FMT_EXP, qf32_ptr, qs8f_ptr, qs8u_ptr, s_off + I_SH * SC_D_EXP)
+            g0, gs0 = tile(wg, sg_, D, r0, r_end, 0, 1, FMT_EXP, BN_SUP, BLOCK_K)
+            u0, us0 = tile(wu, su_, D, r0, r_end, 0, 1, FMT_EXP, BN_SUP, BLOCK_K)
             t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
             st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE)
             if st == 0:
-                nw = wa_ptr + tl.load(lrow + P.LF_MLP_NORM)
-                stream_glu(w, wu, g0, u0, D, r0, r_end, x_ptr, nw, eps, w, wu, h_ptr + TOPK * I_MOE,
-                           glu_limit, glu_alpha, False, 0, BN_SUP, BLOCK_K, XB)
+                nw = wa_ptr + tl.multiple_of(tl.load(lrow + P.LF_MLP_NORM), 64)
+                stream_glu(wg, wu, sg_, su_, qf32_ptr + f_off, qf32_ptr + f_off + I_SH, g0, u0, gs0, us0, D, r0,
+                           r_end, x_ptr, nw, eps, wa_ptr, wa_ptr, h_ptr + TOPK * I_MOE, glu_limit, glu_alpha, False,
+                           0, FMT_EXP, BN_SUP, BLOCK_K, XB)
                 if HAS_SH_GATE:
                     if r0 == 0:  # one task computes the shared expert's sigmoid gate
                         s = vec_dot_norm(wa_ptr + tl.load(lrow + P.LF_SH_GATE), x_ptr, nw, D, eps, BLOCK_K)
@@ -221,29 +303,41 @@ def monokernel(
                     tl.store(rids_ptr + layer * TOPK + offs_j, ids, mask=offs_j < TOPK)
                     tl.store(rwts_ptr + layer * TOPK + offs_j, wts, mask=offs_j < TOPK)
                 e = tl.sum(tl.where(offs_j == aux, ids, 0), axis=0).to(tl.int64)
-                wg = wa_ptr + tl.load(lrow + P.LF_EGATE) + e * (I_MOE * D)
-                wu = wa_ptr + tl.load(lrow + P.LF_EUP) + e * (I_MOE * D)
-                g0 = tile(wg, D, r0, r_end, 0, 1, BN_EUP, BLOCK_K)
-                u0 = tile(wu, D, r0, r_end, 0, 1, BN_EUP, BLOCK_K)
-                stream_glu(wg, wu, g0, u0, D, r0, r_end, x_ptr, wa_ptr + tl.load(lrow + P.LF_MLP_NORM), eps,
+                wg = _wp(FMT_EXP, wa_ptr, qw8_ptr, qw32_ptr, tl.load(lrow + P.LF_EGATE)) + e * (I_MOE * RU_D_EXP)
+                wu = _wp(FMT_EXP, wa_ptr, qw8_ptr, qw32_ptr, tl.load(lrow + P.LF_EUP)) + e * (I_MOE * RU_D_EXP)
+                sg_ = _sp(FMT_EXP, qf32_ptr, qs8f_ptr, qs8u_ptr, tl.load(lrow + P.LF_EGATE_S) + e * (I_MOE * SC_D_EXP))
+                su_ = _sp(FMT_EXP, qf32_ptr, qs8f_ptr, qs8u_ptr, tl.load(lrow + P.LF_EUP_S) + e * (I_MOE * SC_D_EXP))
+                g0, gs0 = tile(wg, sg_, D, r0, r_end, 0, 1, FMT_EXP, BN_EUP, BLOCK_K)
+                u0, us0 = tile(wu, su_, D, r0, r_end, 0, 1, FMT_EXP, BN_EUP, BLOCK_K)
+                stream_glu(wg, wu, sg_, su_, qf32_ptr + tl.load(lrow + P.LF_EGATE_F) + e * I_MOE,
+                           qf32_ptr + tl.load(lrow + P.LF_EUP_F) + e * I_MOE, g0, u0, gs0, us0, D, r0, r_end, x_ptr,
+                           wa_ptr + tl.multiple_of(tl.load(lrow + P.LF_MLP_NORM), 64), eps,
                            wa_ptr + tl.load(lrow + P.LF_EGATE_B) + e * I_MOE,
                            wa_ptr + tl.load(lrow + P.LF_EUP_B) + e * I_MOE,
-                           h_ptr + aux * I_MOE, glu_limit, glu_alpha, HAS_EBIAS, EXP_ACT, BN_EUP, BLOCK_K, XB)
+                           h_ptr + aux * I_MOE, glu_limit, glu_alpha, HAS_EBIAS, EXP_ACT, FMT_EXP, BN_EUP, BLOCK_K,
+                           XB)
         elif op == _OP_EXP_DOWN:
             t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
             st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE)
             if st == 0:
-                stream_expert_down(wa_ptr, tl.load(lrow + P.LF_EDOWN), tl.load(lrow + P.LF_EDOWN_B),
-                                   tl.load(lrow + P.LF_SDOWN),
-                                   r0, r_end, h_ptr, rids_ptr + layer * TOPK, rwts_ptr + layer * TOPK, sg_ptr, x_ptr,
-                                   D, I_MOE, I_SH, TOPK, HAS_EBIAS, HAS_SH_GATE, BLOCK_TOPK, BN_EDOWN, BLOCK_K, XB)
+                stream_expert_down(_wbase(FMT_EXP, wa_ptr, qw8_ptr, qw32_ptr),
+                                   _sp(FMT_EXP, qf32_ptr, qs8f_ptr, qs8u_ptr, tl.zeros((), tl.int64)), qf32_ptr,
+                                   _wu(FMT_EXP, tl.multiple_of(tl.load(lrow + P.LF_EDOWN), 64)),
+                                   tl.load(lrow + P.LF_EDOWN_S), tl.load(lrow + P.LF_EDOWN_F),
+                                   _wu(FMT_EXP, tl.multiple_of(tl.load(lrow + P.LF_SDOWN), 64)),
+                                   tl.load(lrow + P.LF_SDOWN_S), tl.load(lrow + P.LF_SDOWN_F),
+                                   wa_ptr + tl.load(lrow + P.LF_EDOWN_B), r0, r_end, h_ptr, rids_ptr + layer * TOPK,
+                                   rwts_ptr + layer * TOPK, sg_ptr, x_ptr, D, I_MOE, I_SH, TOPK, HAS_EBIAS,
+                                   HAS_SH_GATE, FMT_EXP, BLOCK_TOPK, BN_EDOWN, BLOCK_K, XB)
         elif op == _OP_LM:
-            w0 = tile(w, D, r0, r_end, 0, 1, BN_LM, BLOCK_K)
+            w = wa_ptr + tl.multiple_of(woff, 64)
+            w0, s0 = tile(w, qf32_ptr, D, r0, r_end, 0, 1, 0, BN_LM, BLOCK_K)
             t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
             st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE)
             if st == 0:
-                stream_gemv(w, w0, D, r0, r_end, x_ptr, wa_ptr + fnorm_off, eps, w, pv_ptr, pv_ptr, aux, pv_ptr,
-                            pi_ptr, do_sample, inv_temp, seed, step, True, False, False, True, BN_LM, BLOCK_K, XB)
+                stream_gemv(w, qf32_ptr, qf32_ptr, w0, s0, D, r0, r_end, x_ptr,
+                            wa_ptr + tl.multiple_of(fnorm_off, 64), eps, w, pv_ptr, pv_ptr, aux, pv_ptr, pi_ptr,
+                            do_sample, inv_temp, seed, step, True, False, False, True, 0, BN_LM, BLOCK_K, XB)
         elif op == _OP_SAMPLE:
             t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
             st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE)

@@ -18,12 +18,15 @@ but the LM head at 1-2B scale), never smaller than min_task_bytes (a claim + wai
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
 import torch
 
 from kie_moe.models.spec import ModelSpec, canonical
+
+from .qarena import FMT_ID, QArena, row_bytes, scale_cols
 
 # ---- opcodes -------------------------------------------------------------------------------------------------
 OP_QKV, OP_ATTN, OP_O, OP_GATEUP, OP_DOWN, OP_ROUTER, OP_EXP_UP, OP_SH_UP, OP_EXP_DOWN, OP_LM, OP_SAMPLE = range(1, 12)
@@ -42,7 +45,24 @@ NF = 12  # one spare column
  LF_GATE, LF_UP, LF_DOWN, LF_ROUTER, LF_ROUTER_B, LF_SCORE_B,
  LF_EGATE, LF_EUP, LF_EDOWN, LF_EGATE_B, LF_EUP_B, LF_EDOWN_B,
  LF_SGATE, LF_SUP, LF_SDOWN, LF_SH_GATE, LF_WINDOW) = range(26)
-NLF = 32
+# quantized Linears (qarena.py): LF_QKV & co hold byte offsets of the codes; these hold scale / row-factor offsets
+(LF_QKV_S, LF_QKV_F, LF_O_S, LF_O_F, LF_GATE_S, LF_GATE_F, LF_DOWN_S, LF_DOWN_F, LF_EGATE_S, LF_EGATE_F,
+ LF_EUP_S, LF_EUP_F, LF_EDOWN_S, LF_EDOWN_F, LF_SGATE_S, LF_SGATE_F, LF_SDOWN_S, LF_SDOWN_F) = range(26, 44)
+NLF = 48
+# Linears by quantization kind (one format per kind: the FMT_ATTN / FMT_MLP / FMT_EXP constexprs)
+QKINDS = {"attn": ("attn.q", "attn.k", "attn.v", "attn.o"), "mlp": ("mlp.gate", "mlp.up", "mlp.down"),
+          "exp": ("moe.experts.", "moe.shared.gate", "moe.shared.up", "moe.shared.down")}
+
+
+def qkind(name: str) -> str | None:
+    """'layers.3.moe.experts.7.up' -> 'exp'; None for tensors that always stay float (norms, router, ...)."""
+    local = name.split(".", 2)[2] if name.startswith("layers.") else name
+    for kind, prefixes in QKINDS.items():
+        for p in prefixes:
+            if local == p or (p.endswith(".") and local.startswith(p) and local.rsplit(".", 1)[1] in
+                              ("gate", "up", "down")):
+                return kind
+    return None
 
 # counters per layer: inputs of q/k/v ready -> ... ; see `_counter`
 _C_QKV, _C_ATTN, _C_O, _C_ROUTE, _C_UP, _C_OUT = range(6)
@@ -88,6 +108,10 @@ class Dims:
     route_scale: float
     glu_limit: float
     glu_alpha: float
+    # weight formats per Linear kind (0 float, else qarena.FMT_ID)
+    FMT_ATTN: int = 0
+    FMT_MLP: int = 0
+    FMT_EXP: int = 0
 
     @property
     def NQKV(self) -> int:
@@ -177,34 +201,57 @@ class Plan:
     tiles: TileConfig
     op_rows: dict                    # op name -> list[(row0, n_rows)] (static tilings)
     layers_host: torch.Tensor | None = None   # the same table on the CPU
+    qarena: QArena | None = None              # quantized Linears (one format), and their device buffers
+    qbufs: dict | None = None
+
+    def names(self) -> list[str]:
+        return list(self.arena.entries) + (list(self.qarena.entries) if self.qarena else [])
 
     def view(self, name: str) -> torch.Tensor:
+        """A float tensor of the plan: an arena view, or a dequantized copy of a quantized Linear."""
+        if self.qarena is not None and name in self.qarena.entries:
+            return self.qarena.dequant(self.qbufs, name)
         off, shape = self.arena.entries[name]
         return self.weights[off:off + math.prod(shape)].view(shape)
+
+    def elem_bytes(self, kind: str | None) -> float:
+        """Bytes per weight element streamed by a Linear kind (codes + scales), for tiling and bandwidth."""
+        f = {"attn": self.dims.FMT_ATTN, "mlp": self.dims.FMT_MLP, "exp": self.dims.FMT_EXP}.get(kind, 0)
+        return {0: self.weights.element_size(), 1: 1.0, 2: 1.0 + 4 / 128, 3: 0.5 + 1 / 16, 4: 0.5 + 1 / 32}[f]
 
     @property
     def n_lm_tiles(self) -> int:
         return len(self.op_rows["lm"])
 
     def weight_bytes_per_token(self) -> int:
-        """Bytes one decode step streams (active experts only), for bandwidth numbers."""
+        """Bytes one decode step streams (active experts only; codes + scales), for bandwidth numbers."""
         d, eb = self.dims, self.weights.element_size()
-        per = 0
+        per = 0.0
         for lay in self.spec.layers:
-            per += d.NQKV * d.D + d.D * d.HQ * d.DH
+            per += (d.NQKV * d.D + d.D * d.HQ * d.DH) * self.elem_bytes("attn")
             if lay.moe is None:
-                per += 3 * d.I_DENSE * d.D
+                per += 3 * d.I_DENSE * d.D * self.elem_bytes("mlp")
             else:
-                per += d.E * d.D + d.TOPK * 3 * d.I_MOE * d.D + 3 * d.I_SH * d.D
-        return (per + d.V * d.D) * eb
+                per += d.E * d.D * eb + (d.TOPK * 3 * d.I_MOE + 3 * d.I_SH) * d.D * self.elem_bytes("exp")
+        return int(per + d.V * d.D * eb)
 
 
 # ---- arena layout ----------------------------------------------------------------------------------------------
 
-def layout_arena(spec: ModelSpec, d: Dims, has) -> tuple[Arena, list[dict], dict]:
-    """-> (arena, per-layer {LF_*: offset}, top-level offsets). `has(name)` says if the checkpoint holds a tensor."""
+def layout_arena(spec: ModelSpec, d: Dims, has, qa: QArena | None = None) -> tuple[Arena, list[dict], dict]:
+    """-> (arena, per-layer {LF_*: offset}, top-level offsets). `has(name)` says if the checkpoint holds a tensor.
+    Linears of a kind whose FMT_* is quantized go to `qa` instead (codes / scales / row-factor offsets)."""
     ar = Arena()
     D = d.D
+    fmt = {"attn": d.FMT_ATTN, "mlp": d.FMT_MLP, "exp": d.FMT_EXP}
+
+    def lin(o, col, kind, group, s_col=None, f_col=None):
+        """A fused group of Linears: in the float arena, or (quantized kind) in qa."""
+        if fmt[kind]:
+            o[col], o[s_col], o[f_col] = qa.add(group)
+        else:
+            o[col] = ar.add(group)
+
     top = {"embed": ar.add([("embed", (d.V, D))])}
     top["final_norm"] = ar.add([("final_norm", (D,))])
     top["lm_head"] = ar.add([("lm_head", (d.V, D))]) if has("lm_head") else top["embed"]
@@ -213,23 +260,24 @@ def layout_arena(spec: ModelSpec, d: Dims, has) -> tuple[Arena, list[dict], dict
         c = lambda n: canonical(i, n)  # noqa: E731
         o = {LF_ATTN_NORM: ar.add([(c("attn_norm"), (D,))]), LF_MLP_NORM: ar.add([(c("mlp_norm"), (D,))])}
         nq, nkv = d.HQ * d.DH, d.HKV * d.DH
-        o[LF_QKV] = ar.add([(c("attn.q"), (nq, D)), (c("attn.k"), (nkv, D)), (c("attn.v"), (nkv, D))])
+        lin(o, LF_QKV, "attn", [(c("attn.q"), (nq, D)), (c("attn.k"), (nkv, D)), (c("attn.v"), (nkv, D))],
+            LF_QKV_S, LF_QKV_F)
         if d.HAS_QKV_BIAS:
             o[LF_QKV_B] = ar.add([(c("attn.q_bias"), (nq,)), (c("attn.k_bias"), (nkv,)), (c("attn.v_bias"), (nkv,))])
         if d.QK_NORM:
             full = d.QK_NORM == 2
             o[LF_Q_NORM] = ar.add([(c("attn.q_norm"), (nq if full else d.DH,))])
             o[LF_K_NORM] = ar.add([(c("attn.k_norm"), (nkv if full else d.DH,))])
-        o[LF_O] = ar.add([(c("attn.o"), (D, nq))])
+        lin(o, LF_O, "attn", [(c("attn.o"), (D, nq))], LF_O_S, LF_O_F)
         if d.HAS_O_BIAS:
             o[LF_O_B] = ar.add([(c("attn.o_bias"), (D,))])
         if d.HAS_SINKS:
             o[LF_SINKS] = ar.add([(c("attn.sinks"), (d.HQ,))])
         if lay.moe is None:
             I = lay.mlp.intermediate_size
-            o[LF_GATE] = ar.add([(c("mlp.gate"), (I, D)), (c("mlp.up"), (I, D))])   # up = gate + I * D
-            o[LF_UP] = o[LF_GATE] + I * D
-            o[LF_DOWN] = ar.add([(c("mlp.down"), (D, I))])
+            # up rows follow gate rows: the kernel finds up at gate + I rows
+            lin(o, LF_GATE, "mlp", [(c("mlp.gate"), (I, D)), (c("mlp.up"), (I, D))], LF_GATE_S, LF_GATE_F)
+            lin(o, LF_DOWN, "mlp", [(c("mlp.down"), (D, I))], LF_DOWN_S, LF_DOWN_F)
         else:
             E, I = d.E, d.I_MOE
             o[LF_ROUTER] = ar.add([(c("moe.router"), (E, D))])
@@ -238,22 +286,44 @@ def layout_arena(spec: ModelSpec, d: Dims, has) -> tuple[Arena, list[dict], dict
             if d.HAS_SBIAS:
                 o[LF_SCORE_B] = ar.add([(c("moe.score_bias"), (E,))])
             ex = lambda e, n: c(f"moe.experts.{e}.{n}")  # noqa: E731
-            o[LF_EGATE] = ar.add([(ex(e, "gate"), (I, D)) for e in range(E)])
-            o[LF_EUP] = ar.add([(ex(e, "up"), (I, D)) for e in range(E)])
-            o[LF_EDOWN] = ar.add([(ex(e, "down"), (D, I)) for e in range(E)])
+            lin(o, LF_EGATE, "exp", [(ex(e, "gate"), (I, D)) for e in range(E)], LF_EGATE_S, LF_EGATE_F)
+            lin(o, LF_EUP, "exp", [(ex(e, "up"), (I, D)) for e in range(E)], LF_EUP_S, LF_EUP_F)
+            lin(o, LF_EDOWN, "exp", [(ex(e, "down"), (D, I)) for e in range(E)], LF_EDOWN_S, LF_EDOWN_F)
             if d.HAS_EBIAS:
                 o[LF_EGATE_B] = ar.add([(ex(e, "gate_bias"), (I,)) for e in range(E)])
                 o[LF_EUP_B] = ar.add([(ex(e, "up_bias"), (I,)) for e in range(E)])
                 o[LF_EDOWN_B] = ar.add([(ex(e, "down_bias"), (D,)) for e in range(E)])
             if d.I_SH:
-                o[LF_SGATE] = ar.add([(c("moe.shared.gate"), (d.I_SH, D)), (c("moe.shared.up"), (d.I_SH, D))])
-                o[LF_SUP] = o[LF_SGATE] + d.I_SH * D
-                o[LF_SDOWN] = ar.add([(c("moe.shared.down"), (D, d.I_SH))])
+                lin(o, LF_SGATE, "exp", [(c("moe.shared.gate"), (d.I_SH, D)), (c("moe.shared.up"), (d.I_SH, D))],
+                    LF_SGATE_S, LF_SGATE_F)
+                lin(o, LF_SDOWN, "exp", [(c("moe.shared.down"), (D, d.I_SH))], LF_SDOWN_S, LF_SDOWN_F)
                 if d.HAS_SH_GATE:
                     o[LF_SH_GATE] = ar.add([(c("moe.shared_gate"), (1, D))])
         o[LF_WINDOW] = lay.sliding_window or 0
         layers.append(o)
     return ar, layers, top
+
+
+def detect_formats(spec: ModelSpec, names, quantized) -> dict:
+    """{kind: FMT} from the quantized tensors present: every Linear of a kind quantized in one scheme, or none."""
+    by_kind: dict[str, set] = {}
+    for n in names:
+        k = qkind(n)
+        if k is None:
+            continue
+        q = quantized(n) if quantized is not None else None
+        by_kind.setdefault(k, set()).add(None if q is None else q.scheme)
+    out = {}
+    for k, schemes in by_kind.items():
+        if len(schemes) > 1:
+            raise NotImplementedError(f"monokernel: {k} Linears mix formats {sorted(map(str, schemes))}; one "
+                                      "format per kind (attention / dense MLP / experts) is supported")
+        sch = next(iter(schemes))
+        out[k] = 0 if sch is None else FMT_ID[sch]
+    quant = {f for f in out.values() if f}
+    if len(quant) > 1:
+        raise NotImplementedError(f"monokernel: one quantized format per model, got {sorted(quant)}")
+    return out
 
 
 # ---- tiling ----------------------------------------------------------------------------------------------------
@@ -279,10 +349,15 @@ def _bn(rows: list[tuple[int, int]], cap: int) -> int:
 def build_plan(spec: ModelSpec, weights=None, device: str | torch.device = "cpu", *,
                wdtype: torch.dtype | None = None, n_sms: int | None = None, block_k: int | None = None,
                tile_elems: int | None = None, block_t: int | None = None, min_task_bytes: int = 16 << 10,
-               x_bcast: bool = False,
-               max_task_bytes: int = 512 << 10, random_seed: int | None = None) -> Plan:
-    """Pack `weights` (WeightStore-like: names(), get(canonical), `in`) into a device arena and tile every op.
-    weights=None with random_seed: random weights drawn on the device (benchmarks; no host copy)."""
+               x_bcast: bool = False, max_task_bytes: int = 512 << 10, random_seed: int | None = None,
+               quantized=None, formats: dict | None = None) -> Plan:
+    """Pack `weights` (WeightStore-like: names(), get(canonical), `in`) into device buffers and tile every op.
+
+    quantized: callable(canonical name) -> quant.schemes.QuantizedTensor | None, the codes of Linears stored
+    quantized (default: quant.ingest's reader when `weights` is a quantized checkpoint's store). One format per
+    Linear kind (attention / dense MLP / experts), one quantized format per model; router, embeddings, LM head,
+    norms and biases stay float. weights=None with random_seed: random weights drawn on the device (benchmarks;
+    no host copy), in `formats` ({kind: "fp8" | "fp8-block" | "nvfp4" | "mxfp4"}) where given."""
     device = torch.device(device)
     d = model_dims(spec)
     gpu = device.type in ("cuda", "meta")  # meta: an offline compile for the GPU
@@ -291,9 +366,17 @@ def build_plan(spec: ModelSpec, weights=None, device: str | torch.device = "cpu"
     if n_sms is None:
         n_sms = torch.cuda.get_device_properties(device).multi_processor_count if gpu else 1
     names = set(weights.names()) if weights is not None else None
+    if weights is not None and quantized is None:
+        quantized = _default_quantized(weights)
+    fm = detect_formats(spec, sorted(names), quantized) if names is not None else {}
+    fm.update({k: FMT_ID[v] for k, v in (formats or {}).items() if v not in (None, "bf16", "float")})
+    d = dataclasses.replace(d, FMT_ATTN=fm.get("attn", 0), FMT_MLP=fm.get("mlp", 0), FMT_EXP=fm.get("exp", 0))
+    qfmt = max(fm.values(), default=0)
+    qa = QArena(qfmt) if qfmt else None
     has = (lambda n: n in names) if names is not None else (lambda n: not spec.tie_word_embeddings)
-    arena, lay_offs, top = layout_arena(spec, d, has)
+    arena, lay_offs, top = layout_arena(spec, d, has, qa)
     buf = torch.empty(arena.size, dtype=wdtype, device=device)
+    qbufs = qa.allocate(device) if qa is not None else None
     if weights is not None:
         missing = [n for n in arena.entries if n not in names]
         if missing:
@@ -303,15 +386,20 @@ def build_plan(spec: ModelSpec, weights=None, device: str | torch.device = "cpu"
             if tuple(t.shape) != shape:
                 raise ValueError(f"monokernel: {name} has shape {tuple(t.shape)}, the plan expects {shape}")
             buf[off:off + t.numel()].copy_(t.reshape(-1))
+        for name in (qa.entries if qa is not None else ()):
+            qa.fill(qbufs, name, quantized(name))
     elif device.type != "meta":  # meta: shapes and dtypes only (offline compiles)
         _random_fill(buf, arena, d, random_seed or 0)
+        if qa is not None:
+            _random_qfill(qa, qbufs, random_seed or 0)
     table = torch.full((spec.num_layers, NLF), -1, dtype=torch.int64)
     for i, o in enumerate(lay_offs):
         for k, v in o.items():
             table[i, k] = v
 
-    # ---- tiles: bytes per row of each op (weights only; activations are KB) ----
+    # ---- tiles: bytes per row of each op (weights + scales; activations are KB) ----
     eb = buf.element_size()
+    qb = {k: Plan.elem_bytes(_FmtView(d, buf), k) for k in ("attn", "mlp", "exp")}
     if block_k is None:
         block_k = 1024 if gpu else min(128, _pow2(max(d.D, d.HQ * d.DH, d.I_DENSE, d.I_MOE, d.I_SH)))
     if tile_elems is None:
@@ -319,27 +407,72 @@ def build_plan(spec: ModelSpec, weights=None, device: str | torch.device = "cpu"
         # gate/up ops two matrices, so they get half. 16384 fits sm_90's 255 registers without spills (offline
         # ptxas); larger tiles put more bytes in flight but spill (benchmarks/monokernel_bench.py --sweep).
         tile_elems = 16384 if gpu else 64 * block_k
-    bn_cap = max(1, tile_elems // block_k)
-    sp = lambda n, rb, g=1: split_rows(n, rb, n_sms, min_task_bytes, max_task_bytes, g)  # noqa: E731
-    rows = {"qkv": sp(d.NQKV, d.D * eb), "o": sp(d.D, d.HQ * d.DH * eb), "lm": sp(d.V, d.D * eb)}
+    sp = lambda n, rb, g=1: split_rows(n, int(rb), n_sms, min_task_bytes, max_task_bytes, g)  # noqa: E731
+    rows = {"qkv": sp(d.NQKV, d.D * qb["attn"]), "o": sp(d.D, d.HQ * d.DH * qb["attn"]), "lm": sp(d.V, d.D * eb)}
     if d.I_DENSE:
-        rows["gateup"] = sp(d.I_DENSE, 2 * d.D * eb)
-        rows["down"] = sp(d.D, d.I_DENSE * eb)
+        rows["gateup"] = sp(d.I_DENSE, 2 * d.D * qb["mlp"])
+        rows["down"] = sp(d.D, d.I_DENSE * qb["mlp"])
     if d.E:
         rows["router"] = sp(d.E, d.D * eb)
-        rows["exp_up"] = sp(d.I_MOE, 2 * d.D * eb, d.TOPK)
-        rows["exp_down"] = sp(d.D, (d.TOPK * d.I_MOE + d.I_SH) * eb)
+        rows["exp_up"] = sp(d.I_MOE, 2 * d.D * qb["exp"], d.TOPK)
+        rows["exp_down"] = sp(d.D, (d.TOPK * d.I_MOE + d.I_SH) * qb["exp"])
         if d.I_SH:
-            rows["sh_up"] = sp(d.I_SH, 2 * d.D * eb)
+            rows["sh_up"] = sp(d.I_SH, 2 * d.D * qb["exp"])
     pairs = ("gateup", "exp_up", "sh_up")
-    bn = {k: _bn(v, max(1, bn_cap // 2) if k in pairs else bn_cap) for k, v in rows.items()}
+    kind = {"qkv": "attn", "o": "attn", "gateup": "mlp", "down": "mlp", "exp_up": "exp", "exp_down": "exp",
+            "sh_up": "exp"}
+    fmt_of = {"attn": d.FMT_ATTN, "mlp": d.FMT_MLP, "exp": d.FMT_EXP}
+
+    def cap(op):
+        # fp4 tiles decode to fp32 beside a broadcast x tile: half the elements of the others
+        elems = tile_elems // (2 if fmt_of.get(kind.get(op), 0) >= 3 else 1)
+        return max(1, elems // block_k // (2 if op in pairs else 1))
+    bn = {k: _bn(v, cap(k)) for k, v in rows.items()}
     if block_t is None:
         # attention scores are [REP, BLOCK_T, Dh] products in registers: keep them <= 16K fp32 per program
         block_t = 32 if gpu else 16
         block_t = max(1, min(block_t, 16384 // (_pow2(d.HQ // d.HKV) * _pow2(d.DH))))
     tiles = TileConfig(block_k=block_k, bn=bn, block_t=block_t, block_p=_pow2(len(rows["lm"])), xb=int(x_bcast))
     return Plan(spec, d, device, wdtype, arena, buf, table.to(device), top["embed"], top["lm_head"],
-                top["final_norm"], n_sms, tiles, rows, table)
+                top["final_norm"], n_sms, tiles, rows, table, qa, qbufs)
+
+
+@dataclass
+class _FmtView:
+    """Just enough of a Plan for Plan.elem_bytes before the plan exists."""
+    dims: Dims
+    weights: torch.Tensor
+
+
+def _default_quantized(weights):
+    """quant.ingest's reader of a quantized checkpoint's codes, when the store has one (else: all float)."""
+    if not hasattr(getattr(weights, "source", None), "read_quantized"):
+        return None
+    try:
+        from kie_moe.quant.ingest import quantized as read
+    except ImportError:
+        return None
+    return lambda name: read(weights, name)
+
+
+def _random_qfill(qa: QArena, bufs: dict, seed: int):
+    """Benchmark codes and scales of the right magnitudes (|w| ~ 1/sqrt(in)); never NaN, never all zeros."""
+    g = torch.Generator(device=bufs["qw"].device).manual_seed(seed + 1)
+    qw = bufs["qw"]
+    if qa.fmt <= 2:   # e4m3 codes of N(0, 64^2)-ish values: finite bytes
+        for i in range(0, qw.numel(), 1 << 28):
+            n = min(1 << 28, qw.numel() - i)
+            v = (torch.randn(n, generator=g, device=qw.device) * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
+            qw[i:i + n].copy_(v.view(torch.uint8))
+    else:             # any byte is two valid e2m1 codes
+        qw.random_(0, 256, generator=g)
+    k = qa.entries[next(iter(qa.entries))][4] if qa.entries else 1
+    bufs["qf32"].fill_(k ** -0.5 / 64 if qa.fmt <= 2 else 16384.0 / 1000.0)
+    if qa.fmt == 3:   # e4m3 group scales ~ 1000 * std / 2.5
+        bufs["qs8"].copy_(torch.full_like(bufs["qs8"], 0).float().add_(1000 * k ** -0.5 / 2.5)
+                          .to(torch.float8_e4m3fn).view(torch.uint8))
+    elif qa.fmt == 4:
+        bufs["qs8"].fill_(127 + int(round(math.log2(k ** -0.5 / 2.5))))
 
 
 def preset_spec(arch: str, layers: int | None = None) -> ModelSpec:

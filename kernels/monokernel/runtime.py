@@ -49,10 +49,10 @@ class ArenaStore:
         self.path = "<monokernel arena>"
 
     def names(self) -> list[str]:
-        return list(self.plan.arena.entries)
+        return self.plan.names()
 
     def __contains__(self, name: str) -> bool:
-        return name in self.plan.arena.entries
+        return name in self.plan.arena.entries or (self.plan.qarena is not None and name in self.plan.qarena.entries)
 
     def get(self, name: str) -> torch.Tensor:
         return self.plan.view(name)
@@ -227,8 +227,10 @@ class MonokernelBackend:
         d, pl, t = self.dims, self.plan, self.plan.tiles
         nq = d.HQ * d.DH
         bx = min(_pow2(max(d.D, nq)), 1024 if not self.interpret else 256)
+        qb = pl.qbufs or self._no_qbufs()
         args = [
-            tasks, pl.layers, pl.weights, self.kv, self.cos, self.sin,
+            tasks, pl.layers, pl.weights, qb["qw"].view(torch.float8_e4m3fn), qb["qw"].view(torch.uint32),
+            qb["qf32"], qb["qs8"].view(torch.float8_e4m3fn), qb["qs8"], self.kv, self.cos, self.sin,
             self.x, self.qkv, self.ao, self.am, self.al, self.scratch, self.h, self.rlog, self.rids, self.rwts,
             self.sg, self.pv, self.pi,
             self.counters, self.cursor, self.ctrl, self.ring, self.hostflag, self.eos,
@@ -241,7 +243,8 @@ class MonokernelBackend:
             HAS_QKV_BIAS=d.HAS_QKV_BIAS, HAS_O_BIAS=d.HAS_O_BIAS, HAS_SINKS=d.HAS_SINKS, HAS_CLIP=d.HAS_CLIP,
             I_DENSE=d.I_DENSE, E=d.E, TOPK=d.TOPK, I_MOE=d.I_MOE, I_SH=d.I_SH, SCORING=d.SCORING,
             NORM_TOPK=d.NORM_TOPK, HAS_RBIAS=d.HAS_RBIAS, HAS_SBIAS=d.HAS_SBIAS, EXP_ACT=d.EXP_ACT,
-            HAS_EBIAS=d.HAS_EBIAS, HAS_SH_GATE=d.HAS_SH_GATE,
+            HAS_EBIAS=d.HAS_EBIAS, HAS_SH_GATE=d.HAS_SH_GATE, FMT_ATTN=d.FMT_ATTN, FMT_MLP=d.FMT_MLP,
+            FMT_EXP=d.FMT_EXP,
             BN_QKV=t.bn["qkv"], BN_O=t.bn["o"], BN_GU=t.bn.get("gateup", 1), BN_DOWN=t.bn.get("down", 1),
             BN_ROUTER=t.bn.get("router", 1), BN_EUP=t.bn.get("exp_up", 1), BN_EDOWN=t.bn.get("exp_down", 1),
             BN_SUP=t.bn.get("sh_up", 1), BN_LM=t.bn["lm"],
@@ -250,6 +253,14 @@ class MonokernelBackend:
             BLOCK_E=_pow2(max(d.E, 1)), BLOCK_TOPK=_pow2(max(d.TOPK, 1)), BLOCK_EOS=_MAX_EOS, BLOCK_X=bx,
             XB=t.xb, USE_ASM=not self.interpret, NT=32 * self.num_warps)
         return args, meta
+
+    def _no_qbufs(self) -> dict:
+        """Stand-ins for the quantized buffers of an all-float plan (never read)."""
+        if not hasattr(self, "_qdummy"):
+            self._qdummy = dict(qw=torch.zeros(16, dtype=torch.uint8, device=self.device),
+                                qs8=torch.zeros(16, dtype=torch.uint8, device=self.device),
+                                qf32=torch.zeros(4, dtype=torch.float32, device=self.device))
+        return self._qdummy
 
     def check_error(self):
         """Raise RuntimeError naming the stuck task if the last launch tripped the watchdog."""
@@ -336,11 +347,12 @@ def compile_offline(backend: MonokernelBackend, arch: int = 90, n_splits: int = 
     args, meta = backend.kernel_args(tasks, 8, 16, n_splits, 2)
     names = monokernel.arg_names
     tys = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int32: "i32",
-           torch.int64: "i64", torch.uint8: "u8"}
-    sig = {}
-    for name, a in zip(names, args):
+           torch.int64: "i64", torch.uint8: "u8", torch.uint32: "u32", torch.float8_e4m3fn: "fp8e4nv"}
+    sig, attrs = {}, {}
+    for i, (name, a) in enumerate(zip(names, args)):
         if isinstance(a, torch.Tensor):
             sig[name] = "*" + tys[a.dtype]
+            attrs[(i,)] = [["tt.divisibility", 16]]   # what the JIT sees for 16-byte aligned tensors
         elif isinstance(a, float):
             sig[name] = "fp32"
         else:
@@ -348,6 +360,6 @@ def compile_offline(backend: MonokernelBackend, arch: int = 90, n_splits: int = 
     for k, v in meta.items():
         sig[k] = "constexpr"
     meta = {**meta, "USE_ASM": True}
-    src = ASTSource(monokernel, sig, constexprs=meta)
+    src = ASTSource(monokernel, sig, constexprs=meta, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32),
                           options=dict(num_warps=backend.num_warps, launch_cooperative_grid=True))

@@ -15,20 +15,28 @@ SCRIPT = r"""
 import sys, torch
 from kie_moe.models.registry import load_model
 from kie_moe.kernels.monokernel.runtime import MonokernelBackend, compile_offline
-for path in sys.argv[1:]:
-    be = MonokernelBackend(load_model(path), "cpu", offline=True, wdtype=torch.bfloat16, block_k=512, block_t=32,
-                           n_sms=132)
+from kie_moe.kernels.monokernel import plan as P
+from kie_moe.quant.schemes import quantize
+for arg in sys.argv[1:]:
+    path, scheme = arg.split("@")
+    m = load_model(path)
+    q = {n: quantize(m.weights.get(n).float(), scheme) for n in m.weights.names() if P.qkind(n) == "attn"}
+    be = MonokernelBackend(m, "cpu", offline=True, wdtype=torch.bfloat16, block_k=512, block_t=32, n_sms=132,
+                           quantized=q.get)
+    assert be.plan.dims.FMT_ATTN > 0
     ptx = compile_offline(be).asm["ptx"]
     for needle in ("ld.global.acquire.gpu", "red.release.gpu.global.add", "st.release.sys.global", "%globaltimer",
                    "ld.volatile.global", "atom.global.gpu.relaxed.add"):
         assert needle in ptx, (path, needle)
-    print("ok", path, len(ptx))
+    print("ok", arg, len(ptx))
 """
 
 
 @pytest.mark.skipif(not (os.path.exists(PTXAS) or shutil.which("ptxas")), reason="no ptxas in this triton build")
 def test_monokernel_compiles_for_sm90(tiny_model):
-    paths = [tiny_model("gpt_oss").path]      # every op is compiled for every model; gpt-oss turns on the most flags
+    # Every op is compiled for every model (the float paths of the router, LM head, experts come along); gpt-oss
+    # turns on the most flags; its attention in mxfp4 (the u32-word e2m1 path) and fp8-block (the e4m3 path).
+    paths = [tiny_model("gpt_oss").path + "@mxfp4", tiny_model("gpt_oss").path + "@fp8-block"]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     r = subprocess.run([sys.executable, "-c", SCRIPT, *paths], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-4000:]
