@@ -4,7 +4,8 @@ checkpoint, no host copy), beside the read-bandwidth probe. GPU only; `--help` w
 For each preset: build the plan, compile + warm up with one short launch, then time `--reps` launches of
 `--new-tokens` greedy steps each (one launch = all steps; CUDA events around it; KV positions before
 `--prompt-len` are zeros: their values do not change the bytes read). Reports tok/s, ms/token, the bytes one
-step streams (active weights + LM head + KV), GB/s and % of the probe.
+step streams (active weights + scales + LM head + KV), GB/s and % of the probe, per weight format (`--formats`:
+random codes of fp8 / fp8-block / nvfp4 / mxfp4 for every Linear but the router, LM head and embeddings).
 
 Breakdown (on by default): the same plan in the kernel's two benchmark modes, which give wrong tokens but say
 where time goes: `sync_only` (every task only claims, waits and signals: scheduling + dependency latency per
@@ -42,18 +43,19 @@ def read_probe_gbps(nbytes: int = 4 << 30) -> float:
 
 def bench_one(arch: str, probe: float, *, new_tokens: int, prompt_len: int, reps: int, layers: int | None = None,
               block_k=None, tile_elems=None, num_warps=8, max_task_kb=512, x_bcast=False,
-              breakdown: bool = False) -> dict:
+              breakdown: bool = False, fmt: str = "bf16") -> dict:
     import torch
     from kie_moe.kernels.monokernel import plan as P
     from kie_moe.kernels.monokernel.runtime import MonokernelBackend
-    r = dict(arch=arch, layers=layers, block_k=block_k, tile_elems=tile_elems, num_warps=num_warps,
+    r = dict(arch=arch, fmt=fmt, layers=layers, block_k=block_k, tile_elems=tile_elems, num_warps=num_warps,
              max_task_kb=max_task_kb, x_bcast=x_bcast, new_tokens=new_tokens, prompt_len=prompt_len)
     mk = None
     try:
         spec = P.preset_spec(arch, layers)
         t0 = time.perf_counter()
         plan = P.build_plan(spec, None, "cuda", random_seed=0, block_k=block_k, tile_elems=tile_elems,
-                            max_task_bytes=max_task_kb << 10, x_bcast=x_bcast)
+                            max_task_bytes=max_task_kb << 10, x_bcast=x_bcast,
+                            formats=None if fmt == "bf16" else {"attn": fmt, "mlp": fmt, "exp": fmt})
         torch.cuda.synchronize()
         r["plan_s"] = time.perf_counter() - t0
         r["tiles"] = dict(block_k=plan.tiles.block_k, bn=plan.tiles.bn, block_t=plan.tiles.block_t)
@@ -115,6 +117,8 @@ def main(argv=None):
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--formats", default="bf16,fp8", help="weight formats of every Linear (router, LM head and "
+                    "embeddings stay bf16): bf16, fp8, fp8-block, nvfp4, mxfp4 (default bf16,fp8)")
     ap.add_argument("--sweep", action="store_true", help="tile-shape grid on the first preset")
     ap.add_argument("--no-breakdown", action="store_true", help="skip the sync-only / no-wait kernel variants")
     a = ap.parse_args(argv)
@@ -129,7 +133,10 @@ def main(argv=None):
     print(json.dumps(res), flush=True)
     kw = dict(new_tokens=a.new_tokens, prompt_len=a.prompt_len, reps=a.reps, layers=a.layers)
     archs = [x for x in a.archs.split(",") if x]
-    res["runs"] = [bench_one(x, probe, breakdown=not a.no_breakdown, **kw) for x in archs]
+    fmts = [f for f in a.formats.split(",") if f]
+    # the breakdown (two more compiles) for the first format only: the gpu-check stage has 300 s
+    res["runs"] = [bench_one(x, probe, breakdown=not a.no_breakdown and i == 0, fmt=f, **kw)
+                   for x in archs for i, f in enumerate(fmts)]
     if a.sweep:
         res["sweep"] = [bench_one(archs[0], probe, block_k=bk, tile_elems=te, num_warps=nw, max_task_kb=mt,
                                   x_bcast=xb, **kw) for bk, te, nw, mt, xb in SWEEP]
