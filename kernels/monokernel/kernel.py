@@ -27,6 +27,7 @@ import triton.language as tl
 from kie_moe.kccl.sync import flag_is_set, read_counter, signal, st_release_sys, wait
 
 from . import plan as P
+from .mla import mla_absorb_task, mla_attention_task, mla_vup_task
 from .ops import attention_task, attn_combine, embed_row, pick_token, route, vec_dot_norm
 from .stream import stream_expert_down, stream_gemv, stream_glu, tile
 
@@ -45,6 +46,10 @@ _OP_SH_UP = tl.constexpr(P.OP_SH_UP)
 _OP_EXP_DOWN = tl.constexpr(P.OP_EXP_DOWN)
 _OP_LM = tl.constexpr(P.OP_LM)
 _OP_SAMPLE = tl.constexpr(P.OP_SAMPLE)
+_OP_QB = tl.constexpr(P.OP_QB)
+_OP_ABSORB = tl.constexpr(P.OP_ABSORB)
+_OP_MLA_ATTN = tl.constexpr(P.OP_MLA_ATTN)
+_OP_VUP = tl.constexpr(P.OP_VUP)
 _NF = tl.constexpr(P.NF)
 _NLF = tl.constexpr(P.NLF)
 
@@ -142,9 +147,13 @@ def monokernel(
     I_MOE: tl.constexpr, I_SH: tl.constexpr, SCORING: tl.constexpr, NORM_TOPK: tl.constexpr,
     HAS_RBIAS: tl.constexpr, HAS_SBIAS: tl.constexpr, EXP_ACT: tl.constexpr, HAS_EBIAS: tl.constexpr,
     HAS_SH_GATE: tl.constexpr, FMT_ATTN: tl.constexpr, FMT_MLP: tl.constexpr, FMT_EXP: tl.constexpr,
+    MLA: tl.constexpr, R_Q: tl.constexpr, R_KV: tl.constexpr, NOPE: tl.constexpr, VD: tl.constexpr,
+    NG: tl.constexpr, TG: tl.constexpr, GSCORE: tl.constexpr,
     # tiles
     BN_QKV: tl.constexpr, BN_O: tl.constexpr, BN_GU: tl.constexpr, BN_DOWN: tl.constexpr, BN_ROUTER: tl.constexpr,
     BN_EUP: tl.constexpr, BN_EDOWN: tl.constexpr, BN_SUP: tl.constexpr, BN_LM: tl.constexpr,
+    BN_QB: tl.constexpr, BN_KVB: tl.constexpr, BLOCK_RKV: tl.constexpr, BLOCK_RD: tl.constexpr,
+    BLOCK_HG: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr,
     BLOCK_TOPK: tl.constexpr, BLOCK_EOS: tl.constexpr, BLOCK_X: tl.constexpr,
@@ -156,6 +165,14 @@ def monokernel(
     stop_ptr = ctrl_ptr + 0  # CT_STOP
     n_total = n_tasks * n_steps
     NQ: tl.constexpr = HQ * DH
+    O_K: tl.constexpr = HQ * VD if MLA else NQ          # o_proj's input: v of every head (MLA) / attention out
+    # MLA offsets in the qkv buffer: [q_a | kv_a] (or [q | kv_a]) from qkv_proj, then q (from q_b), q_lat, q_pe
+    KVA_OFF: tl.constexpr = R_Q if R_Q > 0 else NQ
+    NQKV1: tl.constexpr = KVA_OFF + R_KV + ROT
+    Q_OFF: tl.constexpr = NQKV1 if R_Q > 0 else 0
+    QLAT_OFF: tl.constexpr = NQKV1 + (NQ if R_Q > 0 else 0)
+    QPE_OFF: tl.constexpr = QLAT_OFF + HQ * R_KV
+    LAT_W: tl.constexpr = R_KV + ROT                     # MLA cache row: latent | k_pe
     # a D-long weight row in units of _wp's pointer (elements, e4m3 bytes, u32 words) and its scale entries
     RU_D_MLP: tl.constexpr = D // 8 if FMT_MLP >= 3 else D
     RU_D_EXP: tl.constexpr = D // 8 if FMT_EXP >= 3 else D
@@ -212,28 +229,67 @@ def monokernel(
         elif op == _OP_ATTN:
             t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
             st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE)
-            if st == 0:
-                head = (layer * 2 * HKV + r0).to(tl.int64) * kv_tmax * DH  # cache [L, 2, HKV, T_max, DH]
-                attention_task(r0, nr, n_splits, pos, tl.load(lrow + P.LF_WINDOW).to(tl.int32), qkv_ptr,
-                               kv_ptr + head, kv_ptr + head + HKV * kv_tmax * DH, cos_ptr, sin_ptr,
-                               wa_ptr + tl.load(lrow + P.LF_Q_NORM), wa_ptr + tl.load(lrow + P.LF_K_NORM),
-                               ao_ptr, am_ptr, al_ptr, eps, sm_scale, clip, HQ, HKV, DH, ROT, ROPE_PAIR, QK_NORM,
-                               HAS_CLIP, BLOCK_R, BLOCK_H, BLOCK_C, BLOCK_D, BLOCK_T, BLOCK_X)
+            if MLA == 0:   # (an MLA model never has these tasks: do not compile them)
+                if st == 0:
+                    head = (layer * 2 * HKV + r0).to(tl.int64) * kv_tmax * DH  # cache [L, 2, HKV, T_max, DH]
+                    attention_task(r0, nr, n_splits, pos, tl.load(lrow + P.LF_WINDOW).to(tl.int32), qkv_ptr,
+                                   kv_ptr + head, kv_ptr + head + HKV * kv_tmax * DH, cos_ptr, sin_ptr,
+                                   wa_ptr + tl.load(lrow + P.LF_Q_NORM), wa_ptr + tl.load(lrow + P.LF_K_NORM),
+                                   ao_ptr, am_ptr, al_ptr, eps, sm_scale, clip, HQ, HKV, DH, ROT, ROPE_PAIR,
+                                   QK_NORM, HAS_CLIP, BLOCK_R, BLOCK_H, BLOCK_C, BLOCK_D, BLOCK_T, BLOCK_X)
         elif op == _OP_O:
             w = _wp(FMT_ATTN, wa_ptr, qw8_ptr, qw32_ptr, woff)
             sq = _sp(FMT_ATTN, qf32_ptr, qs8f_ptr, qs8u_ptr, tl.load(lrow + P.LF_O_S))
-            w0, s0 = tile(w, sq, NQ, r0, r_end, 0, 1, FMT_ATTN, BN_O, BLOCK_K)
+            w0, s0 = tile(w, sq, O_K, r0, r_end, 0, 1, FMT_ATTN, BN_O, BLOCK_K)
             t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
             st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE)
             if st == 0:
-                # splits -> normalised attention output, in this program's private scratch row
-                scr = scratch_ptr + pid * NQ
-                attn_combine(ao_ptr, am_ptr, al_ptr, wa_ptr + tl.load(lrow + P.LF_SINKS), n_splits, scr, HQ, DH,
-                             HAS_SINKS, BLOCK_X)
-                tl.debug_barrier()
-                stream_gemv(w, sq, qf32_ptr + tl.load(lrow + P.LF_O_F), w0, s0, NQ, r0, r_end, scr, scr, eps,
+                if MLA:   # the v_up tasks left v [H * VD] in h
+                    xin = h_ptr
+                else:     # splits -> normalised attention output, in this program's private scratch row
+                    xin = scratch_ptr + pid * NQ
+                    attn_combine(ao_ptr, am_ptr, al_ptr, wa_ptr + tl.load(lrow + P.LF_SINKS), n_splits, xin, HQ,
+                                 DH, HAS_SINKS, BLOCK_X)
+                    tl.debug_barrier()
+                stream_gemv(w, sq, qf32_ptr + tl.load(lrow + P.LF_O_F), w0, s0, O_K, r0, r_end, xin, xin, eps,
                             wa_ptr + tl.multiple_of(tl.load(lrow + P.LF_O_B), 64), x_ptr, x_ptr, 0, pv_ptr, pi_ptr,
                             0, 1.0, 0, 0, False, HAS_O_BIAS, True, False, FMT_ATTN, BN_O, BLOCK_K, XB)
+        elif op == _OP_QB:   # MLA: q = q_b(RMSNorm(q_a))
+            w = wa_ptr + tl.multiple_of(woff, 64)
+            w0, s0 = tile(w, qf32_ptr, R_Q, r0, r_end, 0, 1, 0, BN_QB, BLOCK_K)
+            t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
+            st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE)
+            if MLA:
+                if st == 0:
+                    stream_gemv(w, qf32_ptr, qf32_ptr, w0, s0, R_Q, r0, r_end, qkv_ptr,
+                                wa_ptr + tl.multiple_of(tl.load(lrow + P.LF_Q_NORM), 64), eps, wa_ptr, qkv_ptr + Q_OFF,
+                                qkv_ptr, 0, pv_ptr, pi_ptr, 0, 1.0, 0, 0, True, False, False, False, 0, BN_QB,
+                                BLOCK_K, XB)
+        elif op == _OP_ABSORB:
+            t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
+            st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE)
+            if MLA:
+                if st == 0:
+                    mla_absorb_task(r0, nr, pos, qkv_ptr + Q_OFF, wa_ptr + tl.multiple_of(woff, 64),
+                                    qkv_ptr + QLAT_OFF, qkv_ptr + QPE_OFF, qkv_ptr + KVA_OFF,
+                                    wa_ptr + tl.load(lrow + P.LF_K_NORM),
+                                    kv_ptr + layer.to(tl.int64) * kv_tmax * LAT_W, cos_ptr, sin_ptr, eps,
+                                    DH, NOPE, VD, R_KV, ROT, ROPE_PAIR, BN_KVB, BLOCK_RKV, BLOCK_H)
+        elif op == _OP_MLA_ATTN:
+            t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
+            st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE)
+            if MLA:
+                if st == 0:
+                    mla_attention_task(r0, nr, aux, n_splits, pos, qkv_ptr + QLAT_OFF, qkv_ptr + QPE_OFF,
+                                       kv_ptr + layer.to(tl.int64) * kv_tmax * LAT_W, ao_ptr, am_ptr, al_ptr,
+                                       sm_scale, HQ, R_KV, ROT, BLOCK_HG, BLOCK_RKV, BLOCK_RD, BLOCK_T)
+        elif op == _OP_VUP:
+            t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
+            st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE)
+            if MLA:
+                if st == 0:
+                    mla_vup_task(r0, nr, n_splits, ao_ptr, am_ptr, al_ptr, wa_ptr + tl.multiple_of(woff, 64), h_ptr,
+                                 HQ, NOPE, VD, R_KV, BN_KVB, BLOCK_RKV)
         elif op == _OP_GATEUP:
             # up rows follow gate rows (codes, scales, factors)
             wg = _wp(FMT_MLP, wa_ptr, qw8_ptr, qw32_ptr, woff)
@@ -297,7 +353,7 @@ def monokernel(
             if st == 0:
                 # every expert task recomputes the (tiny) top-k from the router logits: no extra phase
                 ids, wts = route(rlog_ptr + layer * E, wa_ptr + tl.load(lrow + P.LF_SCORE_B), route_scale, E, TOPK,
-                                 SCORING, NORM_TOPK, HAS_SBIAS, BLOCK_E, BLOCK_TOPK)
+                                 SCORING, NORM_TOPK, HAS_SBIAS, BLOCK_E, BLOCK_TOPK, NG, TG, GSCORE, BLOCK_G)
                 offs_j = tl.arange(0, BLOCK_TOPK)
                 if (aux == 0) & (r0 == 0):  # publish ids / weights for expert_down (and the host)
                     tl.store(rids_ptr + layer * TOPK + offs_j, ids, mask=offs_j < TOPK)

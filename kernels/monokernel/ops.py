@@ -18,10 +18,12 @@ from .stream import rstd, x_chunk
 
 @triton.jit
 def route(rlog_ptr, sbias_ptr, route_scale, E: tl.constexpr, TOPK: tl.constexpr, SCORING: tl.constexpr,
-          NORM_TOPK: tl.constexpr, HAS_SBIAS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_TOPK: tl.constexpr):
+          NORM_TOPK: tl.constexpr, HAS_SBIAS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_TOPK: tl.constexpr,
+          NG: tl.constexpr = 1, TG: tl.constexpr = 1, GSCORE: tl.constexpr = 0, BLOCK_G: tl.constexpr = 1):
     """Router logits [E] -> (expert ids [BLOCK_TOPK] int32, weights [BLOCK_TOPK] fp32), as models.reference.route:
-    softmax / sigmoid scores (+ correction bias for the choice only), top-k (first index wins ties), optional
-    renormalisation, routed scaling; SCORING 2 (gpt-oss): softmax over the top-k logits."""
+    softmax / sigmoid scores (+ correction bias for the choice only), group-limited choice (DeepSeek: NG groups
+    scored by their max, GSCORE 1: by their top-2 sum; only the TG best groups compete), top-k (first index
+    wins ties), optional renormalisation, routed scaling; SCORING 2 (gpt-oss): softmax over the top-k logits."""
     offs_e = tl.arange(0, BLOCK_E)
     e_mask = offs_e < E
     lg = tl.load(rlog_ptr + offs_e, mask=e_mask, other=-float("inf"), cache_modifier=".cg")
@@ -36,6 +38,25 @@ def route(rlog_ptr, sbias_ptr, route_scale, E: tl.constexpr, TOPK: tl.constexpr,
     if HAS_SBIAS:
         choice = choice + tl.load(sbias_ptr + offs_e, mask=e_mask, other=0.0).to(tl.float32)
     choice = tl.where(e_mask, choice, -float("inf"))
+    if NG > 1:
+        gid = offs_e // (E // NG)
+        offs_g = tl.arange(0, BLOCK_G)
+        gsc = tl.full((BLOCK_G,), -float("inf"), dtype=tl.float32)
+        for gi in tl.static_range(NG):
+            cg = tl.where(gid == gi, choice, -float("inf"))
+            top = tl.max(cg, axis=0)
+            if GSCORE:
+                top += tl.max(tl.where(offs_e == tl.argmax(cg, axis=0), -float("inf"), cg), axis=0)
+            gsc = tl.where(offs_g == gi, top, gsc)
+        keep = tl.zeros((BLOCK_G,), dtype=tl.int32)
+        for _ in tl.static_range(TG):
+            b = tl.argmax(gsc, axis=0)
+            keep = tl.where(offs_g == b, 1, keep)
+            gsc = tl.where(offs_g == b, -float("inf"), gsc)
+        ekeep = tl.zeros((BLOCK_E,), dtype=tl.int32)
+        for gi in tl.static_range(NG):
+            ekeep = tl.where(gid == gi, tl.sum(tl.where(offs_g == gi, keep, 0), axis=0), ekeep)
+        choice = tl.where(ekeep > 0, choice, -float("inf"))
     offs_j = tl.arange(0, BLOCK_TOPK)
     ids = tl.zeros((BLOCK_TOPK,), dtype=tl.int32)
     vals = tl.zeros((BLOCK_TOPK,), dtype=tl.float32)

@@ -26,13 +26,16 @@ import torch
 
 from kie_moe.models.spec import ModelSpec, canonical
 
-from .qarena import FMT_ID, QArena, row_bytes, scale_cols
+from .qarena import FMT_ID, QArena
+from .synth import preset_spec, random_fill, random_qfill  # noqa: F401  (preset_spec: re-exported)
 
 # ---- opcodes -------------------------------------------------------------------------------------------------
 OP_QKV, OP_ATTN, OP_O, OP_GATEUP, OP_DOWN, OP_ROUTER, OP_EXP_UP, OP_SH_UP, OP_EXP_DOWN, OP_LM, OP_SAMPLE = range(1, 12)
+OP_QB, OP_ABSORB, OP_MLA_ATTN, OP_VUP = range(12, 16)   # Multi-head Latent Attention (DeepSeek), see mla.py
 OP_NAMES = {OP_QKV: "qkv_proj", OP_ATTN: "attention", OP_O: "o_proj", OP_GATEUP: "mlp_gate_up",
             OP_DOWN: "mlp_down", OP_ROUTER: "router", OP_EXP_UP: "expert_gate_up", OP_SH_UP: "shared_gate_up",
-            OP_EXP_DOWN: "expert_down", OP_LM: "lm_head", OP_SAMPLE: "sample"}
+            OP_EXP_DOWN: "expert_down", OP_LM: "lm_head", OP_SAMPLE: "sample", OP_QB: "q_b_proj",
+            OP_ABSORB: "mla_absorb", OP_MLA_ATTN: "mla_attention", OP_VUP: "mla_v_up"}
 
 # ---- task table columns ----------------------------------------------------------------------------------------
 F_OP, F_LAYER, F_ROW0, F_NROWS, F_AUX, F_WAIT, F_WCNT, F_WBASE, F_SIG, F_WLO, F_WHI = range(11)
@@ -48,6 +51,8 @@ NF = 12  # one spare column
 # quantized Linears (qarena.py): LF_QKV & co hold byte offsets of the codes; these hold scale / row-factor offsets
 (LF_QKV_S, LF_QKV_F, LF_O_S, LF_O_F, LF_GATE_S, LF_GATE_F, LF_DOWN_S, LF_DOWN_F, LF_EGATE_S, LF_EGATE_F,
  LF_EUP_S, LF_EUP_F, LF_EDOWN_S, LF_EDOWN_F, LF_SGATE_S, LF_SGATE_F, LF_SDOWN_S, LF_SDOWN_F) = range(26, 44)
+# MLA: LF_QKV = [q_a | kv_a] (or [q | kv_a]) rows, LF_Q_NORM = q_a_norm, LF_K_NORM = kv_a_norm, and
+LF_QB, LF_KVB = 44, 45
 NLF = 48
 # Linears by quantization kind (one format per kind: the FMT_ATTN / FMT_MLP / FMT_EXP constexprs)
 QKINDS = {"attn": ("attn.q", "attn.k", "attn.v", "attn.o"), "mlp": ("mlp.gate", "mlp.up", "mlp.down"),
@@ -65,8 +70,10 @@ def qkind(name: str) -> str | None:
     return None
 
 # counters per layer: inputs of q/k/v ready -> ... ; see `_counter`
-_C_QKV, _C_ATTN, _C_O, _C_ROUTE, _C_UP, _C_OUT = range(6)
+_C_QKV, _C_ATTN, _C_O, _C_ROUTE, _C_UP, _C_OUT, _C_QB, _C_ABS, _C_VUP = range(9)
+NC = 9   # counters per layer
 _ALIGN = 64  # elements: every tensor starts on a 128-byte boundary (bf16) for vector loads
+MLA_HEADS = 16  # heads per MLA attention task: its tl.dot tiles need >= 16 rows
 
 
 def _pow2(n: int) -> int:
@@ -108,6 +115,15 @@ class Dims:
     route_scale: float
     glu_limit: float
     glu_alpha: float
+    # DeepSeek: Multi-head Latent Attention (HQ heads, HKV = 1 latent; DH = NOPE + ROT), group-limited routing
+    MLA: int = 0
+    R_Q: int = 0            # q_lora_rank (0: q straight from x)
+    R_KV: int = 0
+    NOPE: int = 0
+    VD: int = 0
+    NG: int = 1             # expert groups, groups kept, group score (0 max, 1 sum of the top 2)
+    TG: int = 1
+    GSCORE: int = 0
     # weight formats per Linear kind (0 float, else qarena.FMT_ID)
     FMT_ATTN: int = 0
     FMT_MLP: int = 0
@@ -115,15 +131,17 @@ class Dims:
 
     @property
     def NQKV(self) -> int:
+        """Rows of the first attention GEMV: q|k|v, or (MLA) q_a|kv_a (q|kv_a without a q LoRA)."""
+        if self.MLA:
+            return (self.R_Q or self.HQ * self.DH) + self.R_KV + self.ROT
         return (self.HQ + 2 * self.HKV) * self.DH
 
 
 def model_dims(spec: ModelSpec) -> Dims:
     lay0 = spec.layers[0]
     a = lay0.attn
-    if a.kind != "gqa":
-        raise NotImplementedError(f"monokernel: attention kind {a.kind!r} ({spec.family}) is not supported yet "
-                                  "(gqa only)")
+    if a.kind not in ("gqa", "mla"):
+        raise NotImplementedError(f"monokernel: attention kind {a.kind!r} ({spec.family}) is not supported")
     for i, lay in enumerate(spec.layers):
         if lay.attn != a:
             raise NotImplementedError(f"monokernel: layer {i} attention differs from layer 0 ({spec.family})")
@@ -136,13 +154,15 @@ def model_dims(spec: ModelSpec) -> Dims:
     if len(dense) > 1 or len(moes) > 1:
         raise NotImplementedError("monokernel: dense (or MoE) layers of different shapes in one model")
     m = next(iter(moes)) if moes else None
-    if m is not None and m.n_group > 1:
-        raise NotImplementedError("monokernel: group-limited routing (DeepSeek) is not supported yet")
+    if m is not None and m.n_group > 1 and m.num_experts % m.n_group:
+        raise NotImplementedError(f"monokernel: {m.num_experts} experts in {m.n_group} groups")
+    mla = a.kind == "mla"
     scoring = {"softmax": 0, "sigmoid": 1, "softmax_topk": 2}
     if m is not None and m.scoring not in scoring:
         raise NotImplementedError(f"monokernel: router scoring {m.scoring!r}")
     return Dims(
-        D=spec.hidden_size, V=spec.vocab_size, L=spec.num_layers, HQ=a.num_heads, HKV=a.num_kv_heads,
+        D=spec.hidden_size, V=spec.vocab_size, L=spec.num_layers, HQ=a.num_heads,
+        HKV=1 if mla else a.num_kv_heads,
         DH=a.head_dim, ROT=a.rope.rotary_dim or a.head_dim, ROPE_PAIR=int(a.rope.style == "pair"),
         QK_NORM={None: 0, "head": 1, "full": 2}[a.qk_norm], HAS_QKV_BIAS=int(a.qkv_bias), HAS_O_BIAS=int(a.o_bias),
         HAS_SINKS=int(a.sinks), HAS_CLIP=int(a.clip_qkv is not None),
@@ -155,7 +175,11 @@ def model_dims(spec: ModelSpec) -> Dims:
         HAS_SH_GATE=int(m.shared_expert_gate) if m else 0,
         eps=spec.norm_eps, sm_scale=a.softmax_scale, clip=float(a.clip_qkv or 0.0),
         route_scale=m.routed_scaling_factor if m else 1.0, glu_limit=m.swiglu_limit if m else 0.0,
-        glu_alpha=m.glu_alpha if m else 0.0)
+        glu_alpha=m.glu_alpha if m else 0.0,
+        MLA=int(mla), R_Q=(a.q_lora_rank or 0) if mla else 0, R_KV=a.kv_lora_rank if mla else 0,
+        NOPE=a.qk_nope_head_dim if mla else 0, VD=a.v_head_dim if mla else 0,
+        NG=m.n_group if m else 1, TG=m.topk_group if m else 1,
+        GSCORE=int(m.group_score == "top2sum") if m else 0)
 
 
 @dataclass
@@ -228,7 +252,10 @@ class Plan:
         d, eb = self.dims, self.weights.element_size()
         per = 0.0
         for lay in self.spec.layers:
-            per += (d.NQKV * d.D + d.D * d.HQ * d.DH) * self.elem_bytes("attn")
+            if d.MLA:
+                per += (d.NQKV * d.D + d.HQ * d.DH * d.R_Q + d.HQ * (d.NOPE + d.VD) * d.R_KV + d.D * d.HQ * d.VD) * eb
+            else:
+                per += (d.NQKV * d.D + d.D * d.HQ * d.DH) * self.elem_bytes("attn")
             if lay.moe is None:
                 per += 3 * d.I_DENSE * d.D * self.elem_bytes("mlp")
             else:
@@ -260,15 +287,26 @@ def layout_arena(spec: ModelSpec, d: Dims, has, qa: QArena | None = None) -> tup
         c = lambda n: canonical(i, n)  # noqa: E731
         o = {LF_ATTN_NORM: ar.add([(c("attn_norm"), (D,))]), LF_MLP_NORM: ar.add([(c("mlp_norm"), (D,))])}
         nq, nkv = d.HQ * d.DH, d.HKV * d.DH
-        lin(o, LF_QKV, "attn", [(c("attn.q"), (nq, D)), (c("attn.k"), (nkv, D)), (c("attn.v"), (nkv, D))],
-            LF_QKV_S, LF_QKV_F)
+        if d.MLA:   # always float (the absorbed attention reads kv_b directly)
+            first = [(c("attn.q_a"), (d.R_Q, D))] if d.R_Q else [(c("attn.q"), (nq, D))]
+            o[LF_QKV] = ar.add(first + [(c("attn.kv_a"), (d.R_KV + d.ROT, D))])
+            if d.R_Q:
+                o[LF_Q_NORM] = ar.add([(c("attn.q_a_norm"), (d.R_Q,))])
+                o[LF_QB] = ar.add([(c("attn.q_b"), (nq, d.R_Q))])
+            o[LF_K_NORM] = ar.add([(c("attn.kv_a_norm"), (d.R_KV,))])
+            o[LF_KVB] = ar.add([(c("attn.kv_b"), (d.HQ * (d.NOPE + d.VD), d.R_KV))])
+            o[LF_O] = ar.add([(c("attn.o"), (D, d.HQ * d.VD))])
+        else:
+            lin(o, LF_QKV, "attn", [(c("attn.q"), (nq, D)), (c("attn.k"), (nkv, D)), (c("attn.v"), (nkv, D))],
+                LF_QKV_S, LF_QKV_F)
         if d.HAS_QKV_BIAS:
             o[LF_QKV_B] = ar.add([(c("attn.q_bias"), (nq,)), (c("attn.k_bias"), (nkv,)), (c("attn.v_bias"), (nkv,))])
         if d.QK_NORM:
             full = d.QK_NORM == 2
             o[LF_Q_NORM] = ar.add([(c("attn.q_norm"), (nq if full else d.DH,))])
             o[LF_K_NORM] = ar.add([(c("attn.k_norm"), (nkv if full else d.DH,))])
-        lin(o, LF_O, "attn", [(c("attn.o"), (D, nq))], LF_O_S, LF_O_F)
+        if not d.MLA:
+            lin(o, LF_O, "attn", [(c("attn.o"), (D, nq))], LF_O_S, LF_O_F)
         if d.HAS_O_BIAS:
             o[LF_O_B] = ar.add([(c("attn.o_bias"), (D,))])
         if d.HAS_SINKS:
@@ -370,6 +408,8 @@ def build_plan(spec: ModelSpec, weights=None, device: str | torch.device = "cpu"
         quantized = _default_quantized(weights)
     fm = detect_formats(spec, sorted(names), quantized) if names is not None else {}
     fm.update({k: FMT_ID[v] for k, v in (formats or {}).items() if v not in (None, "bf16", "float")})
+    if d.MLA:
+        fm["attn"] = 0   # MLA's Linears stay float (a quantized checkpoint's store dequantizes them on read)
     d = dataclasses.replace(d, FMT_ATTN=fm.get("attn", 0), FMT_MLP=fm.get("mlp", 0), FMT_EXP=fm.get("exp", 0))
     qfmt = max(fm.values(), default=0)
     qa = QArena(qfmt) if qfmt else None
@@ -389,9 +429,9 @@ def build_plan(spec: ModelSpec, weights=None, device: str | torch.device = "cpu"
         for name in (qa.entries if qa is not None else ()):
             qa.fill(qbufs, name, quantized(name))
     elif device.type != "meta":  # meta: shapes and dtypes only (offline compiles)
-        _random_fill(buf, arena, d, random_seed or 0)
+        random_fill(buf, arena, random_seed or 0)
         if qa is not None:
-            _random_qfill(qa, qbufs, random_seed or 0)
+            random_qfill(qa, qbufs, random_seed or 0)
     table = torch.full((spec.num_layers, NLF), -1, dtype=torch.int64)
     for i, o in enumerate(lay_offs):
         for k, v in o.items():
@@ -408,7 +448,14 @@ def build_plan(spec: ModelSpec, weights=None, device: str | torch.device = "cpu"
         # ptxas); larger tiles put more bytes in flight but spill (benchmarks/monokernel_bench.py --sweep).
         tile_elems = 16384 if gpu else 64 * block_k
     sp = lambda n, rb, g=1: split_rows(n, int(rb), n_sms, min_task_bytes, max_task_bytes, g)  # noqa: E731
-    rows = {"qkv": sp(d.NQKV, d.D * qb["attn"]), "o": sp(d.D, d.HQ * d.DH * qb["attn"]), "lm": sp(d.V, d.D * eb)}
+    o_in = d.HQ * (d.VD if d.MLA else d.DH)
+    rows = {"qkv": sp(d.NQKV, d.D * qb["attn"]), "o": sp(d.D, o_in * qb["attn"]), "lm": sp(d.V, d.D * eb)}
+    if d.MLA:   # "rows" of the head-wise ops are heads
+        if d.R_Q:
+            rows["qb"] = sp(d.HQ * d.DH, d.R_Q * eb)
+        rows["absorb"] = sp(d.HQ, d.NOPE * d.R_KV * eb)
+        rows["vup"] = sp(d.HQ, d.VD * d.R_KV * eb)
+        rows["mla_attn"] = [(h, min(MLA_HEADS, d.HQ - h)) for h in range(0, d.HQ, MLA_HEADS)]
     if d.I_DENSE:
         rows["gateup"] = sp(d.I_DENSE, 2 * d.D * qb["mlp"])
         rows["down"] = sp(d.D, d.I_DENSE * qb["mlp"])
@@ -427,11 +474,15 @@ def build_plan(spec: ModelSpec, weights=None, device: str | torch.device = "cpu"
         # fp4 tiles decode to fp32 beside a broadcast x tile: half the elements of the others
         elems = tile_elems // (2 if fmt_of.get(kind.get(op), 0) >= 3 else 1)
         return max(1, elems // block_k // (2 if op in pairs else 1))
-    bn = {k: _bn(v, cap(k)) for k, v in rows.items()}
+    bn = {k: _bn(v, cap(k)) for k, v in rows.items() if k not in ("absorb", "vup", "mla_attn")}
+    if d.MLA:   # rows of kv_b per step of the absorb / v-up ops ([BN_KVB, R_KV] tiles)
+        bn["kvb"] = max(1, min(_pow2(max(d.NOPE, d.VD)), tile_elems // _pow2(d.R_KV)))
     if block_t is None:
         # attention scores are [REP, BLOCK_T, Dh] products in registers: keep them <= 16K fp32 per program
         block_t = 32 if gpu else 16
         block_t = max(1, min(block_t, 16384 // (_pow2(d.HQ // d.HKV) * _pow2(d.DH))))
+        if d.MLA:   # MLA attention tiles are tl.dot operands: >= 16 rows
+            block_t = 32 if gpu else 16
     tiles = TileConfig(block_k=block_k, bn=bn, block_t=block_t, block_p=_pow2(len(rows["lm"])), xb=int(x_bcast))
     return Plan(spec, d, device, wdtype, arena, buf, table.to(device), top["embed"], top["lm_head"],
                 top["final_norm"], n_sms, tiles, rows, table, qa, qbufs)
@@ -455,75 +506,27 @@ def _default_quantized(weights):
     return lambda name: read(weights, name)
 
 
-def _random_qfill(qa: QArena, bufs: dict, seed: int):
-    """Benchmark codes and scales of the right magnitudes (|w| ~ 1/sqrt(in)); never NaN, never all zeros."""
-    g = torch.Generator(device=bufs["qw"].device).manual_seed(seed + 1)
-    qw = bufs["qw"]
-    if qa.fmt <= 2:   # e4m3 codes of N(0, 64^2)-ish values: finite bytes
-        for i in range(0, qw.numel(), 1 << 28):
-            n = min(1 << 28, qw.numel() - i)
-            v = (torch.randn(n, generator=g, device=qw.device) * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
-            qw[i:i + n].copy_(v.view(torch.uint8))
-    else:             # any byte is two valid e2m1 codes
-        qw.random_(0, 256, generator=g)
-    k = qa.entries[next(iter(qa.entries))][4] if qa.entries else 1
-    bufs["qf32"].fill_(k ** -0.5 / 64 if qa.fmt <= 2 else 16384.0 / 1000.0)
-    if qa.fmt == 3:   # e4m3 group scales ~ 1000 * std / 2.5
-        bufs["qs8"].copy_(torch.full_like(bufs["qs8"], 0).float().add_(1000 * k ** -0.5 / 2.5)
-                          .to(torch.float8_e4m3fn).view(torch.uint8))
-    elif qa.fmt == 4:
-        bufs["qs8"].fill_(127 + int(round(math.log2(k ** -0.5 / 2.5))))
-
-
-def preset_spec(arch: str, layers: int | None = None) -> ModelSpec:
-    """ModelSpec of a models.presets entry (e.g. "qwen3-30b-a3b"), optionally cut to its first `layers` layers
-    (benchmarks and GPU tests: real widths, a depth that leaves room for an fp32 reference)."""
-    from kie_moe.models.presets import preset
-    from kie_moe.models.registry import spec_from_config
-    cfg = preset(arch)
-    if layers:
-        cfg["num_hidden_layers"] = layers
-        if isinstance(cfg.get("layer_types"), list):
-            cfg["layer_types"] = cfg["layer_types"][:layers]
-        if "max_window_layers" in cfg:
-            cfg["max_window_layers"] = min(cfg["max_window_layers"], layers)
-    return spec_from_config(cfg)
-
-
-def _random_fill(buf: torch.Tensor, arena: Arena, d: Dims, seed: int):
-    """Benchmark weights: N(0, 1/in) for matrices, 1 for norms, small biases (decodes without inf/NaN)."""
-    g = torch.Generator(device=buf.device).manual_seed(seed)
-    for name, (off, shape) in arena.entries.items():
-        v = buf[off:off + math.prod(shape)]
-        if name.endswith("norm"):
-            v.fill_(1.0)
-        elif len(shape) == 2:
-            v.normal_(0.0, shape[1] ** -0.5, generator=g)
-        else:
-            v.normal_(0.0, 0.02, generator=g)
-
-
 # ---- the task table --------------------------------------------------------------------------------------------------
 
 def counter_index(layer: int, kind: int) -> int:
-    return layer * 6 + kind
+    return layer * NC + kind
 
 
 def n_counters(spec: ModelSpec) -> int:
-    return spec.num_layers * 6 + 2
+    return spec.num_layers * NC + 2
 
 
 def build_tasks(plan: Plan, n_splits: int = 1) -> torch.Tensor:
     """One decode step's tasks [T, NF] int32 in topological order (every wait points at earlier tasks)."""
     d, spec = plan.dims, plan.spec
     L = spec.num_layers
-    c_lm, c_sample = 6 * L, 6 * L + 1
+    c_lm, c_sample = NC * L, NC * L + 1
     rows: list[list[int]] = []
     count: dict[int, int] = {}
 
     lt = plan.layers_host
     wcol = {OP_QKV: LF_QKV, OP_O: LF_O, OP_GATEUP: LF_GATE, OP_DOWN: LF_DOWN, OP_ROUTER: LF_ROUTER,
-            OP_SH_UP: LF_SGATE}
+            OP_SH_UP: LF_SGATE, OP_QB: LF_QB, OP_ABSORB: LF_KVB, OP_VUP: LF_KVB}
 
     def emit(op, layer, r0, n, aux, wait, wcnt, wbase, sig):
         w = plan.lm_off if op == OP_LM else int(lt[layer, wcol[op]]) if op in wcol else 0
@@ -538,11 +541,29 @@ def build_tasks(plan: Plan, n_splits: int = 1) -> torch.Tensor:
         C = lambda k: counter_index(i, k)  # noqa: E731
         for r0, n in plan.op_rows["qkv"]:
             emit(OP_QKV, i, r0, n, 0, *prev, C(_C_QKV))
-        for g in range(d.HKV):
-            for s in range(n_splits):
-                emit(OP_ATTN, i, g, s, 0, *after(C(_C_QKV)), C(_C_ATTN))
+        if d.MLA:
+            # q_b (with q_a's norm) -> absorb kv_b's k-part into q (+ RoPE, + the token's latent into the cache)
+            # -> attention over the latent cache -> kv_b's v-part -> o_proj
+            q_ready = C(_C_QKV)
+            if d.R_Q:
+                for r0, n in plan.op_rows["qb"]:
+                    emit(OP_QB, i, r0, n, 0, *after(C(_C_QKV)), C(_C_QB))
+                q_ready = C(_C_QB)
+            for h0, nh in plan.op_rows["absorb"]:
+                emit(OP_ABSORB, i, h0, nh, 0, *after(q_ready), C(_C_ABS))
+            for h0, nh in plan.op_rows["mla_attn"]:
+                for s in range(n_splits):
+                    emit(OP_MLA_ATTN, i, h0, nh, s, *after(C(_C_ABS)), C(_C_ATTN))
+            for h0, nh in plan.op_rows["vup"]:
+                emit(OP_VUP, i, h0, nh, 0, *after(C(_C_ATTN)), C(_C_VUP))
+            o_wait = after(C(_C_VUP))
+        else:
+            for g in range(d.HKV):
+                for s in range(n_splits):
+                    emit(OP_ATTN, i, g, s, 0, *after(C(_C_QKV)), C(_C_ATTN))
+            o_wait = after(C(_C_ATTN))
         for r0, n in plan.op_rows["o"]:
-            emit(OP_O, i, r0, n, 0, *after(C(_C_ATTN)), C(_C_O))
+            emit(OP_O, i, r0, n, 0, *o_wait, C(_C_O))
         if lay.moe is None:
             for r0, n in plan.op_rows["gateup"]:
                 emit(OP_GATEUP, i, r0, n, 0, *after(C(_C_O)), C(_C_UP))
@@ -571,6 +592,8 @@ def describe_task(tasks: torch.Tensor, i: int) -> str:
     name = OP_NAMES.get(op, f"op{op}")
     if op == OP_ATTN:
         where = f"kv head {r0} split {n}"
+    elif op in (OP_ABSORB, OP_VUP, OP_MLA_ATTN):
+        where = f"heads {r0}..{r0 + n - 1}" + (f" split {aux}" if op == OP_MLA_ATTN else "")
     elif op == OP_SAMPLE:
         where = ""
     else:

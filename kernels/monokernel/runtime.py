@@ -30,7 +30,8 @@ from . import plan as P
 from .kernel import CT_ERR, CT_ERR_HAVE, CT_ERR_NEED, CT_ERR_TASK, N_CTRL, monokernel
 
 _MAX_EOS = 16
-_COUNTER_KINDS = ("qkv_proj", "attention", "o_proj", "router", "gate_up", "layer_out")
+_COUNTER_KINDS = ("qkv_proj", "attention", "o_proj", "router", "gate_up", "layer_out", "q_b_proj", "mla_absorb",
+                  "mla_v_up")
 
 
 def _pow2(n: int) -> int:
@@ -95,7 +96,8 @@ class MonokernelBackend:
                                else float(os.environ.get("KIE_MONOKERNEL_TIMEOUT_MS", 500))) * 1e6)
         self.num_warps = num_warps
         self.grid = 1 if self.interpret else self.plan.n_sms
-        self.max_splits = max_splits or max(1, self.plan.n_sms // d.HKV)
+        groups = len(self.plan.op_rows["mla_attn"]) if d.MLA else d.HKV   # attention tasks per split
+        self.max_splits = max_splits or max(1, self.plan.n_sms // groups)
         self.n_splits_override: int | None = None   # tests: force attention splits
         self._plant: tuple[int, int] | None = None  # tests: (task row, extra count) for the next launch only
         self._tasks: dict[int, torch.Tensor] = {}
@@ -111,10 +113,13 @@ class MonokernelBackend:
         nq = d.HQ * d.DH
         z = lambda *s, dt=f32: torch.zeros(*s, dtype=dt, device=dev)  # noqa: E731
         self.x = z(d.D)
-        self.qkv = z(d.NQKV)
-        self.ao, self.am, self.al = z(self.max_splits, nq), z(self.max_splits, d.HQ), z(self.max_splits, d.HQ)
+        # MLA: [q_a | kv_a] (or [q | kv_a]), q, q_lat [H, r_kv], q_pe [H, rope] (kernel.monokernel's offsets)
+        self.qkv = z(d.NQKV + (d.HQ * d.DH if d.R_Q else 0) + d.HQ * (d.R_KV + d.ROT) if d.MLA else d.NQKV)
+        self.ao_width = max(nq, d.HQ * d.R_KV)       # a split's partial outputs: [HQ, DH] or (MLA) [H, r_kv]
+        self.ao = z(self.max_splits, self.ao_width)
+        self.am, self.al = z(self.max_splits, d.HQ), z(self.max_splits, d.HQ)
         self.scratch = z(self.grid, nq)
-        self.h = z(max(d.I_DENSE, d.TOPK * d.I_MOE + d.I_SH, 1))
+        self.h = z(max(d.I_DENSE, d.TOPK * d.I_MOE + d.I_SH, d.HQ * d.VD, 1))
         self.rlog = z(d.L, max(d.E, 1))
         self.rids = z(d.L, max(d.TOPK, 1), dt=i32)
         self.rwts = z(d.L, max(d.TOPK, 1))
@@ -135,7 +140,10 @@ class MonokernelBackend:
         d = self.dims
         tmax = max(256, _pow2(n_pos))
         tmax = min(tmax, max(self.spec.max_position, n_pos))
-        self.kv = torch.zeros(d.L, 2, d.HKV, tmax, d.DH, dtype=self.kv_dtype, device=self.device)
+        if d.MLA:   # latent | k_pe per position
+            self.kv = torch.zeros(d.L, tmax, d.R_KV + d.ROT, dtype=self.kv_dtype, device=self.device)
+        else:
+            self.kv = torch.zeros(d.L, 2, d.HKV, tmax, d.DH, dtype=self.kv_dtype, device=self.device)
         cos, sin = cos_sin(self.spec.layers[0].attn.rope, torch.arange(tmax))
         self.cos, self.sin = cos.float().contiguous().to(self.device), sin.float().contiguous().to(self.device)
         self.kv_tmax = tmax
@@ -154,7 +162,8 @@ class MonokernelBackend:
         if self.n_splits_override is not None:
             return self.n_splits_override
         d = self.dims
-        kv_bytes = 2 * n_ctx * d.DH * self.kv.element_size()
+        row = (d.R_KV + d.ROT) if d.MLA else 2 * d.DH
+        kv_bytes = n_ctx * row * self.kv.element_size()
         return int(max(1, min(self.max_splits, kv_bytes // (32 << 10))))
 
     # ---- prefill --------------------------------------------------------------------------------------------------
@@ -170,8 +179,11 @@ class MonokernelBackend:
         dec.forward(torch.tensor(ids, dtype=torch.long))
         n = len(ids)
         for i, (k, v) in enumerate(dec.cache):
-            self.kv[i, 0, :, :n] = k.transpose(0, 1).to(self.kv_dtype)   # [T, Hkv, Dh] -> [Hkv, T, Dh]
-            self.kv[i, 1, :, :n] = v.transpose(0, 1).to(self.kv_dtype)
+            if self.dims.MLA:   # (latent [T, r_kv], k_pe [T, rope])
+                self.kv[i, :n] = torch.cat([k, v], dim=-1).to(self.kv_dtype)
+            else:
+                self.kv[i, 0, :, :n] = k.transpose(0, 1).to(self.kv_dtype)   # [T, Hkv, Dh] -> [Hkv, T, Dh]
+                self.kv[i, 1, :, :n] = v.transpose(0, 1).to(self.kv_dtype)
         dec.reset()
 
     # ---- test hooks -------------------------------------------------------------------------------------------------
@@ -194,8 +206,7 @@ class MonokernelBackend:
             raise InputError(f"monokernel: at most {_MAX_EOS} EOS ids, got {len(eos)}")
         n_splits = self.pick_splits(start_pos + n_steps)
         if n_splits > self.ao.shape[0]:             # partials for every split
-            nq = d.HQ * d.DH
-            self.ao = torch.zeros(n_splits, nq, device=self.device)
+            self.ao = torch.zeros(n_splits, self.ao_width, device=self.device)
             self.am = torch.zeros(n_splits, d.HQ, device=self.device)
             self.al = torch.zeros(n_splits, d.HQ, device=self.device)
         tasks = self.tasks(n_splits)
@@ -244,10 +255,13 @@ class MonokernelBackend:
             I_DENSE=d.I_DENSE, E=d.E, TOPK=d.TOPK, I_MOE=d.I_MOE, I_SH=d.I_SH, SCORING=d.SCORING,
             NORM_TOPK=d.NORM_TOPK, HAS_RBIAS=d.HAS_RBIAS, HAS_SBIAS=d.HAS_SBIAS, EXP_ACT=d.EXP_ACT,
             HAS_EBIAS=d.HAS_EBIAS, HAS_SH_GATE=d.HAS_SH_GATE, FMT_ATTN=d.FMT_ATTN, FMT_MLP=d.FMT_MLP,
-            FMT_EXP=d.FMT_EXP,
+            FMT_EXP=d.FMT_EXP, MLA=d.MLA, R_Q=d.R_Q, R_KV=d.R_KV, NOPE=d.NOPE, VD=d.VD, NG=d.NG, TG=d.TG,
+            GSCORE=d.GSCORE,
             BN_QKV=t.bn["qkv"], BN_O=t.bn["o"], BN_GU=t.bn.get("gateup", 1), BN_DOWN=t.bn.get("down", 1),
             BN_ROUTER=t.bn.get("router", 1), BN_EUP=t.bn.get("exp_up", 1), BN_EDOWN=t.bn.get("exp_down", 1),
-            BN_SUP=t.bn.get("sh_up", 1), BN_LM=t.bn["lm"],
+            BN_SUP=t.bn.get("sh_up", 1), BN_LM=t.bn["lm"], BN_QB=t.bn.get("qb", 1), BN_KVB=t.bn.get("kvb", 1),
+            BLOCK_RKV=max(16, _pow2(d.R_KV)), BLOCK_RD=max(16, _pow2(d.ROT)), BLOCK_HG=P.MLA_HEADS,
+            BLOCK_G=_pow2(d.NG),
             BLOCK_K=t.block_k, BLOCK_T=t.block_t, BLOCK_P=t.block_p, BLOCK_R=_pow2(d.HQ // d.HKV),
             BLOCK_H=_pow2(d.ROT // 2), BLOCK_C=_pow2(max(d.DH - d.ROT, 1)), BLOCK_D=_pow2(d.DH),
             BLOCK_E=_pow2(max(d.E, 1)), BLOCK_TOPK=_pow2(max(d.TOPK, 1)), BLOCK_EOS=_MAX_EOS, BLOCK_X=bx,
@@ -280,11 +294,11 @@ class MonokernelBackend:
 
     def counter_name(self, c: int) -> str:
         L = self.spec.num_layers
-        if c == 6 * L:
+        if c == P.NC * L:
             return "lm_head"
-        if c == 6 * L + 1:
+        if c == P.NC * L + 1:
             return "sample"
-        return f"{_COUNTER_KINDS[c % 6]}[layer {c // 6}]"
+        return f"{_COUNTER_KINDS[c % P.NC]}[layer {c // P.NC}]"
 
     def generate(self, prompt_ids: list[int], p, eos_ids) -> Iterator[int]:
         if not p.greedy and (p.top_k or p.top_p < 1.0):

@@ -35,8 +35,9 @@ for arg in sys.argv[1:]:
 @pytest.mark.skipif(not (os.path.exists(PTXAS) or shutil.which("ptxas")), reason="no ptxas in this triton build")
 def test_monokernel_compiles_for_sm90(tiny_model):
     # Every op is compiled for every model (the float paths of the router, LM head, experts come along); gpt-oss
-    # turns on the most flags; its attention in mxfp4 (the u32-word e2m1 path) and fp8-block (the e4m3 path).
-    paths = [tiny_model("gpt_oss").path + "@mxfp4", tiny_model("gpt_oss").path + "@fp8-block"]
+    # turns on the most flags; its attention in mxfp4 (the u32-word e2m1 path). (fp8 and MLA compile in the
+    # GPU run; `python benchmarks/monokernel_bench.py` compiles every format there too.)
+    paths = [tiny_model("gpt_oss").path + "@mxfp4"]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     r = subprocess.run([sys.executable, "-c", SCRIPT, *paths], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-4000:]
