@@ -4,7 +4,8 @@ Parity is checked against the fp32 reference decoder on the same weights, with t
 in fp32 too, so the only difference left is summation order: every kernel token must be the reference's argmax
 given the same history (teacher forcing), except at a near tie, and free-running greedy tokens must match for
 the first 8+ steps. Real sizes use random weights drawn straight into the plan's arena (full llama-3.2-1b; qwen3-
-30b-a3b and gpt-oss-20b at full width, 4 layers, so the fp32 reference fits beside them)."""
+30b-a3b, gpt-oss-20b and deepseek-v2-lite (MLA) at full width, 3-4 layers, so the fp32 reference fits beside
+them)."""
 import time
 
 import pytest
@@ -77,7 +78,8 @@ def real_size(arch, layers=None, fmt=None):
     return be, ref
 
 
-@pytest.mark.parametrize("arch,layers", [("llama-3.2-1b", None), ("qwen3-30b-a3b", 4), ("gpt-oss-20b", 4)])
+@pytest.mark.parametrize("arch,layers", [("llama-3.2-1b", None), ("qwen3-30b-a3b", 4), ("gpt-oss-20b", 4),
+                                         ("deepseek-v2-lite", 3)])
 def test_real_size_parity(arch, layers):
     be, ref = real_size(arch, layers)
     prompt = [(37 * i + 11) % be.spec.vocab_size for i in range(24)]
