@@ -124,8 +124,8 @@ def _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM: tl.constexpr, NT: tl.cons
 
 # Runtime integers vary per launch (positions, counts, seeds): without this, Triton would specialise on value 1
 # and on divisibility by 16 and recompile this large kernel (~10 s) for new combinations.
-_DYNAMIC = ["n_tasks", "n_steps", "start_pos", "kv_tmax", "n_splits", "n_lm", "n_eos", "ignore_eos", "do_sample",
-            "seed", "timeout_ns", "embed_off", "lm_off", "fnorm_off"]
+_DYNAMIC = ["n_tasks", "n_steps", "start_pos", "kv_tmax", "n_splits", "n_lm", "n_eos", "ignore_eos", "n_forced",
+            "do_sample", "seed", "timeout_ns", "embed_off", "lm_off", "fnorm_off"]
 
 
 @triton.jit(do_not_specialize=_DYNAMIC)
@@ -136,8 +136,8 @@ def monokernel(
     x_ptr, qkv_ptr, ao_ptr, am_ptr, al_ptr, scratch_ptr, h_ptr, rlog_ptr, rids_ptr, rwts_ptr, sg_ptr,
     pv_ptr, pi_ptr,
     # control
-    cnt_ptr, cursor_ptr, ctrl_ptr, ring_ptr, hostflag_ptr, eos_ptr,
-    n_tasks, n_steps, start_pos, kv_tmax, n_splits, n_lm, n_eos, ignore_eos,
+    cnt_ptr, cursor_ptr, ctrl_ptr, ring_ptr, hostflag_ptr, eos_ptr, forced_ptr,
+    n_tasks, n_steps, start_pos, kv_tmax, n_splits, n_lm, n_eos, ignore_eos, n_forced,
     do_sample, inv_temp, seed, timeout_ns, embed_off, lm_off, fnorm_off,
     eps, sm_scale, clip, route_scale, glu_limit, glu_alpha,
     # model constexprs (plan.Dims)
@@ -390,26 +390,31 @@ def monokernel(
             w0, s0 = tile(w, qf32_ptr, D, r0, r_end, 0, 1, 0, BN_LM, BLOCK_K)
             t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
             st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE)
-            if st == 0:
+            if (st == 0) & (step >= n_forced):   # prompt steps (in-kernel prefill) need no logits
                 stream_gemv(w, qf32_ptr, qf32_ptr, w0, s0, D, r0, r_end, x_ptr,
                             wa_ptr + tl.multiple_of(fnorm_off, 64), eps, w, pv_ptr, pv_ptr, aux, pv_ptr, pi_ptr,
-                            do_sample, inv_temp, seed, step, True, False, False, True, 0, BN_LM, BLOCK_K, XB)
+                            do_sample, inv_temp, seed, step - n_forced, True, False, False, True, 0, BN_LM,
+                            BLOCK_K, XB)
         elif op == _OP_SAMPLE:
             t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
             st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE)
             if st == 0:
-                tok = pick_token(pv_ptr, pi_ptr, n_lm, BLOCK_P)
-                tl.store(ring_ptr + 1 + step, tok)               # host-visible ring: token first,
-                st_release_sys(ring_ptr, step + 1, USE_ASM)      # then the count (system-scope release)
-                tl.store(ctrl_ptr + 6, step + 1)                 # CT_NTOK
+                if step < n_forced:   # in-kernel prefill: the next input is the prompt's next token
+                    tok = tl.load(forced_ptr + step + 1)
+                else:
+                    tok = pick_token(pv_ptr, pi_ptr, n_lm, BLOCK_P)
+                    g = step - n_forced                          # generated token index
+                    tl.store(ring_ptr + 1 + g, tok)              # host-visible ring: token first,
+                    st_release_sys(ring_ptr, g + 1, USE_ASM)     # then the count (system-scope release)
+                    tl.store(ctrl_ptr + 6, g + 1)                # CT_NTOK
+                    offs_eos = tl.arange(0, BLOCK_EOS)
+                    eos = tl.load(eos_ptr + offs_eos, mask=offs_eos < n_eos, other=-1)
+                    hit = (tl.sum((eos == tok).to(tl.int32), axis=0) > 0) & (ignore_eos == 0)
+                    host_stop = flag_is_set(hostflag_ptr, USE_ASM, NT)
+                    if hit | host_stop:
+                        tl.store(ctrl_ptr + 5, tl.where(hit, 1, 2))  # CT_REASON
+                        tl.store(stop_ptr, 1)
                 embed_row(wa_ptr + embed_off, tok, x_ptr, D, BLOCK_X)
-                offs_eos = tl.arange(0, BLOCK_EOS)
-                eos = tl.load(eos_ptr + offs_eos, mask=offs_eos < n_eos, other=-1)
-                hit = (tl.sum((eos == tok).to(tl.int32), axis=0) > 0) & (ignore_eos == 0)
-                host_stop = flag_is_set(hostflag_ptr, USE_ASM, NT)
-                if hit | host_stop:
-                    tl.store(ctrl_ptr + 5, tl.where(hit, 1, 2))  # CT_REASON
-                    tl.store(stop_ptr, 1)
         else:  # MODE 1 (sync only), or an unknown opcode: claim, wait, signal
             t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
             st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE)

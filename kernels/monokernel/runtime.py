@@ -1,10 +1,12 @@
 """MonokernelBackend: prefill through torch, then ONE persistent launch decodes up to max_new_tokens, streaming
 tokens through a host-visible ring while the kernel runs.
 
-- Prefill: the reference decoder's math over views of the plan's weight arena (no second copy of the weights
-  when the prefill dtype is the arena's), then its KV cache is copied into the layout the kernel reads
-  ([L, 2, Hkv, T_max, Dh]). The prompt's last token is not prefilled: decode step 0 runs it, so every sampled
-  token (the first included) comes from the kernel.
+- Prefill, two ways. "torch" (float plans): the reference decoder's math over views of the plan's weight arena
+  (no second copy of the weights when the prefill dtype is the arena's), then its KV cache is copied into the
+  layout the kernel reads ([L, 2, Hkv, T_max, Dh]; MLA [L, T_max, r_kv + rope]); the prompt's last token is not
+  prefilled: decode step 0 runs it, so every sampled token comes from the kernel. "kernel" (default for
+  quantized plans, whose torch prefill would need dequantized copies): the same launch first runs the prompt
+  as forced decode steps (its tokens fed as the next inputs, LM head skipped), then generates.
 - Decode: counters, cursor and control words zeroed, x = embed[last prompt token], one launch of n_steps =
   max_new_tokens steps. The kernel writes token s to ring[1 + s], then ring[0] = s + 1 (system-scope release);
   the host polls ring[0] and yields. EOS (unless ignore_eos), max tokens, or the host stop flag (set when the
@@ -81,7 +83,8 @@ class MonokernelBackend:
 
     def __init__(self, model, device: torch.device | str = "cuda", *, kv_dtype: torch.dtype | None = None,
                  prefill_dtype: torch.dtype | None = None, timeout_ms: float | None = None, num_warps: int = 8,
-                 max_splits: int | None = None, plan: P.Plan | None = None, offline: bool = False, **plan_opts):
+                 max_splits: int | None = None, plan: P.Plan | None = None, offline: bool = False,
+                 prefill: str | None = None, **plan_opts):
         self.device = torch.device(device)
         self.interpret = interpreting() and not offline  # offline: buffers for compile_offline(), no launches
         if self.device.type != "cuda" and not self.interpret and not offline:
@@ -92,6 +95,11 @@ class MonokernelBackend:
         self.dims = d
         self.kv_dtype = kv_dtype or (torch.float32 if self.device.type == "cpu" else self.plan.wdtype)
         self.prefill_dtype = prefill_dtype or self.plan.wdtype
+        # "torch": the reference decoder's math on the GPU over the arena (fast for long prompts; quantized Linears
+        # would be dequantized into it); "kernel": the prompt runs through the monokernel as forced decode steps
+        if prefill not in (None, "torch", "kernel"):
+            raise InputError(f"monokernel: prefill must be 'torch' or 'kernel', got {prefill!r}")
+        self.prefill_mode = prefill or ("kernel" if self.plan.qarena is not None else "torch")
         self.timeout_ns = int((timeout_ms if timeout_ms is not None
                                else float(os.environ.get("KIE_MONOKERNEL_TIMEOUT_MS", 500))) * 1e6)
         self.num_warps = num_warps
@@ -129,6 +137,7 @@ class MonokernelBackend:
         self.cursor = z(1, dt=i32)
         self.ctrl = z(N_CTRL, dt=i32)
         self.eos = z(_MAX_EOS, dt=i32)
+        self.forced = z(1, dt=i32)                     # prompt ids of an in-kernel prefill
         pin = self.device.type == "cuda"
         # host-visible words: the kernel writes tokens here, the host writes the stop flag
         self.hostflag = torch.zeros(1, dtype=i32, pin_memory=pin)
@@ -193,14 +202,21 @@ class MonokernelBackend:
 
     # ---- decode --------------------------------------------------------------------------------------------------
     def launch(self, last_token: int, start_pos: int, n_steps: int, eos_ids, *, ignore_eos: bool = False,
-               temperature: float = 0.0, seed: int = 0, mode: int = 0):
+               temperature: float = 0.0, seed: int = 0, mode: int = 0, forced: list[int] | None = None):
         """Start one launch decoding `n_steps` tokens after `last_token` (at position start_pos). Async on the GPU.
+        forced: a whole prompt to run through the kernel first (in-kernel prefill: start_pos 0, its tokens fed as
+        inputs, no logits, nothing in the ring), then n_steps generated tokens.
         mode 1 / 2: benchmark-only kernel variants (kernel.monokernel's MODE: sync only / no waits)."""
         d, pl = self.dims, self.plan
         if self._done is not None:      # the previous launch may still write the ring we are about to reuse
             self._done.synchronize()
+        n_forced = 0
+        if forced:
+            last_token, start_pos, n_forced = int(forced[0]), 0, len(forced) - 1
+            self.forced = torch.tensor(list(forced), dtype=torch.int32, device=self.device)
+        n_gen, n_steps = n_steps, n_steps + n_forced
         self._ensure_kv(start_pos + n_steps + 1)
-        self._ensure_ring(n_steps)
+        self._ensure_ring(n_gen)
         eos = sorted(set(int(e) for e in eos_ids))
         if len(eos) > _MAX_EOS:
             raise InputError(f"monokernel: at most {_MAX_EOS} EOS ids, got {len(eos)}")
@@ -225,15 +241,18 @@ class MonokernelBackend:
         self.ring.zero_()
         self.hostflag.zero_()
         self.x.copy_(pl.view("embed")[last_token].float())
-        self.last_launch = dict(n_steps=n_steps, n_splits=n_splits, n_tasks=int(tasks.shape[0]), start_pos=start_pos)
-        args, meta = self.kernel_args(tasks, n_steps, start_pos, n_splits, len(eos), ignore_eos, temperature, seed)
+        self.last_launch = dict(n_steps=n_steps, n_splits=n_splits, n_tasks=int(tasks.shape[0]), start_pos=start_pos,
+                                n_forced=n_forced)
+        args, meta = self.kernel_args(tasks, n_steps, start_pos, n_splits, len(eos), ignore_eos, temperature, seed,
+                                      n_forced)
         meta["MODE"] = mode
         monokernel[(self.grid,)](*args, **meta, num_warps=self.num_warps, launch_cooperative_grid=True)
         if self.device.type == "cuda":
             self._done = torch.cuda.Event()
             self._done.record()
 
-    def kernel_args(self, tasks, n_steps, start_pos, n_splits, n_eos, ignore_eos=False, temperature=0.0, seed=0):
+    def kernel_args(self, tasks, n_steps, start_pos, n_splits, n_eos, ignore_eos=False, temperature=0.0, seed=0,
+                    n_forced=0):
         """(positional args, constexpr kwargs) of one launch -- shared by launch() and compile_offline()."""
         d, pl, t = self.dims, self.plan, self.plan.tiles
         nq = d.HQ * d.DH
@@ -244,9 +263,9 @@ class MonokernelBackend:
             qb["qf32"], qb["qs8"].view(torch.float8_e4m3fn), qb["qs8"], self.kv, self.cos, self.sin,
             self.x, self.qkv, self.ao, self.am, self.al, self.scratch, self.h, self.rlog, self.rids, self.rwts,
             self.sg, self.pv, self.pi,
-            self.counters, self.cursor, self.ctrl, self.ring, self.hostflag, self.eos,
+            self.counters, self.cursor, self.ctrl, self.ring, self.hostflag, self.eos, self.forced,
             int(tasks.shape[0]), n_steps, start_pos, self.kv_tmax, n_splits, pl.n_lm_tiles, n_eos,
-            int(ignore_eos), int(temperature > 0), 1.0 / temperature if temperature > 0 else 1.0,
+            int(ignore_eos), n_forced, int(temperature > 0), 1.0 / temperature if temperature > 0 else 1.0,
             seed & 0x7FFFFFFF, self.timeout_ns, pl.embed_off, pl.lm_off, pl.final_norm_off,
             d.eps, d.sm_scale, d.clip, d.route_scale, d.glu_limit, d.glu_alpha]
         meta = dict(
@@ -310,11 +329,15 @@ class MonokernelBackend:
         if start + n > self.spec.max_position:
             raise InputError(f"prompt + max_new_tokens exceed the model's context of {self.spec.max_position}")
         seed = p.seed if p.seed is not None else int(torch.randint(0, 2 ** 31 - 1, (1,)))
-        self._ensure_kv(start + n + 1)
-        self.prefill(list(prompt_ids[:-1]))
         eos = set() if p.ignore_eos else set(eos_ids)
-        self.launch(int(prompt_ids[-1]), start, n, eos, ignore_eos=p.ignore_eos, temperature=p.temperature,
-                    seed=seed)
+        if self.prefill_mode == "kernel":   # the prompt runs through the kernel too: no torch, no extra memory
+            self.launch(0, 0, n, eos, ignore_eos=p.ignore_eos, temperature=p.temperature, seed=seed,
+                        forced=list(prompt_ids))
+        else:
+            self._ensure_kv(start + n + 1)
+            self.prefill(list(prompt_ids[:-1]))
+            self.launch(int(prompt_ids[-1]), start, n, eos, ignore_eos=p.ignore_eos, temperature=p.temperature,
+                        seed=seed)
         yield from self._stream(n, eos)
 
     def _stream(self, n: int, eos: set[int]) -> Iterator[int]:

@@ -36,31 +36,33 @@ def quantize_model(m, scheme, kinds):
     return q
 
 
-CASES = [  # (tiny checkpoint, scheme, Linear kinds quantized): every format, every kind, dense and MoE
-    ("qwen2_moe", "fp8", ("attn", "exp")),          # + shared expert with its gate, qkv biases
-    ("qwen3_moe_mixed", "fp8-block", ("attn", "mlp", "exp")),   # ragged 128-blocks, dense + MoE layers
-    ("olmoe", "nvfp4", ("attn", "exp")),
-    ("llama", "mxfp4", ("attn", "mlp")),
+CASES = [  # (tiny checkpoint, scheme, Linear kinds quantized, prefill): every format, every kind, dense and MoE
+    ("qwen2_moe", "fp8", ("attn", "exp"), "torch"),          # + shared expert with its gate, qkv biases
+    ("qwen3_moe_mixed", "fp8-block", ("attn", "mlp", "exp"), "torch"),   # ragged 128-blocks, dense + MoE layers
+    ("olmoe", "nvfp4", ("attn", "exp"), "torch"),
+    ("llama", "mxfp4", ("attn", "mlp"), None),       # None: the quantized default, in-kernel prefill
 ]
 
 
-@pytest.mark.parametrize("case,scheme,kinds", CASES, ids=[f"{c}-{s}" for c, s, _ in CASES])
-def test_quantized_greedy_matches_reference(case, scheme, kinds, tiny_model):
+@pytest.mark.parametrize("case,scheme,kinds,prefill", CASES, ids=[f"{c}-{s}" for c, s, _, _ in CASES])
+def test_quantized_greedy_matches_reference(case, scheme, kinds, prefill, tiny_model):
     m = tiny_model(case)
     q = quantize_model(m, scheme, kinds)
-    be = MonokernelBackend(m, "cpu", quantized=q.get)
+    be = MonokernelBackend(m, "cpu", quantized=q.get, prefill=prefill)
+    assert be.prefill_mode == (prefill or "kernel")
     d = be.plan.dims
     want_fmt = {"fp8": 1, "fp8-block": 2, "nvfp4": 3, "mxfp4": 4}[scheme]
     assert {k: getattr(d, f"FMT_{k.upper()}") for k in kinds} == {k: want_fmt for k in kinds}
     # the packed buffers give back exactly what the format means
     for name in list(q)[:6]:
         torch.testing.assert_close(be.plan.view(name), q[name].dequantize(), rtol=1e-6, atol=1e-7)
-    got = list(be.generate(PROMPT, SamplingParams(max_new_tokens=5, ignore_eos=True), set()))
+    prompt = PROMPT if prefill == "torch" else PROMPT[:4]   # in-kernel prefill: each prompt token is a step
+    got = list(be.generate(prompt, SamplingParams(max_new_tokens=4, ignore_eos=True), set()))
 
     class M:   # the reference model: same spec, dequantized weights
         spec = m.spec
         weights = DequantStore(m.weights, q)
-    assert got == reference_greedy(M, PROMPT, 5)
+    assert got == reference_greedy(M, prompt, 4)
 
 
 def test_mixed_formats_in_one_kind_are_refused(tiny_model):

@@ -156,3 +156,13 @@ def test_watchdog_names_the_stuck_task_and_next_launch_works(tiny_model):
                                            r"waited for counter gate_up\[layer 1\]"):
         list(be.generate(PROMPT, p, set()))
     assert list(be.generate(PROMPT, p, set())) == reference_greedy(m, PROMPT, 4)
+
+
+@pytest.mark.parametrize("case", ["qwen2_moe", "deepseek_v3"])
+def test_in_kernel_prefill(case, tiny_model):
+    """prefill="kernel": the prompt runs through the same launch as forced decode steps (no torch)."""
+    m = tiny_model(case)
+    be = MonokernelBackend(m, "cpu", prefill="kernel")
+    got = list(be.generate(PROMPT[:5], SamplingParams(max_new_tokens=4, ignore_eos=True), set()))
+    assert be.last_launch["n_forced"] == 4
+    assert got == reference_greedy(m, PROMPT[:5], 4)
