@@ -12,6 +12,9 @@ deadlock: the lowest unfinished claimed task is always some program's *current* 
 earlier tasks, hence finished. Triton has no break/continue: `t = t_next` at the bottom of the `while t <
 n_total` loop, and the stop flag (EOS, host stop, watchdog) turns it into n_total.
 
+Ops: GEMV tiles (stream.py), GQA attention per kv head and split (ops.py), MLA absorb / attention / v_up
+(mla.py), the router's top-k recomputed by each expert task (ops.route), LM-head tiles and the sampler, which
+writes the token ring and the next step's input (or, during an in-kernel prefill, feeds the prompt's next token).
 Weight formats: FMT_ATTN / FMT_MLP / FMT_EXP (constexprs, kernels/tiles.py's FMT_ID) say where each Linear
 kind lives: the float arena (wa) or the quantized buffers of qarena.py (codes qw: read as e4m3 bytes or u32
 words; scales qs8 / qf32; per-row factors qf32). Router, LM head, embeddings, norms and biases are always float.

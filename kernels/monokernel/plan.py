@@ -2,15 +2,19 @@
 
 Weights. Every float tensor the decode step reads lives in ONE device arena (a 1-D tensor of the weight dtype),
 so the kernel takes one pointer and per-layer element offsets (int64: big models pass 2^31 elements) instead of
-hundreds of arguments. Fused partners sit back to back so one task streams them as one matrix: q|k|v rows form
-one [Hq*Dh + 2*Hkv*Dh, D] matrix; expert e's gate of layer i sits at `egate + e * I * D`. Offsets per layer are
-the int64 `layers` table [L, NLF] (LF_* columns, -1 = absent).
+hundreds of arguments; quantized Linears (fp8 / fp8-block / nvfp4 / mxfp4, one format per Linear kind) live in
+qarena.py's buffers instead. Fused partners sit back to back so one task streams them as one matrix: q|k|v rows
+form one [Hq*Dh + 2*Hkv*Dh, D] matrix, up rows follow gate rows, expert e's gate of layer i sits at
+`egate + e * I * D`. Offsets per layer are the int64 `layers` table [L, NLF] (LF_* columns, -1 = absent); every
+group starts on a 64-element boundary, which the kernel asserts (tl.multiple_of) so its loads vectorise.
 
 Tasks. One task = one program's share of one op; the table [T, NF] int32 lists one decode step's tasks in
-topological order (F_* columns): opcode, layer, rows (row0, n_rows) or (kv head, split), aux (expert slot / LM
-tile), the counter it waits on with the count it needs per step and a base, the counter it signals. The kernel
-runs `n_steps` copies of the table back to back: global task t is step t // T, row t % T, and waits for
-`counter >= wcnt * step + wbase`. Counters only grow, so nothing is reset between steps.
+topological order (F_* columns): opcode, layer, rows (row0, n_rows), kv head or MLA heads, aux (split / expert
+slot / LM tile), the counter it waits on with the count it needs per step and a base, the counter it signals,
+the offset of its weights (so the first tile's address needs no second lookup). The kernel runs `n_steps`
+copies of the table back to back: global task t is step t // T, row t % T, and waits for
+`counter >= wcnt * step + wbase`. Counters (NC per layer + LM head + sampler) only grow: nothing is reset
+between steps. Every phase waits for the whole previous phase, which also orders every buffer reuse (WAR).
 
 Tile sizes: an op of B bytes becomes ~n_sms * ceil(B / (n_sms * max_task_bytes)) tasks of equal row counts (so
 every SM streams about the same bytes in a phase: one task per SM for every op below n_sms * 512 KB, i.e. all
