@@ -117,6 +117,19 @@ def qload(w_ptr, s_ptr, rows, rmask, k0, K, FMT: tl.constexpr, BLOCK_K: tl.const
 
 
 @triton.jit
+def qdot(acc, w, s, x, FMT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr,
+         XB: tl.constexpr):
+    """acc += W_tile . x for an already loaded x tile (float / fp8 / fp8-block): lets a gate/up pair share x."""
+    p = w.to(tl.float32) * x
+    if FMT == 2:
+        G: tl.constexpr = min(BLOCK_K, 128)
+        acc += tl.sum(tl.reshape(p, (BLOCK_N, BLOCK_K // G, G)), axis=2) * s
+    else:
+        acc = mac(acc, p, VEC, XB)
+    return acc
+
+
+@triton.jit
 def qstep(acc, ss, w, s, x_ptr, nw_ptr, xs, k0, K, do_ss, NORM: tl.constexpr, FMT: tl.constexpr,
           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr, XB: tl.constexpr):
     """One tile's FMAs: acc += W_tile . (xs * x[k0:k0+BLOCK_K] (* nw)); ss += x^2 when do_ss (the RMSNorm sum of

@@ -17,7 +17,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .qtile import acc_total, qload, qstep, qzeros, ss_total, sszeros
+from .qtile import acc_total, mac, qdot, qload, qstep, qzeros, ss_total, sszeros, x_load
 
 
 @triton.jit
@@ -173,10 +173,19 @@ def stream_glu(wg_ptr, wu_ptr, sg_ptr, su_ptr, fg_ptr, fu_ptr, g_first, u_first,
         g_nxt, sg_nxt = tile(wg_ptr, sg_ptr, K, row0, r_end, i + 1, n, FMT, BLOCK_N, BLOCK_K)
         u_nxt, su_nxt = tile(wu_ptr, su_ptr, K, row0, r_end, i + 1, n, FMT, BLOCK_N, BLOCK_K)
         k0 = (i % NK) * BLOCK_K
-        acc_g, ss = qstep(acc_g, ss, g_cur, sg_cur, x_ptr, nw_ptr, 1.0, k0, K, i < NK, True, FMT,
-                          BLOCK_N, BLOCK_K, VEC, XB)
-        acc_u, ss_u = qstep(acc_u, ss_u, u_cur, su_cur, x_ptr, nw_ptr, 1.0, k0, K, False, True, FMT,
-                            BLOCK_N, BLOCK_K, VEC, XB)
+        if FMT <= 2:   # one (normalised) x tile for both matrices
+            kk = k0 + tl.arange(0, BLOCK_K)
+            x = x_load(x_ptr, kk, kk < K, BLOCK_N, XB)
+            if i < NK:
+                ss = mac(ss, x * x, VEC, XB)
+            x = x * x_load(nw_ptr, kk, kk < K, BLOCK_N, XB)
+            acc_g = qdot(acc_g, g_cur, sg_cur, x, FMT, BLOCK_N, BLOCK_K, VEC, XB)
+            acc_u = qdot(acc_u, u_cur, su_cur, x, FMT, BLOCK_N, BLOCK_K, VEC, XB)
+        else:
+            acc_g, ss = qstep(acc_g, ss, g_cur, sg_cur, x_ptr, nw_ptr, 1.0, k0, K, i < NK, True, FMT,
+                              BLOCK_N, BLOCK_K, VEC, XB)
+            acc_u, ss_u = qstep(acc_u, ss_u, u_cur, su_cur, x_ptr, nw_ptr, 1.0, k0, K, False, True, FMT,
+                                BLOCK_N, BLOCK_K, VEC, XB)
         if i % NK == NK - 1:
             if i == NK - 1:
                 scale = 1.0 / tl.sqrt(ss_total(ss, K, FMT, BLOCK_N, XB) + eps)
