@@ -10,7 +10,7 @@ random codes of fp8 / fp8-block / nvfp4 / mxfp4 for every Linear but the router,
 Breakdown (on by default): the same plan in the kernel's two benchmark modes, which give wrong tokens but say
 where time goes: `sync_only` (every task only claims, waits and signals: scheduling + dependency latency per
 step) and `no_wait` (no dependency waits: how fast the task structure streams weights). `--sweep` repeats the
-first preset over a small grid of tile shapes (block_k x tile elements x warps x task bytes x x-layout).
+first preset over a handful of variants (pipeline stages, tile shapes, task bytes, 2 programs per SM with 4 warps, x layout).
 
     python benchmarks/monokernel_bench.py --out results.json
     python benchmarks/monokernel_bench.py --archs llama-3.2-1b --sweep --out sweep.json
@@ -23,10 +23,12 @@ import time
 import traceback
 
 DEFAULT_ARCHS = "llama-3.2-1b,qwen3-30b-a3b"
-SWEEP = [  # (block_k, tile_elems, num_warps, max_task_kb, x_bcast)
-    (1024, 16384, 8, 512, False), (1024, 32768, 8, 512, False), (2048, 32768, 8, 512, False),
-    (512, 8192, 8, 512, False), (512, 4096, 8, 512, True), (1024, 8192, 8, 512, True),
-    (1024, 16384, 4, 512, False), (1024, 16384, 8, 128, False), (1024, 16384, 8, 2048, False),
+SWEEP = [  # plan / launch options per point (defaults: block_k 1024, tile_elems 16384, 8 warps, 512 KB tasks,
+    # num_stages 3, one program per SM)
+    dict(), dict(num_stages=0), dict(num_stages=2), dict(num_stages=4), dict(block_k=2048, num_stages=3),
+    dict(tile_elems=32768, num_stages=3), dict(max_task_kb=128), dict(max_task_kb=2048),
+    dict(num_warps=4, programs_per_sm=2), dict(num_warps=4, programs_per_sm=2, num_stages=0),
+    dict(tile_elems=8192, block_k=512, x_bcast=True, num_stages=0),
 ]
 
 
@@ -42,23 +44,26 @@ def read_probe_gbps(nbytes: int = 4 << 30) -> float:
 
 
 def bench_one(arch: str, probe: float, *, new_tokens: int, prompt_len: int, reps: int, layers: int | None = None,
-              block_k=None, tile_elems=None, num_warps=8, max_task_kb=512, x_bcast=False,
-              breakdown: bool = False, fmt: str = "bf16") -> dict:
+              block_k=None, tile_elems=None, num_warps=8, max_task_kb=512, x_bcast=False, num_stages=None,
+              programs_per_sm=1, breakdown: bool = False, fmt: str = "bf16") -> dict:
     import torch
     from kie_moe.kernels.monokernel import plan as P
     from kie_moe.kernels.monokernel.runtime import MonokernelBackend
     r = dict(arch=arch, fmt=fmt, layers=layers, block_k=block_k, tile_elems=tile_elems, num_warps=num_warps,
-             max_task_kb=max_task_kb, x_bcast=x_bcast, new_tokens=new_tokens, prompt_len=prompt_len)
+             max_task_kb=max_task_kb, x_bcast=x_bcast, num_stages=num_stages, programs_per_sm=programs_per_sm,
+             new_tokens=new_tokens, prompt_len=prompt_len)
     mk = None
     try:
         spec = P.preset_spec(arch, layers)
         t0 = time.perf_counter()
         plan = P.build_plan(spec, None, "cuda", random_seed=0, block_k=block_k, tile_elems=tile_elems,
-                            max_task_bytes=max_task_kb << 10, x_bcast=x_bcast,
+                            max_task_bytes=max_task_kb << 10, x_bcast=x_bcast, num_stages=num_stages,
+                            programs_per_sm=programs_per_sm,
                             formats=None if fmt == "bf16" else {"attn": fmt, "mlp": fmt, "exp": fmt})
         torch.cuda.synchronize()
         r["plan_s"] = time.perf_counter() - t0
-        r["tiles"] = dict(block_k=plan.tiles.block_k, bn=plan.tiles.bn, block_t=plan.tiles.block_t)
+        r["tiles"] = dict(block_k=plan.tiles.block_k, bn=plan.tiles.bn, block_t=plan.tiles.block_t,
+                          num_stages=plan.tiles.ns, programs=plan.n_sms)
         r["tasks_per_op"] = {k: len(v) for k, v in plan.op_rows.items()}
         mk = MonokernelBackend(None, torch.device("cuda"), plan=plan, num_warps=num_warps)
         tok = 1000 % spec.vocab_size
@@ -138,8 +143,7 @@ def main(argv=None):
     res["runs"] = [bench_one(x, probe, breakdown=not a.no_breakdown and i == 0, fmt=f, **kw)
                    for x in archs for i, f in enumerate(fmts)]
     if a.sweep:
-        res["sweep"] = [bench_one(archs[0], probe, block_k=bk, tile_elems=te, num_warps=nw, max_task_kb=mt,
-                                  x_bcast=xb, **kw) for bk, te, nw, mt, xb in SWEEP]
+        res["sweep"] = [bench_one(archs[0], probe, **point, **kw) for point in SWEEP]
     if a.out:
         with open(a.out, "w") as f:
             json.dump(res, f, indent=1)

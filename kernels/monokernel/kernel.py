@@ -160,7 +160,7 @@ def monokernel(
     BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr,
     BLOCK_TOPK: tl.constexpr, BLOCK_EOS: tl.constexpr, BLOCK_X: tl.constexpr,
-    XB: tl.constexpr, USE_ASM: tl.constexpr, NT: tl.constexpr, MODE: tl.constexpr = 0,
+    XB: tl.constexpr, NS: tl.constexpr, USE_ASM: tl.constexpr, NT: tl.constexpr, MODE: tl.constexpr = 0,
 ):
     """MODE 0: decode. Benchmark-only modes (wrong tokens, for locating time): 1 = tasks only claim, wait and
     signal (the sampler still runs): the cost of scheduling + dependency latency; 2 = no waits: streaming speed."""
@@ -228,7 +228,7 @@ def monokernel(
                 stream_gemv(w, sq, qf32_ptr + tl.load(lrow + P.LF_QKV_F), w0, s0, D, r0, r_end, x_ptr,
                             wa_ptr + tl.multiple_of(tl.load(lrow + P.LF_ATTN_NORM), 64), eps,
                             wa_ptr + tl.multiple_of(tl.load(lrow + P.LF_QKV_B), 64), qkv_ptr, qkv_ptr, 0, pv_ptr,
-                            pi_ptr, 0, 1.0, 0, 0, True, HAS_QKV_BIAS, False, False, FMT_ATTN, BN_QKV, BLOCK_K, XB)
+                            pi_ptr, 0, 1.0, 0, 0, True, HAS_QKV_BIAS, False, False, FMT_ATTN, BN_QKV, BLOCK_K, XB, NS)
         elif op == _OP_ATTN:
             t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
             st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE)
@@ -256,7 +256,7 @@ def monokernel(
                     tl.debug_barrier()
                 stream_gemv(w, sq, qf32_ptr + tl.load(lrow + P.LF_O_F), w0, s0, O_K, r0, r_end, xin, xin, eps,
                             wa_ptr + tl.multiple_of(tl.load(lrow + P.LF_O_B), 64), x_ptr, x_ptr, 0, pv_ptr, pi_ptr,
-                            0, 1.0, 0, 0, False, HAS_O_BIAS, True, False, FMT_ATTN, BN_O, BLOCK_K, XB)
+                            0, 1.0, 0, 0, False, HAS_O_BIAS, True, False, FMT_ATTN, BN_O, BLOCK_K, XB, NS)
         elif op == _OP_QB:   # MLA: q = q_b(RMSNorm(q_a))
             w = wa_ptr + tl.multiple_of(woff, 64)
             w0, s0 = tile(w, qf32_ptr, R_Q, r0, r_end, 0, 1, 0, BN_QB, BLOCK_K)
@@ -267,7 +267,7 @@ def monokernel(
                     stream_gemv(w, qf32_ptr, qf32_ptr, w0, s0, R_Q, r0, r_end, qkv_ptr,
                                 wa_ptr + tl.multiple_of(tl.load(lrow + P.LF_Q_NORM), 64), eps, wa_ptr, qkv_ptr + Q_OFF,
                                 qkv_ptr, 0, pv_ptr, pi_ptr, 0, 1.0, 0, 0, True, False, False, False, 0, BN_QB,
-                                BLOCK_K, XB)
+                                BLOCK_K, XB, NS)
         elif op == _OP_ABSORB:
             t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
             st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE)
@@ -308,7 +308,7 @@ def monokernel(
             if st == 0:
                 stream_glu(wg, wu, sg_, su_, qf32_ptr + f_off, qf32_ptr + f_off + I_DENSE, g0, u0, gs0, us0, D, r0,
                            r_end, x_ptr, wa_ptr + tl.multiple_of(tl.load(lrow + P.LF_MLP_NORM), 64), eps, wa_ptr,
-                           wa_ptr, h_ptr, glu_limit, glu_alpha, False, 0, FMT_MLP, BN_GU, BLOCK_K, XB)
+                           wa_ptr, h_ptr, glu_limit, glu_alpha, False, 0, FMT_MLP, BN_GU, BLOCK_K, XB, NS)
         elif op == _OP_DOWN:
             w = _wp(FMT_MLP, wa_ptr, qw8_ptr, qw32_ptr, woff)
             sq = _sp(FMT_MLP, qf32_ptr, qs8f_ptr, qs8u_ptr, tl.load(lrow + P.LF_DOWN_S))
@@ -318,7 +318,7 @@ def monokernel(
             if st == 0:
                 stream_gemv(w, sq, qf32_ptr + tl.load(lrow + P.LF_DOWN_F), w0, s0, I_DENSE, r0, r_end, h_ptr, h_ptr,
                             eps, wa_ptr, x_ptr, x_ptr, 0, pv_ptr, pi_ptr, 0, 1.0, 0, 0, False, False, True, False,
-                            FMT_MLP, BN_DOWN, BLOCK_K, XB)
+                            FMT_MLP, BN_DOWN, BLOCK_K, XB, NS)
         elif op == _OP_ROUTER:
             w = wa_ptr + tl.multiple_of(woff, 64)
             w0, s0 = tile(w, qf32_ptr, D, r0, r_end, 0, 1, 0, BN_ROUTER, BLOCK_K)
@@ -329,7 +329,7 @@ def monokernel(
                             wa_ptr + tl.multiple_of(tl.load(lrow + P.LF_MLP_NORM), 64), eps,
                             wa_ptr + tl.multiple_of(tl.load(lrow + P.LF_ROUTER_B), 64), rlog_ptr + layer * E,
                             rlog_ptr, 0, pv_ptr, pi_ptr, 0, 1.0, 0, 0, True, HAS_RBIAS, False, False, 0, BN_ROUTER,
-                            BLOCK_K, XB)
+                            BLOCK_K, XB, NS)
         elif op == _OP_SH_UP:
             wg = _wp(FMT_EXP, wa_ptr, qw8_ptr, qw32_ptr, woff)
             wu = wg + I_SH * RU_D_EXP
@@ -345,7 +345,7 @@ def monokernel(
                 nw = wa_ptr + tl.multiple_of(tl.load(lrow + P.LF_MLP_NORM), 64)
                 stream_glu(wg, wu, sg_, su_, qf32_ptr + f_off, qf32_ptr + f_off + I_SH, g0, u0, gs0, us0, D, r0,
                            r_end, x_ptr, nw, eps, wa_ptr, wa_ptr, h_ptr + TOPK * I_MOE, glu_limit, glu_alpha, False,
-                           0, FMT_EXP, BN_SUP, BLOCK_K, XB)
+                           0, FMT_EXP, BN_SUP, BLOCK_K, XB, NS)
                 if HAS_SH_GATE:
                     if r0 == 0:  # one task computes the shared expert's sigmoid gate
                         s = vec_dot_norm(wa_ptr + tl.load(lrow + P.LF_SH_GATE), x_ptr, nw, D, eps, BLOCK_K)
@@ -374,7 +374,7 @@ def monokernel(
                            wa_ptr + tl.load(lrow + P.LF_EGATE_B) + e * I_MOE,
                            wa_ptr + tl.load(lrow + P.LF_EUP_B) + e * I_MOE,
                            h_ptr + aux * I_MOE, glu_limit, glu_alpha, HAS_EBIAS, EXP_ACT, FMT_EXP, BN_EUP, BLOCK_K,
-                           XB)
+                           XB, NS)
         elif op == _OP_EXP_DOWN:
             t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
             st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE)
@@ -387,7 +387,7 @@ def monokernel(
                                    tl.load(lrow + P.LF_SDOWN_S), tl.load(lrow + P.LF_SDOWN_F),
                                    wa_ptr + tl.load(lrow + P.LF_EDOWN_B), r0, r_end, h_ptr, rids_ptr + layer * TOPK,
                                    rwts_ptr + layer * TOPK, sg_ptr, x_ptr, D, I_MOE, I_SH, TOPK, HAS_EBIAS,
-                                   HAS_SH_GATE, FMT_EXP, BLOCK_TOPK, BN_EDOWN, BLOCK_K, XB)
+                                   HAS_SH_GATE, FMT_EXP, BLOCK_TOPK, BN_EDOWN, BLOCK_K, XB, NS)
         elif op == _OP_LM:
             w = wa_ptr + tl.multiple_of(woff, 64)
             w0, s0 = tile(w, qf32_ptr, D, r0, r_end, 0, 1, 0, BN_LM, BLOCK_K)
@@ -397,7 +397,7 @@ def monokernel(
                 stream_gemv(w, qf32_ptr, qf32_ptr, w0, s0, D, r0, r_end, x_ptr,
                             wa_ptr + tl.multiple_of(fnorm_off, 64), eps, w, pv_ptr, pv_ptr, aux, pv_ptr, pi_ptr,
                             do_sample, inv_temp, seed, step - n_forced, True, False, False, True, 0, BN_LM,
-                            BLOCK_K, XB)
+                            BLOCK_K, XB, NS)
         elif op == _OP_SAMPLE:
             t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
             st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE)

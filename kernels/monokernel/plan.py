@@ -211,6 +211,7 @@ class TileConfig:
     block_t: int       # attention positions per step
     block_p: int       # >= number of LM-head tiles
     xb: int = 0        # x as a broadcast tile in the weight layout (stream.x_load) instead of a broadcast row
+    ns: int = 0        # > 0: tl.range(num_stages=ns) pipelined weight loads instead of the explicit double buffer
 
 
 @dataclass
@@ -225,7 +226,7 @@ class Plan:
     embed_off: int
     lm_off: int
     final_norm_off: int
-    n_sms: int
+    n_sms: int                       # programs in the grid (SMs x programs_per_sm)
     tiles: TileConfig
     op_rows: dict                    # op name -> list[(row0, n_rows)] (static tilings)
     layers_host: torch.Tensor | None = None   # the same table on the CPU
@@ -392,21 +393,28 @@ def build_plan(spec: ModelSpec, weights=None, device: str | torch.device = "cpu"
                wdtype: torch.dtype | None = None, n_sms: int | None = None, block_k: int | None = None,
                tile_elems: int | None = None, block_t: int | None = None, min_task_bytes: int = 16 << 10,
                x_bcast: bool = False, max_task_bytes: int = 512 << 10, random_seed: int | None = None,
-               quantized=None, formats: dict | None = None) -> Plan:
+               quantized=None, formats: dict | None = None, programs_per_sm: int = 1,
+               num_stages: int | None = None) -> Plan:
     """Pack `weights` (WeightStore-like: names(), get(canonical), `in`) into device buffers and tile every op.
 
     quantized: callable(canonical name) -> quant.schemes.QuantizedTensor | None, the codes of Linears stored
     quantized (default: quant.ingest's reader when `weights` is a quantized checkpoint's store). One format per
     Linear kind (attention / dense MLP / experts), one quantized format per model; router, embeddings, LM head,
     norms and biases stay float. weights=None with random_seed: random weights drawn on the device (benchmarks;
-    no host copy), in `formats` ({kind: "fp8" | "fp8-block" | "nvfp4" | "mxfp4"}) where given."""
+    no host copy), in `formats` ({kind: "fp8" | "fp8-block" | "nvfp4" | "mxfp4"}) where given.
+    programs_per_sm: persistent programs per SM (the grid; tiles are sized for all of them): with 2, one program
+    streams while the other waits on a dependency (needs the kernel to fit twice per SM: num_warps=4).
+    num_stages: > 0 pipelines each task's weight loads with tl.range(num_stages) (cp.async into shared memory:
+    sm_90 compile, [16 x 1024] bf16 tiles, 3 stages: 78 KB of shared memory, no spills); 0: a register double
+    buffer. Default 3 on the GPU."""
     device = torch.device(device)
     d = model_dims(spec)
     gpu = device.type in ("cuda", "meta")  # meta: an offline compile for the GPU
     if wdtype is None:
         wdtype = torch.bfloat16 if gpu else torch.float32
     if n_sms is None:
-        n_sms = torch.cuda.get_device_properties(device).multi_processor_count if gpu else 1
+        n_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+    n_sms *= programs_per_sm   # from here on: programs in the grid
     names = set(weights.names()) if weights is not None else None
     if weights is not None and quantized is None:
         quantized = _default_quantized(weights)
@@ -487,7 +495,10 @@ def build_plan(spec: ModelSpec, weights=None, device: str | torch.device = "cpu"
         block_t = max(1, min(block_t, 16384 // (_pow2(d.HQ // d.HKV) * _pow2(d.DH))))
         if d.MLA:   # MLA attention tiles are tl.dot operands: >= 16 rows
             block_t = 32 if gpu else 16
-    tiles = TileConfig(block_k=block_k, bn=bn, block_t=block_t, block_p=_pow2(len(rows["lm"])), xb=int(x_bcast))
+    if num_stages is None:
+        num_stages = 3 if gpu else 0
+    tiles = TileConfig(block_k=block_k, bn=bn, block_t=block_t, block_p=_pow2(len(rows["lm"])), xb=int(x_bcast),
+                       ns=num_stages)
     return Plan(spec, d, device, wdtype, arena, buf, table.to(device), top["embed"], top["lm_head"],
                 top["final_norm"], n_sms, tiles, rows, table, qa, qbufs)
 

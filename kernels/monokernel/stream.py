@@ -99,10 +99,13 @@ def gumbel(seed, step, offs):
 def stream_gemv(w_ptr, s_ptr, f_ptr, w_first, s_first, K: tl.constexpr, row0, r_end, x_ptr, nw_ptr, eps, b_ptr,
                 y_ptr, res_ptr, tile_id, pv_ptr, pi_ptr, do_sample, inv_temp, seed, step,
                 NORM: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, LM: tl.constexpr,
-                FMT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, XB: tl.constexpr):
+                FMT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, XB: tl.constexpr,
+                NS: tl.constexpr = 0):
     """y[r] = (rstd *) W[r] . (nw *) x (+ b[r]) (+ res[r]) for r in [row0, r_end); y may alias res (each task
     owns its rows). LM: instead of storing logits, the tile's max / argmax of logits (greedy) or of logits / T +
-    Gumbel noise (sampling), lowest id on ties, to pv / pi[tile_id]."""
+    Gumbel noise (sampling), lowest id on ties, to pv / pi[tile_id]. NS > 0: instead of the explicit one-ahead
+    double buffer, plain loads in a tl.range(num_stages=NS) loop (Triton's pipeliner: NS tiles in flight through
+    shared memory, no registers)."""
     NK: tl.constexpr = (K + BLOCK_K - 1) // BLOCK_K + (K == 0)
     VEC: tl.constexpr = min(BLOCK_K, 128 // w_ptr.dtype.element_ty.primitive_bitwidth)  # columns per 16-B load
     offs_n = tl.arange(0, BLOCK_N)
@@ -114,8 +117,11 @@ def stream_gemv(w_ptr, s_ptr, f_ptr, w_first, s_first, K: tl.constexpr, row0, r_
     best_i = row0
     w_cur = w_first
     s_cur = s_first
-    for i in range(0, n):
-        w_nxt, s_nxt = tile(w_ptr, s_ptr, K, row0, r_end, i + 1, n, FMT, BLOCK_N, BLOCK_K)  # in flight now
+    for i in tl.range(0, n, num_stages=max(NS, 1)):
+        if NS > 0:   # the pipeliner keeps NS tiles in flight
+            w_cur, s_cur = tile(w_ptr, s_ptr, K, row0, r_end, i, n, FMT, BLOCK_N, BLOCK_K)
+        else:        # tile i+1 in flight while tile i's FMAs run
+            w_nxt, s_nxt = tile(w_ptr, s_ptr, K, row0, r_end, i + 1, n, FMT, BLOCK_N, BLOCK_K)
         acc, ss = qstep(acc, ss, w_cur, s_cur, x_ptr, nw_ptr, 1.0, (i % NK) * BLOCK_K, K, i < NK, NORM, FMT,
                         BLOCK_N, BLOCK_K, VEC, XB)
         if i % NK == NK - 1:
@@ -142,8 +148,9 @@ def stream_gemv(w_ptr, s_ptr, f_ptr, w_first, s_first, K: tl.constexpr, row0, r_
                     y += tl.load(res_ptr + rows, mask=r_mask, other=0.0, cache_modifier=".cg")
                 tl.store(y_ptr + rows, y, mask=r_mask)
             acc = qzeros(FMT, BLOCK_N, BLOCK_K, VEC, XB)
-        w_cur = w_nxt
-        s_cur = s_nxt
+        if NS == 0:
+            w_cur = w_nxt
+            s_cur = s_nxt
     if LM:
         tl.store(pv_ptr + tile_id, best_v)
         tl.store(pi_ptr + tile_id, best_i)
@@ -153,7 +160,7 @@ def stream_gemv(w_ptr, s_ptr, f_ptr, w_first, s_first, K: tl.constexpr, row0, r_
 def stream_glu(wg_ptr, wu_ptr, sg_ptr, su_ptr, fg_ptr, fu_ptr, g_first, u_first, sg_first, su_first,
                K: tl.constexpr, row0, r_end, x_ptr, nw_ptr, eps, bg_ptr, bu_ptr, h_ptr, limit, alpha,
                HAS_BIAS: tl.constexpr, ACT: tl.constexpr, FMT: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_K: tl.constexpr, XB: tl.constexpr):
+               BLOCK_K: tl.constexpr, XB: tl.constexpr, NS: tl.constexpr = 0):
     """h[r] = glu(Wg[r] . xn (+ bg[r]), Wu[r] . xn (+ bu[r])), xn = RMSNorm(x; nw): gate and up rows of a tile
     stream side by side and share each x chunk."""
     NK: tl.constexpr = (K + BLOCK_K - 1) // BLOCK_K + (K == 0)
@@ -169,9 +176,13 @@ def stream_glu(wg_ptr, wu_ptr, sg_ptr, su_ptr, fg_ptr, fu_ptr, g_first, u_first,
     u_cur = u_first
     sg_cur = sg_first
     su_cur = su_first
-    for i in range(0, n):
-        g_nxt, sg_nxt = tile(wg_ptr, sg_ptr, K, row0, r_end, i + 1, n, FMT, BLOCK_N, BLOCK_K)
-        u_nxt, su_nxt = tile(wu_ptr, su_ptr, K, row0, r_end, i + 1, n, FMT, BLOCK_N, BLOCK_K)
+    for i in tl.range(0, n, num_stages=max(NS, 1)):
+        if NS > 0:
+            g_cur, sg_cur = tile(wg_ptr, sg_ptr, K, row0, r_end, i, n, FMT, BLOCK_N, BLOCK_K)
+            u_cur, su_cur = tile(wu_ptr, su_ptr, K, row0, r_end, i, n, FMT, BLOCK_N, BLOCK_K)
+        else:
+            g_nxt, sg_nxt = tile(wg_ptr, sg_ptr, K, row0, r_end, i + 1, n, FMT, BLOCK_N, BLOCK_K)
+            u_nxt, su_nxt = tile(wu_ptr, su_ptr, K, row0, r_end, i + 1, n, FMT, BLOCK_N, BLOCK_K)
         k0 = (i % NK) * BLOCK_K
         if FMT <= 2:   # one (normalised) x tile for both matrices
             kk = k0 + tl.arange(0, BLOCK_K)
@@ -199,10 +210,11 @@ def stream_glu(wg_ptr, wu_ptr, sg_ptr, su_ptr, fg_ptr, fu_ptr, g_first, u_first,
             tl.store(h_ptr + rows, glu(g, u, limit, alpha, ACT), mask=r_mask)
             acc_g = qzeros(FMT, BLOCK_N, BLOCK_K, VEC, XB)
             acc_u = qzeros(FMT, BLOCK_N, BLOCK_K, VEC, XB)
-        g_cur = g_nxt
-        u_cur = u_nxt
-        sg_cur = sg_nxt
-        su_cur = su_nxt
+        if NS == 0:
+            g_cur = g_nxt
+            u_cur = u_nxt
+            sg_cur = sg_nxt
+            su_cur = su_nxt
 
 
 @triton.jit
@@ -233,7 +245,8 @@ def stream_expert_down(w_ptr, s_ptr, f_ptr, ed_w, ed_s, ed_f, sd_w, sd_s, sd_f, 
                        ids_ptr, wts_ptr, sg_ptr, x_ptr,
                        D: tl.constexpr, I_MOE: tl.constexpr, I_SH: tl.constexpr, TOPK: tl.constexpr,
                        HAS_EBIAS: tl.constexpr, HAS_SH_GATE: tl.constexpr, FMT: tl.constexpr,
-                       BLOCK_TOPK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, XB: tl.constexpr):
+                       BLOCK_TOPK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, XB: tl.constexpr,
+                       NS: tl.constexpr = 0):
     """x[r] += sum_j w_j (Wdown[e_j][r] . h_j + bdown[e_j][r]) + sg (Wsh_down[r] . h_sh), r in [row0, r_end):
     every routed slot and the shared expert of an output tile in one task, routing weights folded into the
     activations, so the sum has a fixed order and needs no atomics. h: [TOPK, I_MOE] then [I_SH].
@@ -257,9 +270,13 @@ def stream_expert_down(w_ptr, s_ptr, f_ptr, ed_w, ed_s, ed_f, sd_w, sd_s, sd_f, 
     y = tl.zeros((BLOCK_N,), dtype=tl.float32)
     w_cur, s_cur = _down_tile(w_ptr, s_ptr, ed_w, ed_s, sd_w, sd_s, ids, offs_j, row0, r_end, 0, n,
                               D, I_MOE, I_SH, TOPK, FMT, BLOCK_N, BLOCK_K)
-    for q in range(0, n):
-        w_nxt, s_nxt = _down_tile(w_ptr, s_ptr, ed_w, ed_s, sd_w, sd_s, ids, offs_j, row0, r_end, q + 1, n,
-                                  D, I_MOE, I_SH, TOPK, FMT, BLOCK_N, BLOCK_K)
+    for q in tl.range(0, n, num_stages=max(NS, 1)):
+        if NS > 0:
+            w_cur, s_cur = _down_tile(w_ptr, s_ptr, ed_w, ed_s, sd_w, sd_s, ids, offs_j, row0, r_end, q, n,
+                                      D, I_MOE, I_SH, TOPK, FMT, BLOCK_N, BLOCK_K)
+        else:
+            w_nxt, s_nxt = _down_tile(w_ptr, s_ptr, ed_w, ed_s, sd_w, sd_s, ids, offs_j, row0, r_end, q + 1, n,
+                                      D, I_MOE, I_SH, TOPK, FMT, BLOCK_N, BLOCK_K)
         # this tile's activations: h_j * w_j for routed slot j, h_sh * sg for the shared expert
         c = q % PER
         is_exp = c < TOPK * NKE
@@ -291,5 +308,6 @@ def stream_expert_down(w_ptr, s_ptr, f_ptr, ed_w, ed_s, ed_f, sd_w, sd_s, sd_f, 
             y += tl.load(x_ptr + rows, mask=r_mask, other=0.0, cache_modifier=".cg")
             tl.store(x_ptr + rows, y, mask=r_mask)
             y = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        w_cur = w_nxt
-        s_cur = s_nxt
+        if NS == 0:
+            w_cur = w_nxt
+            s_cur = s_nxt

@@ -89,11 +89,12 @@ def test_attention_split_over_sequence(case, splits, tiny_model):
     check_against_reference(be, m, PROMPT, got)
 
 
-def test_bf16_weights_and_broadcast_x_tiles(tiny_model):
+def test_bf16_weights_and_stream_variants(tiny_model):
     """bf16 arena (the GPU default): the reference upcasts the same bf16 values, so tokens still match. Also the
-    x-as-broadcast-tile streaming variant (x_bcast, kernels/tiles.py's layout) with its per-vector accumulators."""
+    x-as-broadcast-tile streaming variant (x_bcast, kernels/tiles.py's layout) with its per-vector accumulators,
+    and tl.range-pipelined weight loads (num_stages) instead of the explicit double buffer."""
     m = tiny_model("llama", torch.bfloat16)
-    be = MonokernelBackend(m, "cpu", wdtype=torch.bfloat16, n_sms=2, x_bcast=True)
+    be = MonokernelBackend(m, "cpu", wdtype=torch.bfloat16, n_sms=2, x_bcast=True, num_stages=3)
     got = list(be.generate(PROMPT, SamplingParams(max_new_tokens=8, ignore_eos=True), set()))
     assert got == reference_greedy(m, PROMPT, 8)
 
