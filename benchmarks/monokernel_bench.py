@@ -10,7 +10,8 @@ random codes of fp8 / fp8-block / nvfp4 / mxfp4 for every Linear but the router,
 Breakdown (on by default): the same plan in the kernel's two benchmark modes, which give wrong tokens but say
 where time goes: `sync_only` (every task only claims, waits and signals: scheduling + dependency latency per
 step) and `no_wait` (no dependency waits: how fast the task structure streams weights). `--sweep` repeats the
-first preset over a handful of variants (pipeline stages, tile shapes, task bytes, 2 programs per SM with 4 warps, x layout).
+first preset over a handful of variants (pipeline stages, tile shapes, task bytes, 2 programs per SM with 4
+warps, x layout).
 
     python benchmarks/monokernel_bench.py --out results.json
     python benchmarks/monokernel_bench.py --archs llama-3.2-1b --sweep --out sweep.json

@@ -2,8 +2,9 @@
 
 Greedy tokens must be identical for 8 steps; the last step's LM-head tile maxima must equal the reference's
 logits (so a near-miss cannot hide behind argmax), and the K/V rows the kernel appended (MLA: latent and k_pe)
-must equal the reference decoder's cache. Plus: attention split over the sequence (with sinks and windows), temperature sampling against a
-host replay of the same Gumbel noise, EOS, the engine contract, and the watchdog."""
+must equal the reference decoder's cache. Plus: attention split over the sequence (with sinks and windows),
+temperature sampling against a host replay of the same Gumbel noise, EOS, the engine contract, in-kernel
+prefill, and the watchdog."""
 import numpy as np
 import pytest
 import torch

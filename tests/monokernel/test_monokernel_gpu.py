@@ -47,7 +47,8 @@ def assert_parity(be, ref, prompt, got, min_prefix=8, tie=1e-3):
     for s, tok in enumerate(got):
         best = int(logits[s].argmax())
         gap = float(logits[s, best] - logits[s, tok])
-        assert tok == best or gap <= tie * float(logits[s].abs().max()), f"step {s}: got {tok}, argmax {best}, gap {gap}"
+        assert tok == best or gap <= tie * float(logits[s].abs().max()), \
+            f"step {s}: got {tok}, argmax {best}, gap {gap}"
     want = free_running(ref, prompt, len(got))
     prefix = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), len(got))
     assert prefix >= min(min_prefix, len(got)), f"greedy tokens diverge at step {prefix}: {got} vs {want}"
