@@ -74,20 +74,6 @@ class Bytes:
         return {**asdict(self), "total": self.total}
 
 
-def _canonical_shape(lay) -> list[int]:
-    """Shape of Layout.apply(hf tensor), from shapes alone (as models/synth._canonical_numel)."""
-    shape = list(lay.hf_shape[len(lay.take):])
-    if lay.transpose:
-        shape[-2], shape[-1] = shape[-1], shape[-2]
-    if lay.rows == "even":
-        shape[0] = (shape[0] + 1) // 2
-    elif lay.rows == "odd":
-        shape[0] //= 2
-    elif isinstance(lay.rows, tuple):
-        shape[0] = len(range(shape[0])[lay.rows[0]:lay.rows[1]])
-    return shape
-
-
 def _role(name: str) -> str:
     if name in ("embed", "lm_head"):
         return "head" if name == "lm_head" else "embed"
@@ -111,7 +97,7 @@ def weight_bytes(spec, scheme_of=lambda n: "bf16", float_bytes: int = 2) -> Byte
         m = _EXPERT.match(name)
         if m and int(m.group(2)) >= spec.layers[int(m.group(1))].moe.top_k:
             continue                                   # experts are interchangeable: top_k of them per token
-        shape = _canonical_shape(ref.layouts[0])
+        shape = list(ref.layouts[0].shape())
         numel = 1
         for s in shape:
             numel *= s

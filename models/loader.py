@@ -49,6 +49,19 @@ class Layout:
             t = t[self.rows[0]:self.rows[1]]
         return t
 
+    def shape(self) -> tuple[int, ...]:
+        """Shape of `apply(hf tensor)`, from `hf_shape` alone (no tensor needed: sizing, parameter counts)."""
+        shape = list(self.hf_shape[len(self.take):])
+        if self.transpose:
+            shape[-2], shape[-1] = shape[-1], shape[-2]
+        if self.rows == "even":
+            shape[0] = (shape[0] + 1) // 2
+        elif self.rows == "odd":
+            shape[0] //= 2
+        elif isinstance(self.rows, tuple):
+            shape[0] = len(range(shape[0])[self.rows[0]:self.rows[1]])
+        return tuple(shape)
+
 
 @dataclass(frozen=True)
 class TensorRef:
@@ -137,6 +150,19 @@ class SafetensorsSource:
             return h.get_tensor(name)
         except Exception as e:  # safetensors raises its own error types for corrupt files
             raise CheckpointError(f"{fpath}: cannot read tensor {name} ({e})") from None
+
+
+class DictSource:
+    """A TensorSource over tensors already in memory (synthetic weights built on a device)."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], path: str):
+        self.tensors, self.path = tensors, path
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return {n: tuple(t.shape) for n, t in self.tensors.items()}
+
+    def read(self, name: str) -> torch.Tensor:
+        return self.tensors[name]
 
 
 # Names a checkpoint may hold that no backend needs (buffers saved by old code).

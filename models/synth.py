@@ -33,6 +33,7 @@ Initialisation, chosen so a random model decodes sanely in bf16 (no inf/NaN, non
 from __future__ import annotations
 
 import hashlib
+import math
 import json
 import os
 import re
@@ -46,7 +47,7 @@ import torch
 
 from .errors import ConfigError
 from .families.common import Cfg
-from .loader import Layout, TensorRef
+from .loader import DictSource, Layout, TensorRef, WeightStore
 from . import presets as _presets
 from .registry import adapter_for
 from .spec import ModelSpec
@@ -99,12 +100,6 @@ def build(cfg: dict, path: str = "config.json"):
     return adapter, adapter.build_spec(Cfg(cfg, path))
 
 
-def _in_features(lay: Layout) -> int:
-    # Layout.apply turns the HF tensor into [out, in] after `take` (and a transpose for [in, out] storage)
-    shape = lay.hf_shape[len(lay.take):]
-    return shape[-2] if lay.transpose else shape[-1]
-
-
 _OUTPUT_PROJ = re.compile(r"(^|\.)(attn\.o|down)$")
 
 
@@ -137,7 +132,7 @@ def _init_for(ref: TensorRef, lay: Layout, spec: ModelSpec, dtype: torch.dtype) 
     if len(lay.hf_shape) - len(lay.take) < 2:
         raise ConfigError(f"synth: no initialisation rule for 1-D tensor {lay.hf_name} ({ref.name}); "
                           f"add one to models/synth.py")
-    std = _in_features(lay) ** -0.5
+    std = lay.shape()[-1] ** -0.5  # canonical tensors are [out, in]
     if _OUTPUT_PROJ.search(ref.name):
         std /= (2 * spec.num_layers) ** 0.5
     if gqa and ref.name.endswith(("attn.q", "attn.k")):
@@ -327,28 +322,11 @@ def _write_json(path: str, obj) -> None:
 
 # ---- in memory, no disk ---------------------------------------------------------------------------------------
 
-class SynthStore:
-    """WeightStore-compatible (`names`, `get`, `in`, `hf_name`) view of synthetic HF tensors held in memory."""
+class SynthStore(WeightStore):
+    """A WeightStore over synthetic HF tensors held in memory (no checkpoint on disk)."""
 
-    def __init__(self, tensors: dict[str, torch.Tensor], layouts: dict[str, Layout], path: str):
-        self.tensors = tensors                        # hf_name -> tensor (as the checkpoint would hold it)
-        self._layout = layouts                        # canonical name -> layout into `tensors`
-        self.path = path
-
-    def __contains__(self, name: str) -> bool:
-        return name in self._layout
-
-    def names(self) -> list[str]:
-        return list(self._layout)
-
-    def hf_name(self, name: str) -> str:
-        return self._layout[name].hf_name
-
-    def get(self, name: str) -> torch.Tensor:
-        lay = self._layout.get(name)
-        if lay is None:
-            raise KeyError(f"no tensor {name!r} in {self.path}")
-        return lay.apply(self.tensors[lay.hf_name])
+    def __init__(self, tensors: dict[str, torch.Tensor], refs, path: str):
+        super().__init__(DictSource(tensors, path), refs)
 
 
 def synth_weights_on_device(arch_or_config, device: torch.device | str = "cuda", dtype: torch.dtype = torch.bfloat16,
@@ -365,8 +343,7 @@ def synth_weights_on_device(arch_or_config, device: torch.device | str = "cuda",
     refs = adapter.tensor_refs(spec)
     device = torch.device(device)
     tensors = {t.hf_name: materialize(t, seed, device) for t in plan_tensors(spec, refs, dtype)}
-    layouts = {r.name: r.layouts[0] for r in refs if not r.optional}
-    return spec, SynthStore(tensors, layouts, f"<synthetic {name} on {device}>")
+    return spec, SynthStore(tensors, refs, f"<synthetic {name} on {device}>")
 
 
 # ---- parameter counts -----------------------------------------------------------------------------------------
@@ -376,19 +353,7 @@ _EXPERT = re.compile(r"^layers\.(\d+)\.moe\.experts\.(\d+)\.")
 
 def _canonical_numel(lay: Layout) -> int:
     """numel of Layout.apply(hf tensor), from shapes alone (a meta-tensor round trip per ref is 10x slower)."""
-    shape = list(lay.hf_shape[len(lay.take):])
-    if lay.transpose:
-        shape[-2], shape[-1] = shape[-1], shape[-2]
-    if lay.rows == "even":
-        shape[0] = (shape[0] + 1) // 2
-    elif lay.rows == "odd":
-        shape[0] //= 2
-    elif isinstance(lay.rows, tuple):
-        shape[0] = len(range(shape[0])[lay.rows[0]:lay.rows[1]])
-    n = 1
-    for s in shape:
-        n *= s
-    return n
+    return math.prod(lay.shape())
 
 
 def count_params(spec: ModelSpec, *, embed_in_active: bool = True) -> tuple[int, int]:
