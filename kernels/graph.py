@@ -28,21 +28,7 @@ from .gemv import gemv, gemv_glu
 from .moe import RouterConfig, Routing, moe_experts, route
 from .rope import mla_rope_append, rope_append, rope_tables
 from .sampling import DeviceSampler
-from .weights import WeightHandle, dequantize
-
-
-def _quantized(store, name):
-    """The raw quantized tensors of a canonical weight when the checkpoint is quantized (quant/ingest), else None."""
-    if hasattr(store, "quantized_tensor"):          # stores that quantize on the fly (benchmarks)
-        return store.quantized_tensor(name)
-    try:
-        from kie_moe.quant.ingest import quantized
-    except ImportError:
-        return None
-    try:
-        return quantized(store, name)
-    except (KeyError, TypeError, ValueError):
-        return None
+from .weights import WeightHandle, dequantize, stored_codes
 
 
 class HandleStore:
@@ -58,7 +44,7 @@ class HandleStore:
 
     def handle(self, name: str) -> WeightHandle:
         if name not in self.h:
-            q = _quantized(self.store, name)
+            q = stored_codes(self.store, name)
             if q is not None:
                 self.h[name] = WeightHandle.from_compressed({k: v.to(self.device) for k, v in q.tensors.items()},
                                                             in_features=q.shape[-1])

@@ -215,6 +215,22 @@ class WeightHandle:
                                  f"({max(1, _prod(lead))}), got {None if gs is None else tuple(gs.shape)}")
 
 
+def stored_codes(store, name: str):
+    """The raw quantized tensors (quant.schemes.QuantizedTensor) of canonical weight `name` when `store` holds it
+    quantized: a quantized checkpoint (quant/ingest) or a store that quantizes on request (benchmarks'
+    QuantizingStore); None for a float weight. Both GPU backends stream these codes instead of dequantizing."""
+    if hasattr(store, "quantized_tensor"):          # stores that quantize on the fly (benchmarks)
+        return store.quantized_tensor(name)
+    try:
+        from kie_moe.quant.ingest import quantized
+    except ImportError:
+        return None
+    try:
+        return quantized(store, name)
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
 def _prod(shape) -> int:
     n = 1
     for d in shape:

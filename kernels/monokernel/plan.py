@@ -511,14 +511,11 @@ class _FmtView:
 
 
 def _default_quantized(weights):
-    """quant.ingest's reader of a quantized checkpoint's codes, when the store has one (else: all float)."""
-    if not hasattr(getattr(weights, "source", None), "read_quantized"):
+    """The codes of Linears the store holds quantized (kernels.weights.stored_codes), else None: all float."""
+    from kie_moe.kernels.weights import stored_codes
+    if not (hasattr(weights, "quantized_tensor") or hasattr(getattr(weights, "source", None), "read_quantized")):
         return None
-    try:
-        from kie_moe.quant.ingest import quantized as read
-    except ImportError:
-        return None
-    return lambda name: read(weights, name)
+    return lambda name: stored_codes(weights, name)
 
 
 # ---- the task table --------------------------------------------------------------------------------------------------

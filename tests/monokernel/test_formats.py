@@ -71,3 +71,18 @@ def test_mixed_formats_in_one_kind_are_refused(tiny_model):
     q.pop("layers.0.attn.q")
     with pytest.raises(NotImplementedError, match="attn Linears mix formats"):
         P.build_plan(m.spec, m.weights, "cpu", quantized=q.get)
+
+
+def test_store_that_quantizes_on_request_is_streamed_as_codes(tiny_model):
+    """kie bench's presets quantize through synthetic.QuantizingStore: the monokernel must stream its codes
+    (the format it reports in the plan), not a float copy, and still decode like the reference on the same
+    (dequantized) weights."""
+    from kie_moe.models.registry import LoadedModel
+    from kie_moe.synthetic import QuantizingStore
+    m = tiny_model("qwen2_moe")
+    qm = LoadedModel(m.path, m.config, m.spec, QuantizingStore(m.weights, "fp8"))
+    be = MonokernelBackend(qm, "cpu", prefill="torch", num_stages=0)
+    d = be.plan.dims
+    assert (d.FMT_ATTN, d.FMT_EXP) == (1, 1)
+    got = list(be.generate(PROMPT, SamplingParams(max_new_tokens=4, ignore_eos=True), set()))
+    assert got == reference_greedy(qm, PROMPT, 4)
