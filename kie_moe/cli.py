@@ -231,6 +231,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("model", metavar="MODEL", nargs="?",
                    help="checkpoint directory, preset name (see kie synth), or demo (the embedded model)")
     b.add_argument("--all", action="store_true", help="the standard matrix of presets x schemes x GPU backends")
+    b.add_argument("--archs", default=None, metavar="A,B",
+                   help="with --all: only the matrix rows of these presets (the suite in several sittings)")
     b.add_argument("--scheme", default="bf16", choices=["bf16", "fp8", "fp8-block", "nvfp4", "mxfp4"],
                    help="quantize a float model's Linear weights in memory first (default bf16: as stored)")
     b.add_argument("--tiny", action="store_true", help="a preset's tiny variant (tests, CPU)")

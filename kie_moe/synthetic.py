@@ -153,11 +153,25 @@ def open_model(model: str, device: torch.device, *, scheme: str = "bf16", tiny: 
         raise InputError(f"{model!r} is neither a checkpoint directory nor a preset "
                          f"(presets: {', '.join(preset_names())})")
     from kie_moe.models.synth import synth_weights_on_device
-    spec, store = synth_weights_on_device(model, device, dtype or torch.bfloat16, tiny=tiny, seed=seed)
+    spec, store = synth_weights_on_device(model, device, dtype or torch.bfloat16, tiny=tiny, seed=seed,
+                                          lazy=_too_big_to_hold(model, device, dtype or torch.bfloat16, tiny))
     name = model + (" (tiny)" if tiny else "")
     w = QuantizingStore(store, scheme) if scheme != "bf16" else store
     return Source(LoadedModel(f"<synthetic {name}>", {}, spec, w), "synthetic", name, scheme, _scheme_fn(scheme),
                   "random weights with the preset's shapes, built on the device")
+
+
+def _too_big_to_hold(preset: str, device: torch.device, dtype: torch.dtype, tiny: bool) -> bool:
+    """True when the preset's float weights would take over half of the device's free memory: then they are drawn
+    tensor by tensor when read (models.synth.SynthSource) and only what a backend packs stays resident."""
+    if device.type != "cuda" or tiny:
+        return False
+    from kie_moe.models.presets import preset as preset_config
+    from kie_moe.models.registry import spec_from_config
+    from kie_moe.models.synth import count_params
+    total, _ = count_params(spec_from_config(preset_config(preset)))
+    free, _ = torch.cuda.mem_get_info(device)
+    return total * torch.finfo(dtype).bits // 8 > free // 2
 
 
 def _scheme_fn(scheme: str):

@@ -322,17 +322,33 @@ def _write_json(path: str, obj) -> None:
 
 # ---- in memory, no disk ---------------------------------------------------------------------------------------
 
-class SynthStore(WeightStore):
-    """A WeightStore over synthetic HF tensors held in memory (no checkpoint on disk)."""
+class SynthSource:
+    """A TensorSource that draws each tensor on `device` when it is read and holds nothing: under a store that
+    quantizes on request only the codes stay resident (gpt-oss-120b's 117B parameters do not fit an H200 in bf16,
+    its MXFP4 codes do)."""
 
-    def __init__(self, tensors: dict[str, torch.Tensor], refs, path: str):
-        super().__init__(DictSource(tensors, path), refs)
+    def __init__(self, tensors: list[SynthTensor], seed: int, device: torch.device, path: str):
+        self.by_name, self.seed, self.device, self.path = {t.hf_name: t for t in tensors}, seed, device, path
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return {n: t.shape for n, t in self.by_name.items()}
+
+    def read(self, name: str) -> torch.Tensor:
+        return materialize(self.by_name[name], self.seed, self.device)
+
+
+class SynthStore(WeightStore):
+    """A WeightStore over synthetic HF tensors: held in memory (a dict), or drawn when read (a SynthSource)."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor] | SynthSource, refs, path: str):
+        super().__init__(tensors if isinstance(tensors, SynthSource) else DictSource(tensors, path), refs)
 
 
 def synth_weights_on_device(arch_or_config, device: torch.device | str = "cuda", dtype: torch.dtype = torch.bfloat16,
-                            *, tiny: bool = False, seed: int = 0) -> tuple[ModelSpec, SynthStore]:
+                            *, tiny: bool = False, seed: int = 0, lazy: bool = False) -> tuple[ModelSpec, SynthStore]:
     """(spec, store) with random weights built directly in `device` memory (benchmarks: no disk, no host copy).
-    Needs the whole model's bytes on `device`; on CPU the values equal write_synthetic's."""
+    Needs the whole model's bytes on `device`, unless `lazy`: then each tensor is drawn again whenever it is read
+    (same values). On CPU the values equal write_synthetic's."""
     if dtype not in _DTYPE_NAMES:
         raise ConfigError(f"synth: dtype {dtype} is not supported (bfloat16, float16, float32, float64)")
     name, cfg = resolve_config(arch_or_config, tiny)
@@ -342,8 +358,11 @@ def synth_weights_on_device(arch_or_config, device: torch.device | str = "cuda",
     adapter, spec = build(cfg, f"preset {name}")
     refs = adapter.tensor_refs(spec)
     device = torch.device(device)
-    tensors = {t.hf_name: materialize(t, seed, device) for t in plan_tensors(spec, refs, dtype)}
-    return spec, SynthStore(tensors, refs, f"<synthetic {name} on {device}>")
+    path = f"<synthetic {name} on {device}>"
+    planned = plan_tensors(spec, refs, dtype)
+    if lazy:
+        return spec, SynthStore(SynthSource(planned, seed, device, path), refs, path)
+    return spec, SynthStore({t.hf_name: materialize(t, seed, device) for t in planned}, refs, path)
 
 
 # ---- parameter counts -----------------------------------------------------------------------------------------

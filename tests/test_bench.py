@@ -204,3 +204,8 @@ def test_bench_all_records_every_row(monkeypatch, capsys):
     for r in rows[:3]:
         check_row(r, 2)
     assert "unknown backend 'no-such-backend'" in rows[3]["error"]
+    # --archs runs only those presets' rows of the matrix; a name outside it is a user error
+    rc, res = run_json(capsys, ["bench", "--all", "--archs", "llama-3.2-1b", "--tiny", *RUN, "--json"])
+    assert rc == 0 and [(r["model"], r["backend"]) for r in res["rows"]] == [("llama-3.2-1b (tiny)", "reference")]
+    assert main(["bench", "--all", "--archs", "mixtral-8x7b", "--tiny", *RUN]) == 2
+    assert "none of these is in the --all matrix" in capsys.readouterr().err
