@@ -3,10 +3,12 @@
 One epoch of either collective, on rank r of N, message t of n bytes (<= the heap's capacity; larger messages go
 through in capacity-sized chunks, one epoch each):
   1. e = ++epoch, parity = e % 2;
-  2. for every peer q (starting at r+1, so ranks do not all hit rank 0 first): put t into row r of q's half
-     `parity`, then signal q (q's word r becomes e);
-  3. wait until every peer's word in our signals is >= e (bounded: the watchdog raises, naming the silent ranks);
-  4. read the N rows (our own row is t itself) and reduce / stack them in rank order 0..N-1.
+  2. for every rank q, this one included (starting at r+1, so ranks do not all hit rank 0 first; ourselves last):
+     put t into row r of q's half `parity`, then signal q (q's word r becomes e);
+  3. wait until every word in our signals is >= e (bounded: the watchdog raises, naming the silent ranks);
+  4. read the N rows out of our half and reduce / stack them in rank order 0..N-1.
+No special case for ourselves or for N = 1: a single rank puts into its own row, signals its own word and waits for
+it, so one device runs every primitive (put, signal, wait, watchdog) through the same code as N devices.
 Step 4 applies the same float operations to the same bytes on every rank, so the result is deterministic and
 bit-identical across ranks (the in-process reference of dense/simulate.py sums in the same order).
 
@@ -27,7 +29,7 @@ class Pending:
     """A started one-shot epoch: what `finish` needs."""
     epoch: int
     parity: int
-    payload: torch.Tensor          # this rank's contiguous slice (its own row, never copied)
+    payload: torch.Tensor          # this rank's contiguous slice (also put into its own row)
 
 
 def start(heap, t: torch.Tensor) -> Pending:
@@ -38,8 +40,8 @@ def start(heap, t: torch.Tensor) -> Pending:
         raise KcclError(f"message of {nbytes} bytes exceeds the symmetric buffer's {heap.capacity} bytes per slot")
     heap.epoch += 1
     e = heap.epoch
-    for k in range(1, heap.world):
-        q = (heap.rank + k) % heap.world
+    for k in range(1, heap.world + 1):
+        q = (heap.rank + k) % heap.world            # k = world: ourselves, last
         heap.put(q, e % 2, payload)
         heap.signal(q)
     return Pending(e, e % 2, payload)
@@ -49,13 +51,7 @@ def rows(heap, p: Pending) -> list[torch.Tensor]:
     """Step 3 and the N rows of epoch p, in rank order, each shaped like the payload."""
     heap.wait(p.epoch)
     nbytes = p.payload.numel() * p.payload.element_size()
-    out = []
-    for q in range(heap.world):
-        if q == heap.rank:
-            out.append(p.payload)
-        else:
-            out.append(heap.slot(p.parity, q, nbytes).view(p.payload.dtype).view(p.payload.shape))
-    return out
+    return [heap.slot(p.parity, q, nbytes).view(p.payload.dtype).view(p.payload.shape) for q in range(heap.world)]
 
 
 def finish_all_reduce(heap, p: Pending) -> torch.Tensor:

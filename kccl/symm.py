@@ -4,8 +4,8 @@ Every rank owns the same layout; a peer may write into it ("put") and bump one o
 - data:    [2, world, capacity_bytes] uint8. Half `parity` (epoch % 2), row `src`: where rank `src` puts its
            slice. Two halves because a fast peer may already put epoch e+1 while we still read epoch e; it cannot
            reach e+2 (which reuses our half) before we signal e+1, which we do only after reading e.
-- signals: [world] int64. Word `src` is written only by rank `src` (+1 per epoch), so no atomics are needed and
-           the word only grows: a wait for epoch e is `signals[src] >= e`, never a reset.
+- signals: [world] int64. Word `src` is written only by rank `src` (+1 per epoch; a rank signals itself too), so
+           no atomics are needed and the word only grows: a wait for epoch e is `signals[src] >= e`, never a reset.
 - abort:   one shared word; any rank may set it to make every wait raise at once (a dead rank never hangs the
            others).
 
@@ -104,9 +104,10 @@ class HostHeap:
         self.pool.signals[peer, self.rank] += 1
 
     def wait(self, target: int):
-        """Until every peer's word in our signals reached `target` (the epoch). Bounded by self.timeout."""
+        """Until every word in our signals (ours included: we put into our own row too) reached `target` (the
+        epoch). Bounded by self.timeout."""
         sig = self.pool.signals[self.rank]
-        peers = [q for q in range(self.world) if q != self.rank]
+        peers = list(range(self.world))
         deadline, spins = time.monotonic() + self.timeout, 0
         while True:
             missing = [q for q in peers if int(sig[q]) < target]

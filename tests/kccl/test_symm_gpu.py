@@ -1,8 +1,11 @@
 """GpuHeap: the Triton put / signal / wait (kccl/sync.py) under the same one-shot algorithm. On CPU the kernels
 run through Triton's interpreter over plain tensors (N=1 loopback, two ranks interleaved in one thread, the
-watchdog); the `gpu` tests run the same code on CUDA (a single-GPU loopback, and symmetric memory when a process
-group can be formed)."""
+watchdog); the `gpu` tests run the same code on CUDA: a single-GPU loopback (N=1 puts into its own row, signals
+its own word and waits for it), two ranks on one device, the watchdog (device timer, then the host deadline), and
+torch symmetric memory over a one-rank process group."""
 from __future__ import annotations
+
+import time
 
 import pytest
 import torch
@@ -23,7 +26,26 @@ def _two_ranks_interleaved(device):
         for r in range(2):
             assert torch.equal(C.finish_all_reduce(h[r], p[r]), xs[0] + xs[1])
             assert torch.equal(C.finish_all_gather(h[r], q[r]), torch.stack(ys))
-    assert h[0].own_sig.tolist() == [0, 6 * PROGRAMS]
+    assert h[0].own_sig.tolist() == [6 * PROGRAMS, 6 * PROGRAMS]   # its own word too: it puts into its own row
+
+
+def _loopback(device):
+    """N = 1: every primitive runs (put into the own row, signal the own word, bounded wait), epochs grow."""
+    (h,) = GpuHeap.from_tensors(1, 4096, device=device, timeout_s=2.0)
+    for ep in range(1, 4):
+        x = torch.arange(10.0, device=device) * ep
+        assert torch.equal(C.all_reduce_sum(h, x), x) and torch.equal(C.all_gather(h, x), x[None])
+        assert h.own_sig.tolist() == [2 * ep * PROGRAMS]
+        assert torch.equal(h.slot(0, 0, 40).view(torch.float32), x)     # the gather's epoch (even) landed there
+
+
+def _watchdog(device, timeout_s):
+    a, _ = GpuHeap.from_tensors(2, 256, device=device, timeout_s=timeout_s)
+    p = C.start(a, torch.ones(4, device=device))          # rank 1 never puts
+    t0 = time.monotonic()
+    with pytest.raises(KcclTimeout, match=r"rank 0: no signal for epoch 1 from rank 1"):
+        C.finish_all_reduce(a, p)
+    return time.monotonic() - t0
 
 
 def test_interpreted_kernels_two_ranks():
@@ -31,13 +53,13 @@ def test_interpreted_kernels_two_ranks():
 
 
 def test_interpreted_loopback_and_watchdog():
-    (h,) = GpuHeap.from_tensors(1, 256)
-    x = torch.arange(10.0)
-    assert torch.equal(C.all_reduce_sum(h, x), x) and torch.equal(C.all_gather(h, x), x[None])
-    a, b = GpuHeap.from_tensors(2, 256, timeout_s=0.1)
-    p = C.start(a, torch.ones(4))                         # rank 1 never puts
-    with pytest.raises(KcclTimeout, match=r"rank 0: no signal for epoch 1 from rank 1"):
-        C.finish_all_reduce(a, p)
+    _loopback("cpu")
+    _watchdog("cpu", 0.1)
+
+
+@pytest.mark.gpu
+def test_gpu_loopback_one_device():
+    _loopback("cuda")
 
 
 @pytest.mark.gpu
@@ -47,24 +69,23 @@ def test_gpu_two_ranks_on_one_device():
 
 @pytest.mark.gpu
 def test_gpu_watchdog_times_out():
-    a, _ = GpuHeap.from_tensors(2, 256, device="cuda", timeout_s=0.05)
-    p = C.start(a, torch.ones(4, device="cuda"))
-    with pytest.raises(KcclTimeout, match="from rank 1"):
-        C.finish_all_reduce(a, p)
+    assert _watchdog("cuda", 0.05) < 1.0                   # the device timer fired, not the host deadline
 
 
 @pytest.mark.gpu
-def test_gpu_symmetric_memory_loopback(tmp_path):
-    """N=1 through symm_mem.rendezvous and the same algorithm (a one-rank NCCL group on 127.0.0.1)."""
+def test_gpu_symmetric_memory_loopback():
+    """N=1 through symm_mem.rendezvous and the same algorithm (the rendezvous needs a process group even for one
+    rank: a one-rank NCCL group on 127.0.0.1, as the workers of kie_moe/launch.py use)."""
     import torch.distributed as dist
     from kie_moe.launch import free_port
+    torch.cuda.set_device(0)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
-        h = GpuHeap.rendezvous(capacity_bytes=1 << 16)
-        for _ in range(3):
+        h = GpuHeap.rendezvous(capacity_bytes=1 << 16, timeout_s=5.0)
+        for ep in range(1, 4):
             x = torch.randn(1000, device="cuda")
             assert torch.equal(C.all_reduce_sum(h, x), x)
-            assert torch.equal(C.all_reduce_sum(h, x), C.reference_all_reduce_sum(x))
-            assert torch.equal(C.all_gather(h, x), C.reference_all_gather(x))
+            assert torch.equal(C.all_gather(h, x), x[None])
+            assert h.own_sig.tolist() == [2 * ep * PROGRAMS]
     finally:
         dist.destroy_process_group()
