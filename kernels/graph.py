@@ -1,6 +1,6 @@
 """Backend "graph": a decode step as a sequence of Triton kernel launches, captured once into a CUDA graph and
-replayed per token. Prefill runs through the reference decoder's torch math on the GPU (reading the same weight
-buffers) and fills the KV caches these kernels read.
+replayed per token. Prefill runs batched (kernels/prefill.py: grouped expert GEMMs, SDPA attention, reading the
+same weight buffers, quantized ones dequantized per layer into scratch) and fills the KV caches these kernels read.
 
 Per step (position and token live on the device, so the graph replays unchanged):
     x = embed[token]                                   (fp32 residual stream [D])
@@ -26,6 +26,7 @@ from kie_moe.models.spec import canonical
 from .attention import gqa_decode, mla_decode
 from .gemv import gemv, gemv_glu
 from .moe import RouterConfig, Routing, moe_experts, route
+from .prefill import Prefill
 from .rope import mla_rope_append, rope_append, rope_tables
 from .sampling import DeviceSampler
 from .weights import WeightHandle, dequantize, stored_codes
@@ -285,9 +286,15 @@ class GraphBackend:
 
     # ---- prefill -------------------------------------------------------------------------------------------------
     def prefill(self, ids: list[int]):
-        """Reference math over the prompt (GPU, bf16), then its KV cache copied into this backend's caches."""
+        """KV cache positions [0, len(ids)) through the batched prefill (kernels/prefill.py) over this backend's
+        own weight buffers; KIE_PREFILL=reference runs the reference decoder's math instead (the oracle, slow)."""
         self._ensure(len(ids) + 1)
         if not ids:
+            return
+        if os.environ.get("KIE_PREFILL") != "reference":
+            if getattr(self, "_prefiller", None) is None:
+                self._prefiller = Prefill.for_graph(self)
+            self._prefiller(ids, self.caches)
             return
         dec = ReferenceDecoder(self.spec, self.W, self.device, self.dtype, lazy=True)
         dec.forward(torch.tensor(ids, dtype=torch.long, device=self.device))

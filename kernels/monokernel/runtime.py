@@ -1,12 +1,12 @@
 """MonokernelBackend: prefill through torch, then ONE persistent launch decodes up to max_new_tokens, streaming
 tokens through a host-visible ring while the kernel runs.
 
-- Prefill, two ways. "torch" (float plans): the reference decoder's math over views of the plan's weight arena
-  (no second copy of the weights when the prefill dtype is the arena's), then its KV cache is copied into the
-  layout the kernel reads ([L, 2, Hkv, T_max, Dh]; MLA [L, T_max, r_kv + rope]); the prompt's last token is not
-  prefilled: decode step 0 runs it, so every sampled token comes from the kernel. "kernel" (default for
-  quantized plans, whose torch prefill would need dequantized copies): the same launch first runs the prompt
-  as forced decode steps (its tokens fed as the next inputs, LM head skipped), then generates.
+- Prefill, two ways. "torch" (default): kernels/prefill.py's batched prefill (grouped expert GEMMs, SDPA) over
+  views of the plan's float arena and quantized buffers (quantized Linears dequantized per layer into scratch, no
+  float copy of the model), writing the layout the kernel reads ([L, 2, Hkv, T_max, Dh]; MLA [L, T_max, r_kv +
+  rope]); the prompt's last token is not prefilled: decode step 0 runs it, so every sampled token comes from the
+  kernel. "kernel": the same launch first runs the prompt as forced decode steps (its tokens fed as the next
+  inputs, LM head skipped), then generates (no torch at all; one decode step per prompt token).
 - Decode: counters, cursor and control words zeroed, x = embed[last prompt token], one launch of n_steps =
   max_new_tokens steps. The kernel writes token s to ring[1 + s], then ring[0] = s + 1 (system-scope release);
   the host polls ring[0] and yields. EOS (unless ignore_eos), max tokens, or the host stop flag (set when the
@@ -28,6 +28,7 @@ from kie_moe.models.errors import InputError
 from kie_moe.models.reference import ReferenceDecoder
 from kie_moe.models.rope import cos_sin
 
+from ..prefill import Prefill
 from . import plan as P
 from .kernel import CT_ERR, CT_ERR_HAVE, CT_ERR_NEED, CT_ERR_TASK, N_CTRL, monokernel
 
@@ -95,11 +96,11 @@ class MonokernelBackend:
         self.dims = d
         self.kv_dtype = kv_dtype or (torch.float32 if self.device.type == "cpu" else self.plan.wdtype)
         self.prefill_dtype = prefill_dtype or self.plan.wdtype
-        # "torch": the reference decoder's math on the GPU over the arena (fast for long prompts; quantized Linears
-        # would be dequantized into it); "kernel": the prompt runs through the monokernel as forced decode steps
+        # "torch": kernels/prefill.py's batched prefill over the plan's buffers (quantized Linears dequantized per
+        # layer into scratch); "kernel": the prompt runs through the monokernel as forced decode steps
         if prefill not in (None, "torch", "kernel"):
             raise InputError(f"monokernel: prefill must be 'torch' or 'kernel', got {prefill!r}")
-        self.prefill_mode = prefill or ("kernel" if self.plan.qarena is not None else "torch")
+        self.prefill_mode = prefill or "torch"
         self.timeout_ns = int((timeout_ms if timeout_ms is not None
                                else float(os.environ.get("KIE_MONOKERNEL_TIMEOUT_MS", 500))) * 1e6)
         self.num_warps = num_warps
@@ -110,6 +111,7 @@ class MonokernelBackend:
         self._plant: tuple[int, int] | None = None  # tests: (task row, extra count) for the next launch only
         self._tasks: dict[int, torch.Tensor] = {}
         self._prefill_decoder = None
+        self._prefiller = None
         self.kv_tmax = 0
         self._alloc()
         self.last_launch: dict = {}
@@ -177,8 +179,18 @@ class MonokernelBackend:
 
     # ---- prefill --------------------------------------------------------------------------------------------------
     def prefill(self, ids: list[int]):
-        """KV cache positions [0, len(ids)) through the torch reference path."""
+        """KV cache positions [0, len(ids)) through the batched prefill (kernels/prefill.py) over the plan's own
+        buffers; KIE_PREFILL=reference runs the reference decoder's math instead (the oracle, slow)."""
         if not ids:
+            return
+        self._ensure_kv(len(ids) + 1)
+        if os.environ.get("KIE_PREFILL") != "reference":
+            if self._prefiller is None:
+                self._prefiller = Prefill.for_plan(self.plan, self.prefill_dtype)
+            L = self.spec.num_layers
+            caches = ([self.kv[i] for i in range(L)] if self.dims.MLA else
+                      [(self.kv[i, 0].transpose(0, 1), self.kv[i, 1].transpose(0, 1)) for i in range(L)])  # [T, Hkv, Dh]
+            self._prefiller(ids, caches)
             return
         if self._prefill_decoder is None:
             self._prefill_decoder = ReferenceDecoder(self.spec, ArenaStore(self.plan), self.device,

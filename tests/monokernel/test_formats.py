@@ -40,7 +40,7 @@ CASES = [  # (tiny checkpoint, scheme, Linear kinds quantized, prefill): every f
     ("qwen2_moe", "fp8", ("attn", "exp"), "torch"),          # + shared expert with its gate, qkv biases
     ("qwen3_moe_mixed", "fp8-block", ("attn", "mlp", "exp"), "torch"),   # ragged 128-blocks, dense + MoE layers
     ("olmoe", "nvfp4", ("attn", "exp"), "torch"),
-    ("llama", "mxfp4", ("attn", "mlp"), None),       # None: the quantized default, in-kernel prefill
+    ("llama", "mxfp4", ("attn", "mlp"), "kernel"),   # in-kernel prefill (the default is the batched torch one)
 ]
 
 
@@ -49,7 +49,7 @@ def test_quantized_greedy_matches_reference(case, scheme, kinds, prefill, tiny_m
     m = tiny_model(case)
     q = quantize_model(m, scheme, kinds)
     be = MonokernelBackend(m, "cpu", quantized=q.get, prefill=prefill, num_stages=2 if scheme == "fp8" else 0)
-    assert be.prefill_mode == (prefill or "kernel")
+    assert be.prefill_mode == prefill
     d = be.plan.dims
     want_fmt = {"fp8": 1, "fp8-block": 2, "nvfp4": 3, "mxfp4": 4}[scheme]
     assert {k: getattr(d, f"FMT_{k.upper()}") for k in kinds} == {k: want_fmt for k in kinds}
