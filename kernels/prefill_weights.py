@@ -46,7 +46,8 @@ def _dequant_fp8_rows_kernel(w_ptr, s_ptr, o_ptr, R, C, n_rblocks, stride_wg, st
     w = tl.load(w_ptr + g * stride_wg + r64[:, None] * stride_wr + cols[None, :], mask=m, other=0.0)
     s = tl.load(s_ptr + g * stride_sg + r64 * stride_sr, mask=rmask, other=0.0)
     out = w.to(tl.float32) * s[:, None]
-    tl.store(o_ptr + g * stride_og + r64[:, None] * stride_or + cols[None, :], out.to(o_ptr.dtype.element_ty),
+    tl.store(o_ptr + g * stride_og + r64[:, None] * stride_or + cols[None, :],
+             out.to(o_ptr.dtype.element_ty),
              mask=m)
 
 
