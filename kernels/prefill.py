@@ -278,7 +278,7 @@ class Prefill:
             out[s0:s1] = torch.einsum("hst,thd->shd", probs, vf).to(self.dtype)
         return out.reshape(C, H * Dv)
 
-    # ---- feed-forward --------------------------------------------------------------------------------------------------
+    # ---- feed-forward ------------------------------------------------------------------------------------------------
     def _mlp(self, i: int, prefix: str, x: torch.Tensor) -> torch.Tensor:
         g = self.linear(x, canonical(i, f"{prefix}.gate"), self.p(i, f"{prefix}.gate_bias"))
         u = self.linear(x, canonical(i, f"{prefix}.up"), self.p(i, f"{prefix}.up_bias"))

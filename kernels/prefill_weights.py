@@ -222,8 +222,8 @@ class PlanWeights(PrefillWeights):
         rows = n * out
         codes = qb["qw"][w_off:w_off + rows * row_bytes(fmt, inp)].view(*lead, out, row_bytes(fmt, inp))
         if fmt == 1:
-            return WeightHandle("fp8", codes.view(torch.float8_e4m3fn), qb["qf32"][f_off:f_off + rows].view(*lead, out, 1),
-                                None, out, inp)
+            scale = qb["qf32"][f_off:f_off + rows].view(*lead, out, 1)
+            return WeightHandle("fp8", codes.view(torch.float8_e4m3fn), scale, None, out, inp)
         if fmt == 2:   # scales expanded to one row per weight row: every 128th row is the block's
             nkb = scale_cols(2, inp)
             s = qb["qf32"][s_off:s_off + rows * nkb].view(*lead, out, nkb)[..., ::FP8_BLOCK, :]

@@ -26,8 +26,8 @@ from .synthetic import Source, open_model
 SCHEMA = "kie-bench/1"
 ROW_FIELDS = ("model", "source", "family", "scheme", "backend", "backend_note", "device", "prompt_len", "context_len",
               "context_fill", "new_tokens", "runs", "tok_per_s", "tok_per_s_runs", "spread_pct", "ms_per_token",
-              "ttft_s", "ttft_s_runs", "bytes_per_token", "bytes", "backend_bytes_per_token", "achieved_gbps",
-              "read_probe_gbps", "pct_roofline", "roofline_tok_per_s")
+              "ttft_s", "ttft_s_runs", "prefill_tok_per_s", "bytes_per_token", "bytes", "backend_bytes_per_token",
+              "achieved_gbps", "read_probe_gbps", "pct_roofline", "roofline_tok_per_s")
 
 # `kie bench --all`: (preset, scheme, backends): issue 6's shapes and formats on both GPU backends. gpt-oss-120b
 # does not fit the device in bf16: its preset is drawn tensor by tensor and only the MXFP4 codes stay resident
@@ -156,6 +156,9 @@ def bench_row(src: Source, backend: str, device: torch.device, probe: dict, *, p
            "context_fill": fill, "new_tokens": new_tokens, "runs": len(t.tok_per_s_runs),
            "tok_per_s": t.tok_per_s, "tok_per_s_runs": t.tok_per_s_runs, "spread_pct": t.spread_pct,
            "ms_per_token": t.ms_per_token, "ttft_s": t.ttft_s, "ttft_s_runs": t.ttft_s_runs,
+           # prompt tokens over the time to first token (the prefill and one decode step); None when the context
+           # was filled synthetically
+           "prefill_tok_per_s": n_prompt / t.ttft_s if fill == "prefill" and t.ttft_s > 0 else None,
            "bytes_per_token": total, "bytes": b.as_dict(), "backend_bytes_per_token": backend_bytes(be),
            "achieved_gbps": gbps, "read_probe_gbps": probe["gbps"], "pct_roofline": 100 * gbps / probe["gbps"],
            "roofline_tok_per_s": probe["gbps"] * 1e9 / total}
@@ -257,7 +260,8 @@ def table(res: dict) -> str:
                   f"spread {r['spread_pct']:.1f}%)",
                   f"  ms/token      {r['ms_per_token']:.3f}",
                   f"  TTFT          {r['ttft_s'] * 1e3:.1f} ms   "
-                  f"(prompt {r['prompt_len']} tokens, {r['context_fill']})",
+                  f"(prompt {r['prompt_len']} tokens, {r['context_fill']}"
+                  + (f": {r['prefill_tok_per_s']:.0f} prompt tok/s)" if r.get("prefill_tok_per_s") else ")"),
                   f"  bytes/token   {R.fmt_bytes(r['bytes_per_token'])}   (weights {R.fmt_bytes(b['weights'])} + "
                   f"scales {R.fmt_bytes(b['scales'])} + KV {R.fmt_bytes(b['kv'])} at {ctx})",
                   f"  achieved      {R.fmt_gbps(r['achieved_gbps'])}",

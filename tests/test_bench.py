@@ -42,6 +42,10 @@ def check_row(r: dict, runs: int):
     assert r["tok_per_s"] > 0 and min(r["tok_per_s_runs"]) <= r["tok_per_s"] <= max(r["tok_per_s_runs"])
     assert math.isclose(r["ms_per_token"], 1e3 / r["tok_per_s"])
     assert r["ttft_s"] > 0 and len(r["ttft_s_runs"]) == runs
+    if r["context_fill"] == "prefill":       # a real prefill: prompt tokens over TTFT
+        assert math.isclose(r["prefill_tok_per_s"], r["prompt_len"] / r["ttft_s"])
+    else:
+        assert r["prefill_tok_per_s"] is None
     b = r["bytes"]
     assert b["total"] == b["weights"] + b["scales"] + b["kv"] == r["bytes_per_token"] > 0
     assert sum(b["detail"].values()) == b["weights"] + b["scales"]

@@ -197,7 +197,7 @@ def test_monokernel_plan_buffers(case, scheme, hf_model):
     torch.testing.assert_close(logits, want_logits, **TOL)
 
 
-# ---- dequantization ----------------------------------------------------------------------------------------------------
+# ---- dequantization ------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("fmt", ["fp8", "fp8_block", "nvfp4", "mxfp4"])
 def test_dequant_into_matches_the_oracle(fmt):
