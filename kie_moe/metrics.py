@@ -8,6 +8,8 @@ import threading
 # latency buckets in seconds: per-token times on a GPU are ~1 ms, first-token times include queueing
 TPOT_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+# prompt tokens/s of a prefill: a short prompt on the CPU is ~100, an 8K prompt on an H200 is ~10^4
+PREFILL_RATE_BUCKETS = (100, 300, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 
 
 def _fmt(v: float) -> str:
@@ -122,6 +124,12 @@ class ServerMetrics:
         self.ttft = Histogram("kie_time_to_first_token_seconds",
                               "From request arrival (so including queueing) to the first generated token",
                               TTFT_BUCKETS)
+        self.prefill = Histogram("kie_prefill_seconds",
+                                 "From the engine starting a request to its first token (prompt prefill + one "
+                                 "decode step; no queueing)", TTFT_BUCKETS)
+        self.prefill_rate = Histogram("kie_prefill_tokens_per_second",
+                                      "Prompt tokens over kie_prefill_seconds, one sample per request",
+                                      PREFILL_RATE_BUCKETS)
         self.tpot = Histogram("kie_time_per_output_token_seconds",
                               "Mean time between generated tokens after the first, one sample per request",
                               TPOT_BUCKETS)
@@ -134,6 +142,6 @@ class ServerMetrics:
         lines = ["# HELP kie_model_info The model this server serves", "# TYPE kie_model_info gauge",
                  f'kie_model_info{{model="{_escape(self.model)}"}} 1']
         for m in (self.requests, self.finished, self.prompt_tokens, self.generation_tokens, self.queue_depth,
-                  self.running, self.ttft, self.tpot, self.e2e):
+                  self.running, self.ttft, self.prefill, self.prefill_rate, self.tpot, self.e2e):
             lines += m.render()
         return "\n".join(lines) + "\n"

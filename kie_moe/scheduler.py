@@ -195,6 +195,7 @@ class Scheduler:
         text = TextStream(eng.tokenizer, p.stop)
         m.prompt_tokens.inc(len(job.prompt_ids))
         n, reason, hit, t_first = 0, "length", False, None
+        t_start = time.perf_counter()
         gen = eng.stream(job.prompt_ids, p)
         try:
             for tid in gen:
@@ -202,6 +203,9 @@ class Scheduler:
                 if t_first is None:
                     t_first = time.perf_counter()
                     m.ttft.observe(t_first - job.arrival)
+                    m.prefill.observe(t_first - t_start)
+                    if t_first > t_start:
+                        m.prefill_rate.observe(len(job.prompt_ids) / (t_first - t_start))
                 delta, hit = text.push(tid)
                 if hit or (tid in eng.eos_ids and not p.ignore_eos):
                     reason = "stop"

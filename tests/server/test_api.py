@@ -135,10 +135,13 @@ def test_metrics(server, client):
         metric(before, "kie_requests_total", endpoint="/v1/completions", status="200") + 1
     assert metric(text, "kie_generation_tokens_total") == metric(before, "kie_generation_tokens_total") + 5
     assert metric(text, "kie_prompt_tokens_total") > metric(before, "kie_prompt_tokens_total")
-    for h_name in ("kie_time_to_first_token_seconds", "kie_time_per_output_token_seconds"):
+    for h_name in ("kie_time_to_first_token_seconds", "kie_time_per_output_token_seconds", "kie_prefill_seconds",
+                   "kie_prefill_tokens_per_second"):
         assert metric(text, h_name + "_count") == metric(before, h_name + "_count") + 1
         assert f'{h_name}_bucket{{le="+Inf"}}' in text
     assert "# TYPE kie_queue_depth gauge" in text and metric(text, "kie_queue_depth") == 0
+    # the engine's share of the first token (no queueing) is at most the request's
+    assert 0 < metric(text, "kie_prefill_seconds_sum") <= metric(text, "kie_time_to_first_token_seconds_sum")
 
 
 def test_model_without_tokenizer(ckpt_no_tok):
