@@ -31,6 +31,7 @@ from kie_moe.kccl.sync import flag_is_set, read_counter, signal, st_release_sys,
 
 from . import plan as P
 from .mla import mla_absorb_task, mla_attention_task, mla_vup_task
+from .prefetch import prefetch_rows
 from .ops import attention_task, attn_combine, embed_row, pick_token, route, vec_dot_norm
 from .stream import stream_expert_down, stream_gemv, stream_glu, tile
 
@@ -179,6 +180,7 @@ def monokernel(
     # a D-long weight row in units of _wp's pointer (elements, e4m3 bytes, u32 words) and its scale entries
     RU_D_MLP: tl.constexpr = D // 8 if FMT_MLP >= 3 else D
     RU_D_EXP: tl.constexpr = D // 8 if FMT_EXP >= 3 else D
+    RU_I_EXP: tl.constexpr = I_MOE // 8 if FMT_EXP >= 3 else I_MOE
     SC_D_MLP: tl.constexpr = (D + 127) // 128 if FMT_MLP == 2 else (D // 16 if FMT_MLP == 3 else D // 32)
     SC_D_EXP: tl.constexpr = (D + 127) // 128 if FMT_EXP == 2 else (D // 16 if FMT_EXP == 3 else D // 32)
     offs_f = tl.arange(0, 16)
@@ -221,6 +223,7 @@ def monokernel(
         if op == _OP_QKV:
             w = _wp(FMT_ATTN, wa_ptr, qw8_ptr, qw32_ptr, woff)
             sq = _sp(FMT_ATTN, qf32_ptr, qs8f_ptr, qs8u_ptr, tl.load(lrow + P.LF_QKV_S))
+            prefetch_rows(w, r0, nr, D, FMT_ATTN, USE_ASM)   # the whole task into L2 before the wait
             w0, s0 = tile(w, sq, D, r0, r_end, 0, 1, FMT_ATTN, BN_QKV, BLOCK_K)
             t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
             st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE)
@@ -243,6 +246,7 @@ def monokernel(
         elif op == _OP_O:
             w = _wp(FMT_ATTN, wa_ptr, qw8_ptr, qw32_ptr, woff)
             sq = _sp(FMT_ATTN, qf32_ptr, qs8f_ptr, qs8u_ptr, tl.load(lrow + P.LF_O_S))
+            prefetch_rows(w, r0, nr, O_K, FMT_ATTN, USE_ASM)
             w0, s0 = tile(w, sq, O_K, r0, r_end, 0, 1, FMT_ATTN, BN_O, BLOCK_K)
             t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
             st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE)
@@ -301,6 +305,8 @@ def monokernel(
             f_off = tl.load(lrow + P.LF_GATE_F)
             sg_ = _sp(FMT_MLP, qf32_ptr, qs8f_ptr, qs8u_ptr, s_off)
             su_ = _sp(FMT_MLP, qf32_ptr, qs8f_ptr, qs8u_ptr, s_off + I_DENSE * SC_D_MLP)
+            prefetch_rows(wg, r0, nr, D, FMT_MLP, USE_ASM)
+            prefetch_rows(wu, r0, nr, D, FMT_MLP, USE_ASM)
             g0, gs0 = tile(wg, sg_, D, r0, r_end, 0, 1, FMT_MLP, BN_GU, BLOCK_K)
             u0, us0 = tile(wu, su_, D, r0, r_end, 0, 1, FMT_MLP, BN_GU, BLOCK_K)
             t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
@@ -312,6 +318,7 @@ def monokernel(
         elif op == _OP_DOWN:
             w = _wp(FMT_MLP, wa_ptr, qw8_ptr, qw32_ptr, woff)
             sq = _sp(FMT_MLP, qf32_ptr, qs8f_ptr, qs8u_ptr, tl.load(lrow + P.LF_DOWN_S))
+            prefetch_rows(w, r0, nr, I_DENSE, FMT_MLP, USE_ASM)
             w0, s0 = tile(w, sq, I_DENSE, r0, r_end, 0, 1, FMT_MLP, BN_DOWN, BLOCK_K)
             t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
             st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE)
@@ -337,6 +344,8 @@ def monokernel(
             f_off = tl.load(lrow + P.LF_SGATE_F)
             sg_ = _sp(FMT_EXP, qf32_ptr, qs8f_ptr, qs8u_ptr, s_off)
             su_ = _sp(FMT_EXP, qf32_ptr, qs8f_ptr, qs8u_ptr, s_off + I_SH * SC_D_EXP)
+            prefetch_rows(wg, r0, nr, D, FMT_EXP, USE_ASM)
+            prefetch_rows(wu, r0, nr, D, FMT_EXP, USE_ASM)
             g0, gs0 = tile(wg, sg_, D, r0, r_end, 0, 1, FMT_EXP, BN_SUP, BLOCK_K)
             u0, us0 = tile(wu, su_, D, r0, r_end, 0, 1, FMT_EXP, BN_SUP, BLOCK_K)
             t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
@@ -366,6 +375,8 @@ def monokernel(
                 wu = _wp(FMT_EXP, wa_ptr, qw8_ptr, qw32_ptr, tl.load(lrow + P.LF_EUP)) + e * (I_MOE * RU_D_EXP)
                 sg_ = _sp(FMT_EXP, qf32_ptr, qs8f_ptr, qs8u_ptr, tl.load(lrow + P.LF_EGATE_S) + e * (I_MOE * SC_D_EXP))
                 su_ = _sp(FMT_EXP, qf32_ptr, qs8f_ptr, qs8u_ptr, tl.load(lrow + P.LF_EUP_S) + e * (I_MOE * SC_D_EXP))
+                prefetch_rows(wg, r0, nr, D, FMT_EXP, USE_ASM)   # experts are known only now
+                prefetch_rows(wu, r0, nr, D, FMT_EXP, USE_ASM)
                 g0, gs0 = tile(wg, sg_, D, r0, r_end, 0, 1, FMT_EXP, BN_EUP, BLOCK_K)
                 u0, us0 = tile(wu, su_, D, r0, r_end, 0, 1, FMT_EXP, BN_EUP, BLOCK_K)
                 stream_glu(wg, wu, sg_, su_, qf32_ptr + tl.load(lrow + P.LF_EGATE_F) + e * I_MOE,
@@ -379,6 +390,11 @@ def monokernel(
             t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
             st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE)
             if st == 0:
+                if USE_ASM:   # the routed experts' rows of this task, all slots at once, into L2
+                    eb = _wbase(FMT_EXP, wa_ptr, qw8_ptr, qw32_ptr) + _wu(FMT_EXP, tl.load(lrow + P.LF_EDOWN))
+                    for j in tl.static_range(TOPK):
+                        e = tl.load(rids_ptr + layer * TOPK + j).to(tl.int64)
+                        prefetch_rows(eb + e * (D * RU_I_EXP), r0, nr, I_MOE, FMT_EXP, USE_ASM)
                 stream_expert_down(_wbase(FMT_EXP, wa_ptr, qw8_ptr, qw32_ptr),
                                    _sp(FMT_EXP, qf32_ptr, qs8f_ptr, qs8u_ptr, tl.zeros((), tl.int64)), qf32_ptr,
                                    _wu(FMT_EXP, tl.multiple_of(tl.load(lrow + P.LF_EDOWN), 64)),
@@ -390,6 +406,7 @@ def monokernel(
                                    HAS_SH_GATE, FMT_EXP, BLOCK_TOPK, BN_EDOWN, BLOCK_K, XB, NS)
         elif op == _OP_LM:
             w = wa_ptr + tl.multiple_of(woff, 64)
+            prefetch_rows(w, r0, nr, D, 0, USE_ASM)
             w0, s0 = tile(w, qf32_ptr, D, r0, r_end, 0, 1, 0, BN_LM, BLOCK_K)
             t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
             st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE)
