@@ -14,7 +14,9 @@ layer's worth of KV cache); within a layer
   MLP / MoE  in token chunks of `moe_chunk` (default: as many tokens as keep the MoE activations under ~2 GB):
              route (the reference's route(), every router kind), sort the (token, slot) pairs by expert, one
              GEMM per expert over its contiguous rows -- torch._grouped_mm (one launch for all experts; CUDA sm90+,
-             bf16) or a loop over the active experts -- then the weighted scatter-add back (fp32 accumulation).
+             bf16) or a loop over the active experts -- then the rows go back to (token, slot) order and one
+             batched product per token sums the k slots with their routing weights (fp32 accumulation, no
+             atomics). No host sync on the grouped path.
 Quantized weights are dequantized per layer, just in time, into reusable scratch buffers (prefill_weights.py):
 all experts of a layer at once when they fit `scratch_bytes`, else in groups; never a float copy of the model.
 
@@ -155,7 +157,8 @@ class Prefill:
         if self.moe_chunk:
             return self.moe_chunk
         D, I = self.spec.hidden_size, m.intermediate_size
-        per_tok = m.top_k * (D * 2 * 2 + D * 4 + 3 * I * 2) + D * 8        # xs, ys (+ fp32), g|u, act; out fp32
+        eb = torch.empty((), dtype=self.dtype).element_size()
+        per_tok = m.top_k * (3 * D + 3 * I) * eb + 8 * D                    # xs, ys, yu; g|u, act; logits, out
         return max(self.chunk, (_MOE_ACT_BYTES // per_tok) // self.chunk * self.chunk)
 
     def _cos_sin(self, rope, c0: int, c1: int):
@@ -237,8 +240,8 @@ class Prefill:
             kh, vh = kh.repeat_interleave(rep, 0), vh.repeat_interleave(rep, 0)
         if Dv != Dq:                                                                # MLA: v padded to q's width
             vh = F.pad(vh, (0, Dq - Dv))
-        qh = q.transpose(0, 1)[None]                                                # [1, H, C, Dq]
-        kh, vh = kh[None], vh[None]
+        qh = q.transpose(0, 1).contiguous()[None]                                   # [1, H, C, Dq]
+        kh, vh = kh.contiguous()[None], vh.contiguous()[None]
         full = not window or window >= q0 + C                                      # the window hides nothing
         if full and q0 == 0 and T == C:
             o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=a.softmax_scale)
@@ -301,12 +304,13 @@ class Prefill:
         order = torch.argsort(flat, stable=True)                                    # (token, slot) pairs by expert
         tok = order // k
         eid = flat.index_select(0, order)
-        counts = torch.bincount(flat, minlength=m.num_experts)
-        ys = self._experts(i, m, x.index_select(0, tok), eid, counts)              # [T*k, D]
-        w = wts.reshape(-1).index_select(0, order)
-        out = torch.zeros(T, D, dtype=torch.float32, device=self.device)
-        out.index_add_(0, tok, ys.float().mul_(w[:, None]))
-        out = out.to(self.dtype)
+        # expert sizes without a host sync (torch.bincount syncs on CUDA to size its output)
+        counts = torch.zeros(m.num_experts, dtype=torch.int64, device=self.device).index_add_(
+            0, flat, torch.ones_like(flat))
+        ys = self._experts(i, m, x.index_select(0, tok), eid, counts)              # [T*k, D], sorted by expert
+        yu = torch.empty_like(ys).index_copy_(0, order, ys).view(T, k, D)           # back to (token, slot) order
+        # weighted sum over the k slots: one batched [1, k] x [k, D] product per token (fp32 accumulation)
+        out = torch.bmm(wts.to(self.dtype)[:, None, :], yu)[:, 0]
         if m.shared_intermediate_size:
             sh = self._mlp(i, "moe.shared", x)
             if m.shared_expert_gate:
