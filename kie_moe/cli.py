@@ -216,8 +216,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where converted checkpoints are cached (default: ~/.cache/kie-moe/demo)")
     d.add_argument("--schemes", default="fp8,nvfp4", help="comma-separated quantized schemes (default fp8,nvfp4)")
     d.add_argument("--max-new-tokens", type=int, default=48, help="tokens to generate per scheme (default 48)")
-    d.add_argument("--windows", type=int, default=4, help="held-out windows scored per scheme (default 4)")
-    d.add_argument("--window-len", type=int, default=256, help="tokens per held-out window (default 256)")
+    d.add_argument("--windows", type=int, default=32,
+                   help="held-out windows scored per scheme, spread over the whole text (default 32; 0: all that fit; "
+                        "the same windows as kie sweep's defaults)")
+    d.add_argument("--window-len", type=int, default=256, help="scored tokens per held-out window (default 256)")
     d.add_argument("--json", action="store_true", help="print one JSON object (rows: scheme, bytes, tokens_per_s, "
                                                        "top1, kl, ppl, text, ...) instead of the table")
     _device_args(d)
@@ -261,8 +263,10 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--cache", default=None, metavar="DIR",
                    help="converted checkpoints, reused across runs (default: OUT/checkpoints)")
     w.add_argument("--tiny", action="store_true", help="a preset's tiny variant (tests, CPU)")
-    w.add_argument("--window", type=int, default=128, help="tokens per teacher-forced window (default 128)")
-    w.add_argument("--max-tokens", type=int, default=512, help="tokens of text scored per scheme (default 512)")
+    w.add_argument("--window", type=int, default=256, help="scored tokens per teacher-forced window (default 256)")
+    w.add_argument("--max-tokens", type=int, default=None,
+                   help="tokens scored per scheme, in windows spread over the whole text (default 8192, kie demo's "
+                        "windows; 0: all of the text; 512 with random ids)")
     _measure_args(w, 64)
     w.add_argument("--quiet", action="store_true", help="no progress bar")
     _device_args(w)

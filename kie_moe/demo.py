@@ -4,7 +4,9 @@ The embedded model (kie_moe/assets/demo-moe: a small Qwen3-MoE trained on Python
 TRAINING.md) is converted to each scheme (cached under --out, keyed by a hash of the source weights, so a second
 run only generates), each version completes a Python prompt greedily, and a table compares them with bf16:
 weight bytes, decode tokens/s, and quality teacher-forced on held-out text the model never trained on (top-1
-agreement and mean KL(bf16 || scheme) of the next-token distributions, perplexity).
+agreement and mean KL(bf16 || scheme) of the next-token distributions, perplexity), over the same token windows
+`kie sweep` scores by default (kie_moe.heldout: 32 windows of 256 tokens spread over the whole text; --windows 0
+scores all of it).
 
 Quality runs through the reference decoder in float32 on every device (the oracle, so the numbers measure the
 weights, not a backend's arithmetic); generation and tokens/s use the engine's backend (auto: the fastest there).
@@ -20,13 +22,13 @@ from typing import Callable
 
 import torch
 
+from kie_moe import heldout as H
 from kie_moe.engine import resolve_device
 from kie_moe.models.errors import ConfigError, InputError
 
 DEFAULT_MODEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "demo-moe")
 DEFAULT_SCHEMES = ("fp8", "nvfp4")
 PROMPT = "def fibonacci(n):"
-HELDOUT = "heldout.txt"
 
 
 @dataclass
@@ -114,29 +116,19 @@ def converted(src: str, out: str, scheme: str, fp: str, log: Callable[[str], Non
 
 
 def heldout_text(model_dir: str) -> tuple[str, str]:
-    """The model's held-out sample, else (a checkpoint without one) a standard-library module's source."""
-    path = os.path.join(model_dir, HELDOUT)
-    if os.path.exists(path):
-        return open(path, encoding="utf-8").read(), path
-    import sysconfig
-    path = os.path.join(sysconfig.get_paths()["stdlib"], "argparse.py")
+    """The model's held-out sample (kie_moe.heldout: its own heldout.txt, else the embedded demo model's), else
+    a standard-library module's source."""
+    path = H.heldout_file(model_dir)
+    if path is None:
+        import sysconfig
+        path = os.path.join(sysconfig.get_paths()["stdlib"], "argparse.py")
     return open(path, encoding="utf-8").read(), path
 
 
 def eval_windows(tok, text: str, n: int, length: int, vocab: int) -> torch.Tensor:
-    """n windows of length+1 token ids spread evenly over `text` -> [n, length+1] (inputs [:, :-1], targets [:, 1:])."""
-    # the fast backend directly: transformers' wrapper warns about sequences longer than model_max_length
-    backend = getattr(tok.tok, "backend_tokenizer", None)
-    ids = backend.encode(text, add_special_tokens=False).ids if backend is not None else \
-        tok.encode(text, add_special_tokens=False)
-    if len(ids) < length + 1:
-        raise InputError(f"held-out text has {len(ids)} tokens; a window needs {length + 1}")
-    if max(ids) >= vocab:
-        raise ConfigError(f"the tokenizer produced id {max(ids)} but the model's vocabulary is {vocab}")
-    n = max(1, min(n, len(ids) // (length + 1)))
-    span = len(ids) - (length + 1)
-    starts = [round(i * span / max(n - 1, 1)) for i in range(n)] if n > 1 else [0]
-    return torch.tensor([ids[s:s + length + 1] for s in starts], dtype=torch.long)
+    """n windows of length+1 token ids spread evenly over `text` -> [n, length+1] (inputs [:, :-1], targets [:, 1:]);
+    the same windows kie sweep scores (kie_moe.heldout)."""
+    return H.windows(H.encode(tok, text, vocab), n, length)
 
 
 @torch.no_grad()
@@ -182,9 +174,9 @@ def open_engine(path: str, device: str | None, backend: str, prompt: str, log: C
 
 
 def run_demo(model: str | None = None, out: str | None = None, device: str | None = None, backend: str = "auto",
-             schemes=DEFAULT_SCHEMES, prompt: str = PROMPT, max_new_tokens: int = 48, windows: int = 4,
-             window_len: int = 256, on_text: Callable[[str], None] | None = None,
-             log: Callable[[str], None] = lambda m: None) -> DemoResult:
+             schemes=DEFAULT_SCHEMES, prompt: str = PROMPT, max_new_tokens: int = 48,
+             windows: int = H.DEFAULT_WINDOWS, window_len: int = H.DEFAULT_WINDOW_LEN,
+             on_text: Callable[[str], None] | None = None, log: Callable[[str], None] = lambda m: None) -> DemoResult:
     """Convert, generate, compare. on_text streams the completions (with a `[scheme]` line before each)."""
     from kie_moe.quant.metrics import compare_logits
     from kie_moe.sampling import SamplingParams

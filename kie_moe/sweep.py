@@ -5,10 +5,13 @@ OUT/checkpoints, as <scheme>/; without the converter in this build, quantized in
 (kie_moe.bench: tok/s, bytes/token, % of the roofline measured in the same process) and its quality against the
 bf16 model, teacher-forced over the same token windows: mean KL(P_bf16 || P_scheme) of the next-token
 distributions, top-1 agreement and perplexity (quant/metrics). Quality is computed with the reference decoder over
-the scheme's dequantized weights, the values every backend computes with, so it does not depend on --backend.
+the scheme's dequantized weights, the values every backend computes with, so it does not depend on --backend, in
+float32 where a float32 copy fits (quality_dtype).
 
-Token data: --text FILE (tokenized with the model's tokenizer), else the embedded demo model's held-out text when
-this build has one, else random token ids; a preset ARCH (random weights) always uses random ids and says so: there
+Token data: --text FILE (tokenized with the model's tokenizer), else the checkpoint's heldout.txt, else the embedded
+demo model's held-out text when this build has one, cut into the windows `kie demo` scores (kie_moe.heldout: by
+default 32 windows of 256 tokens spread over the whole text, so both commands report the same numbers), else
+random token ids; a preset ARCH (random weights) always uses random ids and says so: there
 KL / top-1 only compare the quantized random model with its bf16 self, and perplexity is not reported.
 
 Writes OUT/results.json, results.csv, results.md and tradeoff.png (tok/s against KL, one labelled point per
@@ -28,8 +31,9 @@ import torch
 from kie_moe.models.errors import ConfigError, InputError, KieError
 
 from . import bench as B
+from . import heldout as H
 from . import roofline as R
-from .synthetic import EMBEDDED_DEMO, check_scheme, is_checkpoint_dir, open_model, resolve_model
+from .synthetic import check_scheme, is_checkpoint_dir, open_model, resolve_model
 
 SCHEMA = "kie-sweep/1"
 CSV_FIELDS = ("scheme", "backend", "tok_per_s", "ms_per_token", "bytes_per_token", "achieved_gbps", "pct_roofline",
@@ -40,24 +44,25 @@ _STAMP = "kie_sweep_source.json"     # written into each cached conversion: whic
 
 # ---- token data ------------------------------------------------------------------------------------------------
 
-HELDOUT = "heldout.txt"               # kie_moe/demo.py's name for a model's held-out sample, beside its config.json
+RANDOM_MAX_TOKENS = 512               # random-id quality (a preset ARCH): only the quantized model vs its bf16 self
 
 
 def heldout_file(model_dir: str) -> str | None:
     """The checkpoint's own held-out sample, else the embedded demo model's (when this build ships it)."""
-    for d in (model_dir, EMBEDDED_DEMO):
-        path = os.path.join(d, HELDOUT)
-        if os.path.isfile(path):
-            return path
-    return None
+    return H.heldout_file(model_dir)
 
 
-def token_windows(model_dir: str | None, spec, text_file: str | None, window: int, max_tokens: int,
-                  seed: int = 0) -> tuple[list[torch.Tensor], str]:
-    """-> (windows of token ids [S] each, a label saying where they came from)."""
+def token_windows(model_dir: str | None, spec, text_file: str | None, window: int, max_tokens: int | None,
+                  seed: int = 0) -> tuple[torch.Tensor, str]:
+    """-> (windows [n, window + 1] of token ids: inputs [:, :-1], targets [:, 1:]; a label saying where they came
+    from). Text is cut into the windows kie demo scores (kie_moe.heldout: evenly spread over the whole text, no BOS);
+    max_tokens scored tokens (n = max_tokens // window windows; 0: every window that fits; None: kie demo's
+    default for text, RANDOM_MAX_TOKENS for random ids)."""
     window = min(window, spec.max_position)
-    if window < 2:
-        raise InputError(f"--window must be at least 2 tokens, got {window}")
+    if window < 1:
+        raise InputError(f"--window must be at least 1 token, got {window}")
+    if max_tokens is not None and max_tokens < 0:
+        raise InputError(f"--max-tokens must be >= 0 (0: all of the text), got {max_tokens}")
     text, label = None, None
     if text_file is not None:
         if model_dir is None:
@@ -78,63 +83,78 @@ def token_windows(model_dir: str | None, spec, text_file: str | None, window: in
         from kie_moe.tokenizer import Tokenizer, has_tokenizer
         if not has_tokenizer(model_dir):
             raise ConfigError(f"{model_dir}: no tokenizer.json, so {label} cannot be tokenized")
-        ids = Tokenizer(model_dir).encode(text)[:max_tokens]
+        try:
+            ids = H.encode(Tokenizer(model_dir), text, spec.vocab_size)
+        except ConfigError as e:
+            raise ConfigError(f"{model_dir}: {e} (config.json's vocab_size)") from None
         if len(ids) < 2:
             raise InputError(f"{label}: fewer than 2 tokens after tokenization")
-        if max(ids) >= spec.vocab_size:
-            raise ConfigError(f"{model_dir}: its tokenizer produced id {max(ids)}, but config.json's vocab_size is "
-                              f"{spec.vocab_size}")
-        t = torch.tensor(ids, dtype=torch.long)
-        wins = [t[i:i + window] for i in range(0, len(ids), window)]
-        wins = [w for w in wins if len(w) >= 2]
-        return wins, f"{label} ({sum(len(w) for w in wins)} tokens, windows of {window})"
-    n_win = max(1, max_tokens // window)
-    ids = B.prompt_ids(spec.vocab_size, n_win * window, seed)
-    t = torch.tensor(ids, dtype=torch.long)
-    return list(t.split(window)), f"random token ids ({n_win} x {window}; no text: quality vs bf16 only, no perplexity)"
+        window = min(window, len(ids) - 1)                    # a short text: one window of all of it
+        if max_tokens is None:
+            max_tokens = H.DEFAULT_WINDOWS * H.DEFAULT_WINDOW_LEN
+        wins = H.windows(ids, max(1, max_tokens // window) if max_tokens else 0, window)
+        return wins, (f"{label} ({wins.shape[0] * window} tokens, windows of {window} spread over all "
+                      f"{len(ids)} of its tokens)")
+    n_win = max(1, (max_tokens or RANDOM_MAX_TOKENS) // window)
+    ids = B.prompt_ids(spec.vocab_size, n_win * (window + 1), seed)
+    wins = torch.tensor(ids, dtype=torch.long).reshape(n_win, window + 1)
+    return wins, f"random token ids ({n_win} x {window}; no text: quality vs bf16 only, no perplexity)"
 
 
 # ---- quality ---------------------------------------------------------------------------------------------------
 
-def _decoder(model, device: torch.device, lazy: bool):
+def quality_dtype(dev: torch.device, lazy: bool, store) -> torch.dtype:
+    """float32 activations (what kie demo uses, so a scheme's numbers measure its weights, not bf16 rounding of
+    activations, which alone moves 1% of the demo model's argmaxes) wherever a float32 copy fits: always on the
+    host; on a GPU when it takes under half of the free memory; else bf16 (said in results.json)."""
+    if dev.type == "cpu":
+        return torch.float32
+    n = None if lazy else _float32_bytes(store)
+    if n is not None and n < 0.5 * torch.cuda.mem_get_info(dev)[0]:
+        return torch.float32
+    return torch.bfloat16
+
+
+def _float32_bytes(store) -> int | None:
+    inner = getattr(store, "store", store)
+    t = getattr(inner, "tensors", None)
+    if isinstance(t, dict):
+        return 4 * sum(x.numel() for x in t.values())
+    shapes = getattr(getattr(inner, "source", None), "shapes", None)
+    if shapes is None:
+        return None
+    return 4 * sum(math.prod(s) for s in shapes().values())
+
+
+def _decoder(model, device: torch.device, lazy: bool, dtype: torch.dtype | None):
     from kie_moe.models.registry import adapter_for
     adapter = adapter_for(model.spec.family)
     if hasattr(adapter, "reference_decoder"):
-        return adapter.reference_decoder(model.spec, model.weights, device, None)
+        return adapter.reference_decoder(model.spec, model.weights, device, dtype)
     from kie_moe.models.reference import ReferenceDecoder
-    return ReferenceDecoder(model.spec, model.weights, device, None, lazy=lazy)
+    return ReferenceDecoder(model.spec, model.weights, device, dtype, lazy=lazy)
 
 
-def window_logits(model, windows, device: torch.device, lazy: bool = False) -> list[torch.Tensor]:
-    """Teacher-forced logits [S, V] (float32, on the host) of every window, each from an empty cache."""
-    dec = _decoder(model, device, lazy)
+def window_logits(model, windows: torch.Tensor, device: torch.device, lazy: bool = False,
+                  dtype: torch.dtype | None = torch.float32) -> list[torch.Tensor]:
+    """Teacher-forced logits [window, V] (float32, on the host) over every window's inputs (w[:-1]), each from an
+    empty cache."""
+    dec = _decoder(model, device, lazy, dtype)
     out = []
     for w in windows:
         dec.reset()
-        out.append(dec.forward(w.to(device)).float().cpu())
+        out.append(dec.forward(w[:-1].to(device)).float().cpu())
     del dec
     return out
 
 
-def quality(ref: list[torch.Tensor], test: list[torch.Tensor], windows, with_ppl: bool) -> dict:
-    """Position-weighted means over every window: KL, top-1, and perplexity of the next tokens (logits of
-    position t score token t + 1)."""
-    from kie_moe.quant.metrics import kl_divergence, perplexity, top1_agreement
-    n = kl = top1 = nll = nll_ref = 0.0
-    for r, t, w in zip(ref, test, windows):
-        k = r.shape[0]
-        kl += kl_divergence(r, t) * k
-        top1 += top1_agreement(r, t) * k
-        n += k
-        if with_ppl:
-            m = k - 1
-            nll += math.log(perplexity(t[:-1], w[1:])) * m
-            nll_ref += math.log(perplexity(r[:-1], w[1:])) * m
-    m_all = sum(len(w) - 1 for w in windows)
-    q = {"kl": kl / n, "top1": top1 / n, "quality_tokens": int(n), "ppl": None, "ppl_bf16": None}
-    if with_ppl:
-        q.update(ppl=math.exp(nll / m_all), ppl_bf16=math.exp(nll_ref / m_all))
-    return q
+def quality(ref: list[torch.Tensor], test: list[torch.Tensor], windows: torch.Tensor, with_ppl: bool) -> dict:
+    """Means over every scored position (logits of input t score target t + 1 = windows[:, t + 1]): KL, top-1,
+    and perplexity of the targets."""
+    from kie_moe.quant.metrics import compare_logits
+    r, t = torch.cat(ref), torch.cat(test)
+    q = compare_logits(r, t, windows[:, 1:].reshape(-1) if with_ppl else None)
+    return {"kl": q.kl, "top1": q.top1, "quality_tokens": int(r.shape[0]), "ppl": q.ppl_test, "ppl_bf16": q.ppl_ref}
 
 
 # ---- the model in each scheme ----------------------------------------------------------------------------------
@@ -187,7 +207,8 @@ def parse_schemes(s: str) -> list[str]:
 
 
 def run(model: str, schemes: list[str], out_dir: str, *, text: str | None = None, backend: str = "auto",
-        device: str | None = None, tiny: bool = False, window: int = 128, max_tokens: int = 512,
+        device: str | None = None, tiny: bool = False, window: int = H.DEFAULT_WINDOW_LEN,
+        max_tokens: int | None = None,
         prompt_len: int = 32, new_tokens: int = 64, runs: int = 3, probe_bytes: int | None = None,
         cache_dir: str | None = None, progress: bool = True, argv: list[str] | None = None) -> dict:
     from tqdm.auto import tqdm
@@ -216,13 +237,14 @@ def run(model: str, schemes: list[str], out_dir: str, *, text: str | None = None
     # A synthetic model on the GPU may be too large for a second (dequantized) copy: then weights are
     # fetched and quantized at every use instead (slow, but memory stays at one weight).
     lazy = dev.type == "cuda" and not ckpt and _model_bytes(base.model.weights) > 0.85 * torch.cuda.mem_get_info(dev)[0]
-    ref = window_logits(base.model, windows, dev, lazy)
+    qdtype = quality_dtype(dev, lazy, base.model.weights)
+    ref = window_logits(base.model, windows, dev, lazy, qdtype)
     bar.update()
     convert = converter() if ckpt else None
     # one backend for every row: auto picks the one that streams quantized codes when any scheme is quantized
     backend = B.pick_backend(backend, dev, next((s for s in schemes if s != "bf16"), "bf16"))
-    res.update(quality_data=data_label, converter="kie convert" if convert else
-               ("in-memory quantization (kie convert is not in this build)" if ckpt else "in-memory quantization"),
+    res.update(quality_data=data_label, quality_dtype=str(qdtype).removeprefix("torch."),
+               converter="kie convert" if convert else ("in-memory quantization (kie convert is not in this build)" if ckpt else "in-memory quantization"),
                backend=backend, rows=[])
 
     for scheme in schemes:
@@ -241,7 +263,7 @@ def run(model: str, schemes: list[str], out_dir: str, *, text: str | None = None
                 row["note"] = (f"no Linear weight of this model fits {scheme} (shapes); kie convert kept them in "
                                f"float" if src.scheme == "bf16" else f"checkpoint holds {src.scheme}")
             bar.set_postfix_str(f"{scheme}: quality")
-            test = ref if scheme == "bf16" else window_logits(src.model, windows, dev, lazy)
+            test = ref if scheme == "bf16" else window_logits(src.model, windows, dev, lazy, qdtype)
             row.update(quality(ref, test, windows, with_ppl))
             del test
             bar.update()
@@ -318,7 +340,7 @@ def md_table(res: dict) -> str:
              + f"; torch {env.get('torch')}, triton {env.get('triton')}; commit {env.get('git_commit')}", "",
              f"Command: `{env.get('command')}`", "",
              f"Read ceiling {res['read_probe']['gbps']:.0f} GB/s ({res['read_probe']['method']}). "
-             f"Quality data: {res['quality_data']}. Schemes from: {res['converter']}.", "",
+             f"Quality data: {res['quality_data']}; {res.get('quality_dtype', 'float32')} activations. Schemes from: {res['converter']}.", "",
              "| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for r in res["rows"]:
         if "error" in r:

@@ -54,7 +54,7 @@ def test_results_json(swept):
     assert rc == 0
     assert res["schema"] == S.SCHEMA
     assert [r["scheme"] for r in res["rows"]] == ALL.split(",")
-    assert res["quality_data"].startswith("text sample.txt (64 tokens, windows of 32)")
+    assert res["quality_data"].startswith("text sample.txt (64 tokens, windows of 32 spread over all ")
     for r in res["rows"]:
         assert "error" not in r, r
         for k in ("backend", "tok_per_s", "ms_per_token", "bytes_per_token", "pct_roofline", "kl", "top1", "ppl",
