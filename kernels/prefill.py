@@ -125,7 +125,7 @@ class Prefill:
         return F.linear(x, self.weight(h), bias)
 
     # ---- the prompt ------------------------------------------------------------------------------------------------
-    @torch.inference_mode()
+    @torch.no_grad()      # not inference_mode: the scratch / cached vectors stay ordinary tensors
     def __call__(self, ids, caches: list, logits: bool = False) -> torch.Tensor | None:
         spec, eps = self.spec, self.spec.norm_eps
         ids = torch.as_tensor(ids, dtype=torch.long).to(self.device)
