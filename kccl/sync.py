@@ -152,3 +152,31 @@ def read_counter(counter_ptr, USE_ASM: tl.constexpr):
     else:
         v = tl.atomic_add(counter_ptr, 0, sem="acquire")
     return v
+
+
+# ---- puts into a peer's symmetric region (the monokernel's cross-GPU tasks) ----------------------------------
+# Every rank allocates the same symmetric layout; rank q's copy of an address `p` of ours is p + poff[q] (a table of
+# int64 distances in elements, built by the host from the mapped addresses: torch symmetric memory on GPUs, plain
+# CPU tensors of one process under the interpreter). poff[own rank] = 0: putting to ourselves is the same code.
+
+@triton.jit
+def peer(ptr, poff_ptr, q):
+    """Rank q's copy of `ptr` (an address inside this rank's symmetric region)."""
+    return ptr + tl.load(poff_ptr + q)
+
+
+@triton.jit
+def put_span(ptr, poff_ptr, q, n0, n1, BLOCK: tl.constexpr):
+    """(rank q's copy of ptr)[n0:n1] = ptr[n0:n1]. Plain stores (over NVLink for a peer); order them before the
+    signal that publishes them with signal_peer (its bar.sync + release at system scope)."""
+    dst = peer(ptr, poff_ptr, q)
+    for k0 in range(n0, n1, BLOCK):
+        offs = k0 + tl.arange(0, BLOCK)
+        m = offs < n1
+        tl.store(dst + offs, tl.load(ptr + offs, mask=m, other=0), mask=m)
+
+
+@triton.jit
+def signal_peer(ctr_ptr, poff_ptr, q, USE_ASM: tl.constexpr):
+    """Rank q's copy of the counter `ctr_ptr` += 1 (release, system scope), after every thread's stores."""
+    signal(peer(ctr_ptr, poff_ptr, q), 1, USE_ASM, SYS=True)

@@ -27,7 +27,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kie_moe.kccl.sync import flag_is_set, read_counter, signal, st_release_sys, wait
+from kie_moe.kccl.sync import flag_is_set, put_span, read_counter, signal, signal_peer, st_release_sys, wait
 
 from . import plan as P
 from .mla import mla_absorb_task, mla_attention_task, mla_vup_task
@@ -36,8 +36,9 @@ from .ops import attention_task, attn_combine, embed_row, pick_token, route, vec
 from .stream import stream_expert_down, stream_gemv, stream_glu, tile
 
 # ctrl words (int32, device): written by the kernel, read by the host after the launch
-CT_STOP, CT_ERR, CT_ERR_TASK, CT_ERR_HAVE, CT_ERR_NEED, CT_REASON, CT_NTOK = range(7)
+CT_STOP, CT_ERR, CT_ERR_TASK, CT_ERR_HAVE, CT_ERR_NEED, CT_REASON, CT_NTOK, CT_YIELD = range(8)
 N_CTRL = 8
+WAIT_YIELD = 3   # interpreter only: a KCCL wait another rank has not satisfied yet (see _kccl_wait)
 
 _OP_QKV = tl.constexpr(P.OP_QKV)
 _OP_ATTN = tl.constexpr(P.OP_ATTN)
@@ -54,6 +55,7 @@ _OP_QB = tl.constexpr(P.OP_QB)
 _OP_ABSORB = tl.constexpr(P.OP_ABSORB)
 _OP_MLA_ATTN = tl.constexpr(P.OP_MLA_ATTN)
 _OP_VUP = tl.constexpr(P.OP_VUP)
+_OP_REDUCE = tl.constexpr(P.OP_REDUCE)
 _NF = tl.constexpr(P.NF)
 _NLF = tl.constexpr(P.NLF)
 
@@ -126,10 +128,48 @@ def _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM: tl.constexpr, NT: tl.cons
     return st
 
 
+@triton.jit
+def _kccl_wait(ctr, target, stop_ptr, timeout_ns, USE_ASM: tl.constexpr, NT: tl.constexpr, MODE: tl.constexpr):
+    """Wait on a KCCL counter that other ranks signal (system scope). Under the interpreter ranks run one after
+    another, so a counter a peer has not reached yet is not an error but a yield point: WAIT_YIELD makes the
+    program record the task and leave; the host (shard.py) runs the other ranks and resumes this one there."""
+    if MODE == 2:
+        st = 0
+    else:
+        st = wait(ctr, target, stop_ptr, timeout_ns, USE_ASM, True, NT)
+        if USE_ASM == 0:
+            st = tl.where(st == 2, WAIT_YIELD, st)
+    return st
+
+
+@triton.jit
+def _tp_put(ptr, poff_ptr, n0, n1, ctr_ptr, TP: tl.constexpr, USE_ASM: tl.constexpr, BLOCK: tl.constexpr):
+    """ptr[n0:n1] (this rank's row of a symmetric recv buffer) into every rank's copy (ours included: the same
+    code for one rank), each followed by a signal of that rank's KCCL counter `ctr_ptr`."""
+    tl.debug_barrier()   # the partial's stores (every thread) before the copies read them
+    for q in range(0, TP):
+        put_span(ptr, poff_ptr, q, n0, n1, BLOCK)
+        signal_peer(ctr_ptr, poff_ptr, q, USE_ASM)
+
+
+@triton.jit
+def _tp_reduce(recv_ptr, x_ptr, r0, r_end, D: tl.constexpr, TP: tl.constexpr, BLOCK: tl.constexpr):
+    """x[r] += sum_q recv[q, r] for r in [r0, r_end), summed in rank order (bit-identical on every rank; with one
+    rank x + recv[0], exactly the unsharded x + y)."""
+    for k0 in range(r0, r_end, BLOCK):
+        offs = k0 + tl.arange(0, BLOCK)
+        m = offs < r_end
+        acc = tl.load(recv_ptr + offs, mask=m, other=0.0, cache_modifier=".cg")
+        for q in range(1, TP):
+            acc += tl.load(recv_ptr + q * D + offs, mask=m, other=0.0, cache_modifier=".cg")
+        tl.store(x_ptr + offs, tl.load(x_ptr + offs, mask=m, other=0.0, cache_modifier=".cg") + acc, mask=m)
+
+
 # Runtime integers vary per launch (positions, counts, seeds): without this, Triton would specialise on value 1
 # and on divisibility by 16 and recompile this large kernel (~10 s) for new combinations.
 _DYNAMIC = ["n_tasks", "n_steps", "start_pos", "kv_tmax", "n_splits", "n_lm", "n_eos", "ignore_eos", "n_forced",
-            "do_sample", "seed", "timeout_ns", "embed_off", "lm_off", "fnorm_off"]
+            "do_sample", "seed", "timeout_ns", "embed_off", "lm_off", "fnorm_off", "tp_rank", "sym_pv_off",
+            "sym_ctr_off"]
 
 
 @triton.jit(do_not_specialize=_DYNAMIC)
@@ -141,6 +181,9 @@ def monokernel(
     pv_ptr, pi_ptr,
     # control
     cnt_ptr, cursor_ptr, ctrl_ptr, ring_ptr, hostflag_ptr, eos_ptr, forced_ptr,
+    # tensor parallel (TP > 0): this rank's symmetric region as f32 / i32 (one allocation), the distances to every
+    # rank's copy (kccl.sync.peer), and the region's layout (plan.sym_layout)
+    symf_ptr, symi_ptr, poff_ptr, tp_rank, sym_pv_off, sym_ctr_off,
     n_tasks, n_steps, start_pos, kv_tmax, n_splits, n_lm, n_eos, ignore_eos, n_forced,
     do_sample, inv_temp, seed, timeout_ns, embed_off, lm_off, fnorm_off,
     eps, sm_scale, clip, route_scale, glu_limit, glu_alpha,
@@ -162,6 +205,7 @@ def monokernel(
     BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr,
     BLOCK_TOPK: tl.constexpr, BLOCK_EOS: tl.constexpr, BLOCK_X: tl.constexpr,
     XB: tl.constexpr, NS: tl.constexpr, USE_ASM: tl.constexpr, NT: tl.constexpr, MODE: tl.constexpr = 0,
+    TP: tl.constexpr = 0,
 ):
     """MODE 0: decode. Benchmark-only modes (wrong tokens, for locating time): 1 = tasks only claim, wait and
     signal (the sampler still runs): the cost of scheduling + dependency latency; 2 = no waits: streaming speed."""
@@ -210,6 +254,12 @@ def monokernel(
             target = tl.load(row + 6) * step + tl.load(row + 7)
             sig = tl.load(row + 8)
             woff = tl.load(row + 10).to(tl.int64) * 2147483648 + tl.load(row + 9)
+        xctr = symi_ptr + sym_ctr_off
+        if TP > 0:   # the KCCL counter a put task signals on every rank
+            if USE_ASM:
+                xctr += tl.sum(tl.where(offs_f == 11, rowv, 0), axis=0)
+            else:
+                xctr += tl.load(row + 11)
         if MODE == 1:
             op = tl.where(op == _OP_SAMPLE, op, 0)
         wctr = cnt_ptr + wc
@@ -250,6 +300,12 @@ def monokernel(
             w0, s0 = tile(w, sq, O_K, r0, r_end, 0, 1, FMT_ATTN, BN_O, BLOCK_K)
             t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
             st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE)
+            if TP > 0:   # a launch that is ending puts nothing (peers may already be zeroing for the next one)
+                if st == 0:
+                    st = flag_is_set(stop_ptr, USE_ASM, NT).to(tl.int32)
+            yo = x_ptr
+            if TP > 0:   # the partial goes to our row of every rank's recv_o, not into x
+                yo = symf_ptr + tp_rank * D
             if st == 0:
                 if MLA:   # the v_up tasks left v [H * VD] in h
                     xin = h_ptr
@@ -259,8 +315,10 @@ def monokernel(
                                  DH, HAS_SINKS, BLOCK_X)
                     tl.debug_barrier()
                 stream_gemv(w, sq, qf32_ptr + tl.load(lrow + P.LF_O_F), w0, s0, O_K, r0, r_end, xin, xin, eps,
-                            wa_ptr + tl.multiple_of(tl.load(lrow + P.LF_O_B), 64), x_ptr, x_ptr, 0, pv_ptr, pi_ptr,
-                            0, 1.0, 0, 0, False, HAS_O_BIAS, True, False, FMT_ATTN, BN_O, BLOCK_K, XB, NS)
+                            wa_ptr + tl.multiple_of(tl.load(lrow + P.LF_O_B), 64), yo, yo, 0, pv_ptr, pi_ptr,
+                            0, 1.0, 0, 0, False, HAS_O_BIAS, TP == 0, False, FMT_ATTN, BN_O, BLOCK_K, XB, NS)
+                if TP > 0:
+                    _tp_put(yo, poff_ptr, r0, r_end, xctr, TP, USE_ASM, BLOCK_X)
         elif op == _OP_QB:   # MLA: q = q_b(RMSNorm(q_a))
             w = wa_ptr + tl.multiple_of(woff, 64)
             w0, s0 = tile(w, qf32_ptr, R_Q, r0, r_end, 0, 1, 0, BN_QB, BLOCK_K)
@@ -322,10 +380,18 @@ def monokernel(
             w0, s0 = tile(w, sq, I_DENSE, r0, r_end, 0, 1, FMT_MLP, BN_DOWN, BLOCK_K)
             t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
             st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE)
+            if TP > 0:
+                if st == 0:
+                    st = flag_is_set(stop_ptr, USE_ASM, NT).to(tl.int32)
+            yd = x_ptr
+            if TP > 0:   # our row of every rank's recv_d
+                yd = symf_ptr + TP * D + tp_rank * D
             if st == 0:
                 stream_gemv(w, sq, qf32_ptr + tl.load(lrow + P.LF_DOWN_F), w0, s0, I_DENSE, r0, r_end, h_ptr, h_ptr,
-                            eps, wa_ptr, x_ptr, x_ptr, 0, pv_ptr, pi_ptr, 0, 1.0, 0, 0, False, False, True, False,
+                            eps, wa_ptr, yd, yd, 0, pv_ptr, pi_ptr, 0, 1.0, 0, 0, False, False, TP == 0, False,
                             FMT_MLP, BN_DOWN, BLOCK_K, XB, NS)
+                if TP > 0:
+                    _tp_put(yd, poff_ptr, r0, r_end, xctr, TP, USE_ASM, BLOCK_X)
         elif op == _OP_ROUTER:
             w = wa_ptr + tl.multiple_of(woff, 64)
             w0, s0 = tile(w, qf32_ptr, D, r0, r_end, 0, 1, 0, BN_ROUTER, BLOCK_K)
@@ -389,6 +455,12 @@ def monokernel(
         elif op == _OP_EXP_DOWN:
             t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
             st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE)
+            if TP > 0:
+                if st == 0:
+                    st = flag_is_set(stop_ptr, USE_ASM, NT).to(tl.int32)
+            ye = x_ptr
+            if TP > 0:
+                ye = symf_ptr + TP * D + tp_rank * D
             if st == 0:
                 if USE_ASM:   # the routed experts' rows of this task, all slots at once, into L2
                     eb = _wbase(FMT_EXP, wa_ptr, qw8_ptr, qw32_ptr) + _wu(FMT_EXP, tl.load(lrow + P.LF_EDOWN))
@@ -402,27 +474,52 @@ def monokernel(
                                    _wu(FMT_EXP, tl.multiple_of(tl.load(lrow + P.LF_SDOWN), 64)),
                                    tl.load(lrow + P.LF_SDOWN_S), tl.load(lrow + P.LF_SDOWN_F),
                                    wa_ptr + tl.load(lrow + P.LF_EDOWN_B), r0, r_end, h_ptr, rids_ptr + layer * TOPK,
-                                   rwts_ptr + layer * TOPK, sg_ptr, x_ptr, D, I_MOE, I_SH, TOPK, HAS_EBIAS,
-                                   HAS_SH_GATE, FMT_EXP, BLOCK_TOPK, BN_EDOWN, BLOCK_K, XB, NS)
+                                   rwts_ptr + layer * TOPK, sg_ptr, x_ptr, ye, D, I_MOE, I_SH, TOPK, HAS_EBIAS,
+                                   HAS_SH_GATE, FMT_EXP, BLOCK_TOPK, BN_EDOWN, BLOCK_K, XB, NS, TP == 0)
+                if TP > 0:
+                    _tp_put(ye, poff_ptr, r0, r_end, xctr, TP, USE_ASM, BLOCK_X)
         elif op == _OP_LM:
             w = wa_ptr + tl.multiple_of(woff, 64)
             prefetch_rows(w, r0, nr, D, 0, USE_ASM)
             w0, s0 = tile(w, qf32_ptr, D, r0, r_end, 0, 1, 0, BN_LM, BLOCK_K)
             t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
             st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE)
+            if TP > 0:
+                if st == 0:
+                    st = flag_is_set(stop_ptr, USE_ASM, NT).to(tl.int32)
+            pvo = pv_ptr
+            pio = pi_ptr
+            if TP > 0:   # our row of every rank's pv / pi [TP, n_lm]
+                pvo = symf_ptr + sym_pv_off + tp_rank * n_lm
+                pio = symi_ptr + sym_pv_off + TP * n_lm + tp_rank * n_lm
             if (st == 0) & (step >= n_forced):   # prompt steps (in-kernel prefill) need no logits
                 stream_gemv(w, qf32_ptr, qf32_ptr, w0, s0, D, r0, r_end, x_ptr,
-                            wa_ptr + tl.multiple_of(fnorm_off, 64), eps, w, pv_ptr, pv_ptr, aux, pv_ptr, pi_ptr,
+                            wa_ptr + tl.multiple_of(fnorm_off, 64), eps, w, pvo, pvo, aux, pvo, pio,
                             do_sample, inv_temp, seed, step - n_forced, True, False, False, True, 0, BN_LM,
                             BLOCK_K, XB, NS)
+            if TP > 0:   # prompt steps too: the sampler of every rank counts every tile of every step
+                if st == 0:
+                    tl.debug_barrier()
+                    for q in range(0, TP):
+                        put_span(pvo, poff_ptr, q, aux, aux + 1, 16)
+                        put_span(pio, poff_ptr, q, aux, aux + 1, 16)
+                        signal_peer(xctr, poff_ptr, q, USE_ASM)
         elif op == _OP_SAMPLE:
             t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
-            st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE)
+            pvs = pv_ptr
+            pis = pi_ptr
+            if TP > 0:   # every rank's tiles, in rank (= vocab) order
+                wctr = symi_ptr + sym_ctr_off + wc
+                st = _kccl_wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE)
+                pvs = symf_ptr + sym_pv_off
+                pis = symi_ptr + sym_pv_off + TP * n_lm
+            else:
+                st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE)
             if st == 0:
                 if step < n_forced:   # in-kernel prefill: the next input is the prompt's next token
                     tok = tl.load(forced_ptr + step + 1)
                 else:
-                    tok = pick_token(pv_ptr, pi_ptr, n_lm, BLOCK_P)
+                    tok = pick_token(pvs, pis, n_lm * (TP + (TP == 0)), BLOCK_P)
                     g = step - n_forced                          # generated token index
                     tl.store(ring_ptr + 1 + g, tok)              # host-visible ring: token first,
                     st_release_sys(ring_ptr, g + 1, USE_ASM)     # then the count (system-scope release)
@@ -435,11 +532,21 @@ def monokernel(
                         tl.store(ctrl_ptr + 5, tl.where(hit, 1, 2))  # CT_REASON
                         tl.store(stop_ptr, 1)
                 embed_row(wa_ptr + embed_off, tok, x_ptr, D, BLOCK_X)
+        elif op == _OP_REDUCE:
+            t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
+            wctr = symi_ptr + sym_ctr_off + wc
+            st = _kccl_wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE)
+            if TP > 0:
+                if st == 0:   # aux: 0 = recv_o, 1 = recv_d
+                    _tp_reduce(symf_ptr + aux * (TP * D), x_ptr, r0, r_end, D, TP, BLOCK_X)
         else:  # MODE 1 (sync only), or an unknown opcode: claim, wait, signal
             t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
             st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE)
         if st == 0:
             signal(cnt_ptr + sig, 1, USE_ASM)
+        if st == WAIT_YIELD:   # interpreter: resume here once the other ranks ran (shard.py)
+            tl.store(ctrl_ptr + CT_YIELD, t + 1)
+            tl.store(stop_ptr, 1)
         if st == 2:
             # watchdog: the first program to trip records where it was stuck, then everyone stops
             first = tl.atomic_cas(ctrl_ptr + 1, 0, 1) == 0       # CT_ERR

@@ -36,14 +36,17 @@ from .synth import preset_spec, random_fill, random_qfill  # noqa: F401  (preset
 # ---- opcodes -------------------------------------------------------------------------------------------------
 OP_QKV, OP_ATTN, OP_O, OP_GATEUP, OP_DOWN, OP_ROUTER, OP_EXP_UP, OP_SH_UP, OP_EXP_DOWN, OP_LM, OP_SAMPLE = range(1, 12)
 OP_QB, OP_ABSORB, OP_MLA_ATTN, OP_VUP = range(12, 16)   # Multi-head Latent Attention (DeepSeek), see mla.py
+OP_REDUCE = 16   # tensor parallel (shard.py): x[rows] += the ranks' partials of one output tile, in rank order
 OP_NAMES = {OP_QKV: "qkv_proj", OP_ATTN: "attention", OP_O: "o_proj", OP_GATEUP: "mlp_gate_up",
             OP_DOWN: "mlp_down", OP_ROUTER: "router", OP_EXP_UP: "expert_gate_up", OP_SH_UP: "shared_gate_up",
             OP_EXP_DOWN: "expert_down", OP_LM: "lm_head", OP_SAMPLE: "sample", OP_QB: "q_b_proj",
-            OP_ABSORB: "mla_absorb", OP_MLA_ATTN: "mla_attention", OP_VUP: "mla_v_up"}
+            OP_ABSORB: "mla_absorb", OP_MLA_ATTN: "mla_attention", OP_VUP: "mla_v_up", OP_REDUCE: "tp_reduce"}
 
 # ---- task table columns ----------------------------------------------------------------------------------------
-F_OP, F_LAYER, F_ROW0, F_NROWS, F_AUX, F_WAIT, F_WCNT, F_WBASE, F_SIG, F_WLO, F_WHI = range(11)
-NF = 12  # one spare column
+F_OP, F_LAYER, F_ROW0, F_NROWS, F_AUX, F_WAIT, F_WCNT, F_WBASE, F_SIG, F_WLO, F_WHI, F_XCTR = range(12)
+NF = 12
+# F_XCTR (tensor-parallel plans): the KCCL counter, in every rank's symmetric region, that a put task signals on
+# each rank (o_proj / down / expert_down tiles, LM-head tiles); REDUCE and the sampler wait on theirs (F_WAIT).
 # F_WLO / F_WHI: the element offset of the task's (first) weight matrix, lo 31 bits + hi: the prefetch address
 # comes straight from the task row, not from a second (dependent) load of the layer table
 
@@ -74,8 +77,8 @@ def qkind(name: str) -> str | None:
     return None
 
 # counters per layer: inputs of q/k/v ready -> ... ; see `_counter`
-_C_QKV, _C_ATTN, _C_O, _C_ROUTE, _C_UP, _C_OUT, _C_QB, _C_ABS, _C_VUP = range(9)
-NC = 9   # counters per layer
+_C_QKV, _C_ATTN, _C_O, _C_ROUTE, _C_UP, _C_OUT, _C_QB, _C_ABS, _C_VUP, _C_OSENT, _C_DSENT = range(11)
+NC = 11   # counters per layer (the last two: tensor-parallel put tasks, which nobody waits on locally)
 _ALIGN = 64  # elements: every tensor starts on a 128-byte boundary (bf16) for vector loads
 MLA_HEADS = 16  # heads per MLA attention task: its tl.dot tiles need >= 16 rows
 
@@ -132,6 +135,9 @@ class Dims:
     FMT_ATTN: int = 0
     FMT_MLP: int = 0
     FMT_EXP: int = 0
+    # tensor parallel over TP ranks (shard.py; 0: an unsharded plan). 1 is a real sharded plan of one rank: the
+    # same put / signal / wait / reduce tasks as N ranks, into its own symmetric region
+    TP: int = 0
 
     @property
     def NQKV(self) -> int:
@@ -232,6 +238,19 @@ class Plan:
     layers_host: torch.Tensor | None = None   # the same table on the CPU
     qarena: QArena | None = None              # quantized Linears (one format), and their device buffers
     qbufs: dict | None = None
+    tp_rank: int = 0                          # tensor parallel (dims.TP > 0): this rank, and the layout of
+    tp_tiles: int = 0                         # its symmetric region (sym_layout)
+
+    def sym_layout(self) -> dict:
+        """Tensor-parallel plans: int32-word offsets in a rank's symmetric region (the same on every rank).
+        recv_o / recv_d [TP, D]: row q = rank q's partial of an o_proj / (expert) down output; pv / pi
+        [TP, n_lm]: every rank's LM-head tile maxima; ctr: the KCCL counters (F_XCTR), per (layer, attn | mlp,
+        tile) and one for the LM head."""
+        n, D, L = self.dims.TP, self.dims.D, self.spec.num_layers
+        pv = 2 * n * D
+        ctr = pv + 2 * n * self.n_lm_tiles
+        return dict(recv_o=0, recv_d=n * D, pv=pv, pi=pv + n * self.n_lm_tiles, ctr=ctr,
+                    n_ctr=2 * L * self.tp_tiles + 1, words=ctr + 2 * L * self.tp_tiles + 1)
 
     def names(self) -> list[str]:
         return list(self.arena.entries) + (list(self.qarena.entries) if self.qarena else [])
@@ -394,7 +413,7 @@ def build_plan(spec: ModelSpec, weights=None, device: str | torch.device = "cpu"
                tile_elems: int | None = None, block_t: int | None = None, min_task_bytes: int = 16 << 10,
                x_bcast: bool = False, max_task_bytes: int = 512 << 10, random_seed: int | None = None,
                quantized=None, formats: dict | None = None, programs_per_sm: int = 1,
-               num_stages: int | None = None) -> Plan:
+               num_stages: int | None = None, tp: tuple[int, int] | None = None) -> Plan:
     """Pack `weights` (WeightStore-like: names(), get(canonical), `in`) into device buffers and tile every op.
 
     quantized: callable(canonical name) -> quant.schemes.QuantizedTensor | None, the codes of Linears stored
@@ -406,7 +425,9 @@ def build_plan(spec: ModelSpec, weights=None, device: str | torch.device = "cpu"
     streams while the other waits on a dependency (needs the kernel to fit twice per SM: num_warps=4).
     num_stages: > 0 pipelines each task's weight loads with tl.range(num_stages) (cp.async into shared memory:
     sm_90 compile, [16 x 1024] bf16 tiles, 3 stages: 78 KB of shared memory, no spills); 0: a register double
-    buffer. Default 3 on the GPU."""
+    buffer. Default 3 on the GPU.
+    tp: (rank, world): `spec` / `weights` are rank `rank`'s shard (shard.py: its heads, MLP and expert columns,
+    the whole LM head, of which it streams only its vocab piece) and the task table gets the KCCL tasks."""
     device = torch.device(device)
     d = model_dims(spec)
     gpu = device.type in ("cuda", "meta")  # meta: an offline compile for the GPU
@@ -422,7 +443,10 @@ def build_plan(spec: ModelSpec, weights=None, device: str | torch.device = "cpu"
     fm.update({k: FMT_ID[v] for k, v in (formats or {}).items() if v not in (None, "bf16", "float")})
     if d.MLA:
         fm["attn"] = 0   # MLA's Linears stay float (a quantized checkpoint's store dequantizes them on read)
-    d = dataclasses.replace(d, FMT_ATTN=fm.get("attn", 0), FMT_MLP=fm.get("mlp", 0), FMT_EXP=fm.get("exp", 0))
+    d = dataclasses.replace(d, FMT_ATTN=fm.get("attn", 0), FMT_MLP=fm.get("mlp", 0), FMT_EXP=fm.get("exp", 0),
+                            TP=tp[1] if tp else 0)
+    if tp and (d.MLA or d.QK_NORM == 2):
+        raise NotImplementedError("monokernel tensor parallel: MLA and whole-projection q/k norms are not split yet")
     qfmt = max(fm.values(), default=0)
     qa = QArena(qfmt) if qfmt else None
     has = (lambda n: n in names) if names is not None else (lambda n: not spec.tie_word_embeddings)
@@ -462,6 +486,11 @@ def build_plan(spec: ModelSpec, weights=None, device: str | torch.device = "cpu"
     sp = lambda n, rb, g=1: split_rows(n, int(rb), n_sms, min_task_bytes, max_task_bytes, g)  # noqa: E731
     o_in = d.HQ * (d.VD if d.MLA else d.DH)
     rows = {"qkv": sp(d.NQKV, d.D * qb["attn"]), "o": sp(d.D, o_in * qb["attn"]), "lm": sp(d.V, d.D * eb)}
+    if tp:   # this rank's vocab piece [rank * per, (rank + 1) * per) of the whole LM head; as many tiles on every
+        per = -(-d.V // tp[1])   # rank (the last piece may be short: its tail tiles are empty)
+        lo = tp[0] * per
+        rows["lm"] = [(min(lo + r0, d.V), max(0, min(lo + r0 + n, d.V) - min(lo + r0, d.V)))
+                      for r0, n in sp(per, d.D * eb)]
     if d.MLA:   # "rows" of the head-wise ops are heads
         if d.R_Q:
             rows["qb"] = sp(d.HQ * d.DH, d.R_Q * eb)
@@ -497,10 +526,11 @@ def build_plan(spec: ModelSpec, weights=None, device: str | torch.device = "cpu"
             block_t = 32 if gpu else 16
     if num_stages is None:
         num_stages = 3 if gpu else 0
-    tiles = TileConfig(block_k=block_k, bn=bn, block_t=block_t, block_p=_pow2(len(rows["lm"])), xb=int(x_bcast),
-                       ns=num_stages)
+    tiles = TileConfig(block_k=block_k, bn=bn, block_t=block_t, block_p=_pow2(len(rows["lm"]) * max(1, d.TP)),
+                       xb=int(x_bcast), ns=num_stages)
+    tp_tiles = max(len(rows[k]) for k in ("o", "down", "exp_down") if k in rows) if tp else 0
     return Plan(spec, d, device, wdtype, arena, buf, table.to(device), top["embed"], top["lm_head"],
-                top["final_norm"], n_sms, tiles, rows, table, qa, qbufs)
+                top["final_norm"], n_sms, tiles, rows, table, qa, qbufs, tp[0] if tp else 0, tp_tiles)
 
 
 @dataclass
@@ -540,10 +570,30 @@ def build_tasks(plan: Plan, n_splits: int = 1) -> torch.Tensor:
     wcol = {OP_QKV: LF_QKV, OP_O: LF_O, OP_GATEUP: LF_GATE, OP_DOWN: LF_DOWN, OP_ROUTER: LF_ROUTER,
             OP_SH_UP: LF_SGATE, OP_QB: LF_QB, OP_ABSORB: LF_KVB, OP_VUP: LF_KVB}
 
-    def emit(op, layer, r0, n, aux, wait, wcnt, wbase, sig):
+    def emit(op, layer, r0, n, aux, wait, wcnt, wbase, sig, xctr=0):
         w = plan.lm_off if op == OP_LM else int(lt[layer, wcol[op]]) if op in wcol else 0
-        rows.append([op, layer, r0, n, aux, wait, wcnt, wbase, sig, w & 0x7FFFFFFF, w >> 31, 0])
+        rows.append([op, layer, r0, n, aux, wait, wcnt, wbase, sig, w & 0x7FFFFFFF, w >> 31, xctr])
         count[sig] = count.get(sig, 0) + 1
+
+    tp, T = d.TP, plan.tp_tiles
+    xc_lm = 2 * L * T
+
+    def xc(layer, kind, tile):   # KCCL counter of (layer, 0 = attention | 1 = mlp, output tile)
+        return (layer * 2 + kind) * T + tile
+
+    def put_and_reduce(op, i, op_rows, wait, kind, sig_done, aux=0):
+        """Unsharded: the op adds into x and signals sig_done. Tensor parallel: each tile computes its partial,
+        puts it into every rank's recv row (its own included) and signals their KCCL counter of that tile; then
+        one REDUCE per tile waits for all TP partials of it and adds them to x in rank order."""
+        if not tp:
+            for r0, n in op_rows:
+                emit(op, i, r0, n, aux, *wait, sig_done)
+            return
+        sent = counter_index(i, _C_OSENT if kind == 0 else _C_DSENT)
+        for t, (r0, n) in enumerate(op_rows):
+            emit(op, i, r0, n, aux, *wait, sent, xc(i, kind, t))
+        for t, (r0, n) in enumerate(op_rows):
+            emit(OP_REDUCE, i, r0, n, kind, xc(i, kind, t), tp, tp, sig_done)
 
     def after(ctr):  # wait for every signal `ctr` gets in this step
         return ctr, count[ctr], count[ctr]
@@ -574,13 +624,11 @@ def build_tasks(plan: Plan, n_splits: int = 1) -> torch.Tensor:
                 for s in range(n_splits):
                     emit(OP_ATTN, i, g, s, 0, *after(C(_C_QKV)), C(_C_ATTN))
             o_wait = after(C(_C_ATTN))
-        for r0, n in plan.op_rows["o"]:
-            emit(OP_O, i, r0, n, 0, *o_wait, C(_C_O))
+        put_and_reduce(OP_O, i, plan.op_rows["o"], o_wait, 0, C(_C_O))
         if lay.moe is None:
             for r0, n in plan.op_rows["gateup"]:
                 emit(OP_GATEUP, i, r0, n, 0, *after(C(_C_O)), C(_C_UP))
-            for r0, n in plan.op_rows["down"]:
-                emit(OP_DOWN, i, r0, n, 0, *after(C(_C_UP)), C(_C_OUT))
+            put_and_reduce(OP_DOWN, i, plan.op_rows["down"], after(C(_C_UP)), 1, C(_C_OUT))
         else:
             for r0, n in plan.op_rows["router"]:
                 emit(OP_ROUTER, i, r0, n, 0, *after(C(_C_O)), C(_C_ROUTE))
@@ -589,12 +637,15 @@ def build_tasks(plan: Plan, n_splits: int = 1) -> torch.Tensor:
             for j in range(d.TOPK):
                 for r0, n in plan.op_rows["exp_up"]:
                     emit(OP_EXP_UP, i, r0, n, j, *after(C(_C_ROUTE)), C(_C_UP))
-            for r0, n in plan.op_rows["exp_down"]:
-                emit(OP_EXP_DOWN, i, r0, n, 0, *after(C(_C_UP)), C(_C_OUT))
+            put_and_reduce(OP_EXP_DOWN, i, plan.op_rows["exp_down"], after(C(_C_UP)), 1, C(_C_OUT))
         prev = after(C(_C_OUT))
     for t, (r0, n) in enumerate(plan.op_rows["lm"]):
-        emit(OP_LM, L - 1, r0, n, t, *prev, c_lm)
-    emit(OP_SAMPLE, L - 1, 0, 0, 0, *after(c_lm), c_sample)
+        emit(OP_LM, L - 1, r0, n, t, *prev, c_lm, xc_lm)
+    if tp:   # every rank's tile maxima, through KCCL (the LM tiles put them into every rank's pv / pi)
+        n_lm = plan.n_lm_tiles * tp
+        emit(OP_SAMPLE, L - 1, 0, 0, 0, xc_lm, n_lm, n_lm, c_sample)
+    else:
+        emit(OP_SAMPLE, L - 1, 0, 0, 0, *after(c_lm), c_sample)
     return torch.tensor(rows, dtype=torch.int32)
 
 
@@ -608,6 +659,8 @@ def describe_task(tasks: torch.Tensor, i: int) -> str:
         where = f"heads {r0}..{r0 + n - 1}" + (f" split {aux}" if op == OP_MLA_ATTN else "")
     elif op == OP_SAMPLE:
         where = ""
+    elif op == OP_REDUCE:
+        where = f"{('o_proj', 'mlp_down')[aux]} rows {r0}..{r0 + n - 1}"
     else:
         extra = f" slot {aux}" if op == OP_EXP_UP else f" tile {aux}" if op == OP_LM else ""
         where = f"rows {r0}..{r0 + n - 1}{extra}"

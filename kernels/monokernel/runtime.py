@@ -30,11 +30,11 @@ from kie_moe.models.rope import cos_sin
 
 from ..prefill import Prefill
 from . import plan as P
-from .kernel import CT_ERR, CT_ERR_HAVE, CT_ERR_NEED, CT_ERR_TASK, N_CTRL, monokernel
+from .kernel import CT_ERR, CT_ERR_HAVE, CT_ERR_NEED, CT_ERR_TASK, CT_STOP, CT_YIELD, N_CTRL, monokernel
 
 _MAX_EOS = 16
 _COUNTER_KINDS = ("qkv_proj", "attention", "o_proj", "router", "gate_up", "layer_out", "q_b_proj", "mla_absorb",
-                  "mla_v_up")
+                  "mla_v_up", "o_proj_sent", "down_sent")
 
 
 def _pow2(n: int) -> int:
@@ -144,6 +144,18 @@ class MonokernelBackend:
         # host-visible words: the kernel writes tokens here, the host writes the stop flag
         self.hostflag = torch.zeros(1, dtype=i32, pin_memory=pin)
         self.ring = torch.zeros(1, dtype=i32, pin_memory=pin)
+        # tensor parallel: the symmetric region (shard.py attaches a mapped one and the peer distances); unsharded
+        # plans get stand-ins that are never read
+        if self.plan.dims.TP:
+            self.attach_symmetric(z(self.plan.sym_layout()["words"], dt=i32), torch.zeros(self.plan.dims.TP,
+                                  dtype=torch.int64, device=dev))
+        else:
+            self.attach_symmetric(z(16, dt=i32), torch.zeros(1, dtype=torch.int64, device=dev))
+
+    def attach_symmetric(self, sym: torch.Tensor, poff: torch.Tensor):
+        """sym: this rank's symmetric region (int32 words, plan.sym_layout()); poff[q]: distance in words from it to
+        rank q's copy (0 for ourselves)."""
+        self.sym, self.poff = sym, poff
 
     def _ensure_kv(self, n_pos: int):
         if n_pos <= self.kv_tmax:
@@ -258,10 +270,31 @@ class MonokernelBackend:
         args, meta = self.kernel_args(tasks, n_steps, start_pos, n_splits, len(eos), ignore_eos, temperature, seed,
                                       n_forced)
         meta["MODE"] = mode
+        self._launch_args = (args, meta)
+        self._run()
+
+    def _run(self):
+        args, meta = self._launch_args
         monokernel[(self.grid,)](*args, **meta, num_warps=self.num_warps, launch_cooperative_grid=True)
         if self.device.type == "cuda":
             self._done = torch.cuda.Event()
             self._done.record()
+
+    # ---- tensor parallel under the interpreter: a rank leaves at a KCCL wait its peers have not satisfied yet --------
+    def yielded_at(self) -> int | None:
+        """The global task index the last (interpreted) launch stopped at to wait for other ranks, or None."""
+        y = int(self.ctrl[CT_YIELD])
+        return y - 1 if y else None
+
+    def resume(self):
+        """Run the yielded launch on from its KCCL wait (same arguments; the interpreter's one program claims the
+        task again). Counters, KV cache and activations are where the launch left them."""
+        t = self.yielded_at()
+        assert t is not None and self.interpret, "resume(): only an interpreted launch that yielded"
+        self.cursor.fill_(t)
+        self.ctrl[CT_YIELD] = 0
+        self.ctrl[CT_STOP] = 0
+        self._run()
 
     def kernel_args(self, tasks, n_steps, start_pos, n_splits, n_eos, ignore_eos=False, temperature=0.0, seed=0,
                     n_forced=0):
@@ -276,6 +309,7 @@ class MonokernelBackend:
             self.x, self.qkv, self.ao, self.am, self.al, self.scratch, self.h, self.rlog, self.rids, self.rwts,
             self.sg, self.pv, self.pi,
             self.counters, self.cursor, self.ctrl, self.ring, self.hostflag, self.eos, self.forced,
+            self.sym.view(torch.float32), self.sym, self.poff, pl.tp_rank, *self._sym_offs(),
             int(tasks.shape[0]), n_steps, start_pos, self.kv_tmax, n_splits, pl.n_lm_tiles, n_eos,
             int(ignore_eos), n_forced, int(temperature > 0), 1.0 / temperature if temperature > 0 else 1.0,
             seed & 0x7FFFFFFF, self.timeout_ns, pl.embed_off, pl.lm_off, pl.final_norm_off,
@@ -296,8 +330,14 @@ class MonokernelBackend:
             BLOCK_K=t.block_k, BLOCK_T=t.block_t, BLOCK_P=t.block_p, BLOCK_R=_pow2(d.HQ // d.HKV),
             BLOCK_H=_pow2(d.ROT // 2), BLOCK_C=_pow2(max(d.DH - d.ROT, 1)), BLOCK_D=_pow2(d.DH),
             BLOCK_E=_pow2(max(d.E, 1)), BLOCK_TOPK=_pow2(max(d.TOPK, 1)), BLOCK_EOS=_MAX_EOS, BLOCK_X=bx,
-            XB=t.xb, NS=t.ns, USE_ASM=not self.interpret, NT=32 * self.num_warps)
+            XB=t.xb, NS=t.ns, USE_ASM=not self.interpret, NT=32 * self.num_warps, TP=d.TP)
         return args, meta
+
+    def _sym_offs(self) -> tuple[int, int]:
+        if not self.plan.dims.TP:
+            return 0, 0
+        lay = self.plan.sym_layout()
+        return lay["pv"], lay["ctr"]
 
     def _no_qbufs(self) -> dict:
         """Stand-ins for the quantized buffers of an all-float plan (never read)."""
@@ -317,11 +357,22 @@ class MonokernelBackend:
         t = ctrl[CT_ERR_TASK]
         step, row = divmod(t, T)
         wctr = int(tasks[row, P.F_WAIT])
+        op = int(tasks[row, P.F_OP])
+        kccl = self.dims.TP and (op == P.OP_REDUCE or op == P.OP_SAMPLE)
+        name = self.xctr_name(wctr) if kccl else f"counter {self.counter_name(wctr)}"
         raise RuntimeError(
             f"monokernel watchdog: task {row} ({P.describe_task(tasks, row)}) of decode step {step} waited for "
-            f"counter {self.counter_name(wctr)} to reach {ctrl[CT_ERR_NEED]}, it is {ctrl[CT_ERR_HAVE]}"
+            f"{name} to reach {ctrl[CT_ERR_NEED]}, it is {ctrl[CT_ERR_HAVE]}"
             + (" (never satisfiable: the interpreter runs programs in order)" if self.interpret
                else f" (timeout {self.timeout_ns / 1e6:.0f} ms)"))
+
+    def xctr_name(self, c: int) -> str:
+        """A KCCL counter (tensor parallel): signalled by every rank's put tasks of one output tile."""
+        T, pre = self.plan.tp_tiles, f"rank {self.plan.tp_rank}'s KCCL counter"
+        if c == 2 * self.spec.num_layers * T:
+            return f"{pre} lm_head (every rank's LM-head tiles)"
+        layer, rest = divmod(c, 2 * T)
+        return f"{pre} {('o_proj', 'mlp_down')[rest // T]}[layer {layer}] tile {rest % T} (one signal per rank)"
 
     def counter_name(self, c: int) -> str:
         L = self.spec.num_layers

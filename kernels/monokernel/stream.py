@@ -242,14 +242,15 @@ def _down_tile(w_ptr, s_ptr, ed_w, ed_s, sd_w, sd_s, ids, offs_j, row0, r_end, q
 
 @triton.jit
 def stream_expert_down(w_ptr, s_ptr, f_ptr, ed_w, ed_s, ed_f, sd_w, sd_s, sd_f, b_ptr, row0, r_end, h_ptr,
-                       ids_ptr, wts_ptr, sg_ptr, x_ptr,
+                       ids_ptr, wts_ptr, sg_ptr, x_ptr, y_ptr,
                        D: tl.constexpr, I_MOE: tl.constexpr, I_SH: tl.constexpr, TOPK: tl.constexpr,
                        HAS_EBIAS: tl.constexpr, HAS_SH_GATE: tl.constexpr, FMT: tl.constexpr,
                        BLOCK_TOPK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, XB: tl.constexpr,
-                       NS: tl.constexpr = 0):
+                       NS: tl.constexpr = 0, HAS_RES: tl.constexpr = True):
     """x[r] += sum_j w_j (Wdown[e_j][r] . h_j + bdown[e_j][r]) + sg (Wsh_down[r] . h_sh), r in [row0, r_end):
     every routed slot and the shared expert of an output tile in one task, routing weights folded into the
-    activations, so the sum has a fixed order and needs no atomics. h: [TOPK, I_MOE] then [I_SH].
+    activations, so the sum has a fixed order and needs no atomics. h: [TOPK, I_MOE] then [I_SH]. The result
+    goes to y (y may alias x); without HAS_RES, y gets the sum alone (a tensor-parallel partial).
     Per-row format factors (fp8 / nvfp4) differ per expert: those formats keep one accumulator per segment
     (a row chunk's sum is closed per expert), the others one for the whole chunk."""
     NKE: tl.constexpr = (I_MOE + BLOCK_K - 1) // BLOCK_K + (I_MOE == 0)
@@ -305,8 +306,9 @@ def stream_expert_down(w_ptr, s_ptr, f_ptr, ed_w, ed_s, ed_f, sd_w, sd_s, sd_f, 
                     eb = tl.sum(tl.where(offs_j == jj, ids, 0), axis=0).to(tl.int64)
                     wj = tl.sum(tl.where(offs_j == jj, wts, 0.0), axis=0)
                     y += wj * tl.load(b_ptr + eb * D + rows, mask=r_mask, other=0.0).to(tl.float32)
-            y += tl.load(x_ptr + rows, mask=r_mask, other=0.0, cache_modifier=".cg")
-            tl.store(x_ptr + rows, y, mask=r_mask)
+            if HAS_RES:
+                y += tl.load(x_ptr + rows, mask=r_mask, other=0.0, cache_modifier=".cg")
+            tl.store(y_ptr + rows, y, mask=r_mask)
             y = tl.zeros((BLOCK_N,), dtype=tl.float32)
         if NS == 0:
             w_cur = w_nxt

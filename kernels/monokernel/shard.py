@@ -1,0 +1,224 @@
+"""Tensor-parallel monokernel: one model over N ranks (GPUs), each running the same persistent kernel on its shard,
+exchanging partial sums through KCCL inside the kernel (no host round trip, no kernel boundary).
+
+Split (plain TP, for models that cannot be retrained for DTP): rank r of N owns
+- attention: query heads [r*Hq/N, (r+1)*Hq/N) with the kv heads they read (duplicated when Hkv < N), its
+  columns of o_proj; its KV cache holds only those kv heads;
+- dense MLP, shared expert and every routed expert: columns [r*I/N, (r+1)*I/N) of gate / up (rows) and down
+  (columns): tensor parallelism within each expert, so every rank streams 1/N of each active expert's bytes at
+  batch 1 whatever the router picks (expert parallelism would leave a rank idle whenever the top-k experts live
+  elsewhere: see `expert_split`);
+- biases of row-split outputs (o, down, expert down) only on rank 0 (zeros elsewhere: added once);
+- the router, norms and embeddings replicated; the LM head whole, but each rank streams only its vocab piece.
+
+In the kernel (kernel.py, TP constexpr), o_proj / down / expert_down tiles write their partial into this rank's
+row of every rank's symmetric `recv` buffer (its own included) and signal that rank's KCCL counter of the tile; a
+REDUCE task per tile waits for the N signals and adds the N rows to x in rank order, so x stays bit-identical on
+every rank, and each tile's all-reduce starts as soon as that tile's partial exists while the other programs
+already stream the next op's weights. LM-head tiles put their (max, argmax) the same way; every rank's sampler
+picks the same token. With N = 1 the same tasks run (a put into its own region): tokens equal the unsharded
+plan's bit for bit.
+
+Ranks and memory:
+- `ShardedMonokernel(model, world)`: all N ranks in this process over plain tensors of one device -- the CPU
+  under TRITON_INTERPRET=1 (tests), or one GPU (N = 1). Under the interpreter a rank's launch leaves at a KCCL wait
+  its peers have not satisfied yet (kernel.WAIT_YIELD); `generate` runs the ranks round robin until every one
+  finished, and names the stuck tasks if a full round makes no progress.
+- `TpRank` (one process per GPU, kie_moe/launch.py): this rank only, its region in torch symmetric memory
+  (kccl/symm_gpu.py's rendezvous), peers mapped over NVLink.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterator
+
+import torch
+
+from kie_moe.models.errors import ConfigError, InputError
+from kie_moe.models.spec import ModelSpec, canonical
+
+from . import plan as P
+from .runtime import MonokernelBackend
+
+EXPERT_SPLITS = ("tp",)   # expert parallel inside the kernel: not yet (kccl/tp_sim.py has it in torch)
+
+
+def expert_split(spec: ModelSpec, world: int) -> str:
+    """How a MoE's experts are split over `world` ranks. Batch 1 streams top_k experts per layer: within-expert
+    TP reads bytes / N on every rank; expert parallelism reads the chosen experts on the ranks that own them, so
+    the slowest rank reads up to min(top_k, E / N) whole experts (top_k / N only when the router spreads them
+    perfectly). TP is never slower at batch 1, so it is the plan's choice; EP pays off only for batches."""
+    return "tp"
+
+
+class DictStore:
+    """A WeightStore over a dict (names(), get(), `in`): a rank's shard for build_plan."""
+
+    def __init__(self, d: dict, path: str = "<tensor-parallel shard>"):
+        self.d, self.path = d, path
+
+    def names(self) -> list[str]:
+        return list(self.d)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.d
+
+    def get(self, name: str) -> torch.Tensor:
+        return self.d[name]
+
+
+def _heads(a, rank: int, world: int) -> tuple[slice, slice]:
+    """(q heads, kv heads) of `rank`: whole GQA groups, or a share of one group (its kv head duplicated)."""
+    if a.kind != "gqa":
+        raise ConfigError(f"tensor parallel: {a.kind!r} attention is not split yet (gqa only)")
+    if a.qk_norm == "full":
+        raise ConfigError("tensor parallel: qk_norm='full' normalises the whole projection across heads")
+    if a.num_heads % world:
+        raise ConfigError(f"tensor parallel: {world} ranks cannot split num_heads={a.num_heads}")
+    hq, rep = a.num_heads // world, a.num_heads // a.num_kv_heads
+    if hq % rep and rep % hq:
+        raise ConfigError(f"tensor parallel: {world} ranks: {hq} q heads per rank straddle kv groups of {rep}")
+    q0 = rank * hq
+    return slice(q0, q0 + hq), slice(q0 // rep, (q0 + hq - 1) // rep + 1)
+
+
+def _cols(n: int, rank: int, world: int, what: str) -> slice:
+    if n % world:
+        raise ConfigError(f"tensor parallel: {world} ranks cannot split {what} of {n} columns")
+    return slice(rank * n // world, (rank + 1) * n // world)
+
+
+def shard(spec: ModelSpec, weights, rank: int, world: int) -> tuple[ModelSpec, DictStore]:
+    """-> (rank `rank`'s spec: its heads and intermediate sizes; a store of its slices, as float tensors)."""
+    if not 0 <= rank < world:
+        raise InputError(f"rank {rank} outside world {world}")
+    names = set(weights.names())
+    get = weights.get
+    w = {n: get(n) for n in ("embed", "final_norm", "lm_head") if n in names}
+    layers = []
+    for i, lay in enumerate(spec.layers):
+        a = lay.attn
+        qs, ks = _heads(a, rank, world)
+        Dh = a.head_dim
+        rows = lambda s: slice(s.start * Dh, s.stop * Dh)  # noqa: E731
+        n = lambda s: canonical(i, s)  # noqa: E731
+        for nm in ("attn_norm", "mlp_norm", "attn.q_norm", "attn.k_norm", "moe.router", "moe.router_bias",
+                   "moe.score_bias", "moe.shared_gate"):
+            if n(nm) in names:
+                w[n(nm)] = get(n(nm))                                        # replicated
+        for nm, sl in (("attn.q", qs), ("attn.k", ks), ("attn.v", ks)):
+            w[n(nm)] = get(n(nm))[rows(sl)]                                  # [heads*Dh, D] rows
+            if n(nm + "_bias") in names:
+                w[n(nm + "_bias")] = get(n(nm + "_bias"))[rows(sl)]
+        w[n("attn.o")] = get(n("attn.o"))[:, rows(qs)]                       # [D, heads*Dh] columns
+        if n("attn.o_bias") in names:                                        # added once: rank 0
+            b = get(n("attn.o_bias"))
+            w[n("attn.o_bias")] = b if rank == 0 else torch.zeros_like(b)
+        if n("attn.sinks") in names:
+            w[n("attn.sinks")] = get(n("attn.sinks"))[qs]
+        mlp, moe = lay.mlp, lay.moe
+        groups = []                                                          # (prefix, intermediate size)
+        if mlp is not None:
+            groups.append(("mlp", mlp.intermediate_size))
+            mlp = dataclasses.replace(mlp, intermediate_size=mlp.intermediate_size // world)
+        if moe is not None:
+            groups += [(f"moe.experts.{e}", moe.intermediate_size) for e in range(moe.num_experts)]
+            if moe.shared_intermediate_size:
+                groups.append(("moe.shared", moe.shared_intermediate_size))
+            moe = dataclasses.replace(moe, intermediate_size=moe.intermediate_size // world,
+                                      shared_intermediate_size=moe.shared_intermediate_size // world)
+        for pre, size in groups:                                             # column-split (GLU) MLPs
+            c = _cols(size, rank, world, f"layer {i} {pre}")
+            for nm in ("gate", "up"):
+                w[n(f"{pre}.{nm}")] = get(n(f"{pre}.{nm}"))[c]
+                if n(f"{pre}.{nm}_bias") in names:
+                    w[n(f"{pre}.{nm}_bias")] = get(n(f"{pre}.{nm}_bias"))[c]
+            w[n(f"{pre}.down")] = get(n(f"{pre}.down"))[:, c]
+            if n(f"{pre}.down_bias") in names:
+                b = get(n(f"{pre}.down_bias"))
+                w[n(f"{pre}.down_bias")] = b if rank == 0 else torch.zeros_like(b)
+        attn = dataclasses.replace(a, num_heads=qs.stop - qs.start, num_kv_heads=ks.stop - ks.start)
+        layers.append(dataclasses.replace(lay, attn=attn, mlp=mlp, moe=moe))
+    return dataclasses.replace(spec, layers=tuple(layers)), DictStore({k: v.contiguous() for k, v in w.items()})
+
+
+def peer_offsets(addrs: list[int], rank: int) -> torch.Tensor:
+    """[N] int64: the distance in 4-byte words from rank `rank`'s region to each rank's (kccl.sync.peer)."""
+    for q, a in enumerate(addrs):
+        if (a - addrs[rank]) % 4:
+            raise RuntimeError(f"symmetric regions of ranks {rank} and {q} are not 4-byte aligned to each other")
+    return torch.tensor([(a - addrs[rank]) // 4 for a in addrs], dtype=torch.int64)
+
+
+def rank_backend(model, rank: int, world: int, device, **opts) -> MonokernelBackend:
+    """Rank `rank`'s MonokernelBackend: its shard's plan with the KCCL tasks; in-kernel prefill (a torch prefill
+    would need the other ranks' heads)."""
+    if model.spec.family == "laneformer":
+        raise NotImplementedError("monokernel: the Laneformer (DTP) is not a monokernel plan yet; "
+                                  "kccl/tp_sim.kccl_laneformer runs it over KCCL in torch")
+    plan_keys = {"wdtype", "n_sms", "block_k", "tile_elems", "block_t", "min_task_bytes", "x_bcast",
+                 "max_task_bytes", "programs_per_sm", "num_stages"}
+    plan_opts = {k: v for k, v in opts.items() if k in plan_keys}
+    be_opts = {k: v for k, v in opts.items() if k not in plan_keys}
+    rspec, store = shard(model.spec, model.weights, rank, world)
+    plan = P.build_plan(rspec, store, device, tp=(rank, world), **plan_opts)
+    return MonokernelBackend(None, device, plan=plan, prefill="kernel", **be_opts)
+
+
+class ShardedMonokernel:
+    """N tensor-parallel ranks in this process (tests on the CPU interpreter; N = 1 on one GPU). Backend contract
+    of kie_moe.engine: `.name`, `generate(prompt_ids, SamplingParams, eos_ids)`; every rank must produce the same
+    tokens (checked)."""
+    name = "monokernel-tp"
+
+    def __init__(self, model, world: int, device="cpu", **opts):
+        self.world, self.device = world, torch.device(device)
+        self.ranks = [rank_backend(model, r, world, self.device, **opts) for r in range(world)]
+        if world > 1 and not self.ranks[0].interpret:
+            raise InputError("ShardedMonokernel: several ranks in one process run only under the interpreter "
+                             "(tests); on GPUs start one process per GPU (kie ... --devices N)")
+        addrs = [be.sym.data_ptr() for be in self.ranks]
+        for r, be in enumerate(self.ranks):
+            be.attach_symmetric(be.sym, peer_offsets(addrs, r).to(self.device))
+        self.spec = model.spec
+
+    def generate(self, prompt_ids: list[int], p, eos_ids) -> Iterator[int]:
+        for be in self.ranks:        # counters only grow within a launch: every region is zeroed before any rank runs
+            be.sym.zero_()
+        if self.world == 1:          # one GPU (or the CPU): the ordinary launch + stream, nothing to interleave
+            yield from self.ranks[0].generate(prompt_ids, p, eos_ids)
+            return
+        if not p.greedy and (p.top_k or p.top_p < 1.0):
+            raise InputError("monokernel backend: top-k / top-p sampling is not supported (greedy or temperature)")
+        n = p.max_new_tokens
+        seed = p.seed if p.seed is not None else int(torch.randint(0, 2 ** 31 - 1, (1,)))
+        eos = set() if p.ignore_eos else set(eos_ids)
+        for be in self.ranks:        # each runs until its first KCCL wait its peers cannot have satisfied yet
+            be.launch(0, 0, n, eos, ignore_eos=p.ignore_eos, temperature=p.temperature, seed=seed,
+                      forced=list(prompt_ids))
+        while True:
+            waiting = [(be, be.yielded_at()) for be in self.ranks if be.yielded_at() is not None]
+            if not waiting:
+                break
+            moved = False
+            for be, t in waiting:
+                be.resume()
+                moved |= be.yielded_at() != t
+            if not moved:
+                raise RuntimeError("tensor-parallel deadlock: " + "; ".join(
+                    f"rank {be.plan.tp_rank} waits at {self._where(be, t)}" for be, t in waiting))
+        outs = []
+        for be in self.ranks:
+            be.check_error()
+            cnt = int(be.ring[0])
+            outs.append([int(v) for v in be.ring[1:1 + cnt]])
+        for r, o in enumerate(outs[1:], 1):
+            if o != outs[0]:
+                raise RuntimeError(f"tensor parallel: rank {r} sampled {o}, rank 0 {outs[0]}")
+        yield from outs[0]
+
+    @staticmethod
+    def _where(be: MonokernelBackend, t: int) -> str:
+        tasks = be._launch_tasks
+        step, row = divmod(t, tasks.shape[0])
+        return f"task {row} ({P.describe_task(tasks, row)}) of step {step}"
