@@ -56,6 +56,8 @@ _OP_ABSORB = tl.constexpr(P.OP_ABSORB)
 _OP_MLA_ATTN = tl.constexpr(P.OP_MLA_ATTN)
 _OP_VUP = tl.constexpr(P.OP_VUP)
 _OP_REDUCE = tl.constexpr(P.OP_REDUCE)
+_CT_YIELD = tl.constexpr(CT_YIELD)
+_WAIT_YIELD = tl.constexpr(WAIT_YIELD)
 _NF = tl.constexpr(P.NF)
 _NLF = tl.constexpr(P.NLF)
 
@@ -138,7 +140,7 @@ def _kccl_wait(ctr, target, stop_ptr, timeout_ns, USE_ASM: tl.constexpr, NT: tl.
     else:
         st = wait(ctr, target, stop_ptr, timeout_ns, USE_ASM, True, NT)
         if USE_ASM == 0:
-            st = tl.where(st == 2, WAIT_YIELD, st)
+            st = tl.where(st == 2, _WAIT_YIELD, st)
     return st
 
 
@@ -544,8 +546,8 @@ def monokernel(
             st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE)
         if st == 0:
             signal(cnt_ptr + sig, 1, USE_ASM)
-        if st == WAIT_YIELD:   # interpreter: resume here once the other ranks ran (shard.py)
-            tl.store(ctrl_ptr + CT_YIELD, t + 1)
+        if st == _WAIT_YIELD:   # interpreter: resume here once the other ranks ran (shard.py)
+            tl.store(ctrl_ptr + _CT_YIELD, t + 1)
             tl.store(stop_ptr, 1)
         if st == 2:
             # watchdog: the first program to trip records where it was stuck, then everyone stops

@@ -1,0 +1,138 @@
+"""Tensor-parallel monokernel (kernels/monokernel/shard.py) on N simulated ranks: the real kernel under
+TRITON_INTERPRET=1, one launch per rank in this process, the ranks' symmetric regions plain CPU tensors that the
+kernel's puts write through the peer distances (kccl.sync.peer), ranks interleaved at their KCCL waits. Greedy
+tokens must equal the single-device reference for N = 1, 2, 4; N = 1 runs the same put / signal / wait / reduce
+tasks and equals the unsharded plan bit for bit. Plus the shard's shapes, the task table, a named deadlock, and the
+sm_90 build of the sharded kernel (system-scope acquire / release in the PTX)."""
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+import triton
+
+from kie_moe.kernels.monokernel import plan as P
+from kie_moe.kernels.monokernel.runtime import MonokernelBackend
+from kie_moe.kernels.monokernel.shard import ShardedMonokernel, peer_offsets, shard
+from kie_moe.models.errors import ConfigError
+from kie_moe.sampling import SamplingParams
+
+from .test_monokernel import reference_greedy
+
+PROMPT = [5, 17, 33, 2, 101, 7, 9]
+GREEDY = SamplingParams(max_new_tokens=5, ignore_eos=True)
+
+
+def test_shard_shapes_and_biases(tiny_model):
+    m = tiny_model("gpt_oss")                 # q/k/v/o biases, sinks, expert biases: every split rule
+    spec0, s0 = shard(m.spec, m.weights, 0, 2)
+    spec1, s1 = shard(m.spec, m.weights, 1, 2)
+    a, a1 = m.spec.layers[0].attn, spec1.layers[0].attn
+    assert (a1.num_heads, a1.num_kv_heads) == (a.num_heads // 2, a.num_kv_heads // 2)
+    q = m.weights.get("layers.0.attn.q")
+    torch.testing.assert_close(s1.get("layers.0.attn.q"), q[q.shape[0] // 2:])
+    assert s1.get("layers.0.attn.o").shape[1] == m.weights.get("layers.0.attn.o").shape[1] // 2
+    assert s1.get("layers.0.attn.sinks").shape[0] == a.num_heads // 2
+    moe = m.spec.layers[0].moe
+    assert spec1.layers[0].moe.intermediate_size == moe.intermediate_size // 2
+    up = m.weights.get("layers.0.moe.experts.3.up")
+    torch.testing.assert_close(s1.get("layers.0.moe.experts.3.up"), up[moe.intermediate_size // 2:])
+    for name in ("layers.0.attn.o_bias", "layers.0.moe.experts.3.down_bias"):   # added once, by rank 0
+        torch.testing.assert_close(s0.get(name), m.weights.get(name))
+        assert not s1.get(name).any()
+    torch.testing.assert_close(s1.get("layers.0.moe.router"), m.weights.get("layers.0.moe.router"))
+    with pytest.raises(ConfigError, match="cannot split num_heads=4"):
+        shard(m.spec, m.weights, 0, 3)
+    assert peer_offsets([1000, 1400, 600], 1).tolist() == [-100, 0, -200]
+
+
+def test_task_table_has_kccl_tasks(tiny_model):
+    m = tiny_model("qwen3_moe_mixed")
+    rspec, store = shard(m.spec, m.weights, 1, 2)
+    pl = P.build_plan(rspec, store, "cpu", tp=(1, 2), n_sms=3)
+    t = P.build_tasks(pl)
+    ops = t[:, P.F_OP].tolist()
+    L = m.spec.num_layers
+    assert ops.count(P.OP_REDUCE) == L * len(pl.op_rows["o"]) + sum(
+        len(pl.op_rows["exp_down" if lay.moe else "down"]) for lay in m.spec.layers)
+    red = t[t[:, P.F_OP] == P.OP_REDUCE]
+    assert (red[:, P.F_WCNT] == 2).all() and (red[:, P.F_WBASE] == 2).all()    # one signal per rank per step
+    puts = t[(t[:, P.F_OP] == P.OP_O) | (t[:, P.F_OP] == P.OP_DOWN) | (t[:, P.F_OP] == P.OP_EXP_DOWN)]
+    assert sorted(puts[:, P.F_XCTR].tolist()) == sorted(red[:, P.F_WAIT].tolist())   # every counter: put, then wait
+    sample = t[t[:, P.F_OP] == P.OP_SAMPLE][0]
+    n_lm = pl.n_lm_tiles
+    assert int(sample[P.F_WAIT]) == 2 * L * pl.tp_tiles and int(sample[P.F_WCNT]) == 2 * n_lm
+    per = -(-m.spec.vocab_size // 2)                        # rank 1 streams vocab rows [per, V)
+    assert pl.op_rows["lm"][0][0] == per and sum(n for _, n in pl.op_rows["lm"]) == m.spec.vocab_size - per
+    assert pl.sym_layout()["words"] == 2 * 2 * m.spec.hidden_size + 2 * 2 * n_lm + 2 * L * pl.tp_tiles + 1
+
+
+def test_one_rank_is_the_unsharded_plan_bit_for_bit(tiny_model):
+    m = tiny_model("qwen2_moe")               # shared expert with its sigmoid gate, q/k/v biases
+    base = MonokernelBackend(m, "cpu", prefill="kernel", n_sms=2)
+    want = list(base.generate(PROMPT, GREEDY, set()))
+    sm = ShardedMonokernel(m, 1, "cpu", n_sms=2)
+    assert list(sm.generate(PROMPT, GREEDY, set())) == want
+    be = sm.ranks[0]
+    assert torch.equal(be.x, base.x) and torch.equal(be.kv, base.kv)
+    lay = be.plan.sym_layout()   # the KCCL counters really counted: every tile, one signal per step
+    steps = len(PROMPT) - 1 + GREEDY.max_new_tokens
+    ctr = be.sym[lay["ctr"]:lay["ctr"] + lay["n_ctr"]]
+    assert int(ctr[-1]) == steps * be.plan.n_lm_tiles and int(ctr[0]) == steps
+
+
+CASES = [("llama", 2), ("qwen3_moe_mixed", 2), ("gpt_oss", 2), ("qwen3_moe_mixed", 4)]
+
+
+@pytest.mark.parametrize("case,world", CASES, ids=[f"{c}-{w}" for c, w in CASES])
+def test_ranks_give_the_single_device_tokens(case, world, tiny_model):
+    m = tiny_model(case)
+    sm = ShardedMonokernel(m, world, "cpu", n_sms=2)
+    got = list(sm.generate(PROMPT, GREEDY, set()))
+    assert got == reference_greedy(m, PROMPT, len(got)) and len(got) == GREEDY.max_new_tokens
+    xs = [be.x for be in sm.ranks]                          # the residual stream is bit-identical on every rank
+    assert all(torch.equal(x, xs[0]) for x in xs[1:])
+
+
+def test_temperature_sampling_matches_one_device(tiny_model):
+    m = tiny_model("llama")
+    p = SamplingParams(max_new_tokens=4, temperature=0.8, seed=7, ignore_eos=True)
+    want = list(MonokernelBackend(m, "cpu", prefill="kernel").generate(PROMPT, p, set()))
+    assert list(ShardedMonokernel(m, 2, "cpu").generate(PROMPT, p, set())) == want
+
+
+def test_deadlock_names_the_stuck_rank(tiny_model):
+    m = tiny_model("llama")
+    sm = ShardedMonokernel(m, 2, "cpu")
+    tasks = sm.ranks[1].tasks(1)
+    row = next(i for i in range(tasks.shape[0]) if int(tasks[i, P.F_OP]) == P.OP_REDUCE)
+    sm.ranks[1].plant_stuck_task(row)         # rank 1's first reduce waits for a count nobody will reach
+    with pytest.raises(RuntimeError, match=r"deadlock: .*rank 1 waits at task \d+ \(tp_reduce layer 0"):
+        list(sm.generate(PROMPT, GREEDY, set()))
+    assert list(sm.generate(PROMPT, GREEDY, set())) == reference_greedy(m, PROMPT, 5)   # next launch is clean
+
+
+PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+SCRIPT = r"""
+import sys, torch
+from kie_moe.models.registry import load_model
+from kie_moe.kernels.monokernel.runtime import compile_offline
+from kie_moe.kernels.monokernel.shard import rank_backend
+m = load_model(sys.argv[1])
+be = rank_backend(m, 1, 2, "cpu", offline=True, wdtype=torch.bfloat16, block_k=512, block_t=32, n_sms=132)
+ptx = compile_offline(be).asm["ptx"]
+for needle in ("ld.global.acquire.sys", "red.release.sys.global.add", "ld.global.acquire.gpu", "%globaltimer"):
+    assert needle in ptx, needle
+print("ok", len(ptx))
+"""
+
+
+@pytest.mark.skipif(not (os.path.exists(PTXAS) or shutil.which("ptxas")), reason="no ptxas in this triton build")
+def test_sharded_kernel_compiles_for_sm90(tiny_model):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", SCRIPT, tiny_model("qwen2_moe").path], env=env, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert "ok " in r.stdout
