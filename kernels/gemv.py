@@ -52,22 +52,24 @@ class TileConfig:
     prefetch: bool = True  # software-pipeline the weight loads one K step deep (PIPE constexpr)
 
 
-# H200 defaults (132 SMs, ~4.2 TB/s; 16 B/clk/SM of HBM = 8 thread-instructions per weight byte at most). Picked
-# from the sm_90 SASS of each loop (instructions per weight byte, registers -> resident programs per SM), not yet
-# from timings: benchmarks/kernels_micro.py --sweep measures them. Per step and program: bf16 8 KB (8x512x2,
-# 2.0 instr/B, 56 regs, prefetched); fp8 8 KB (3.3 instr/B, 64 regs; prefetching fp8 costs byte repacking:
-# 5.5 instr/B); fp8-block 8 KB (3.7 instr/B, 56 regs); nvfp4 4 KB (16x512/2, ~11 instr/B, 72 regs: 16x1024 needs
-# 224); mxfp4 8 KB (~11 instr/B, 96 regs). fp4 decode is compute-bound on CUDA cores at ~11 instr/B.
+# H200 defaults (132 SMs, ~4.5 TB/s, ~17 B/clk/SM: an SM issuing 128 thread-instructions per clock affords ~7.4 per
+# byte at full bandwidth). Picked from the sm_90 SASS of each loop (benchmarks/sass_count.py: instructions per
+# weight + scale byte, registers -> resident programs per SM); benchmarks/kernels_micro.py --sweep times them.
+# Per step and program: bf16 8 KB (8x512x2, 2.0 instr/B, 56 regs, prefetched); fp8 8 KB (3.3 instr/B, 64 regs;
+# prefetching fp8 costs byte repacking: 5.5 instr/B); fp8-block 8 KB, the fp8 shape (3.6 instr/B, 56 regs; was
+# 64x128: 128-byte row pieces); nvfp4 4 KB + scales (16x512/2, 8.3 instr/B, 80 regs); mxfp4 the same shape (8.5
+# instr/B, 71 regs: each thread holds whole 32-element groups, so 16x1024 would need 159). fp4 is ALU-bound on CUDA
+# cores: per u32 word of 8 codes 7 integer ops + 4 byte permutes + 8 f16->f32 converts + 8 FMAs (tiles.py).
 DEFAULT_TILES = {
     "bf16": TileConfig(8, 512), "fp16": TileConfig(8, 512), "fp32": TileConfig(4, 512),
-    "fp8": TileConfig(16, 512, prefetch=False), "fp8_block": TileConfig(64, 128, prefetch=False),
-    "nvfp4": TileConfig(16, 512), "mxfp4": TileConfig(16, 1024),
+    "fp8": TileConfig(16, 512, prefetch=False), "fp8_block": TileConfig(16, 512, prefetch=False),
+    "nvfp4": TileConfig(16, 512), "mxfp4": TileConfig(16, 512),
 }
 # Gate/up kernels hold the gate tile's result and the up tile's prologue at once, the expert down kernel loops over
 # slots around the tile loop: same loops, half the tile keeps them at <= ~128 registers (sm_90 SASS).
 DEFAULT_GLU_TILES = {
     **DEFAULT_TILES,
-    "fp8": TileConfig(8, 512, prefetch=False), "fp8_block": TileConfig(32, 128, prefetch=False),
+    "fp8": TileConfig(8, 512, prefetch=False), "fp8_block": TileConfig(8, 512, prefetch=False),
     "nvfp4": TileConfig(8, 512), "mxfp4": TileConfig(16, 512),
 }
 _MIN_BLOCK_K = {"nvfp4": 16, "mxfp4": 32}
@@ -205,8 +207,6 @@ def resolve_config(w: WeightHandle, config: TileConfig | None, table: dict | Non
         raise ValueError(f"TileConfig {cfg}: block_n / block_k must be powers of two, block_k a multiple of {g}")
     if w.fmt == "fp8_block" and FP8_BLOCK % cfg.block_n:
         raise ValueError(f"TileConfig {cfg}: fp8_block needs block_n dividing {FP8_BLOCK} (one scale row per tile)")
-    if w.fmt == "fp8_block" and FP8_BLOCK % cfg.block_k:
-        raise ValueError(f"TileConfig {cfg}: fp8_block needs block_k dividing {FP8_BLOCK} (one scale per K step)")
     if config is None:
         cfg = dataclasses.replace(cfg, block_k=pick_block_k(w.in_features, cfg.block_k, w.fmt))
     return cfg

@@ -4,11 +4,11 @@ epilogue helpers (RMSNorm scale, GLU activations, split-K reduction, bias/residu
 
 Tile contract: `_tile(FMT, w_ptr, stride_wn, s_ptr, stride_sn, stride_sk, gs_ptr, x_ptr, nw_ptr, stride_x8, n_start,
 N, k_lo, k_hi, HAS_NW, BLOCK_N, BLOCK_K, PIPE) -> [BLOCK_N] fp32`: rows n_start .. n_start + BLOCK_N of W (rows past
-N read row N-1; drop them) dotted with x[k_lo:k_hi]. k_lo is a multiple of BLOCK_K's granule (fp8-block: of BLOCK_K;
-fp4: of the group). Float formats read x [K] (times nw when HAS_NW: RMSNorm without its rstd, a scalar the caller
-applies); fp4 formats read x in the x8 layout (see below). Weight and x loads interleave step by step here: a
-persistent kernel that wants a tile's first weights in flight before its input is ready (DESIGN.md §3) issues
-that first load itself.
+N read row N-1; drop them) dotted with x[k_lo:k_hi]. k_lo is a multiple of BLOCK_K (every caller passes 0 or
+pid * k_per_split; fp4 tiles tell the compiler their word loads are aligned on it). Float formats read x [K] (times
+nw when HAS_NW: RMSNorm without its rstd, a scalar the caller applies); fp4 formats read x in the x8 layout (see
+below). Weight and x loads interleave step by step here: a persistent kernel that wants a tile's first weights in
+flight before its input is ready (DESIGN.md §3) issues that first load itself.
 
 Why the code looks the way it does (sm_90 SASS of each loop, checked by tests/kernels/test_compile_sm90.py):
 - x is loaded as a [BLOCK_N, L] broadcast tile, not a [L] vector: it then gets the weight tile's own register
@@ -16,12 +16,22 @@ Why the code looks the way it does (sm_90 SASS of each loop, checked by tests/ke
 - the accumulator keeps one value per row and 16-byte vector (the in-thread part of the reduction runs per step),
   so registers go to weights in flight rather than to a [BLOCK_N, BLOCK_K] fp32 accumulator;
 - PIPE prefetches step i+1's weights while step i computes (Triton does not pipeline plain loads);
-- fp4 decodes whole u32 words (two fp16 per shift-and-mask) and reads x in the x8 layout, fp32 [8, K/8] with
-  x8[e, j] = x[8j + e]: element e of word j then multiplies row e of x8, a contiguous load.
+- fp4 decodes whole u32 words (8 codes: two "byte planes" in 7 integer ops, a byte permute per 2 codes, inline
+  PTX on the GPU) and reads x in the x8 layout, fp32 [8, K/8] with x8[e, j] = x[8j + e]: element e of word j then
+  multiplies row e of x8, a contiguous load; each thread holds whole scale groups (16 or 32 codes);
+- fp8-block scales its 16-column partial sums (the step may span 128-column blocks: the fp8 tile shape).
+benchmarks/sass_count.py counts each loop's instructions per weight byte offline.
 """
+
+import os
 
 import triton
 import triton.language as tl
+
+# Inline PTX where it can run: the interpreter has no inline asm (same switch as kccl/sync.py's USE_ASM, here a
+# global because every tile signature would otherwise carry it). KIE_TILES_ASM=0 selects the portable code on the
+# GPU too (A/B benchmarks; both give the same bits).
+_ASM = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1" and os.environ.get("KIE_TILES_ASM", "1") != "0")
 
 FMT_ID = {"bf16": 0, "fp16": 0, "fp32": 0, "fp8": 1, "fp8_block": 2, "nvfp4": 3, "mxfp4": 4}  # the FMT constexpr
 ACT_ID = {"silu": 0, "swiglu": 0, "gpt_oss": 1}  # the ACT constexpr of _glu
@@ -63,18 +73,35 @@ def _row_ptrs(w_ptr, stride_wn, n_start, N, BLOCK_N: tl.constexpr):
 def _float_mac(acc, w, x_ptr, nw_ptr, s_row, stride_sk, k0, k_hi, HAS_NW: tl.constexpr, BLOCK_N: tl.constexpr,
                BLOCK_K: tl.constexpr, BLOCK_SCALED: tl.constexpr, MASKED: tl.constexpr):
     """acc [BLOCK_N, BLOCK_K // VEC] += w * x[k0 : k0 + BLOCK_K] for a loaded weight tile w, summed over each
-    thread's VEC contiguous columns. BLOCK_SCALED (fp8-block): BLOCK_K divides 128, so the step has ONE scale (the
-    tile's rows share a scale row): folded into x."""
+    thread's VEC contiguous columns. BLOCK_SCALED (fp8-block): each VEC-column partial sum lies in one 128-column
+    block (VEC divides 128, k0 is a multiple of VEC) and the tile's rows share one scale row, so the block scale
+    multiplies the partial sum: an FFMA where the unscaled formats add, any BLOCK_K (a step may span blocks)."""
     VEC: tl.constexpr = BLOCK_K // acc.shape[1]
     offs_k = k0 + tl.arange(0, BLOCK_K)
     k_mask = offs_k < k_hi
     x = _load_x(x_ptr, nw_ptr, offs_k, k_mask, HAS_NW, BLOCK_N, MASKED)  # [BLOCK_N, BLOCK_K]
-    if BLOCK_SCALED:
-        x = x * tl.load(s_row + (k0 // 128) * stride_sk).to(tl.float32)
     p = w.to(tl.float32) * x
     # A thread's 16-byte vector holds VEC consecutive columns: summing them is register-local and shrinks the
     # accumulator VEC-fold, leaving registers for weights in flight.
-    return acc + tl.sum(tl.reshape(p, (BLOCK_N, BLOCK_K // VEC, VEC)), axis=2)
+    part = tl.sum(tl.reshape(p, (BLOCK_N, BLOCK_K // VEC, VEC)), axis=2)
+    if BLOCK_SCALED:
+        # The step's ceil(BLOCK_K / 128) block scales as uniform scalar loads, picked per vector by a select: a
+        # [BLOCK_K // VEC] tensor made of scalars takes any register layout (a loaded one got its own layout and
+        # cost a shared-memory conversion per step). Blocks past k_hi (ragged tail) read scale 0.
+        NB: tl.constexpr = (BLOCK_K + 127) // 128
+        blk = (k0 % 128 + tl.arange(0, BLOCK_K // VEC) * VEC) // 128  # block of each vector, relative to k0's
+        sv = tl.zeros((BLOCK_K // VEC,), dtype=tl.float32)
+        for b in tl.static_range(NB):
+            kb = k0 // 128 + b
+            if MASKED:
+                sb = tl.load(s_row + kb * stride_sk, mask=kb * 128 < k_hi, other=0.0).to(tl.float32)
+            else:
+                sb = tl.load(s_row + kb * stride_sk).to(tl.float32)
+            sv = tl.where(blk == b, sb, sv)
+        acc = acc + part * sv[None, :]
+    else:
+        acc = acc + part
+    return acc
 
 
 @triton.jit
@@ -132,8 +159,9 @@ def _tile_fp8(w_ptr, stride_wn, s_ptr, stride_sn, x_ptr, nw_ptr, n_start, N, k_l
 @triton.jit
 def _tile_fp8_block(w_ptr, stride_wn, s_ptr, stride_sn, stride_sk, x_ptr, nw_ptr, n_start, N, k_lo, k_hi,
                     HAS_NW: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PIPE: tl.constexpr):
-    """e4m3 [N, K] with one scale per 128x128 block [ceil(N/128), ceil(K/128)]. Needs BLOCK_N and BLOCK_K dividing
-    128 and n_start, k_lo multiples of them: each step then has one scalar scale."""
+    """e4m3 [N, K] with one scale per 128x128 block [ceil(N/128), ceil(K/128)]. Needs BLOCK_N dividing 128 and
+    n_start a multiple of it (the tile's rows share one scale row); any power-of-two BLOCK_K (scales apply to
+    16-column partial sums, so a 512-column step reads its 4 block scales, once per thread)."""
     return _tile_float(w_ptr, stride_wn, s_ptr, stride_sn, stride_sk, x_ptr, nw_ptr, n_start, N, k_lo, k_hi,
                        HAS_NW, BLOCK_N, BLOCK_K, True, PIPE)
 
@@ -144,30 +172,81 @@ def _tile_fp8_block(w_ptr, stride_wn, s_ptr, stride_sn, stride_sk, x_ptr, nw_ptr
 # are contiguous [BLOCK_N, BLOCK_K/8] loads with the weight tile's own layout (vectorised, shared by a thread's
 # rows, no layout conversion); x in its natural order would be 8 stride-8 gathers per word.
 @triton.jit
-def _half_lo(v):
-    return v.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+def _byte_f32(v, SHIFT: tl.constexpr):
+    """Byte SHIFT/8 of each u32 in v, as the high byte of an fp16 (low byte 0), converted to fp32."""
+    return (((v >> SHIFT) & 0xFF) << 8).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
 
 
-@triton.jit
-def _half_hi(v):
-    return (v >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+# The decode in PTX (GPU): ptxas turns the shift/and/or lines into ~7 SHF/LOP3/IMAD.SHL, each `prmt` places two
+# planes' bytes as the high bytes of an f16x2 (one PRMT per 2 codes; the portable code's byte shifts compile to
+# more), `cvt.f32.f16` is one HADD2.F32 each. $8 = the word; $0..$7 = elements 0..7.
+_E2M1_WORD_PTX = tl.constexpr("""{
+.reg .b32 t, u, lo, hi, z, h0, h1, h2, h3;
+.reg .b16 f<8>;
+mov.b32 z, 0;
+shl.b32 t, $8, 4;
+and.b32 t, t, 0x80808080;
+shl.b32 u, $8, 1;
+and.b32 u, u, 0x0E0E0E0E;
+or.b32 lo, t, u;
+shr.b32 t, $8, 3;
+and.b32 t, t, 0x0E0E0E0E;
+and.b32 u, $8, 0x80808080;
+or.b32 hi, t, u;
+prmt.b32 h0, lo, z, 0x1404;
+prmt.b32 h1, lo, z, 0x3424;
+prmt.b32 h2, hi, z, 0x1404;
+prmt.b32 h3, hi, z, 0x3424;
+mov.b32 {f0, f1}, h0;
+mov.b32 {f2, f3}, h1;
+mov.b32 {f4, f5}, h2;
+mov.b32 {f6, f7}, h3;
+cvt.f32.f16 $0, f0;
+cvt.f32.f16 $1, f4;
+cvt.f32.f16 $2, f1;
+cvt.f32.f16 $3, f5;
+cvt.f32.f16 $4, f2;
+cvt.f32.f16 $5, f6;
+cvt.f32.f16 $6, f3;
+cvt.f32.f16 $7, f7;
+}""")
 
 
 @triton.jit
 def _e2m1_word(q):
     """8 e2m1 codes in a u32 word (byte b holds elements 2b | 2b+1 << 4) -> 8 fp32, each 2^-14 times its value.
 
-    A nibble s|e1 e0|m moved to fp16 bits 15 | 11..10 | 9 is an fp16 whose value is exactly 2^-14 x the e2m1
-    value (e = 0 lands on fp16 subnormals, which the f16 -> f32 convert handles exactly). On whole words one
-    shift-and-mask pair builds TWO fp16 at once (bytes 0 and 2, or 1 and 3, are 16 bits apart): ~2 integer ops per
-    element instead of 5, no lookup table. The 2^-14 is folded into the scale by the caller.
+    A nibble s|e1 e0|m rewritten as the byte s 0 0 0 e1 e0 m 0 (an e5m2 byte) is the high byte of an fp16 whose
+    value is exactly 2^-14 x the e2m1 value (e = 0 lands on fp16 subnormals, which the f16 -> f32 convert handles
+    exactly). Two "byte planes" hold those bytes for the four low nibbles (elements 0, 2, 4, 6) and the four high
+    nibbles (1, 3, 5, 7): 7 integer ops per word for all 8 codes (the sign and the e|m bits move by different
+    shifts, and a LOP3 takes one mask, so each plane costs shift + mask + merge). One byte permute per 2 codes
+    turns a plane into f16x2, one convert per code gives fp32: ~19 instructions per word (was ~28: four
+    fp16-pair decodes at 4 ops each plus packing PRMTs). The 2^-14 is folded into the scale by the caller.
     Returns elements 0..7 of the word, in order."""
-    a = ((q << 9) & 0x0E000E00) | ((q << 12) & 0x80008000)  # low nibbles of bytes 0, 2: elements 0, 4
-    b = ((q << 1) & 0x0E000E00) | ((q << 4) & 0x80008000)  # low nibbles of bytes 1, 3: elements 2, 6
-    c = ((q << 5) & 0x0E000E00) | ((q << 8) & 0x80008000)  # high nibbles of bytes 0, 2: elements 1, 5
-    d = ((q >> 3) & 0x0E000E00) | (q & 0x80008000)  # high nibbles of bytes 1, 3: elements 3, 7
-    return (_half_lo(a), _half_lo(c), _half_lo(b), _half_lo(d),
-            _half_hi(a), _half_hi(c), _half_hi(b), _half_hi(d))
+    if _ASM:
+        w0, w1, w2, w3, w4, w5, w6, w7 = tl.inline_asm_elementwise(
+            _E2M1_WORD_PTX, "=r,=r,=r,=r,=r,=r,=r,=r,r", [q], dtype=(tl.float32,) * 8, is_pure=True, pack=1)
+    else:
+        lo = ((q << 4) & 0x80808080) | ((q << 1) & 0x0E0E0E0E)  # byte b: element 2b as s000 eem0
+        hi = (q & 0x80808080) | ((q >> 3) & 0x0E0E0E0E)  # byte b: element 2b + 1
+        w0 = _byte_f32(lo, 0)
+        w1 = _byte_f32(hi, 0)
+        w2 = _byte_f32(lo, 8)
+        w3 = _byte_f32(hi, 8)
+        w4 = _byte_f32(lo, 16)
+        w5 = _byte_f32(hi, 16)
+        w6 = _byte_f32(lo, 24)
+        w7 = _byte_f32(hi, 24)
+    return w0, w1, w2, w3, w4, w5, w6, w7
+
+
+@triton.jit
+def _word_offs(k, KW: tl.constexpr, GROUP: tl.constexpr):
+    """Word offsets k/8 .. k/8 + KW of a step at element k. Callers start steps at multiples of BLOCK_K (the tile
+    contract), so runs of GROUP/8 words are aligned: with rows on 16-byte boundaries (Triton sees the stride)
+    a thread then loads a whole scale group as one vector (mxfp4: 16 B; its group sum stays in registers)."""
+    return tl.multiple_of(k // 8 + tl.arange(0, KW), GROUP // 8)
 
 
 @triton.jit
@@ -177,7 +256,7 @@ def _fp4_mac(acc, q, s, x8_ptr, stride_x8, k0, k_hi, BLOCK_N: tl.constexpr, BLOC
     [BLOCK_N, BLOCK_K // GROUP] (all x 2^-14)."""
     KW: tl.constexpr = BLOCK_K // 8
     G: tl.constexpr = BLOCK_K // GROUP
-    offs_w = k0 // 8 + tl.arange(0, KW)
+    offs_w = _word_offs(k0, KW, GROUP)
     w_mask = offs_w < k_hi // 8
     w0, w1, w2, w3, w4, w5, w6, w7 = _e2m1_word(q)
     # One multiply-add chain per word; masked-off words read x = 0 (their codes are 0 too).
@@ -208,13 +287,12 @@ def _tile_fp4(w_ptr, stride_wn, s_ptr, stride_sn, stride_sk, x8_ptr, stride_x8, 
     # Row stride in bytes is a multiple of 8 (K % 16 == 0), so rows start on u32 words.
     w_rows = _row_ptrs(w_ptr.to(tl.pointer_type(tl.uint32)), stride_wn // 4, n_start, N, BLOCK_N)
     s_rows = _row_ptrs(s_ptr, stride_sn, n_start, N, BLOCK_N)
-    offs_w = tl.arange(0, KW)
     offs_g = tl.arange(0, G)
     acc = tl.zeros((BLOCK_N, G), dtype=tl.float32)
     # Whole steps first, unmasked; PIPE: pipelined one deep as in _tile_float (words and scales of step i+1).
     k_full = k_lo + (k_hi - k_lo) // BLOCK_K * BLOCK_K
     if PIPE:
-        q_next = tl.load(w_rows + (k_lo // 8 + offs_w)[None, :],
+        q_next = tl.load(w_rows + _word_offs(k_lo, KW, GROUP)[None, :],
                          mask=tl.full((BLOCK_N, KW), k_lo < k_full, tl.int1), other=0)
         s_next = tl.load(s_rows + (k_lo // GROUP + offs_g)[None, :] * stride_sk,
                          mask=tl.full((BLOCK_N, G), k_lo < k_full, tl.int1), other=0.0)
@@ -222,16 +300,17 @@ def _tile_fp4(w_ptr, stride_wn, s_ptr, stride_sn, stride_sk, x8_ptr, stride_x8, 
             q = q_next
             s = s_next
             k_n = tl.minimum(k0 + BLOCK_K, k_full - BLOCK_K)  # clamped: the last prefetch re-reads (L2 hit)
-            q_next = tl.load(w_rows + (k_n // 8 + offs_w)[None, :])
+            q_next = tl.load(w_rows + _word_offs(k_n, KW, GROUP)[None, :])
             s_next = tl.load(s_rows + (k_n // GROUP + offs_g)[None, :] * stride_sk)
             acc = _fp4_mac(acc, q, s, x8_ptr, stride_x8, k0, k_hi, BLOCK_N, BLOCK_K, GROUP, MX, False)
     else:
         for k0 in range(k_lo, k_full, BLOCK_K):
-            q = tl.load(w_rows + (k0 // 8 + offs_w)[None, :])
+            q = tl.load(w_rows + _word_offs(k0, KW, GROUP)[None, :])
             s = tl.load(s_rows + (k0 // GROUP + offs_g)[None, :] * stride_sk)
             acc = _fp4_mac(acc, q, s, x8_ptr, stride_x8, k0, k_hi, BLOCK_N, BLOCK_K, GROUP, MX, False)
     for k0 in range(k_full, k_hi, BLOCK_K):  # the ragged tail: 0 or 1 step, masked
-        q = tl.load(w_rows + (k0 // 8 + offs_w)[None, :], mask=(k0 // 8 + offs_w < k_hi // 8)[None, :], other=0)
+        offs_t = _word_offs(k0, KW, GROUP)
+        q = tl.load(w_rows + offs_t[None, :], mask=(offs_t < k_hi // 8)[None, :], other=0)
         s = tl.load(s_rows + (k0 // GROUP + offs_g)[None, :] * stride_sk,
                     mask=(k0 // GROUP + offs_g < k_hi // GROUP)[None, :], other=0.0)
         acc = _fp4_mac(acc, q, s, x8_ptr, stride_x8, k0, k_hi, BLOCK_N, BLOCK_K, GROUP, MX, True)

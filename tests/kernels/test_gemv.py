@@ -63,6 +63,45 @@ def test_e2m1_codes_through_the_kernel(fmt):
         assert torch.equal(y.cpu(), want), f"element {elem}: {y.tolist()}"
 
 
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_e2m1_every_code_at_every_position(fmt):
+    """Exact decode of all 16 codes at each of the 16 nibble positions of two u32 words (the kernel decodes the four
+    bytes of a word with different shifts and byte permutes): row r holds code (r + 3i) % 16 at element i; x one-hot
+    at element i reads column i back."""
+    K, N = 32, 16
+    r = torch.arange(N)[:, None]
+    codes = ((r + 3 * torch.arange(K)[None, :]) % 16).to(torch.uint8)  # [N, K]
+    packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
+    if fmt == "nvfp4":
+        w = WeightHandle("nvfp4", packed.to(DEV), torch.ones(N, K // 16).to(torch.float8_e4m3fn).to(DEV),
+                         torch.ones(1, device=DEV), N, K)
+    else:
+        w = WeightHandle("mxfp4", packed.to(DEV), torch.full((N, 1), 127, dtype=torch.uint8, device=DEV), None, N, K)
+    table = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES))
+    for i in range(16):
+        x = torch.zeros(K, dtype=torch.float32, device=DEV)
+        x[i] = 1.0
+        y = gemv(x, w, config=TileConfig(16, 32))
+        assert torch.equal(y.cpu(), table[codes[:, i].long()]), f"element {i}: {y.tolist()}"
+
+
+@pytest.mark.parametrize("config", [TileConfig(16, 256, num_warps=2), TileConfig(16, 512, split_k=2),
+                                    TileConfig(32, 64, split_k=3, prefetch=False), TileConfig(8, 1024)],
+                         ids=["bk256", "bk512-split2", "bk64-split3", "bk1024"])
+def test_fp8_block_steps_across_blocks(config):
+    """fp8-block with K steps wider than a 128-column block (each 16-column partial sum takes its own block's
+    scale), a ragged last block (K = 600: 4 blocks + 88 columns), split-K boundaries inside blocks, and two 128-row
+    blocks (N = 150) with a ragged second one."""
+    N, K = 150, 600
+    w = random_weight("fp8_block", N, K, seed=23, device=DEV)
+    x = _x(K, 24)
+    y = gemv(x, w, out=torch.empty(N, device=DEV), config=config)
+    assert_close(y, gemv_ref(x, w, out_dtype=torch.float32), what=str(config))
+    half = w.rows(128)  # a view starting on the second 128-row block: its scales follow
+    assert_close(gemv(x, half, out=torch.empty(N - 128, device=DEV), config=config),
+                 gemv_ref(x, half, out_dtype=torch.float32), what=f"rows 128: {config}")
+
+
 # ---- plain GEMV ---------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("config", [None, SMALL_SPLIT, NO_PREFETCH], ids=["auto", "split2", "noprefetch"])

@@ -1,0 +1,162 @@
+#!/usr/bin/env python3
+"""Instructions per weight byte of the GEMV inner loops, from sm_90 SASS compiled on a machine without a GPU.
+
+For each format and launch shape (TileConfig) it compiles kernels.gemv._gemv_kernel for the H200 (the stand-in
+driver of tests/kernels/test_compile_sm90.py: compile, never launch), finds the main K loop in `cuobjdump -sass`
+(the first backward branch: the unmasked, software-pipelined loop; the second is the masked tail) and reports
+
+  instr   SASS instructions in the loop body (per thread per K step)
+  B/thr   bytes one thread streams per K step: weights + scales
+  i/B     instr / B/thr: the issue cost of one byte (an SM issues 128 thread-instructions per clock; at 4.5 TB/s on
+          132 SMs at 1.98 GHz it receives ~17 B per clock, so ~7.4 instr/B is the most it can afford at 100%)
+  alu     the share of instructions on the integer ALU pipe (LOP3, SHF, PRMT, IADD3, LEA, ...: half rate)
+  regs    registers per thread; ctas = resident programs per SM (register-limited); kb = KB of weights in
+          flight per SM (ctas x tile bytes x (2 when prefetching))
+
+It runs in a subprocess without TRITON_INTERPRET (kernels imported under the interpreter are wrappers).
+Usage: python benchmarks/sass_count.py [--formats nvfp4,mxfp4] [--configs 16x512,16x512:np,8x1024:w8] [--hist]
+  config syntax: BNxBK[:np (no prefetch)][:wN (num_warps)]; default: each format's DEFAULT_TILES entry.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ALU = ("LOP3", "SHF", "PRMT", "IADD3", "LEA", "ISETP", "SEL", "VIMNMX", "IMNMX", "PLOP3", "F2FP", "BMSK", "SGXT",
+       "FMNMX", "FSEL", "VIADD")
+BYTES_PER_ELEM = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 1, "fp8_block": 1, "nvfp4": 0.5, "mxfp4": 0.5}
+SCALE_BYTES_PER_ELEM = {"nvfp4": 1 / 16, "mxfp4": 1 / 32}  # fp8 / fp8-block scales are < 0.01%
+
+
+def parse_config(text: str, default):
+    from kie_moe.kernels.gemv import TileConfig
+    if text == "default":
+        return default
+    parts = text.split(":")
+    bn, bk = (int(v) for v in parts[0].split("x"))
+    kw = dict(prefetch=True, num_warps=4)
+    for p in parts[1:]:
+        if p == "np":
+            kw["prefetch"] = False
+        elif p.startswith("w"):
+            kw["num_warps"] = int(p[1:])
+        else:
+            raise SystemExit(f"sass_count: bad config part {p!r} in {text!r}")
+    return TileConfig(bn, bk, **kw)
+
+
+def main_loop(sass: str) -> list[str]:
+    """Instructions of the first loop (backward branch) in a cuobjdump -sass listing."""
+    ins = [(int(m.group(1), 16), m.group(2).strip()) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    for addr, txt in ins:
+        if "BRA" in txt:
+            t = re.search(r"0x([0-9a-f]+)", txt)
+            if t and int(t.group(1), 16) < addr:
+                lo = int(t.group(1), 16)
+                return [x for a, x in ins if lo <= a <= addr]
+    return []
+
+
+def opcode(txt: str) -> str:
+    return re.sub(r"^@!?U?P\w+\s+", "", txt).split()[0]
+
+
+def measure(fmt: str, cfg, K: int = 8192, N: int = 4096) -> dict:
+    import torch
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime.driver import driver
+
+    class _Sm90:
+        def get_current_target(self):
+            return GPUTarget("cuda", 90, 32)
+
+        def get_current_device(self):
+            return 0
+
+        def get_current_stream(self, device=None):
+            return 0
+
+    driver.set_active(_Sm90())
+    from kie_moe.kernels import gemv as G
+    from kie_moe.kernels.weights import random_weight
+
+    w = random_weight(fmt, N, K)
+    fp4 = G.is_fp4(fmt)
+    x = torch.empty(8, K // 8) if fp4 else torch.empty(K, dtype=torch.bfloat16)
+    y = torch.empty(N, dtype=torch.bfloat16)
+    part, cnt = torch.empty(4, N), torch.empty(N, dtype=torch.int32)
+    k = G._gemv_kernel.warmup(x, x, *G.weight_args(w), y, y, y, part, cnt, N, K, K, 1e-6, K // 8,
+                              FMT=G.FMT_ID[fmt], HAS_NW=False, HAS_BIAS=False, HAS_RES=False, SPLIT_K=1,
+                              BLOCK_X=1024, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PIPE=cfg.prefetch,
+                              num_warps=cfg.num_warps, num_stages=cfg.num_stages, grid=(1,))
+    bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    with tempfile.TemporaryDirectory() as d:
+        cub = Path(d) / "k.cubin"
+        cub.write_bytes(k.asm["cubin"])
+        sass = subprocess.run([str(bin_dir / "cuobjdump"), "-sass", str(cub)], capture_output=True, text=True).stdout
+        res = subprocess.run([str(bin_dir / "cuobjdump"), "-res-usage", str(cub)], capture_output=True,
+                             text=True).stdout
+    regs = int(re.search(r"REG:(\d+)", res).group(1))
+    body = main_loop(sass)
+    hist = collections.Counter(opcode(t) for t in body)
+    threads = 32 * cfg.num_warps
+    tile_bytes = cfg.block_n * cfg.block_k * (BYTES_PER_ELEM[fmt] + SCALE_BYTES_PER_ELEM.get(fmt, 0))
+    per_thread = tile_bytes / threads
+    alu = sum(n for op, n in hist.items() if op.split(".")[0] in ALU)
+    regs_warp = -(-regs * 32 // 256) * 256  # allocation granularity: 256 registers per warp
+    ctas = min(65536 // (regs_warp * cfg.num_warps), 64 // cfg.num_warps, 32)
+    return dict(fmt=fmt, config=f"{cfg.block_n}x{cfg.block_k}{'' if cfg.prefetch else ':np'}"
+                                f"{'' if cfg.num_warps == 4 else f':w{cfg.num_warps}'}",
+                instr=len(body), bytes_per_thread=per_thread, instr_per_byte=round(len(body) / per_thread, 2),
+                alu_share=round(alu / max(len(body), 1), 2), regs=regs, ctas=ctas,
+                kb_in_flight=round(ctas * tile_bytes * (2 if cfg.prefetch else 1) / 1024, 1),
+                hist=dict(hist.most_common()))
+
+
+def _child(args):
+    from kie_moe.kernels.gemv import DEFAULT_TILES
+    rows = []
+    for fmt in args.formats.split(","):
+        for c in args.configs.split(","):
+            rows.append(measure(fmt, parse_config(c, DEFAULT_TILES[fmt]), K=args.k))
+    print(json.dumps(rows))
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--formats", default="bf16,fp8,fp8_block,nvfp4,mxfp4")
+    p.add_argument("--configs", default="default", help="comma list of BNxBK[:np][:wN], or 'default'")
+    p.add_argument("--k", type=int, default=8192, help="K of the compiled shape (strides specialise on it)")
+    p.add_argument("--hist", action="store_true", help="print the opcode histogram of each loop")
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child:
+        return _child(args)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    cmd = [sys.executable, __file__, "--child", "--formats", args.formats, "--configs", args.configs,
+           "--k", str(args.k)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if proc.returncode:
+        raise SystemExit(proc.stderr[-4000:])
+    rows = json.loads(proc.stdout.strip().splitlines()[-1])
+    print(f"{'fmt':10s} {'config':12s} {'instr':>6s} {'B/thr':>6s} {'i/B':>6s} {'alu':>5s} {'regs':>5s} "
+          f"{'ctas':>5s} {'kb':>6s}")
+    for r in rows:
+        print(f"{r['fmt']:10s} {r['config']:12s} {r['instr']:6d} {r['bytes_per_thread']:6.1f} "
+              f"{r['instr_per_byte']:6.2f} {r['alu_share']:5.2f} {r['regs']:5d} {r['ctas']:5d} "
+              f"{r['kb_in_flight']:6.1f}")
+        if args.hist:
+            print("   ", r["hist"])
+
+
+if __name__ == "__main__":
+    main()
