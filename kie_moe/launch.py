@@ -140,9 +140,10 @@ def init_process_group(env: WorkerEnv, backend: str = "nccl"):
 
 
 def generate_worker(a, env: WorkerEnv) -> int:
-    """One rank of `kie generate --devices N`: greedy decode of a tensor + expert parallel split of the model
-    (kccl/tp_sim.TpRankDecoder on GPU `local_rank`, all-reduces through KCCL's GpuHeap). Rank 0 prints the
-    result like the single-device path. Greedy only; reference-speed math (the correctness path, not the fast one)."""
+    """One rank of `kie generate --devices N` on GPU `local_rank`. Default (--backend auto | monokernel): the
+    tensor-parallel monokernel (kernels/monokernel/shard.TpRank: in-kernel KCCL puts / waits over torch symmetric
+    memory). --backend reference: the torch tensor + expert parallel reference (kccl/tp_sim.TpRankDecoder,
+    all-reduces through KCCL's GpuHeap; greedy only). Rank 0 prints the result like the single-device path."""
     import json
 
     import torch
@@ -152,8 +153,6 @@ def generate_worker(a, env: WorkerEnv) -> int:
     from kie_moe.kccl.tp_sim import TpRankDecoder
     from kie_moe.models.registry import load_model
 
-    if a.temperature != 0.0:
-        raise InputError("--devices > 1 decodes greedily only (use --temperature 0)")
     init_process_group(env, "nccl")
     import torch.distributed as dist
     try:
@@ -166,6 +165,22 @@ def generate_worker(a, env: WorkerEnv) -> int:
                 raise InputError(f"{a.model}: --prompt needs the model's tokenizer files (or use --prompt-ids)")
             ids = Tokenizer(a.model).encode(a.prompt)
         dev = torch.device("cuda", env.local_rank)
+        if a.backend in ("auto", "monokernel"):
+            from kie_moe.kernels.monokernel.shard import TpRank
+            from kie_moe.sampling import SamplingParams
+            rank = TpRank(m)
+            p = SamplingParams(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_p=a.top_p,
+                               top_k=a.top_k, seed=a.seed if a.seed is not None else 0, ignore_eos=a.ignore_eos)
+            out = list(rank.generate(ids, p, set(m.spec.eos_token_ids)))
+            if env.rank == 0:
+                print(json.dumps({"token_ids": out, "devices": env.world, "backend": "monokernel-tp"}) if a.json
+                      else ",".join(map(str, out)))
+            return 0
+        if a.backend != "reference":
+            raise InputError(f"--devices {env.world}: backend {a.backend!r} has no multi-GPU path "
+                             "(monokernel or reference)")
+        if a.temperature != 0.0:
+            raise InputError("--devices > 1 --backend reference decodes greedily only (use --temperature 0)")
         coll = KcclCollective(GpuHeap.rendezvous(capacity_bytes=1 << 20))
         dec = TpRankDecoder(m.spec, m.weights, env.rank, env.world, coll, device=dev)
         eos = set(m.spec.eos_token_ids)

@@ -24,8 +24,8 @@ Ranks and memory:
   under TRITON_INTERPRET=1 (tests), or one GPU (N = 1). Under the interpreter a rank's launch leaves at a KCCL wait
   its peers have not satisfied yet (kernel.WAIT_YIELD); `generate` runs the ranks round robin until every one
   finished, and names the stuck tasks if a full round makes no progress.
-- `TpRank` (one process per GPU, kie_moe/launch.py): this rank only, its region in torch symmetric memory
-  (kccl/symm_gpu.py's rendezvous), peers mapped over NVLink.
+- `TpRank` (one process per GPU, kie_moe/launch.py; one rank in one process on one GPU runs the same code): this
+  rank only, its region in torch symmetric memory, peers mapped over NVLink.
 """
 from __future__ import annotations
 
@@ -222,3 +222,48 @@ class ShardedMonokernel:
         tasks = be._launch_tasks
         step, row = divmod(t, tasks.shape[0])
         return f"task {row} ({P.describe_task(tasks, row)}) of step {step}"
+
+
+class TpRank:
+    """This process's rank of a tensor-parallel monokernel on GPUs (one process per GPU, a torch.distributed group
+    already initialised, e.g. kie_moe.launch.init_process_group; one rank works too, through the same code). The
+    symmetric region lives in torch symmetric memory (multicast never used); the peer distances come from the
+    mapped addresses of every rank's region. Backend contract: `.name`, `generate(...)` (every rank must call it
+    with the same arguments; rank 0's stream is the output, the others return the same tokens)."""
+    name = "monokernel-tp"
+
+    def __init__(self, model, group=None, **opts):
+        import torch.distributed as dist
+        import torch.distributed._symmetric_memory as symm_mem
+        if not dist.is_initialized():
+            raise InputError("TpRank needs an initialised torch.distributed group (kie ... --devices N starts one)")
+        self.group = group or dist.group.WORLD
+        self.rank, self.world = dist.get_rank(self.group), dist.get_world_size(self.group)
+        self.device = torch.device("cuda", torch.cuda.current_device())
+        self.be = rank_backend(model, self.rank, self.world, self.device, **opts)
+        words = self.be.plan.sym_layout()["words"]
+        enable = getattr(symm_mem, "enable_symm_mem_for_group", None)   # needed before torch 2.9, a no-op after
+        if enable is not None:
+            import warnings
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                enable(self.group.group_name)
+        buf = symm_mem.empty(words, dtype=torch.int32, device=self.device)
+        self._hdl = symm_mem.rendezvous(buf, self.group)
+        addrs = [self._hdl.get_buffer(q, (words,), torch.int32).data_ptr() for q in range(self.world)]
+        self.be.attach_symmetric(buf, peer_offsets(addrs, self.rank).to(self.device))
+        self.spec = model.spec
+
+    def generate(self, prompt_ids: list[int], p, eos_ids) -> Iterator[int]:
+        """Every rank: zero its region, wait for all (no rank may put before every region is zero), run the launch.
+        The host stop flag is per rank, so a consumer that stops early on rank 0 alone would leave the others
+        waiting for it: every rank drains its whole stream here."""
+        import torch.distributed as dist
+        self.be.sym.zero_()
+        torch.cuda.synchronize(self.device)
+        dist.barrier(self.group)
+        try:
+            yield from list(self.be.generate(prompt_ids, p, eos_ids))
+        finally:
+            torch.cuda.synchronize(self.device)
+            dist.barrier(self.group)   # nobody zeroes its region for the next launch while a peer still puts

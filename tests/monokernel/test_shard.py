@@ -136,3 +136,44 @@ def test_sharded_kernel_compiles_for_sm90(tiny_model):
                        text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-4000:]
     assert "ok " in r.stdout
+
+
+# ---- on one GPU: the same code with one rank (the multi-GPU runs are their own issue) -------------------------------
+
+@pytest.mark.gpu
+def test_gpu_one_rank_equals_unsharded_and_process_group_path(tiny_model):
+    """N = 1 on the GPU: the in-process sharded plan and TpRank (a one-rank NCCL group, torch symmetric memory:
+    what every `--devices N` worker runs) both give the unsharded plan's tokens bit for bit."""
+    import torch.distributed as dist
+    from kie_moe.kernels.monokernel.shard import TpRank
+    from kie_moe.launch import free_port
+    m = tiny_model("qwen3_moe_mixed", torch.bfloat16)
+    p = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    want = list(MonokernelBackend(m, "cuda", prefill="kernel").generate(PROMPT, p, set()))
+    assert list(ShardedMonokernel(m, 1, "cuda").generate(PROMPT, p, set())) == want
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        r = TpRank(m)
+        for _ in range(2):                                   # a second launch re-zeroes the region
+            assert list(r.generate(PROMPT, p, set())) == want
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+def test_gpu_kccl_watchdog_names_the_counter(tiny_model):
+    import time
+    m = tiny_model("qwen3_moe_mixed", torch.bfloat16)
+    sm = ShardedMonokernel(m, 1, "cuda", timeout_ms=200)
+    be = sm.ranks[0]
+    p = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    want = list(sm.generate(PROMPT, p, set()))
+    tasks = be.tasks(be.last_launch["n_splits"])
+    row = next(i for i in range(tasks.shape[0]) if int(tasks[i, P.F_OP]) == P.OP_REDUCE)
+    be.plant_stuck_task(row)
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"tp_reduce layer 0 .*KCCL counter o_proj\[layer 0\] tile 0"):
+        list(sm.generate(PROMPT, p, set()))
+    assert time.monotonic() - t0 < 5.0
+    assert list(sm.generate(PROMPT, p, set())) == want
