@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -359,22 +360,15 @@ class Prefill:
                 continue
             wg, wu, wd, gu = self._expert_weights(gate, up, down, e0, e1)
             if grouped:
-                offs = torch.cumsum(counts[e0:e1], 0, dtype=torch.int32)
-                xg = xs[r0:r1]
-                if gu is not None:
-                    h = torch._grouped_mm(xg, gu.transpose(-2, -1), offs=offs)
-                    g, u = h[:, :I], h[:, I:]
-                else:
-                    g = torch._grouped_mm(xg, wg.transpose(-2, -1), offs=offs)
-                    u = torch._grouped_mm(xg, wu.transpose(-2, -1), offs=offs)
-                e = eid[r0:r1]
-                if bias[0] is not None:
-                    g, u = g + bias[0].index_select(0, e), u + bias[1].index_select(0, e)
-                y = torch._grouped_mm(self._act(m, g, u), wd.transpose(-2, -1), offs=offs)
-                if bias[2] is not None:
-                    y = y + bias[2].index_select(0, e)
-                ys[r0:r1] = y
-                continue
+                try:
+                    ys[r0:r1] = self._grouped(m, xs[r0:r1], eid[r0:r1], counts[e0:e1], wg, wu, wd, gu, bias)
+                    continue
+                except (RuntimeError, NotImplementedError) as err:   # a build / device without the kernel
+                    warnings.warn(f"prefill: torch._grouped_mm failed ({err}); looping over experts from now on")
+                    self.grouped = grouped = False
+                    self.stats.update(moe_path="loop", grouped_mm_error=str(err)[:300])
+                    if host is None:
+                        host = [0] + torch.cumsum(counts, 0).tolist()
             for e in range(e0, e1):
                 a, b = host[e], host[e + 1]
                 if a == b:
@@ -389,3 +383,19 @@ class Prefill:
                     g, u = g + bias[0][e], u + bias[1][e]
                 ys[a:b] = F.linear(self._act(m, g, u), wd[e - e0], None if bias[2] is None else bias[2][e])
         return ys
+
+    def _grouped(self, m: MoESpec, xg, e, counts, wg, wu, wd, gu, bias) -> torch.Tensor:
+        """One torch._grouped_mm per matrix for all experts of a group: rows xg [n, D] sorted by expert e [n],
+        counts [G] rows per expert."""
+        I = m.intermediate_size
+        offs = torch.cumsum(counts, 0, dtype=torch.int32)
+        if gu is not None:
+            h = torch._grouped_mm(xg, gu.transpose(-2, -1), offs=offs)
+            g, u = h[:, :I], h[:, I:]
+        else:
+            g = torch._grouped_mm(xg, wg.transpose(-2, -1), offs=offs)
+            u = torch._grouped_mm(xg, wu.transpose(-2, -1), offs=offs)
+        if bias[0] is not None:
+            g, u = g + bias[0].index_select(0, e), u + bias[1].index_select(0, e)
+        y = torch._grouped_mm(self._act(m, g, u), wd.transpose(-2, -1), offs=offs)
+        return y if bias[2] is None else y + bias[2].index_select(0, e)

@@ -221,3 +221,21 @@ def test_triton_fp8_rows_into_a_strided_half():
     torch.testing.assert_close(dequant_fp8_rows(h, torch.empty(3, 37, 70)), want, rtol=0, atol=0)
     one = random_weight("fp8", 19, 300, seed=5)
     torch.testing.assert_close(dequant_fp8_rows(one, torch.empty(19, 300)), dequantize(one), rtol=0, atol=0)
+
+
+def test_grouped_mm_failure_falls_back_to_the_loop(preset_model, monkeypatch):
+    """A torch build or device without the grouped GEMM kernel: warn once, loop over experts, same answer."""
+    spec, store = preset_model("qwen3-30b-a3b")
+    ids = prompt(spec)
+    want_logits, want_cache = reference(spec, store, ids)
+
+    def broken(*a, **k):
+        raise RuntimeError("grouped gemm is not supported here")
+    monkeypatch.setattr(torch, "_grouped_mm", broken, raising=False)
+    pf = Prefill(spec, StoreWeights(store), "cpu", chunk=CHUNK, grouped=True)
+    caches = caches_for(spec, S)
+    with pytest.warns(UserWarning, match="looping over experts"):
+        logits = pf(ids, caches, logits=True)
+    assert not pf.grouped and pf.stats["moe_path"] == "loop" and "not supported" in pf.stats["grouped_mm_error"]
+    assert_caches(spec, caches, want_cache, S)
+    torch.testing.assert_close(logits, want_logits, **TOL)
