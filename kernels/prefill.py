@@ -117,9 +117,10 @@ class Prefill:
             h = self.W.linear(name)
             if h is None:
                 raise KeyError(f"prefill: the model has no weight {name!r}")
-        if h.fmt not in FLOAT_FMTS and h.out_features * h.in_features * 2 > self.scratch_bytes:
+        eb = torch.empty((), dtype=self.dtype).element_size()
+        if h.fmt not in FLOAT_FMTS and h.out_features * h.in_features * eb > self.scratch_bytes:
             # a quantized Linear too big for the scratch at once (an LM head): row blocks
-            step = max(128, self.scratch_bytes // 2 // h.in_features // 128 * 128)
+            step = max(128, self.scratch_bytes // eb // h.in_features // 128 * 128)
             return torch.cat([F.linear(x, self.weight(h.rows(r, min(r + step, h.out_features))),
                                        None if bias is None else bias[r:r + step])
                               for r in range(0, h.out_features, step)], dim=-1)
@@ -323,7 +324,8 @@ class Prefill:
         E = gate.num_experts
         if all(float_view(h, self.dtype) is not None for h in (gate, up, down)):
             return [(0, E)]
-        per = (2 * gate.out_features * gate.in_features + down.out_features * down.in_features) * 2
+        eb = torch.empty((), dtype=self.dtype).element_size()
+        per = (2 * gate.out_features * gate.in_features + down.out_features * down.in_features) * eb
         G = max(1, min(E, self.scratch_bytes // per))
         return [(e, min(E, e + G)) for e in range(0, E, G)]
 

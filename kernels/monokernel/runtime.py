@@ -192,16 +192,17 @@ class MonokernelBackend:
     # ---- prefill --------------------------------------------------------------------------------------------------
     def prefill(self, ids: list[int]):
         """KV cache positions [0, len(ids)) through the batched prefill (kernels/prefill.py) over the plan's own
-        buffers; KIE_PREFILL=reference runs the reference decoder's math instead (the oracle, slow)."""
+        buffers; KIE_PREFILL=reference, or a decoder placed in `_prefill_decoder` (tests: an fp32 oracle prefill),
+        runs the reference decoder's math instead (slow)."""
         if not ids:
             return
         self._ensure_kv(len(ids) + 1)
-        if os.environ.get("KIE_PREFILL") != "reference":
+        if os.environ.get("KIE_PREFILL") != "reference" and self._prefill_decoder is None:
             if self._prefiller is None:
                 self._prefiller = Prefill.for_plan(self.plan, self.prefill_dtype)
             L = self.spec.num_layers
-            caches = ([self.kv[i] for i in range(L)] if self.dims.MLA else
-                      [(self.kv[i, 0].transpose(0, 1), self.kv[i, 1].transpose(0, 1)) for i in range(L)])  # [T, Hkv, Dh]
+            caches = ([self.kv[i] for i in range(L)] if self.dims.MLA else     # [T, Hkv, Dh] views of [Hkv, T, Dh]
+                      [(self.kv[i, 0].transpose(0, 1), self.kv[i, 1].transpose(0, 1)) for i in range(L)])
             self._prefiller(ids, caches)
             return
         if self._prefill_decoder is None:
