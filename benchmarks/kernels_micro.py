@@ -1,18 +1,32 @@
 #!/usr/bin/env python3
-"""GPU micro-benchmark of the batch-1 decode kernels (kie_moe.kernels.gemv / .moe).
+"""GPU micro-benchmark of the batch-1 decode kernels (kie_moe.kernels.gemv / .moe / .attention / .rope).
 
 Measures, on one GPU:
   probe   the read-bandwidth ceiling: torch sum over ~4 GB (DESIGN.md §6: ~4.2 TB/s on an H200);
   big     each weight format on one GEMV launch covering >= 256 MB of weights (+ scales);
-  models  the per-layer GEMV / MoE ops of qwen3-30b-a3b, gpt-oss-120b and llama-3.2-1b in each format (router and
-          the bf16 lm_head as the converter keeps them), and the decode time they add up to (no attention);
+  models  every launch of one decoder layer at the real shapes of qwen3-30b-a3b, gpt-oss-120b and laneformer-2b
+          (--models; llama-3.2-1b too on request), in the formats each would run: bf16, fp8 and nvfp4 everywhere,
+          and gpt-oss's released layout "mxfp4-experts" (bf16 attention, mxfp4 experts). Per layer: q/k/v (fused
+          rows for float / fp8, three GEMVs for block / fp4 formats, as the graph backend launches them), RoPE +
+          KV append, decode attention at each --ctx (sinks, sliding windows), o_proj, then the router + routed
+          experts (gate/up and down launches) or the dense gate/up + down, the fp4 x8 input preps, and the bf16
+          lm_head once per token; the sum is the decode time of a token spent in these launches.
+          laneformer-2b rows are one lane's launches (one device of the 8-way lane-parallel layout: 4 q / 2 kv
+          heads, 864 FFN rows of 4096); "all lanes on one device" multiplies its layer by 8.
   sweep   (--sweep) launch shapes of the big GEMV per format, to pick DEFAULT_TILES.
-Bandwidth counts weight + scale bytes. Timing: each op is captured N times back to back in a CUDA graph (the
-kernel-per-op decode path), cycling through copies of its weights that together exceed 3x the 60 MB L2 (and, for
-experts, through random expert ids), replayed under triton.testing.do_bench (warm-up, L2 flushed before each
-replay, median); per-op time = replay time / N. Never on zeros: random codes and scales.
 
-JSON goes to --out after every section, so a timeout still leaves what was measured.
+Two timings per launch (DESIGN.md §6):
+  us        the launch captured N times back to back in a CUDA graph (the graph backend's path, launch overhead
+            removed), cycling through copies of its weights / KV caches that together exceed 3x the 60 MB L2 (and,
+            for experts, through random expert ids), replayed under triton.testing.do_bench (warm-up, L2 flushed
+            before each replay, median); us = replay time / N.
+  us_eager  one eager call per iteration under do_bench (L2 flushed each time): includes the host's launch cost.
+GB/s counts weight + scale bytes (GEMVs, router, experts) or the K + V bytes read (attention); % of the probe of
+the same run. Never on zeros: random codes and scales.
+
+--budget-s (default 210) bounds the whole run: sections run in order (probe, big, then the models in --models
+order) and ops that no longer fit are recorded as skipped, so the default run ends in < 4 minutes. JSON goes to
+--out after every section, so a timeout still leaves what was measured.
 """
 
 from __future__ import annotations
@@ -21,6 +35,7 @@ import argparse
 import datetime as _dt
 import json
 import math
+import os
 import platform
 import sys
 import time
@@ -28,36 +43,82 @@ import time
 import torch
 import triton
 
-from kie_moe.kernels.gemv import DEFAULT_TILES, TileConfig, gemv, gemv_ref, gemv_swiglu, prepare_x8, rmsnorm_gemv
+from kie_moe.kernels.attention import gqa_decode
+from kie_moe.kernels.gemv import DEFAULT_TILES, TileConfig, gemv, gemv_glu, gemv_ref, prepare_x8, rmsnorm_gemv
 from kie_moe.kernels.moe import RouterConfig, moe_experts, route
+from kie_moe.kernels.rope import rope_append
 from kie_moe.kernels.weights import random_weight
 
 FORMATS = ["bf16", "fp8", "fp8_block", "nvfp4", "mxfp4"]
+FP4 = ("nvfp4", "mxfp4")
 L2_BYTES = 60 << 20
 DEV = "cuda"  # tests/kernels/test_kernels_micro.py drives the sections on CPU (interpreter, tiny shapes)
 
-# Public shapes (config.json of each model).
+# Public shapes (config.json of each model; laneformer-2b: dense/preset.py, per lane). "plans": the default
+# (label, attention format, FFN / expert format) list; "windows": (window, share of the layers).
 MODELS = {
     "qwen3-30b-a3b": dict(hidden=2048, q_heads=32, kv_heads=4, head_dim=128, layers=48, vocab=151936,
-                          moe=dict(experts=128, top_k=8, inter=768, act="silu", router="softmax")),
+                          qk_norm="head", moe=dict(experts=128, top_k=8, inter=768, act="silu", router="softmax"),
+                          plans=["bf16", "fp8", "nvfp4"]),
     "gpt-oss-120b": dict(hidden=2880, q_heads=64, kv_heads=8, head_dim=64, layers=36, vocab=201088, qkv_bias=True,
+                         sinks=True, windows=[(None, 0.5), (128, 0.5)],
                          moe=dict(experts=128, top_k=4, inter=2880, act="gpt_oss", router="softmax_topk",
-                                  interleaved=True, bias=True)),
-    "llama-3.2-1b": dict(hidden=2048, q_heads=32, kv_heads=8, head_dim=64, layers=16, vocab=128256, inter=8192),
+                                  interleaved=True, bias=True),
+                         plans=["mxfp4-experts", "bf16", "fp8", "nvfp4"]),
+    "laneformer-2b": dict(hidden=4096, q_heads=4, kv_heads=2, head_dim=128, layers=15, vocab=32768, inter=864,
+                          lanes=8, windows=[(1024, 10 / 15), (None, 5 / 15)], plans=["bf16", "fp8", "nvfp4"]),
+    "llama-3.2-1b": dict(hidden=2048, q_heads=32, kv_heads=8, head_dim=64, layers=16, vocab=128256, inter=8192,
+                         plans=["bf16", "fp8", "nvfp4"]),
 }
+DEFAULT_MODELS = ["qwen3-30b-a3b", "gpt-oss-120b", "laneformer-2b"]
+# named mixed plans: label -> (attention format, FFN / expert format)
+MIXED = {"mxfp4-experts": ("bf16", "mxfp4")}
+
+
+def plan(label: str) -> tuple[str, str, str]:
+    """'fp8' -> ('fp8', 'fp8', 'fp8'); 'mxfp4-experts' -> ('mxfp4-experts', 'bf16', 'mxfp4')."""
+    if label in MIXED:
+        return (label, *MIXED[label])
+    if label not in FORMATS:
+        raise ValueError(f"unknown format {label!r}; expected some of {FORMATS + list(MIXED)}")
+    return label, label, label
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", help="write the results as JSON here")
-    p.add_argument("--formats", default=",".join(FORMATS), help="comma list of weight formats (default: all)")
-    p.add_argument("--models", default=",".join(MODELS), help="comma list of model shapes (default: all)")
+    p.add_argument("--formats", default=None,
+                   help="comma list of formats for the big GEMV (default: all) and, when given, the per-layer "
+                        f"plans of every model instead of each model's own list ({', '.join(FORMATS)}, "
+                        f"{', '.join(MIXED)})")
+    p.add_argument("--models", default=",".join(DEFAULT_MODELS),
+                   help=f"comma list of model shapes (default: %(default)s; known: {', '.join(MODELS)})")
+    p.add_argument("--ctx", default="128,8192", help="comma list of context lengths for the attention launches; "
+                   "the first is the one the layer sums use (kie bench decodes at context 32..159)")
     p.add_argument("--skip", default="", help="comma list of sections to skip: probe,big,models")
     p.add_argument("--big-mb", type=int, default=256, help="weight MB of the one-launch GEMV per format")
     p.add_argument("--probe-gb", type=float, default=4.0, help="GB read by the bandwidth probe")
     p.add_argument("--sweep", action="store_true", help="also sweep launch shapes of the big GEMV per format")
-    p.add_argument("--rep-ms", type=int, default=60, help="do_bench measuring time per op (ms)")
+    p.add_argument("--rep-ms", type=int, default=40, help="do_bench measuring time per timing (ms)")
+    p.add_argument("--no-eager", action="store_true", help="skip the eager (host launch included) timing")
+    p.add_argument("--budget-s", type=float, default=210, help="wall-clock budget of the run (0: none)")
     return p.parse_args(argv)
+
+
+class Budget:
+    """Seconds left of --budget-s; ops that no longer fit are recorded as skipped instead of run."""
+
+    def __init__(self, seconds: float | None):
+        self.t0, self.seconds = time.time(), seconds or None
+
+    def left(self) -> float:
+        return float("inf") if self.seconds is None else self.seconds - (time.time() - self.t0)
+
+    def out(self) -> bool:
+        return self.left() <= 0
+
+
+EAGER = True  # main() turns it off with --no-eager
 
 
 # ---- timing -------------------------------------------------------------------------------------------------------
@@ -72,8 +133,10 @@ def time_graph(call, n_rot: int, rep_ms: int) -> float:
         return 1.0
     torch.cuda.synchronize()
     stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):  # warm the allocator on the capture stream
         call(0)
+    torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -84,67 +147,116 @@ def time_graph(call, n_rot: int, rep_ms: int) -> float:
     return ms * 1e3 / n
 
 
+def time_eager(call, n_rot: int, rep_ms: int) -> float | None:
+    """Median microseconds of one eager call (host launch cost included), cycling the input sets; do_bench flushes
+    the L2 before each call."""
+    if not EAGER:
+        return None
+    if DEV != "cuda":
+        call(0)
+        return 1.0
+    it = [0]
+
+    def one():
+        call(it[0] % n_rot)
+        it[0] += 1
+
+    return triton.testing.do_bench(one, warmup=5, rep=max(10, rep_ms // 2), return_mode="median") * 1e3
+
+
+def timed(call, n_rot: int, rep_ms: int) -> tuple[float, float | None]:
+    us = time_graph(call, n_rot, rep_ms)
+    return us, time_eager(call, n_rot, rep_ms)
+
+
 def n_copies(nbytes: int, cap_bytes: int = 4 << 30) -> int:
     """Copies of a weight that together exceed 3x L2 (1 if one copy already does), within cap_bytes."""
     return max(1, min(math.ceil(3 * L2_BYTES / max(nbytes, 1)), 1024, cap_bytes // max(nbytes, 1)))
 
 
-def row(name, us, nbytes, probe_gbps, **extra):
+def row(name, us, nbytes, probe_gbps, us_eager=None, **extra):
     gbps = nbytes / (us * 1e-6) / 1e9
-    r = dict(op=name, us=round(us, 3), mb=round(nbytes / 1e6, 3), gbps=round(gbps, 1),
+    r = dict(op=name, us=round(us, 3), mb=round(nbytes / 1e6, 4), gbps=round(gbps, 1),
              pct_probe=round(100 * gbps / probe_gbps, 1) if probe_gbps else None, **extra)
-    print(f"  {name:42s} {us:9.2f} us {nbytes / 1e6:9.2f} MB {gbps:8.0f} GB/s"
-          + (f" {r['pct_probe']:5.1f}%" if probe_gbps else ""), flush=True)
+    if us_eager is not None:
+        r["us_eager"] = round(us_eager, 3)
+        r["gbps_eager"] = round(nbytes / (us_eager * 1e-6) / 1e9, 1)
+    print(f"  {name:44s} {us:9.2f} us" + (f" ({us_eager:8.2f} eager)" if us_eager is not None else "")
+          + f" {nbytes / 1e6:9.3f} MB {gbps:8.0f} GB/s" + (f" {r['pct_probe']:5.1f}%" if probe_gbps else ""),
+          flush=True)
     return r
 
 
-def bench_gemv(name, fmt, N, K, probe, rep_ms, *, fn="gemv", config=None, seed=0, **kw):
-    """One Linear [N, K] in `fmt`, x = bf16 [K]. fn: gemv | rmsnorm | swiglu (gate/up halves of one [2N, K]).
-    fp4: the GEMV kernel alone, its x8 input made once outside the timing (bench_x8 times that launch)."""
-    rows_ = 2 * N if fn == "swiglu" else N
-    probe_w = random_weight(fmt, rows_, K, seed=seed, device=DEV)
-    copies = [probe_w] + [random_weight(fmt, rows_, K, seed=seed + i, device=DEV)
-                          for i in range(1, n_copies(probe_w.nbytes))]
-    x = torch.randn(K, device=DEV).to(torch.bfloat16)
-    nw = torch.randn(K, device=DEV).to(torch.bfloat16)
-    res = torch.randn(N, device=DEV).to(torch.bfloat16)
-    x8 = None
-    if fmt in ("nvfp4", "mxfp4"):
-        x8 = prepare_x8(x, nw if fn in ("rmsnorm", "swiglu") else None)
+def _vec(n, dtype=torch.bfloat16):
+    return torch.randn(n, device=DEV).to(dtype)
+
+
+def bench_gemv(name, fmt, N, K, probe, rep_ms, *, fn="gemv", config=None, seed=0, residual=False, bias=False,
+               act="silu", rows=None, eager=True):
+    """One Linear [N, K] in `fmt` (`rows`: a list of row counts = that many GEMVs of one input, e.g. q, k, v of a
+    block format; they then share the norm'd x8), x = bf16 [K]. fn: gemv | rmsnorm | glu (gate/up halves of one
+    [2N, K], act silu or gpt_oss, gpt-oss interleaved). fp4: the GEMV kernels alone, their x8 input made once outside
+    the timing (bench_x8 times that launch)."""
+    parts = rows or [N]
+    total_rows = 2 * N if fn == "glu" else sum(parts)
+
+    def make(sd):  # several GEMVs: one handle each (block-scaled rows cannot be cut at any row)
+        if len(parts) == 1:
+            return random_weight(fmt, total_rows, K, seed=sd, device=DEV)
+        return [random_weight(fmt, n, K, seed=sd * 8 + j, device=DEV) for j, n in enumerate(parts)]
+
+    def nbytes(w):
+        return w.nbytes if len(parts) == 1 else sum(h.nbytes for h in w)
+
+    probe_w = make(seed)
+    copies = [probe_w] + [make(seed + i) for i in range(1, n_copies(nbytes(probe_w)))]
+    x, nw = _vec(K), _vec(K)
+    res = _vec(N)
+    b = torch.randn(total_rows, device=DEV) if bias else None
+    x8 = prepare_x8(x, nw if fn in ("rmsnorm", "glu") else None) if fmt in FP4 else None
+    nw_kw = dict(norm_weight=nw) if fn in ("rmsnorm", "glu") and x8 is None else {}
+    offs = [sum(parts[:i]) for i in range(len(parts))]
 
     def call(i):
         w = copies[i]
-        if fn == "swiglu":
-            return gemv_swiglu(x, w.rows(0, N), w.rows(N), norm_weight=nw, x8=x8, config=config)
-        if fn == "rmsnorm":
-            return rmsnorm_gemv(x, nw, 1e-6, w, x8=x8, config=config)
-        return gemv(x, w, residual=res if kw.get("residual") else None, x8=x8, config=config)
+        if fn == "glu":
+            if act == "gpt_oss":  # interleaved gate/up rows, biases as strided views
+                return gemv_glu(x, w.rows(0, None, 2), w.rows(1, None, 2), act=act, x8=x8, config=config,
+                                gate_bias=b[0::2] if b is not None else None,
+                                up_bias=b[1::2] if b is not None else None, **nw_kw)
+            return gemv_glu(x, w.rows(0, N), w.rows(N), act=act, x8=x8, config=config, **nw_kw)
+        out = None
+        for j, (o, n) in enumerate(zip(offs, parts)):
+            wi = w if len(parts) == 1 else w[j]
+            bi = None if b is None else b[o:o + n]
+            out = gemv(x, wi, bias=bi, residual=res if residual else None, x8=x8, config=config, **nw_kw)
+        return out
 
-    us = time_graph(call, len(copies), rep_ms)
-    return row(name, us, probe_w.nbytes, probe, fmt=fmt, shape=[rows_, K], fn=fn)
+    us, us_e = time_graph(call, len(copies), rep_ms), (time_eager(call, len(copies), rep_ms) if eager else None)
+    return row(name, us, nbytes(probe_w), probe, us_e, fmt=fmt, shape=[total_rows, K], fn=fn,
+               launches=len(parts))
 
 
 def bench_x8(name, K, probe, rep_ms, norm: bool):
     """prepare_x8 alone: the extra launch an fp4 GEMV costs when its producer does not write x8 itself."""
-    xs = [torch.randn(K, device=DEV).to(torch.bfloat16) for _ in range(8)]
-    nw = torch.randn(K, device=DEV).to(torch.bfloat16) if norm else None
-    us = time_graph(lambda i: prepare_x8(xs[i], nw), len(xs), rep_ms)
-    return row(name, us, K * (2 + 4), probe, fn="prepare_x8", shape=[K])
+    xs = [_vec(K) for _ in range(8)]
+    nw = _vec(K) if norm else None
+    us, us_e = timed(lambda i: prepare_x8(xs[i], nw), len(xs), rep_ms)
+    return row(name, us, K * (2 + 4), probe, us_e, fn="prepare_x8", shape=[K])
 
 
 def bench_router(name, E, H, cfg, probe, rep_ms, *, with_x8=False, bias=False):
     ws = [(torch.randn(E, H, device=DEV) * 0.05).to(torch.bfloat16) for _ in range(n_copies(E * H * 2))]
-    x = torch.randn(H, device=DEV).to(torch.bfloat16)
-    nw = torch.randn(H, device=DEV).to(torch.bfloat16)
+    x, nw = _vec(H), _vec(H)
     b = torch.randn(E, device=DEV) if bias else None
     x8 = torch.empty(8, H // 8, device=DEV) if with_x8 else None
-    us = time_graph(lambda i: route(x, ws[i], cfg, norm_weight=nw, router_bias=b, x8_out=x8), len(ws), rep_ms)
-    return row(name, us, E * H * 2, probe, fn="route", shape=[E, H])
+    us, us_e = timed(lambda i: route(x, ws[i], cfg, norm_weight=nw, router_bias=b, x8_out=x8), len(ws), rep_ms)
+    return row(name, us, E * H * 2, probe, us_e, fn="route", shape=[E, H])
 
 
 def bench_experts(name, fmt, m, H, probe, rep_ms):
     E, k, I = m["experts"], m["top_k"], m["inter"]
-    if m.get("interleaved"):
+    if m.get("interleaved") and fmt != "fp8_block":  # block scales cannot follow every other row: same bytes apart
         gate_up = random_weight(fmt, 2 * I, H, experts=E, seed=1, device=DEV, std=0.02)
         wg, wu = gate_up.rows(0, None, 2), gate_up.rows(1, None, 2)
         per_expert = gate_up.nbytes // E
@@ -157,20 +269,57 @@ def bench_experts(name, fmt, m, H, probe, rep_ms):
     bias = {}
     if m.get("bias"):
         b = torch.randn(E, 2 * I, device=DEV).to(torch.bfloat16)
-        bias = dict(gate_bias=b[:, 0::2], up_bias=b[:, 1::2],
-                    down_bias=torch.randn(E, H, device=DEV).to(torch.bfloat16))
+        bias = dict(gate_bias=b[:, 0::2], up_bias=b[:, 1::2], down_bias=_vec(E * H).reshape(E, H))
     n_sets = 256  # random distinct experts per call: consecutive calls rarely share an expert in L2
     ids = torch.stack([torch.randperm(E, device=DEV)[:k] for _ in range(n_sets)]).to(torch.int32)
     wts = torch.softmax(torch.randn(n_sets, k, device=DEV), -1)
-    x = torch.randn(H, device=DEV).to(torch.bfloat16)
-    nw = torch.randn(H, device=DEV).to(torch.bfloat16)
-    x8 = prepare_x8(x, nw) if fmt in ("nvfp4", "mxfp4") else None  # in a model: written by route(x8_out=)
+    x, nw = _vec(H), _vec(H)
+    x8 = prepare_x8(x, nw) if fmt in FP4 else None  # in a model: written by route(x8_out=)
 
     def call(i):
         return moe_experts(x, ids[i], wts[i], wg, wu, wd, act=m["act"], norm_weight=nw, x8=x8, residual=x, **bias)
 
-    us = time_graph(call, n_sets, rep_ms)
-    return row(name, us, k * per_expert, probe, fmt=fmt, fn="moe_experts", shape=[E, k, I, H])
+    us, us_e = timed(call, n_sets, rep_ms)
+    del wg, wu, wd
+    return row(name, us, k * per_expert, probe, us_e, fmt=fmt, fn="moe_experts", shape=[E, k, I, H], launches=2)
+
+
+def bench_rope(name, spec, probe, rep_ms, ctx):
+    """RoPE (+ per-head q/k norm) and the K/V append at position ctx - 1: one launch, latency-bound."""
+    hq, hk, hd = spec["q_heads"], spec["kv_heads"], spec["head_dim"]
+    n = 64
+    qs = [_vec(hq * hd).reshape(hq, hd) for _ in range(n)]
+    ks = [_vec(hk * hd).reshape(hk, hd) for _ in range(n)]
+    v = _vec(hk * hd).reshape(hk, hd)
+    kc = torch.zeros(ctx, hk, hd, device=DEV, dtype=torch.bfloat16)
+    vc = torch.zeros_like(kc)
+    cos, sin = torch.rand(ctx, hd // 2, device=DEV), torch.rand(ctx, hd // 2, device=DEV)
+    pos = torch.tensor([ctx - 1], dtype=torch.int32, device=DEV)
+    norm = spec.get("qk_norm")
+    kw = dict(qk_norm=norm, q_norm=_vec(hd), k_norm=_vec(hd)) if norm == "head" else {}
+    us, us_e = timed(lambda i: rope_append(qs[i], ks[i], v, kc, vc, pos, cos, sin, **kw), n, rep_ms)
+    return row(name, us, 2 * (hq + 2 * hk) * hd, probe, us_e, fn="rope_append", shape=[hq, hk, hd])
+
+
+def bench_attention(name, spec, probe, rep_ms, ctx, window=None):
+    """gqa_decode (split + combine launches) at context ctx over rotating bf16 caches."""
+    hq, hk, hd = spec["q_heads"], spec["kv_heads"], spec["head_dim"]
+    visible = min(ctx, window) if window else ctx
+    per = 2 * ctx * hk * hd * 2
+    caches = [(_vec(ctx * hk * hd).reshape(ctx, hk, hd), _vec(ctx * hk * hd).reshape(ctx, hk, hd))
+              for _ in range(n_copies(per, 2 << 30))]
+    q = _vec(hq * hd).reshape(hq, hd)
+    out = torch.empty_like(q)
+    sinks = torch.randn(hq, device=DEV) if spec.get("sinks") else None
+    pos = torch.tensor([ctx - 1], dtype=torch.int32, device=DEV)
+
+    def call(i):
+        k, v = caches[i]
+        return gqa_decode(q, k, v, pos, softmax_scale=hd ** -0.5, window=window, sinks=sinks, out=out)
+
+    us, us_e = timed(call, len(caches), rep_ms)
+    return row(name, us, 2 * visible * hk * hd * 2, probe, us_e, fn="gqa_decode", ctx=ctx, window=window,
+               shape=[hq, hk, hd], launches=2)
 
 
 # ---- sections -----------------------------------------------------------------------------------------------------
@@ -184,16 +333,20 @@ def probe_section(gb: float, rep_ms: int) -> dict:
     return dict(gb=gb, ms=round(ms, 3), gbps=round(gbps, 1))
 
 
-def big_section(formats, mb: float, probe: float, rep_ms: int, K: int = 8192) -> list:
+def big_section(formats, mb: float, probe: float, rep_ms: int, K: int = 8192, budget: Budget | None = None) -> list:
     print(f"big: one GEMV launch per format, >= {mb} MB of weights, K = {K}", flush=True)
     out = []
     for fmt in formats:
+        if budget is not None and budget.out():
+            out.append(dict(op=f"gemv {fmt}", skipped="time budget"))
+            continue
         per_row = {"bf16": 2, "fp8": 1, "fp8_block": 1, "nvfp4": 0.5, "mxfp4": 0.5}[fmt] * K
         N = int(math.ceil(mb * (1 << 20) / per_row / 128) * 128)
         r = bench_gemv(f"gemv {fmt} {N}x{K}", fmt, N, K, probe, rep_ms)
         r["check_rel_err"] = check_rows(fmt, N, K)
         out.append(r)
-        torch.cuda.empty_cache()
+        if DEV == "cuda":
+            torch.cuda.empty_cache()
     return out
 
 
@@ -201,49 +354,129 @@ def check_rows(fmt, N, K) -> float:
     """Max error of the first rows vs the torch reference (cheap sanity: never benchmark garbage)."""
     n = min(N, 256)
     w = random_weight(fmt, N, K, seed=0, device=DEV).rows(0, n)
-    x = torch.randn(K, device=DEV).to(torch.bfloat16)
+    x = _vec(K)
     got = gemv(x, w, out=torch.empty(n, device=DEV))
     want = gemv_ref(x, w, out_dtype=torch.float32)
     return float((got - want).abs().max() / want.abs().max())
 
 
-def model_section(name, spec, formats, probe, rep_ms) -> dict:
-    H, hd = spec["hidden"], spec["head_dim"]
-    qkv = (spec["q_heads"] + 2 * spec["kv_heads"]) * hd
-    res = {}
+def _layer_ops(spec, attn_fmt, ffn_fmt):
+    """(key, label, thunk -> row) for every launch of one layer in this plan; keys let plans share a measurement
+    (the same bf16 attention in two plans is timed once)."""
+    H, hd, hq, hk = spec["hidden"], spec["head_dim"], spec["q_heads"], spec["kv_heads"]
+    qkv = [hq * hd, hk * hd, hk * hd]
+    bias = bool(spec.get("qkv_bias"))
+    fused = attn_fmt in ("bf16", "fp8")          # graph backend: one [q+k+v, H] GEMV for float / per-row fp8
+    ops = []
+    name = "qkv (rmsnorm fused)" if fused else "q, k, v: 3 GEMVs (rmsnorm fused)"
+    ops.append((("qkv", attn_fmt), name, lambda probe, rep: bench_gemv(
+        name, attn_fmt, sum(qkv), H, probe, rep, fn="rmsnorm", bias=bias, rows=None if fused else qkv)))
+    ops.append((("o", attn_fmt), "o_proj (+residual)", lambda probe, rep: bench_gemv(
+        "o_proj (+residual)", attn_fmt, H, hq * hd, probe, rep, residual=True)))
+    if attn_fmt in FP4:                          # inputs of the fp4 attention GEMVs (not written as x8 upstream)
+        ops.append((("x8", H, True), "x8 prep for q/k/v (rmsnorm fused)",
+                    lambda probe, rep: bench_x8("x8 prep for q/k/v (rmsnorm fused)", H, probe, rep, norm=True)))
+        ops.append((("x8", hq * hd, False), "x8 prep for o_proj",
+                    lambda probe, rep: bench_x8("x8 prep for o_proj", hq * hd, probe, rep, norm=False)))
+    if "moe" in spec:
+        m = spec["moe"]
+        cfg = RouterConfig(top_k=m["top_k"], scoring=m["router"])
+        fp4 = ffn_fmt in FP4
+        ops.append((("router", fp4), "router bf16 (rmsnorm fused)", lambda probe, rep: bench_router(
+            "router bf16 (rmsnorm fused)", m["experts"], H, cfg, probe, rep, with_x8=fp4, bias=m.get("bias", False))))
+        lab = f"experts top-{m['top_k']} (gate/up + down)"
+        ops.append((("experts", ffn_fmt), lab, lambda probe, rep: bench_experts(lab, ffn_fmt, m, H, probe, rep)))
+    else:
+        I = spec["inter"]
+        ops.append((("glu", ffn_fmt), "gate/up swiglu (rmsnorm fused)", lambda probe, rep: bench_gemv(
+            "gate/up swiglu (rmsnorm fused)", ffn_fmt, I, H, probe, rep, fn="glu")))
+        ops.append((("down", ffn_fmt), "down (+residual)", lambda probe, rep: bench_gemv(
+            "down (+residual)", ffn_fmt, H, I, probe, rep, residual=True)))
+        if ffn_fmt in FP4:
+            ops.append((("x8", H, True), "x8 prep for gate/up (rmsnorm fused)",
+                        lambda probe, rep: bench_x8("x8 prep for gate/up (rmsnorm fused)", H, probe, rep, norm=True)))
+            ops.append((("x8", I, False), "x8 prep for down",
+                        lambda probe, rep: bench_x8("x8 prep for down", I, probe, rep, norm=False)))
+    return ops
+
+
+def _windows(spec) -> list[tuple[int | None, float]]:
+    return spec.get("windows") or [(None, 1.0)]
+
+
+def model_section(name, spec, plans, probe, rep_ms, ctxs=(128,), budget: Budget | None = None) -> dict:
+    """Every launch of one layer of `spec` per plan (a format label, see plan()), attention at each ctx; per plan
+    the layer and decode-token sums (graph timing and eager timing) at ctxs[0]."""
+    budget = budget or Budget(None)
+    memo: dict = {}
     print(f"{name}", flush=True)
-    head = bench_gemv("lm_head bf16 (rmsnorm fused)", "bf16", spec["vocab"], H, probe, rep_ms, fn="rmsnorm")
-    for fmt in formats:
-        print(f"{name} [{fmt}]", flush=True)
-        ops = [bench_gemv("qkv (rmsnorm fused)", fmt, qkv, H, probe, rep_ms, fn="rmsnorm"),
-               bench_gemv("o_proj (+residual)", fmt, H, spec["q_heads"] * hd, probe, rep_ms, residual=True)]
-        if "moe" in spec:
-            m = spec["moe"]
-            cfg = RouterConfig(top_k=m["top_k"], scoring=m["router"])
-            ops.append(bench_router("router bf16 (rmsnorm fused)", m["experts"], H, cfg, probe, rep_ms,
-                                    with_x8=fmt in ("nvfp4", "mxfp4"), bias=m.get("bias", False)))
-            ops.append(bench_experts(f"experts top-{m['top_k']} (gate/up + down)", fmt, m, H, probe, rep_ms))
-        else:
-            ops.append(bench_gemv("gate/up swiglu (rmsnorm fused)", fmt, spec["inter"], H, probe, rep_ms,
-                                  fn="swiglu"))
-            ops.append(bench_gemv("down (+residual)", fmt, H, spec["inter"], probe, rep_ms, residual=True))
-        if fmt in ("nvfp4", "mxfp4"):  # inputs of the fp4 GEMVs not written as x8 by their producer today
-            ops.append(bench_x8("x8 prep for qkv (rmsnorm fused)", H, probe, rep_ms, norm=True))
-            ops.append(bench_x8("x8 prep for o_proj", spec["q_heads"] * hd, probe, rep_ms, norm=False))
-            if "moe" not in spec:  # MoE: route(x8_out=) and the gate/up kernel write x8 themselves
-                ops.append(bench_x8("x8 prep for gate/up (rmsnorm fused)", H, probe, rep_ms, norm=True))
-                ops.append(bench_x8("x8 prep for down", spec["inter"], probe, rep_ms, norm=False))
-        layer_us = sum(o["us"] for o in ops)
-        layer_mb = sum(o["mb"] for o in ops if o.get("fn") != "prepare_x8")
-        total_us = spec["layers"] * layer_us + head["us"]
-        total_mb = spec["layers"] * layer_mb + head["mb"]
-        res[fmt] = dict(ops=ops, lm_head=head, layer_us=round(layer_us, 2),
-                        decode_ms_no_attention=round(total_us / 1e3, 3), decode_mb=round(total_mb, 1),
-                        gbps=round(total_mb / total_us * 1e3, 1),
-                        tok_s_no_attention=round(1e6 / total_us, 1))
-        print(f"  => {spec['layers']} layers + lm_head: {total_us / 1e3:.3f} ms, {total_mb:.0f} MB, "
-              f"{total_mb / total_us * 1e3:.0f} GB/s, {1e6 / total_us:.0f} tok/s (GEMV/MoE only)", flush=True)
-        torch.cuda.empty_cache()
+
+    def measure(key, label, thunk):
+        if key not in memo:
+            if budget.out():
+                memo[key] = dict(op=label, skipped="time budget")
+            else:
+                try:
+                    memo[key] = thunk(probe, rep_ms)
+                except Exception as e:          # one op that fails to build / compile is a result, not the end
+                    memo[key] = dict(op=label, error=f"{type(e).__name__}: {e}"[:300])
+                    print(f"  {label}: {memo[key]['error']}", flush=True)
+                if DEV == "cuda":
+                    torch.cuda.empty_cache()
+        return dict(memo[key], op=label)      # a shared measurement under this launch's own name
+
+    head = measure(("lm_head",), "lm_head bf16 (rmsnorm fused)", lambda p, r: bench_gemv(
+        "lm_head bf16 (rmsnorm fused)", "bf16", spec["vocab"], spec["hidden"], p, r, fn="rmsnorm"))
+    attn = {}
+    print(f"{name} [attention, bf16 KV]", flush=True)
+    lab = "rope + KV append" + (" (q/k norm fused)" if spec.get("qk_norm") else "")
+    rope = measure(("rope",), lab, lambda p, r: bench_rope(lab, spec, p, r, ctxs[0]))
+    for ctx in ctxs:
+        for w, _ in _windows(spec):
+            lab = f"attention ctx {ctx}" + (f" window {w}" if w else "")
+            attn[(ctx, w)] = measure(("attn", ctx, w), lab, lambda p, r, ctx=ctx, w=w, lab=lab: bench_attention(
+                lab, spec, p, r, ctx, w))
+    res = dict(spec={k: v for k, v in spec.items() if k != "plans"}, lm_head=head, rope=rope,
+               attention=list(attn.values()), plans={})
+    for label in plans:
+        lab, af, ff = plan(label)
+        print(f"{name} [{lab}: attention {af}, {'experts' if 'moe' in spec else 'mlp'} {ff}]", flush=True)
+        ops = [measure(k, lab_, th) for k, lab_, th in _layer_ops(spec, af, ff)]
+        r = dict(attn_fmt=af, ffn_fmt=ff, ops=ops)
+        missing = [o["op"] for o in ops + [head, rope] if "us" not in o]
+        sums = {}
+        for ctx in ctxs:
+            a = [(attn[(ctx, w)], share) for w, share in _windows(spec)]
+            if any("us" not in x for x, _ in a):
+                continue
+            for kind in ("us", "us_eager"):
+                if any(o.get(kind) is None for o in ops + [head, rope] + [x for x, _ in a]):
+                    continue
+                layer = sum(o[kind] for o in ops) + rope[kind] + sum(x[kind] * s for x, s in a)
+                sums[f"ctx{ctx}_{kind}"] = dict(
+                    layer_us=round(layer, 2), decode_ms=round((spec["layers"] * layer + head[kind]) / 1e3, 4),
+                    tok_s=round(1e6 / (spec["layers"] * layer + head[kind]), 1))
+        layer_mb = sum(o["mb"] for o in ops if o.get("fn") not in ("prepare_x8",) and "mb" in o)
+        r.update(layer_weight_mb=round(layer_mb, 3), decode_weight_mb=round(spec["layers"] * layer_mb
+                                                                             + head.get("mb", 0), 1),
+                 sums=sums, missing=missing)
+        key = f"ctx{ctxs[0]}_us"
+        if key in sums:
+            t = sums[key]
+            r["weight_gbps"] = round(r["decode_weight_mb"] / (t["decode_ms"] * 1e3) * 1e3, 1)
+            r["weight_pct_probe"] = round(100 * r["weight_gbps"] / probe, 1) if probe else None
+            if spec.get("lanes"):
+                r["all_lanes_one_device"] = dict(layer_us=round(spec["lanes"] * t["layer_us"], 2),
+                                                 decode_ms=round((spec["layers"] * spec["lanes"] * t["layer_us"]
+                                                                  + head["us"]) / 1e3, 4))
+            print(f"  => {spec['layers']} layers + lm_head at ctx {ctxs[0]}: {t['decode_ms']:.3f} ms "
+                  f"({t['tok_s']:.0f} tok/s in these launches), weights {r['decode_weight_mb']:.0f} MB "
+                  f"at {r['weight_gbps']:.0f} GB/s"
+                  + (f"; eager {sums[f'ctx{ctxs[0]}_us_eager']['decode_ms']:.3f} ms"
+                     if f"ctx{ctxs[0]}_us_eager" in sums else ""), flush=True)
+        elif missing:
+            print(f"  => no layer sum: {', '.join(missing)} not measured", flush=True)
+        res["plans"][lab] = r
     return res
 
 
@@ -277,28 +510,39 @@ def sweep_section(formats, mb: float, probe: float, rep_ms: int, K: int = 8192) 
 
 
 def main(argv=None):
+    global EAGER
     args = parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("kernels_micro: needs a CUDA GPU (see --help)")
-    formats = [f for f in args.formats.split(",") if f]
-    for f in formats:
-        if f not in FORMATS:
-            raise SystemExit(f"kernels_micro: unknown format {f!r}; expected some of {FORMATS}")
+    EAGER = not args.no_eager
+    labels = [f for f in (args.formats or "").split(",") if f]
+    for f in labels:
+        try:
+            plan(f)
+        except ValueError as e:
+            raise SystemExit(f"kernels_micro: {e}")
+    big_formats = [f for f in labels if f in FORMATS] if labels else FORMATS
     models = [m for m in args.models.split(",") if m]
     for m in models:
         if m not in MODELS:
             raise SystemExit(f"kernels_micro: unknown model {m!r}; expected some of {list(MODELS)}")
+    try:
+        ctxs = [int(c) for c in args.ctx.split(",") if c]
+    except ValueError:
+        raise SystemExit(f"kernels_micro: --ctx {args.ctx!r}: expected a comma list of integers")
     skip = set(args.skip.split(","))
+    budget = Budget(args.budget_s)
     prop = torch.cuda.get_device_properties(0)
     result = dict(meta=dict(date=_dt.datetime.now().isoformat(timespec="seconds"), device=prop.name,
                             sms=prop.multi_processor_count, torch=torch.__version__, triton=triton.__version__,
-                            python=platform.python_version(), argv=sys.argv[1:],
-                            default_tiles={k: vars(v) for k, v in DEFAULT_TILES.items()}))
+                            python=platform.python_version(), argv=sys.argv[1:], budget_s=args.budget_s,
+                            ctx=ctxs, default_tiles={k: vars(v) for k, v in DEFAULT_TILES.items()}))
 
     def save():
         if args.out:
-            with open(args.out, "w") as f:
+            with open(args.out + ".tmp", "w") as f:
                 json.dump(result, f, indent=1)
+            os.replace(args.out + ".tmp", args.out)
 
     t0 = time.time()
     probe = None
@@ -307,19 +551,23 @@ def main(argv=None):
         probe = result["probe"]["gbps"]
         save()
     if "big" not in skip:
-        result["big"] = big_section(formats, args.big_mb, probe, args.rep_ms)
+        result["big"] = big_section(big_formats, args.big_mb, probe, args.rep_ms, budget=budget)
         save()
     if "models" not in skip:
         result["models"] = {}
         for name in models:
-            result["models"][name] = model_section(name, MODELS[name], formats, probe, args.rep_ms)
+            spec = MODELS[name]
+            result["models"][name] = model_section(name, spec, labels or spec["plans"], probe, args.rep_ms,
+                                                   ctxs, budget)
             save()
     if args.sweep:
-        result["sweep"] = sweep_section(formats, args.big_mb, probe, args.rep_ms)
+        result["sweep"] = sweep_section(big_formats, args.big_mb, probe, args.rep_ms)
         save()
     result["meta"]["seconds"] = round(time.time() - t0, 1)
+    result["meta"]["budget_exhausted"] = budget.out()
     save()
-    print(f"done in {time.time() - t0:.0f} s" + (f"; JSON in {args.out}" if args.out else ""))
+    print(f"done in {time.time() - t0:.0f} s" + (" (time budget exhausted: see 'skipped' rows)" if budget.out()
+                                                 else "") + (f"; JSON in {args.out}" if args.out else ""))
 
 
 if __name__ == "__main__":

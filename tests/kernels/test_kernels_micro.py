@@ -26,6 +26,14 @@ def test_help_and_args(capsys):
     assert e.value.code == 0 and "--out" in capsys.readouterr().out
     a = km.parse_args(["--out", "k.json", "--formats", "fp8,nvfp4", "--sweep"])
     assert (a.out, a.formats, a.sweep) == ("k.json", "fp8,nvfp4", True)
+    d = km.parse_args([])                      # the default run: big GEMVs and every model's layer, in budget
+    assert d.skip == "" and d.budget_s <= 220 and d.models.split(",") == km.DEFAULT_MODELS
+    assert set(km.DEFAULT_MODELS) == {"qwen3-30b-a3b", "gpt-oss-120b", "laneformer-2b"}
+    assert km.plan("mxfp4-experts") == ("mxfp4-experts", "bf16", "mxfp4") and km.plan("fp8")[1:] == ("fp8", "fp8")
+    with pytest.raises(ValueError):
+        km.plan("int4")
+    for name in km.DEFAULT_MODELS:            # every default plan names a known format
+        assert all(km.plan(p) for p in km.MODELS[name]["plans"])
 
 
 @needs_device
@@ -36,15 +44,40 @@ def test_sections_run_on_tiny_shapes(monkeypatch):
     monkeypatch.setattr(km, "L2_BYTES", 0)  # one copy of each weight
     tiny = dict(hidden=64, q_heads=2, kv_heads=1, head_dim=32, layers=2, vocab=96)
     models = {
-        "tiny-moe": dict(tiny, moe=dict(experts=4, top_k=2, inter=32, act="silu", router="softmax")),
-        "tiny-oss": dict(tiny, qkv_bias=True, moe=dict(experts=4, top_k=2, inter=64, act="gpt_oss",
-                                                       router="softmax_topk", interleaved=True, bias=True)),
-        "tiny-dense": dict(tiny, inter=96),
+        "tiny-moe": dict(tiny, qk_norm="head", moe=dict(experts=4, top_k=2, inter=32, act="silu", router="softmax")),
+        "tiny-oss": dict(tiny, qkv_bias=True, sinks=True, windows=[(None, 0.5), (8, 0.5)],
+                         moe=dict(experts=4, top_k=2, inter=64, act="gpt_oss", router="softmax_topk",
+                                  interleaved=True, bias=True)),
+        "tiny-lane": dict(tiny, inter=96, lanes=4, windows=[(8, 0.6), (None, 0.4)]),
     }
+    plans = {"tiny-moe": ["bf16", "nvfp4"], "tiny-oss": ["mxfp4-experts", "fp8_block"], "tiny-lane": ["fp8", "mxfp4"]}
     for name, spec in models.items():
-        res = km.model_section(name, spec, ["bf16", "nvfp4"], 1000.0, 1)
-        for fmt in ("bf16", "nvfp4"):
-            assert res[fmt]["ops"] and res[fmt]["decode_ms_no_attention"] > 0
+        res = km.model_section(name, spec, plans[name], 1000.0, 1, ctxs=(16, 24))
+        assert len(res["attention"]) == 2 * len(spec.get("windows", [0]))
+        for label in plans[name]:
+            r = res["plans"][label]
+            assert r["ops"] and not r["missing"], r["missing"]
+            assert all("error" not in o for o in r["ops"]), r["ops"]
+            for key in ("ctx16_us", "ctx16_us_eager", "ctx24_us"):
+                assert r["sums"][key]["decode_ms"] > 0
+            assert ("all_lanes_one_device" in r) == ("lanes" in spec)
+        if name == "tiny-oss":              # the released gpt-oss layout: bf16 attention, mxfp4 experts
+            r = res["plans"]["mxfp4-experts"]
+            assert (r["attn_fmt"], r["ffn_fmt"]) == ("bf16", "mxfp4")
+            assert [o["launches"] for o in r["ops"] if o["op"].startswith("q, k, v")] == []
+            assert [o["launches"] for o in res["plans"]["fp8_block"]["ops"] if o["op"].startswith("q, k, v")] == [3]
     big = km.big_section(["fp8", "mxfp4"], 0.01, 1000.0, 1, K=256)
     assert [r["fmt"] for r in big] == ["fp8", "mxfp4"]
     assert all(r["check_rel_err"] < 1e-5 for r in big)
+
+
+def test_budget_skips_instead_of_running(monkeypatch):
+    km = _load()
+    monkeypatch.setattr(km, "DEV", "cpu")
+    spent = km.Budget(1e-9)
+    spec = dict(hidden=64, q_heads=2, kv_heads=1, head_dim=32, layers=2, vocab=96, inter=96)
+    res = km.model_section("late", spec, ["bf16"], 1000.0, 1, ctxs=(16,), budget=spent)
+    r = res["plans"]["bf16"]
+    assert all(o.get("skipped") == "time budget" for o in r["ops"]) and r["sums"] == {} and r["missing"]
+    assert km.big_section(["fp8"], 0.01, 1000.0, 1, K=256, budget=spent) == [
+        dict(op="gemv fp8", skipped="time budget")]
