@@ -154,6 +154,9 @@ def hf_peer(arch: str, mode: str, compile_mode: str | None, prompt_len: int, new
                    dynamo_unique_graphs=int(counters["stats"].get("unique_graphs", 0)),
                    graph_breaks=int(sum(counters["graph_break"].values())),
                    cudagraph_skips=int(counters["inductor"].get("cudagraph_skips", 0)))
+        if not row["compiled"]:              # never report an uncompiled run as the compiled peer
+            row["not_compiled_tok_per_s"] = row.pop("tok_per_s")
+            row["error"] = "generate did not compile the forward (transformers' auto-compile criteria not met)"
     return row
 
 
@@ -309,7 +312,10 @@ class Runner:
         a = self.a
         base = dict(prompt_len=a.prompt_len, new_tokens=a.new_tokens, runs=a.runs)
         for arch in a.arch or DEFAULT_ARCHS:
-            why = hf_config(arch)[1]          # on the host: a family transformers lacks needs no child
+            try:                              # on the host: a family transformers lacks needs no child
+                why = hf_config(arch)[1]
+            except Exception as e:            # unknown preset, bad config: every row of this shape says so
+                why = f"cannot build a transformers config: {type(e).__name__}: {e}"[:500]
             for mode in [m for m in a.modes.split(",") if m]:
                 spec = dict(base, kind="hf", arch=arch, mode=mode, layers=a.layers)
                 row = dict(arch=arch, peer="hf-transformers", mode=mode)
@@ -335,7 +341,9 @@ class Runner:
                             for t in attempts))
                     row["attempts"] = attempts
                 self.add(row)
-            if a.ours != "none":
+            if a.ours != "none" and a.layers:
+                print("--layers cuts the peers only: no 'ours' row (a ratio against a full model would be wrong)")
+            elif a.ours != "none":
                 spec = dict(base, kind="ours", arch=arch, backend=a.ours)
                 self.add(dict(arch=arch, peer="kie", mode=a.ours, **self.child(spec, f"{arch}-kie-{a.ours}")))
         extra = load_ours(a.join) if a.join else []
