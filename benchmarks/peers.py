@@ -9,14 +9,15 @@ Every measurement runs in its own subprocess (a segfault, e.g. inductor's CUDA-g
 the row records the signal and the log tail, and the run goes on). Per shape:
 
 - hf eager: model.generate with the default DynamicCache, no compile.
-- hf compile: generate(cache_implementation="static", compile_config=CompileConfig(mode=M)): transformers 5.x
+- hf compile: generate(past_key_values=StaticCache, compile_config=CompileConfig(mode=M)): transformers 5.x
   compiles the decode forward itself (prefill stays eager, so the StaticCache is allocated and its addresses
-  marked static outside the compiled region) -- the old script's torch.compile(model.forward) also compiled the
+  marked static outside the compiled region; one cache for all calls, reset in place in between, so the CUDA
+  graphs keep their addresses) -- the old script's torch.compile(model.forward) also compiled the
   prefill, where the cache is created inside the traced region, and segfaulted under mode="reduce-overhead"
   (results/2026-12-02-h200-peers-compile-segfault.log; pytorch/pytorch#192748 is that crash). M is tried in the
   order of --compile-modes (reduce-overhead, then default, then max-autotune-no-cudagraphs) until one child
   succeeds; the row says which mode produced the number and what happened to the ones before it.
-- hf static (not by default): static cache without compile (generate(disable_compile=True)).
+- hf static (not by default): the same StaticCache without compile (generate(disable_compile=True)).
 - ours (--ours graph): `kie bench ARCH --backend graph` (kie_moe.bench.run, bf16, same prompt and token counts).
 
 Timing, identical for peers and ours: one warm-up generation of the same shape, then --runs timed generations;
@@ -116,8 +117,13 @@ def hf_peer(arch: str, mode: str, compile_mode: str | None, prompt_len: int, new
     build_s = time.perf_counter() - t0
     ids = torch.randint(0, cfg.vocab_size, (1, prompt_len), device=dev)
     kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    cache = None
     if mode in ("static", "compile"):
-        kw["cache_implementation"] = "static"
+        # One StaticCache for every call, reset in place in between (transformers' documented reuse): a fresh
+        # cache per generate() would give the compiled decode new static addresses, i.e. CUDA-graph re-recording
+        # inside each timed run.
+        from transformers import StaticCache
+        cache = StaticCache(config=model.config, max_cache_len=prompt_len + new_tokens)
     if mode == "static":
         kw["disable_compile"] = True
     if mode == "compile":
@@ -126,10 +132,14 @@ def hf_peer(arch: str, mode: str, compile_mode: str | None, prompt_len: int, new
 
     def timed():
         clock = Clock()
+        extra = {}
+        if cache is not None:
+            cache.reset()
+            extra["past_key_values"] = cache
         sync()
         t_call = time.perf_counter()
         with torch.no_grad():
-            model.generate(ids, streamer=clock, **kw)
+            model.generate(ids, streamer=clock, **kw, **extra)
         sync()
         t_end = time.perf_counter()
         n = len(clock.t) - 1                 # new tokens streamed
@@ -147,6 +157,7 @@ def hf_peer(arch: str, mode: str, compile_mode: str | None, prompt_len: int, new
                tok_per_s_runs=[r["tok_per_s"] for r in res], ttft_s=_median([r["ttft_s"] for r in res]),
                e2e_tok_per_s=_median([r["e2e_tok_per_s"] for r in res]),
                attn_implementation=getattr(model.config, "_attn_implementation", None),
+               cache="StaticCache (one, reset between calls)" if cache is not None else "DynamicCache",
                transformers=transformers.__version__, torch=torch.__version__)
     if mode == "compile":                    # did generate really compile, and did inductor keep its CUDA graphs?
         from torch._dynamo.utils import counters
