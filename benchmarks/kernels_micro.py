@@ -10,7 +10,8 @@ Measures, on one GPU:
           rows for float / fp8, three GEMVs for block / fp4 formats, as the graph backend launches them), RoPE +
           KV append, decode attention at each --ctx (sinks, sliding windows), o_proj, then the router + routed
           experts (gate/up and down launches) or the dense gate/up + down, the fp4 x8 input preps, and the bf16
-          lm_head once per token; the sum is the decode time of a token spent in these launches.
+          lm_head once per token; the sum is the decode time of a token spent in these launches. Activations are
+          fp32 and the KV cache bf16 there, as in the graph backend (the big GEMVs keep bf16 x).
           laneformer-2b rows are one lane's launches (one device of the 8-way lane-parallel layout: 4 q / 2 kv
           heads, 864 FFN rows of 4096); "all lanes on one device" multiplies its layer by 8.
   sweep   (--sweep) launch shapes of the big GEMV per format, to pick DEFAULT_TILES.
@@ -191,6 +192,20 @@ def _vec(n, dtype=torch.bfloat16):
     return torch.randn(n, device=DEV).to(dtype)
 
 
+# Activations (GEMV inputs, residual, q/k/v): bf16 for the big GEMVs (as the committed big-GEMV results), fp32 in
+# the per-layer section, as the graph backend runs them (fp32 residual stream; norm weights and biases are fp32
+# vectors there too; weights and the KV cache in their own formats).
+ACT = torch.bfloat16
+
+
+def _x(n):
+    return _vec(n, ACT)
+
+
+def _f32(n):
+    return _vec(n, torch.float32)
+
+
 def bench_gemv(name, fmt, N, K, probe, rep_ms, *, fn="gemv", config=None, seed=0, residual=False, bias=False,
                act="silu", rows=None, eager=True):
     """One Linear [N, K] in `fmt` (`rows`: a list of row counts = that many GEMVs of one input, e.g. q, k, v of a
@@ -210,8 +225,8 @@ def bench_gemv(name, fmt, N, K, probe, rep_ms, *, fn="gemv", config=None, seed=0
 
     probe_w = make(seed)
     copies = [probe_w] + [make(seed + i) for i in range(1, n_copies(nbytes(probe_w)))]
-    x, nw = _vec(K), _vec(K)
-    res = _vec(N)
+    x, nw = _x(K), _f32(K)
+    res = _x(N)
     b = torch.randn(total_rows, device=DEV) if bias else None
     x8 = prepare_x8(x, nw if fn in ("rmsnorm", "glu") else None) if fmt in FP4 else None
     nw_kw = dict(norm_weight=nw) if fn in ("rmsnorm", "glu") and x8 is None else {}
@@ -239,15 +254,15 @@ def bench_gemv(name, fmt, N, K, probe, rep_ms, *, fn="gemv", config=None, seed=0
 
 def bench_x8(name, K, probe, rep_ms, norm: bool):
     """prepare_x8 alone: the extra launch an fp4 GEMV costs when its producer does not write x8 itself."""
-    xs = [_vec(K) for _ in range(8)]
-    nw = _vec(K) if norm else None
+    xs = [_x(K) for _ in range(8)]
+    nw = _f32(K) if norm else None
     us, us_e = timed(lambda i: prepare_x8(xs[i], nw), len(xs), rep_ms)
     return row(name, us, K * (2 + 4), probe, us_e, fn="prepare_x8", shape=[K])
 
 
 def bench_router(name, E, H, cfg, probe, rep_ms, *, with_x8=False, bias=False):
     ws = [(torch.randn(E, H, device=DEV) * 0.05).to(torch.bfloat16) for _ in range(n_copies(E * H * 2))]
-    x, nw = _vec(H), _vec(H)
+    x, nw = _x(H), _f32(H)
     b = torch.randn(E, device=DEV) if bias else None
     x8 = torch.empty(8, H // 8, device=DEV) if with_x8 else None
     us, us_e = timed(lambda i: route(x, ws[i], cfg, norm_weight=nw, router_bias=b, x8_out=x8), len(ws), rep_ms)
@@ -268,12 +283,12 @@ def bench_experts(name, fmt, m, H, probe, rep_ms):
     per_expert += wd.nbytes // E
     bias = {}
     if m.get("bias"):
-        b = torch.randn(E, 2 * I, device=DEV).to(torch.bfloat16)
-        bias = dict(gate_bias=b[:, 0::2], up_bias=b[:, 1::2], down_bias=_vec(E * H).reshape(E, H))
+        b = torch.randn(E, 2 * I, device=DEV)
+        bias = dict(gate_bias=b[:, 0::2], up_bias=b[:, 1::2], down_bias=_f32(E * H).reshape(E, H))
     n_sets = 256  # random distinct experts per call: consecutive calls rarely share an expert in L2
     ids = torch.stack([torch.randperm(E, device=DEV)[:k] for _ in range(n_sets)]).to(torch.int32)
     wts = torch.softmax(torch.randn(n_sets, k, device=DEV), -1)
-    x, nw = _vec(H), _vec(H)
+    x, nw = _x(H), _f32(H)
     x8 = prepare_x8(x, nw) if fmt in FP4 else None  # in a model: written by route(x8_out=)
 
     def call(i):
@@ -288,15 +303,15 @@ def bench_rope(name, spec, probe, rep_ms, ctx):
     """RoPE (+ per-head q/k norm) and the K/V append at position ctx - 1: one launch, latency-bound."""
     hq, hk, hd = spec["q_heads"], spec["kv_heads"], spec["head_dim"]
     n = 64
-    qs = [_vec(hq * hd).reshape(hq, hd) for _ in range(n)]
-    ks = [_vec(hk * hd).reshape(hk, hd) for _ in range(n)]
-    v = _vec(hk * hd).reshape(hk, hd)
+    qs = [_x(hq * hd).reshape(hq, hd) for _ in range(n)]
+    ks = [_x(hk * hd).reshape(hk, hd) for _ in range(n)]
+    v = _x(hk * hd).reshape(hk, hd)
     kc = torch.zeros(ctx, hk, hd, device=DEV, dtype=torch.bfloat16)
     vc = torch.zeros_like(kc)
     cos, sin = torch.rand(ctx, hd // 2, device=DEV), torch.rand(ctx, hd // 2, device=DEV)
     pos = torch.tensor([ctx - 1], dtype=torch.int32, device=DEV)
     norm = spec.get("qk_norm")
-    kw = dict(qk_norm=norm, q_norm=_vec(hd), k_norm=_vec(hd)) if norm == "head" else {}
+    kw = dict(qk_norm=norm, q_norm=_f32(hd), k_norm=_f32(hd)) if norm == "head" else {}
     us, us_e = timed(lambda i: rope_append(qs[i], ks[i], v, kc, vc, pos, cos, sin, **kw), n, rep_ms)
     return row(name, us, 2 * (hq + 2 * hk) * hd, probe, us_e, fn="rope_append", shape=[hq, hk, hd])
 
@@ -308,7 +323,7 @@ def bench_attention(name, spec, probe, rep_ms, ctx, window=None):
     per = 2 * ctx * hk * hd * 2
     caches = [(_vec(ctx * hk * hd).reshape(ctx, hk, hd), _vec(ctx * hk * hd).reshape(ctx, hk, hd))
               for _ in range(n_copies(per, 2 << 30))]
-    q = _vec(hq * hd).reshape(hq, hd)
+    q = _x(hq * hd).reshape(hq, hd)
     out = torch.empty_like(q)
     sinks = torch.randn(hq, device=DEV) if spec.get("sinks") else None
     pos = torch.tensor([ctx - 1], dtype=torch.int32, device=DEV)
@@ -407,7 +422,15 @@ def _windows(spec) -> list[tuple[int | None, float]]:
 def model_section(name, spec, plans, probe, rep_ms, ctxs=(128,), budget: Budget | None = None) -> dict:
     """Every launch of one layer of `spec` per plan (a format label, see plan()), attention at each ctx; per plan
     the layer and decode-token sums (graph timing and eager timing) at ctxs[0]."""
-    budget = budget or Budget(None)
+    global ACT
+    act, ACT = ACT, torch.float32
+    try:
+        return _model_section(name, spec, plans, probe, rep_ms, ctxs, budget or Budget(None))
+    finally:
+        ACT = act
+
+
+def _model_section(name, spec, plans, probe, rep_ms, ctxs, budget: Budget) -> dict:
     memo: dict = {}
     print(f"{name}", flush=True)
 
