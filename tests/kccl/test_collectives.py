@@ -119,7 +119,9 @@ def _proc_rank(rank, world, path, port, q):
         for ep in range(4):
             x = inputs(world, ep, (9, 17))[rank]
             ints = torch.randint(-50, 50, (64,), generator=torch.Generator().manual_seed(ep * 10 + rank)).float()
-            res.append((C.all_reduce_sum(heap, x), C.all_gather(heap, x),
+            # plain lists through the queue: tensors would travel as file descriptors that the parent must fetch
+            # from this process before it exits ("connection reset by peer" when it already has)
+            res.append((C.all_reduce_sum(heap, x).tolist(), C.all_gather(heap, x).tolist(),
                         torch.equal(C.all_reduce_sum(heap, ints), C.reference_all_reduce_sum(ints)),
                         torch.equal(C.all_gather(heap, x), C.reference_all_gather(x))))
         q.put((rank, res))
@@ -148,5 +150,5 @@ def test_processes_shared_memory_vs_gloo():
         xs = inputs(world, ep, (9, 17))
         for r in range(world):
             s, g, ints_equal, gather_equal = got[r][ep]
-            assert torch.equal(s, xs[0] + xs[1]) and torch.equal(g, torch.stack(xs))
+            assert torch.equal(torch.tensor(s), xs[0] + xs[1]) and torch.equal(torch.tensor(g), torch.stack(xs))
             assert ints_equal and gather_equal       # integers: any summation order is exact, so == gloo
