@@ -97,12 +97,11 @@ class GpuHeap:
                             "rank (kie_moe.launch.init_process_group, or init_process_group(world_size=1))")
         group = group or dist.group.WORLD
         rank, world = dist.get_rank(group), dist.get_world_size(group)
-        enable = getattr(symm_mem, "enable_symm_mem_for_group", None)   # required before torch 2.9, a no-op after
-        if enable is not None:
-            import warnings
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                enable(group.group_name)
+        # older torch needs this call; newer torch registers every group itself and deprecates it (its cache
+        # would hand a group re-created under the same name the destroyed group's store)
+        enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
+        if enable is not None and not hasattr(enable, "__deprecated__"):
+            enable(group.group_name)
         dev = torch.device("cuda", torch.cuda.current_device())
         buf = symm_mem.empty(2 * world * capacity_bytes, dtype=torch.uint8, device=dev)
         hdl = symm_mem.rendezvous(buf, group)

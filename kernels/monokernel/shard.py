@@ -242,12 +242,11 @@ class TpRank:
         self.device = torch.device("cuda", torch.cuda.current_device())
         self.be = rank_backend(model, self.rank, self.world, self.device, **opts)
         words = self.be.plan.sym_layout()["words"]
-        enable = getattr(symm_mem, "enable_symm_mem_for_group", None)   # needed before torch 2.9, a no-op after
-        if enable is not None:
-            import warnings
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                enable(self.group.group_name)
+        # older torch needs this call; newer torch registers every group itself and deprecates it (its cache
+        # would hand a group re-created under the same name the destroyed group's store)
+        enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
+        if enable is not None and not hasattr(enable, "__deprecated__"):
+            enable(self.group.group_name)
         buf = symm_mem.empty(words, dtype=torch.int32, device=self.device)
         self._hdl = symm_mem.rendezvous(buf, self.group)
         addrs = [self._hdl.get_buffer(q, (words,), torch.int32).data_ptr() for q in range(self.world)]
