@@ -68,9 +68,11 @@ def test_table_well_formed(result):
 
 def test_fp8_agrees_with_bf16(result):
     bf16, fp8, nvfp4 = result[0].rows
-    # Bounds sit just outside what the shipped model measures (benchmarks/results: fp8 top-1 0.905, KL 0.068,
-    # ppl -3.1% over 1024 held-out tokens, 6% on the shorter text here): the small, heavily overfit demo model is more
-    # sensitive to fp8 than real LLMs, and the issue's 99% / 1% targets are reported as not met, not hidden here.
+    # Bounds sit just outside what the shipped model measures (benchmarks/results/2026-12-03-*: fp8 top-1 0.914,
+    # KL 0.056, ppl +0.2% over the whole held-out text; 0.92 / 0.058 / +0.8% over kie demo's default 8192 tokens;
+    # noisier on the 256 tokens here). The conversion is at fp8's rounding floor (2.6% weight error, the same top-1 as
+    # Gaussian noise of that size): the small, heavily overfit demo model is far more sensitive to weight noise than
+    # real LLMs, and the issue's 99% top-1 target is reported as not met, not hidden here.
     assert fp8.top1 >= 0.88, f"fp8 top-1 agreement with bf16 only {fp8.top1:.3f}"
     assert fp8.kl < 0.1
     assert fp8.kl <= nvfp4.kl  # 4-bit weights lose more than 8-bit ones
