@@ -15,6 +15,7 @@ warps, x layout).
 
     python benchmarks/monokernel_bench.py --out results.json
     python benchmarks/monokernel_bench.py --archs llama-3.2-1b --sweep --out sweep.json
+    python benchmarks/monokernel_bench.py --archs laneformer-2b --formats fp16 --out lf.json   # kie preview's model
 """
 from __future__ import annotations
 
@@ -59,8 +60,8 @@ def bench_one(arch: str, probe: float, *, new_tokens: int, prompt_len: int, reps
         t0 = time.perf_counter()
         plan = P.build_plan(spec, None, "cuda", random_seed=0, block_k=block_k, tile_elems=tile_elems,
                             max_task_bytes=max_task_kb << 10, x_bcast=x_bcast, num_stages=num_stages,
-                            programs_per_sm=programs_per_sm,
-                            formats=None if fmt == "bf16" else {"attn": fmt, "mlp": fmt, "exp": fmt})
+                            programs_per_sm=programs_per_sm, wdtype=torch.float16 if fmt == "fp16" else None,
+                            formats=None if fmt in ("bf16", "fp16") else {"attn": fmt, "mlp": fmt, "exp": fmt})
         torch.cuda.synchronize()
         r["plan_s"] = time.perf_counter() - t0
         r["tiles"] = dict(block_k=plan.tiles.block_k, bn=plan.tiles.bn, block_t=plan.tiles.block_t,
@@ -124,7 +125,8 @@ def main(argv=None):
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--formats", default="bf16,fp8", help="weight formats of every Linear (router, LM head and "
-                    "embeddings stay bf16): bf16, fp8, fp8-block, nvfp4, mxfp4 (default bf16,fp8)")
+                    "embeddings stay bf16): bf16, fp16 (every float tensor in fp16: the Laneformer preview's "
+                    "dtype), fp8, fp8-block, nvfp4, mxfp4 (default bf16,fp8)")
     ap.add_argument("--sweep", action="store_true", help="tile-shape grid on the first preset")
     ap.add_argument("--no-breakdown", action="store_true", help="skip the sync-only / no-wait kernel variants")
     a = ap.parse_args(argv)

@@ -9,8 +9,9 @@ token at its own bandwidth, so the ideal is bandwidth / (bytes / N) = N x bandwi
 is assumed hidden (what DTP is for), so this is an upper bound.
 
 Honesty rules: multi-device decoding (KCCL) is not implemented yet, so --devices > 1 stops with exit 2 instead of
-extrapolating; a backend that cannot run the laneformer family is replaced by the reference backend on the same
-GPU, and every output line says so.
+extrapolating; a backend that cannot run the laneformer family (the graph backend; the monokernel off the GPU) is
+replaced by the reference backend on the same device, and every output line says so. The monokernel runs the
+Laneformer itself (kernels/monokernel/lanes.py), in FP16.
 """
 from __future__ import annotations
 
@@ -46,8 +47,14 @@ def check_devices(n: int, dev: torch.device):
 
 def make_backend(name: str, model, dev: torch.device, dtype: torch.dtype):
     """-> (backend, label). The requested backend, or the reference backend on the same device when the requested
-    one does not take the laneformer family yet (the reason goes into the label)."""
+    one does not take the laneformer family yet (the reason goes into the label). The monokernel streams the
+    weights in `dtype` (FP16: its float arena and KV cache in the preview's dtype, not its bf16 default)."""
     try:
+        if name == "monokernel":
+            if dev.type != "cuda":   # (TRITON_INTERPRET would run it, at seconds per token: not a preview)
+                raise InputError("the monokernel needs a CUDA GPU")
+            from kie_moe.kernels.monokernel.runtime import MonokernelBackend
+            return MonokernelBackend(model, dev, wdtype=dtype), name
         return B.build_backend(name, model, dev), name
     except (KieError, NotImplementedError, KeyError, ValueError, RuntimeError) as e:
         reason = f"{type(e).__name__}: {e}".splitlines()[0][:200]

@@ -30,6 +30,7 @@ import triton.language as tl
 from kie_moe.kccl.sync import flag_is_set, put_span, read_counter, signal, signal_peer, st_release_sys, wait
 
 from . import plan as P
+from .lane_ops import lane_final_mean, lane_out_tile, stream_lane_out
 from .mla import mla_absorb_task, mla_attention_task, mla_vup_task
 from .prefetch import prefetch_rows
 from .ops import attention_task, attn_combine, embed_row, pick_token, route, vec_dot_norm
@@ -51,6 +52,9 @@ _OP_SH_UP = tl.constexpr(P.OP_SH_UP)
 _OP_EXP_DOWN = tl.constexpr(P.OP_EXP_DOWN)
 _OP_LM = tl.constexpr(P.OP_LM)
 _OP_SAMPLE = tl.constexpr(P.OP_SAMPLE)
+_OP_LANE_O = tl.constexpr(P.OP_LANE_O)
+_OP_LANE_DOWN = tl.constexpr(P.OP_LANE_DOWN)
+_OP_LANE_AGG = tl.constexpr(P.OP_LANE_AGG)
 _OP_QB = tl.constexpr(P.OP_QB)
 _OP_ABSORB = tl.constexpr(P.OP_ABSORB)
 _OP_MLA_ATTN = tl.constexpr(P.OP_MLA_ATTN)
@@ -198,6 +202,10 @@ def monokernel(
     HAS_SH_GATE: tl.constexpr, FMT_ATTN: tl.constexpr, FMT_MLP: tl.constexpr, FMT_EXP: tl.constexpr,
     MLA: tl.constexpr, R_Q: tl.constexpr, R_KV: tl.constexpr, NOPE: tl.constexpr, VD: tl.constexpr,
     NG: tl.constexpr, TG: tl.constexpr, GSCORE: tl.constexpr,
+    # Laneformer (lanes.kernel_meta; LANES 0: any other family)
+    LANES: tl.constexpr, DELAY: tl.constexpr, RING: tl.constexpr, EARLY_COMM: tl.constexpr, USE_COMM: tl.constexpr,
+    LANE_NORM: tl.constexpr, PRE_AGG: tl.constexpr, LANE_SCALE: tl.constexpr, BLOCK_L: tl.constexpr,
+    BK_O: tl.constexpr, BK_DOWN: tl.constexpr,
     # tiles
     BN_QKV: tl.constexpr, BN_O: tl.constexpr, BN_GU: tl.constexpr, BN_DOWN: tl.constexpr, BN_ROUTER: tl.constexpr,
     BN_EUP: tl.constexpr, BN_EDOWN: tl.constexpr, BN_SUP: tl.constexpr, BN_LM: tl.constexpr,
@@ -229,6 +237,12 @@ def monokernel(
     RU_I_EXP: tl.constexpr = I_MOE // 8 if FMT_EXP >= 3 else I_MOE
     SC_D_MLP: tl.constexpr = (D + 127) // 128 if FMT_MLP == 2 else (D // 16 if FMT_MLP == 3 else D // 32)
     SC_D_EXP: tl.constexpr = (D + 127) // 128 if FMT_EXP == 2 else (D // 16 if FMT_EXP == 3 else D // 32)
+    # Laneformer: x is [LANES, D] (one stream per lane), then the LM head's input xf [D], then the partial history
+    NLX: tl.constexpr = LANES if LANES > 0 else 1
+    XF_OFF: tl.constexpr = LANES * D
+    HIST_OFF: tl.constexpr = (LANES + 1) * D
+    LM_NORM: tl.constexpr = 1 if LANES == 0 else PRE_AGG   # else lane_agg leaves xf normalised
+    NSTR: tl.constexpr = D * LANE_NORM                      # a lane's row of a [LANES, D] norm scale
     offs_f = tl.arange(0, 16)
     t, rowv = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
     while t < n_total:
@@ -269,6 +283,11 @@ def monokernel(
         pos = start_pos + step
         lrow = layers_ptr + layer * _NLF
         st = 0
+        lx = x_ptr   # Laneformer: a q|k|v or gate|up task reads its lane's (F_AUX) stream and norm scale
+        lnw = 0
+        if LANES > 0:
+            lx = x_ptr + aux * D
+            lnw = aux * NSTR
         # Every branch: issue the weight loads, claim the next task, wait for the input, compute. Offsets read
         # from the tables are multiples of 64 elements / 128 bytes (plan.Arena, qarena): tl.multiple_of tells
         # Triton, so weight loads vectorise (16-byte ld.global.v4 instead of 2-byte loads).
@@ -280,8 +299,8 @@ def monokernel(
             t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
             st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE)
             if st == 0:
-                stream_gemv(w, sq, qf32_ptr + tl.load(lrow + P.LF_QKV_F), w0, s0, D, r0, r_end, x_ptr,
-                            wa_ptr + tl.multiple_of(tl.load(lrow + P.LF_ATTN_NORM), 64), eps,
+                stream_gemv(w, sq, qf32_ptr + tl.load(lrow + P.LF_QKV_F), w0, s0, D, r0, r_end, lx,
+                            wa_ptr + tl.multiple_of(tl.load(lrow + P.LF_ATTN_NORM), 64) + lnw, eps,
                             wa_ptr + tl.multiple_of(tl.load(lrow + P.LF_QKV_B), 64), qkv_ptr, qkv_ptr, 0, pv_ptr,
                             pi_ptr, 0, 1.0, 0, 0, True, HAS_QKV_BIAS, False, False, FMT_ATTN, BN_QKV, BLOCK_K, XB, NS)
         elif op == _OP_ATTN:
@@ -357,6 +376,39 @@ def monokernel(
                 if st == 0:
                     mla_vup_task(r0, nr, n_splits, ao_ptr, am_ptr, al_ptr, wa_ptr + tl.multiple_of(woff, 64), h_ptr,
                                  HQ, NOPE, VD, R_KV, BN_KVB, BLOCK_RKV)
+        elif op == _OP_LANE_O:   # Laneformer: wo of every lane for rows r0..r_end of D, then the lane combination
+            if LANES > 0:
+                w = wa_ptr + tl.multiple_of(woff, 64)
+                w0, s0 = lane_out_tile(w, qf32_ptr, NQ // LANES, D, r0, r_end, 0, 1, LANES, 0, BN_O, BK_O)
+            t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
+            st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE)
+            if LANES > 0:
+                if st == 0:
+                    xin = scratch_ptr + pid * NQ   # every head's output (lane-major), as the o_proj's
+                    attn_combine(ao_ptr, am_ptr, al_ptr, wa_ptr, n_splits, xin, HQ, DH, False, BLOCK_X)
+                    tl.debug_barrier()
+                    stream_lane_out(w, qf32_ptr, qf32_ptr, w0, s0, NQ // LANES, r0, r_end, xin, x_ptr,
+                                    x_ptr + HIST_OFF, x_ptr + XF_OFF, layer, 0, 0, LANE_SCALE, D, LANES, DELAY, RING,
+                                    EARLY_COMM, USE_COMM, 0, BLOCK_L, BN_O, BK_O, XB, NS)
+        elif op == _OP_LANE_DOWN:   # Laneformer: w2 of every lane, the lane combination; aux: also write xf
+            if LANES > 0:
+                w = wa_ptr + tl.multiple_of(woff, 64)
+                w0, s0 = lane_out_tile(w, qf32_ptr, I_DENSE // LANES, D, r0, r_end, 0, 1, LANES, 0, BN_DOWN,
+                                       BK_DOWN)
+            t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
+            st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE)
+            if LANES > 0:
+                if st == 0:
+                    stream_lane_out(w, qf32_ptr, qf32_ptr, w0, s0, I_DENSE // LANES, r0, r_end, h_ptr, x_ptr,
+                                    x_ptr + HIST_OFF, x_ptr + XF_OFF, layer, 1, aux, LANE_SCALE, D, LANES, DELAY,
+                                    RING, EARLY_COMM, USE_COMM, 0, BLOCK_L, BN_DOWN, BK_DOWN, XB, NS)
+        elif op == _OP_LANE_AGG:   # Laneformer without pre_norm_lane_agg: xf = mean of the lanes' final norms
+            t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
+            st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE)
+            if LANES > 0:
+                if st == 0:
+                    lane_final_mean(x_ptr, wa_ptr + fnorm_off, x_ptr + XF_OFF, r0, r_end, eps, D, LANES, LANE_NORM,
+                                    BLOCK_L, BLOCK_X)
         elif op == _OP_GATEUP:
             # up rows follow gate rows (codes, scales, factors)
             wg = _wp(FMT_MLP, wa_ptr, qw8_ptr, qw32_ptr, woff)
@@ -373,7 +425,7 @@ def monokernel(
             st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE)
             if st == 0:
                 stream_glu(wg, wu, sg_, su_, qf32_ptr + f_off, qf32_ptr + f_off + I_DENSE, g0, u0, gs0, us0, D, r0,
-                           r_end, x_ptr, wa_ptr + tl.multiple_of(tl.load(lrow + P.LF_MLP_NORM), 64), eps, wa_ptr,
+                           r_end, lx, wa_ptr + tl.multiple_of(tl.load(lrow + P.LF_MLP_NORM), 64) + lnw, eps, wa_ptr,
                            wa_ptr, h_ptr, glu_limit, glu_alpha, False, 0, FMT_MLP, BN_GU, BLOCK_K, XB, NS)
         elif op == _OP_DOWN:
             w = _wp(FMT_MLP, wa_ptr, qw8_ptr, qw32_ptr, woff)
@@ -495,9 +547,9 @@ def monokernel(
                 pvo = symf_ptr + sym_pv_off + tp_rank * n_lm
                 pio = symi_ptr + sym_pv_off + TP * n_lm + tp_rank * n_lm
             if (st == 0) & (step >= n_forced):   # prompt steps (in-kernel prefill) need no logits
-                stream_gemv(w, qf32_ptr, qf32_ptr, w0, s0, D, r0, r_end, x_ptr,
+                stream_gemv(w, qf32_ptr, qf32_ptr, w0, s0, D, r0, r_end, x_ptr + XF_OFF,
                             wa_ptr + tl.multiple_of(fnorm_off, 64), eps, w, pvo, pvo, aux, pvo, pio,
-                            do_sample, inv_temp, seed, step - n_forced, True, False, False, True, 0, BN_LM,
+                            do_sample, inv_temp, seed, step - n_forced, LM_NORM, False, False, True, 0, BN_LM,
                             BLOCK_K, XB, NS)
             if TP > 0:   # prompt steps too: the sampler of every rank counts every tile of every step
                 if st == 0:
@@ -533,7 +585,8 @@ def monokernel(
                     if hit | host_stop:
                         tl.store(ctrl_ptr + 5, tl.where(hit, 1, 2))  # CT_REASON
                         tl.store(stop_ptr, 1)
-                embed_row(wa_ptr + embed_off, tok, x_ptr, D, BLOCK_X)
+                for lane in tl.static_range(NLX):   # every lane's stream starts as the embedding
+                    embed_row(wa_ptr + embed_off, tok, x_ptr + lane * D, D, BLOCK_X)
         elif op == _OP_REDUCE:
             t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
             wctr = symi_ptr + sym_ctr_off + wc

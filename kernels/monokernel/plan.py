@@ -42,6 +42,9 @@ OP_NAMES = {OP_QKV: "qkv_proj", OP_ATTN: "attention", OP_O: "o_proj", OP_GATEUP:
             OP_EXP_DOWN: "expert_down", OP_LM: "lm_head", OP_SAMPLE: "sample", OP_QB: "q_b_proj",
             OP_ABSORB: "mla_absorb", OP_MLA_ATTN: "mla_attention", OP_VUP: "mla_v_up", OP_REDUCE: "tp_reduce"}
 
+OP_LANE_O, OP_LANE_DOWN, OP_LANE_AGG = range(20, 23)   # Laneformer (lanes.py): output projections of every lane + the
+OP_NAMES.update({OP_LANE_O: "lane_o_proj", OP_LANE_DOWN: "lane_down", OP_LANE_AGG: "lane_agg"})  # lane combination
+
 # ---- task table columns ----------------------------------------------------------------------------------------
 F_OP, F_LAYER, F_ROW0, F_NROWS, F_AUX, F_WAIT, F_WCNT, F_WBASE, F_SIG, F_WLO, F_WHI, F_XCTR = range(12)
 NF = 12
@@ -131,6 +134,14 @@ class Dims:
     NG: int = 1             # expert groups, groups kept, group score (0 max, 1 sum of the top 2)
     TG: int = 1
     GSCORE: int = 0
+    # Laneformer (lanes.py; LANES 0: another family): lanes, broadcast delay, early / delayed communication, per-lane
+    # norm scales, final aggregation before the norm (pre_norm_lane_agg)
+    LANES: int = 0
+    DELAY: int = 0
+    EARLY_COMM: int = 0
+    USE_COMM: int = 0
+    LANE_NORM: int = 0
+    PRE_AGG: int = 0
     # weight formats per Linear kind (0 float, else qarena.FMT_ID)
     FMT_ATTN: int = 0
     FMT_MLP: int = 0
@@ -170,7 +181,7 @@ def model_dims(spec: ModelSpec) -> Dims:
     scoring = {"softmax": 0, "sigmoid": 1, "softmax_topk": 2}
     if m is not None and m.scoring not in scoring:
         raise NotImplementedError(f"monokernel: router scoring {m.scoring!r}")
-    return Dims(
+    d = Dims(
         D=spec.hidden_size, V=spec.vocab_size, L=spec.num_layers, HQ=a.num_heads,
         HKV=1 if mla else a.num_kv_heads,
         DH=a.head_dim, ROT=a.rope.rotary_dim or a.head_dim, ROPE_PAIR=int(a.rope.style == "pair"),
@@ -190,6 +201,10 @@ def model_dims(spec: ModelSpec) -> Dims:
         NOPE=a.qk_nope_head_dim if mla else 0, VD=a.v_head_dim if mla else 0,
         NG=m.n_group if m else 1, TG=m.topk_group if m else 1,
         GSCORE=int(m.group_score == "top2sum") if m else 0)
+    if getattr(spec, "family", None) == "laneformer":
+        from .lanes import lane_dims
+        d = lane_dims(spec, d)
+    return d
 
 
 @dataclass
@@ -292,6 +307,9 @@ class Plan:
 def layout_arena(spec: ModelSpec, d: Dims, has, qa: QArena | None = None) -> tuple[Arena, list[dict], dict]:
     """-> (arena, per-layer {LF_*: offset}, top-level offsets). `has(name)` says if the checkpoint holds a tensor.
     Linears of a kind whose FMT_* is quantized go to `qa` instead (codes / scales / row-factor offsets)."""
+    if d.LANES:
+        from .lanes import lane_layout
+        return lane_layout(spec, d)
     ar = Arena()
     D = d.D
     fmt = {"attn": d.FMT_ATTN, "mlp": d.FMT_MLP, "exp": d.FMT_EXP}
@@ -448,6 +466,9 @@ def build_plan(spec: ModelSpec, weights=None, device: str | torch.device = "cpu"
     if tp and (d.MLA or d.QK_NORM == 2):
         raise NotImplementedError("monokernel tensor parallel: MLA and whole-projection q/k norms are not split yet")
     qfmt = max(fm.values(), default=0)
+    if d.LANES and (qfmt or tp):
+        raise NotImplementedError("monokernel laneformer: float weights on one GPU only (quantized Linears and "
+                                  "tensor parallel are not planned yet)")
     qa = QArena(qfmt) if qfmt else None
     has = (lambda n: n in names) if names is not None else (lambda n: not spec.tie_word_embeddings)
     arena, lay_offs, top = layout_arena(spec, d, has, qa)
@@ -500,6 +521,10 @@ def build_plan(spec: ModelSpec, weights=None, device: str | torch.device = "cpu"
     if d.I_DENSE:
         rows["gateup"] = sp(d.I_DENSE, 2 * d.D * qb["mlp"])
         rows["down"] = sp(d.D, d.I_DENSE * qb["mlp"])
+    if d.LANES:   # q|k|v and gate|up tiles of one lane each; the final lane aggregation's tiles
+        from .lanes import agg_rows, lane_rows
+        lane_rows(d, rows, {"qkv": d.D * eb, "gateup": 2 * d.D * eb}, n_sms, min_task_bytes, max_task_bytes)
+        rows["lane_agg"] = agg_rows(d, n_sms)
     if d.E:
         rows["router"] = sp(d.E, d.D * eb)
         rows["exp_up"] = sp(d.I_MOE, 2 * d.D * qb["exp"], d.TOPK)
@@ -516,6 +541,9 @@ def build_plan(spec: ModelSpec, weights=None, device: str | torch.device = "cpu"
         elems = tile_elems // (2 if fmt_of.get(kind.get(op), 0) >= 3 else 1)
         return max(1, elems // block_k // (2 if op in pairs else 1))
     bn = {k: _bn(v, cap(k)) for k, v in rows.items() if k not in ("absorb", "vup", "mla_attn")}
+    if d.LANES:   # lane output ops step K by a lane's share (lanes.lane_block_k)
+        from .lanes import lane_block_k
+        bn.update(lane_block_k(d, block_k, tile_elems, rows))
     if d.MLA:   # rows of kv_b per step of the absorb / v-up ops ([BN_KVB, R_KV] tiles)
         bn["kvb"] = max(1, min(_pow2(max(d.NOPE, d.VD)), tile_elems // _pow2(d.R_KV)))
     if block_t is None:
@@ -555,11 +583,14 @@ def counter_index(layer: int, kind: int) -> int:
 
 
 def n_counters(spec: ModelSpec) -> int:
-    return spec.num_layers * NC + 2
+    return spec.num_layers * NC + 3   # + LM head, sampler, Laneformer's lane aggregation
 
 
 def build_tasks(plan: Plan, n_splits: int = 1) -> torch.Tensor:
     """One decode step's tasks [T, NF] int32 in topological order (every wait points at earlier tasks)."""
+    if plan.dims.LANES:
+        from .lanes import build_lane_tasks
+        return build_lane_tasks(plan, n_splits)
     d, spec = plan.dims, plan.spec
     L = spec.num_layers
     c_lm, c_sample = NC * L, NC * L + 1

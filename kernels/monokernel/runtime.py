@@ -29,6 +29,7 @@ from kie_moe.models.reference import ReferenceDecoder
 from kie_moe.models.rope import cos_sin
 
 from ..prefill import Prefill
+from . import lanes
 from . import plan as P
 from .kernel import CT_ERR, CT_ERR_HAVE, CT_ERR_NEED, CT_ERR_TASK, CT_STOP, CT_YIELD, N_CTRL, monokernel
 
@@ -122,7 +123,7 @@ class MonokernelBackend:
         d, dev, f32, i32 = self.dims, self.device, torch.float32, torch.int32
         nq = d.HQ * d.DH
         z = lambda *s, dt=f32: torch.zeros(*s, dtype=dt, device=dev)  # noqa: E731
-        self.x = z(d.D)
+        self.x = z(lanes.state_size(d))   # [D]; Laneformer: lanes [L, D], xf [D], partial history (lanes.py)
         # MLA: [q_a | kv_a] (or [q | kv_a]), q, q_lat [H, r_kv], q_pe [H, rope] (kernel.monokernel's offsets)
         self.qkv = z(d.NQKV + (d.HQ * d.DH if d.R_Q else 0) + d.HQ * (d.R_KV + d.ROT) if d.MLA else d.NQKV)
         self.ao_width = max(nq, d.HQ * d.R_KV)       # a split's partial outputs: [HQ, DH] or (MLA) [H, r_kv]
@@ -197,6 +198,8 @@ class MonokernelBackend:
         if not ids:
             return
         self._ensure_kv(len(ids) + 1)
+        if self.dims.LANES:
+            return self._prefill_lanes(ids)
         if os.environ.get("KIE_PREFILL") != "reference" and self._prefill_decoder is None:
             if self._prefiller is None:
                 self._prefiller = Prefill.for_plan(self.plan, self.prefill_dtype)
@@ -218,6 +221,24 @@ class MonokernelBackend:
             else:
                 self.kv[i, 0, :, :n] = k.transpose(0, 1).to(self.kv_dtype)   # [T, Hkv, Dh] -> [Hkv, T, Dh]
                 self.kv[i, 1, :, :n] = v.transpose(0, 1).to(self.kv_dtype)
+        dec.reset()
+
+    def _prefill_lanes(self, ids: list[int], chunk: int = 512):
+        """Laneformer: dense/reference.py's decoder over the plan's arena (lane tensors einsum'd on the device), in
+        chunks of `chunk` positions (its scores are [lanes, heads, chunk, T]); its per-lane caches [L, T, hk, Dh]
+        are the kernel's lane-major kv heads."""
+        from kie_moe.dense.reference import LaneformerDecoder
+        if self._prefill_decoder is None:
+            self._prefill_decoder = LaneformerDecoder(self.spec, ArenaStore(self.plan), self.device,
+                                                      self.prefill_dtype)
+        dec, n, d = self._prefill_decoder, len(ids), self.dims
+        dec.reset()
+        with torch.no_grad():
+            for c0 in range(0, n, chunk):
+                dec.forward(torch.tensor(ids[c0:c0 + chunk], dtype=torch.long))
+        for i, (k, v) in enumerate(dec.cache):
+            self.kv[i, 0, :, :n] = k.permute(0, 2, 1, 3).reshape(d.HKV, n, d.DH).to(self.kv_dtype)
+            self.kv[i, 1, :, :n] = v.permute(0, 2, 1, 3).reshape(d.HKV, n, d.DH).to(self.kv_dtype)
         dec.reset()
 
     # ---- test hooks -------------------------------------------------------------------------------------------------
@@ -265,7 +286,7 @@ class MonokernelBackend:
         self.ctrl.zero_()
         self.ring.zero_()
         self.hostflag.zero_()
-        self.x.copy_(pl.view("embed")[last_token].float())
+        self.x[:max(1, d.LANES) * d.D].view(-1, d.D).copy_(pl.view("embed")[last_token].float())   # every lane
         self.last_launch = dict(n_steps=n_steps, n_splits=n_splits, n_tasks=int(tasks.shape[0]), start_pos=start_pos,
                                 n_forced=n_forced)
         args, meta = self.kernel_args(tasks, n_steps, start_pos, n_splits, len(eos), ignore_eos, temperature, seed,
@@ -322,7 +343,7 @@ class MonokernelBackend:
             NORM_TOPK=d.NORM_TOPK, HAS_RBIAS=d.HAS_RBIAS, HAS_SBIAS=d.HAS_SBIAS, EXP_ACT=d.EXP_ACT,
             HAS_EBIAS=d.HAS_EBIAS, HAS_SH_GATE=d.HAS_SH_GATE, FMT_ATTN=d.FMT_ATTN, FMT_MLP=d.FMT_MLP,
             FMT_EXP=d.FMT_EXP, MLA=d.MLA, R_Q=d.R_Q, R_KV=d.R_KV, NOPE=d.NOPE, VD=d.VD, NG=d.NG, TG=d.TG,
-            GSCORE=d.GSCORE,
+            GSCORE=d.GSCORE, **lanes.kernel_meta(pl),
             BN_QKV=t.bn["qkv"], BN_O=t.bn["o"], BN_GU=t.bn.get("gateup", 1), BN_DOWN=t.bn.get("down", 1),
             BN_ROUTER=t.bn.get("router", 1), BN_EUP=t.bn.get("exp_up", 1), BN_EDOWN=t.bn.get("exp_down", 1),
             BN_SUP=t.bn.get("sh_up", 1), BN_LM=t.bn["lm"], BN_QB=t.bn.get("qb", 1), BN_KVB=t.bn.get("kvb", 1),
@@ -381,6 +402,8 @@ class MonokernelBackend:
             return "lm_head"
         if c == P.NC * L + 1:
             return "sample"
+        if c == P.NC * L + 2:
+            return "lane_agg"
         return f"{_COUNTER_KINDS[c % P.NC]}[layer {c // P.NC}]"
 
     def generate(self, prompt_ids: list[int], p, eos_ids) -> Iterator[int]:

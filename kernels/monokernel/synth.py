@@ -43,17 +43,23 @@ def preset_spec(arch: str, layers: int | None = None) -> ModelSpec:
             cfg["layer_types"] = cfg["layer_types"][:layers]
         if "max_window_layers" in cfg:
             cfg["max_window_layers"] = min(cfg["max_window_layers"], layers)
+        if isinstance(cfg.get("sliding_window_n_layers"), int):   # Laneformer: first n (or last |n|) layers
+            n = cfg["sliding_window_n_layers"]
+            cfg["sliding_window_n_layers"] = max(-layers, min(n, layers))
+        if cfg.get("unclamped_layers"):
+            cfg["unclamped_layers"] = [u for u in cfg["unclamped_layers"] if -layers <= u < layers]
     return spec_from_config(cfg)
 
 
 def random_fill(buf: torch.Tensor, arena, seed: int):
-    """Benchmark weights: N(0, 1/in) for matrices, 1 for norms, small biases (decodes without inf/NaN)."""
+    """Benchmark weights: N(0, 1/in) for matrices, 1 for norms (Laneformer's per-lane [L, D] scales too), small
+    biases (decodes without inf/NaN)."""
     g = torch.Generator(device=buf.device).manual_seed(seed)
     for name, (off, shape) in arena.entries.items():
         v = buf[off:off + math.prod(shape)]
         if name.endswith("norm"):
             v.fill_(1.0)
-        elif len(shape) == 2:
-            v.normal_(0.0, shape[1] ** -0.5, generator=g)
+        elif len(shape) >= 2:   # matrices, and Laneformer lane stacks [L, out, in]
+            v.normal_(0.0, shape[-1] ** -0.5, generator=g)
         else:
             v.normal_(0.0, 0.02, generator=g)
