@@ -246,7 +246,7 @@ def _word_offs(k, KW: tl.constexpr, GROUP: tl.constexpr):
     """Word offsets k/8 .. k/8 + KW of a step at element k. Callers start steps at multiples of BLOCK_K (the tile
     contract), so runs of GROUP/8 words are aligned: with rows on 16-byte boundaries (Triton sees the stride)
     a thread then loads a whole scale group as one vector (mxfp4: 16 B; its group sum stays in registers)."""
-    return tl.multiple_of(k // 8 + tl.arange(0, KW), GROUP // 8)
+    return tl.multiple_of((k >> 3) + tl.arange(0, KW), GROUP // 8)  # k >= 0: a shift, not a signed division
 
 
 @triton.jit
@@ -257,7 +257,7 @@ def _fp4_mac(acc, q, s, x8_ptr, stride_x8, k0, k_hi, BLOCK_N: tl.constexpr, BLOC
     KW: tl.constexpr = BLOCK_K // 8
     G: tl.constexpr = BLOCK_K // GROUP
     offs_w = _word_offs(k0, KW, GROUP)
-    w_mask = offs_w < k_hi // 8
+    w_mask = offs_w < (k_hi >> 3)
     w0, w1, w2, w3, w4, w5, w6, w7 = _e2m1_word(q)
     # One multiply-add chain per word; masked-off words read x = 0 (their codes are 0 too).
     p = w0 * _bcast_load(x8_ptr, offs_w, w_mask, BLOCK_N, MASKED)
@@ -286,7 +286,10 @@ def _tile_fp4(w_ptr, stride_wn, s_ptr, stride_sn, stride_sk, x8_ptr, stride_x8, 
     G: tl.constexpr = BLOCK_K // GROUP
     # Row stride in bytes is a multiple of 8 (K % 16 == 0), so rows start on u32 words.
     w_rows = _row_ptrs(w_ptr.to(tl.pointer_type(tl.uint32)), stride_wn // 4, n_start, N, BLOCK_N)
-    s_rows = _row_ptrs(s_ptr, stride_sn, n_start, N, BLOCK_N)
+    # Scale offsets in int32 (one scale tensor of one Linear: N * K / 16 < 2^31): a scale load then costs one
+    # 32-bit add + IMAD.WIDE instead of a 64-bit pointer add per row.
+    s_rows = (tl.minimum(n_start + tl.arange(0, BLOCK_N), N - 1) * stride_sn)[:, None]
+    GS: tl.constexpr = 4 if GROUP == 16 else 5  # k >> GS == k // GROUP for k >= 0
     offs_g = tl.arange(0, G)
     acc = tl.zeros((BLOCK_N, G), dtype=tl.float32)
     # Whole steps first, unmasked; PIPE: pipelined one deep as in _tile_float (words and scales of step i+1).
@@ -294,25 +297,25 @@ def _tile_fp4(w_ptr, stride_wn, s_ptr, stride_sn, stride_sk, x8_ptr, stride_x8, 
     if PIPE:
         q_next = tl.load(w_rows + _word_offs(k_lo, KW, GROUP)[None, :],
                          mask=tl.full((BLOCK_N, KW), k_lo < k_full, tl.int1), other=0)
-        s_next = tl.load(s_rows + (k_lo // GROUP + offs_g)[None, :] * stride_sk,
+        s_next = tl.load(s_ptr + (s_rows + ((k_lo >> GS) + offs_g)[None, :] * stride_sk),
                          mask=tl.full((BLOCK_N, G), k_lo < k_full, tl.int1), other=0.0)
         for k0 in range(k_lo, k_full, BLOCK_K):
             q = q_next
             s = s_next
             k_n = tl.minimum(k0 + BLOCK_K, k_full - BLOCK_K)  # clamped: the last prefetch re-reads (L2 hit)
             q_next = tl.load(w_rows + _word_offs(k_n, KW, GROUP)[None, :])
-            s_next = tl.load(s_rows + (k_n // GROUP + offs_g)[None, :] * stride_sk)
+            s_next = tl.load(s_ptr + (s_rows + ((k_n >> GS) + offs_g)[None, :] * stride_sk))
             acc = _fp4_mac(acc, q, s, x8_ptr, stride_x8, k0, k_hi, BLOCK_N, BLOCK_K, GROUP, MX, False)
     else:
         for k0 in range(k_lo, k_full, BLOCK_K):
             q = tl.load(w_rows + _word_offs(k0, KW, GROUP)[None, :])
-            s = tl.load(s_rows + (k0 // GROUP + offs_g)[None, :] * stride_sk)
+            s = tl.load(s_ptr + (s_rows + ((k0 >> GS) + offs_g)[None, :] * stride_sk))
             acc = _fp4_mac(acc, q, s, x8_ptr, stride_x8, k0, k_hi, BLOCK_N, BLOCK_K, GROUP, MX, False)
     for k0 in range(k_full, k_hi, BLOCK_K):  # the ragged tail: 0 or 1 step, masked
         offs_t = _word_offs(k0, KW, GROUP)
-        q = tl.load(w_rows + offs_t[None, :], mask=(offs_t < k_hi // 8)[None, :], other=0)
-        s = tl.load(s_rows + (k0 // GROUP + offs_g)[None, :] * stride_sk,
-                    mask=(k0 // GROUP + offs_g < k_hi // GROUP)[None, :], other=0.0)
+        q = tl.load(w_rows + offs_t[None, :], mask=(offs_t < (k_hi >> 3))[None, :], other=0)
+        s = tl.load(s_ptr + (s_rows + ((k0 >> GS) + offs_g)[None, :] * stride_sk),
+                    mask=((k0 >> GS) + offs_g < (k_hi >> GS))[None, :], other=0.0)
         acc = _fp4_mac(acc, q, s, x8_ptr, stride_x8, k0, k_hi, BLOCK_N, BLOCK_K, GROUP, MX, True)
     return tl.sum(acc, axis=1)
 
