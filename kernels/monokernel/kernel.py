@@ -379,6 +379,8 @@ def monokernel(
         elif op == _OP_LANE_O:   # Laneformer: wo of every lane for rows r0..r_end of D, then the lane combination
             if LANES > 0:
                 w = wa_ptr + tl.multiple_of(woff, 64)
+                for lane in tl.static_range(LANES):   # every lane's block of the task's rows into L2
+                    prefetch_rows(w + lane * (D * (NQ // LANES)), r0, nr, NQ // LANES, 0, USE_ASM)
                 w0, s0 = lane_out_tile(w, qf32_ptr, NQ // LANES, D, r0, r_end, 0, 1, LANES, 0, BN_O, BK_O)
             t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
             st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE)
@@ -393,6 +395,8 @@ def monokernel(
         elif op == _OP_LANE_DOWN:   # Laneformer: w2 of every lane, the lane combination; aux: also write xf
             if LANES > 0:
                 w = wa_ptr + tl.multiple_of(woff, 64)
+                for lane in tl.static_range(LANES):
+                    prefetch_rows(w + lane * (D * (I_DENSE // LANES)), r0, nr, I_DENSE // LANES, 0, USE_ASM)
                 w0, s0 = lane_out_tile(w, qf32_ptr, I_DENSE // LANES, D, r0, r_end, 0, 1, LANES, 0, BN_DOWN,
                                        BK_DOWN)
             t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
