@@ -15,6 +15,8 @@ n_total` loop, and the stop flag (EOS, host stop, watchdog) turns it into n_tota
 Ops: GEMV tiles (stream.py), GQA attention per kv head and split (ops.py), MLA absorb / attention / v_up
 (mla.py), the router's top-k recomputed by each expert task (ops.route), LM-head tiles and the sampler, which
 writes the token ring and the next step's input (or, during an in-kernel prefill, feeds the prompt's next token).
+Laneformer (LANES > 0; lanes.py, lane_ops.py): x holds one stream per lane; q|k|v and gate|up tasks read their
+lane's (F_AUX), lane_o / lane_down tasks stream every lane's output rows and combine the lanes' partials in place.
 Weight formats: FMT_ATTN / FMT_MLP / FMT_EXP (constexprs, kernels/tiles.py's FMT_ID) say where each Linear
 kind lives: the float arena (wa) or the quantized buffers of qarena.py (codes qw: read as e4m3 bytes or u32
 words; scales qs8 / qf32; per-row factors qf32). Router, LM head, embeddings, norms and biases are always float.
