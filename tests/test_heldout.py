@@ -67,7 +67,7 @@ def test_sweep_perplexity_matches_hf_transformers(hf_ppl, tmp_path):
     spec = load_model(MODEL).spec
     got_w, label = S.token_windows(MODEL, spec, None, T, N * T)
     assert torch.equal(got_w, wins), "kie sweep scores other tokens than the documented windows"
-    assert label.startswith(f"held-out text ") and f"({N * T} tokens, windows of {T} spread" in label
+    assert label.startswith("held-out text ") and f"({N * T} tokens, windows of {T} spread" in label
     res = S.run(MODEL, ["bf16"], str(tmp_path), device="cpu", window=T, max_tokens=N * T, prompt_len=4,
                 new_tokens=2, runs=1, probe_bytes=1 << 20, progress=False)
     row = res["rows"][0]
