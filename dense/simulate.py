@@ -72,11 +72,14 @@ class InProcessCollective:
 
 class RankDecoder:
     """One device's share: its lanes' residual copies, weights and KV cache. forward(ids [S]) -> logits [S, V]
-    (every rank computes the same logits: the head input is all-reduced)."""
+    (every rank computes the same logits: the head input is all-reduced). `device`: where its tensors live (the CPU
+    in the thread simulation; its GPU in a `--devices N` worker, kie_moe/ranks.py)."""
 
-    def __init__(self, spec: LaneformerSpec, weights, plan: DevicePlan, coll: Collective, dtype=torch.float32):
+    def __init__(self, spec: LaneformerSpec, weights, plan: DevicePlan, coll: Collective, dtype=torch.float32,
+                 device="cpu"):
         self.spec, self.plan, self.coll = spec, plan, coll
-        get = lambda n: weights.get(n).to("cpu", dtype)
+        self.device = torch.device(device)
+        get = lambda n: weights.get(n).to(self.device, dtype)
         self.embed = get("embed")
         fn = get("final_norm")
         self.final_norm = fn[plan.lane_slice] if fn.dim() > 1 else fn
@@ -124,7 +127,7 @@ class RankDecoder:
         spec, start, S = self.spec, self.pos, ids.shape[0]
         check_positions(spec, start, S)
         nl = len(self.plan.lanes)
-        x = self.embed[ids][:, None, :].repeat(1, nl, 1)    # [S, l, D]: this device's lanes only
+        x = self.embed[ids.to(self.device)][:, None, :].repeat(1, nl, 1)    # [S, l, D]: this device's lanes only
         self.inbox: dict[tuple[str, int], torch.Tensor] = {}  # (sublayer, layer) -> all-lanes total [S, D]
         self.own: dict[tuple[str, int], torch.Tensor] = {}    # (sublayer, layer) -> own partials [S, l, D]
         for i, w in enumerate(self.layers):

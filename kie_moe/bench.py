@@ -8,6 +8,11 @@ for --scheme, nothing on disk). `kie bench --all` runs the standard matrix the c
 JSON (--json prints it, --out writes it): {"schema": "kie-bench/1", "env": {...}, "read_probe": {...},
 "rows": [row, ...]}; a row's fields are listed in ROW_FIELDS (a failed row of --all has "error" instead of the
 measurements).
+
+--devices N (kie_moe/launch.py + ranks.py): N worker processes decode one model's shards in lockstep; rank 0
+measures the read probe (one device's), times the generations and prints. The roofline is N devices': each reads
+bytes/N per token, so ideal tok/s = N x probe / bytes, and achieved GB/s counts every device's bytes; "parallel"
+names the path that ran. token_ids (the last timed run's greedy tokens) let any two paths be compared.
 """
 from __future__ import annotations
 
@@ -24,10 +29,11 @@ from . import roofline as R
 from .synthetic import Source, open_model
 
 SCHEMA = "kie-bench/1"
-ROW_FIELDS = ("model", "source", "family", "scheme", "backend", "backend_note", "device", "prompt_len", "context_len",
-              "context_fill", "new_tokens", "runs", "tok_per_s", "tok_per_s_runs", "spread_pct", "ms_per_token",
-              "ttft_s", "ttft_s_runs", "prefill_tok_per_s", "bytes_per_token", "bytes", "backend_bytes_per_token",
-              "achieved_gbps", "read_probe_gbps", "pct_roofline", "roofline_tok_per_s")
+ROW_FIELDS = ("model", "source", "family", "scheme", "backend", "backend_note", "device", "devices", "parallel",
+              "prompt_len", "context_len", "context_fill", "new_tokens", "runs", "tok_per_s", "tok_per_s_runs",
+              "spread_pct", "ms_per_token", "ttft_s", "ttft_s_runs", "prefill_tok_per_s", "bytes_per_token", "bytes",
+              "bytes_per_device", "backend_bytes_per_token", "achieved_gbps", "read_probe_gbps", "pct_roofline",
+              "roofline_tok_per_s", "token_ids")
 
 # `kie bench --all`: (preset, scheme, backends): issue 6's shapes and formats on both GPU backends. gpt-oss-120b
 # does not fit the device in bf16: its preset is drawn tensor by tensor and only the MXFP4 codes stay resident
@@ -73,6 +79,8 @@ def build_backend(name: str, model, device: torch.device):
 
 def working_dtypes(be) -> tuple[torch.dtype, torch.dtype]:
     """(float weight dtype, KV cache dtype) the backend streams; they set the float bytes counted."""
+    if hasattr(be, "working_dtypes"):                           # a --devices N rank (kie_moe/ranks.py)
+        return be.working_dtypes()
     if hasattr(be, "plan"):                                     # monokernel
         return be.plan.wdtype, getattr(be, "kv_dtype", be.plan.wdtype)
     if hasattr(be, "decoder"):                                  # reference
@@ -151,17 +159,24 @@ def bench_row(src: Source, backend: str, device: torch.device, probe: dict, *, p
     b.kv = R.kv_bytes_mean(spec, n_prompt, new_tokens - 1, kvdt.itemsize)
     total = b.total
     gbps = t.tok_per_s * total / 1e9
+    world = getattr(be, "world", 1)                   # --devices N: each device reads bytes / N per token
+    if world > 1 and device.type == "cpu":
+        note = "; ".join(x for x in (note, f"{world} CPU processes share one memory system: the {world}-device "
+                                           f"roofline ({world} x the read probe) is nominal") if x)
     row = {"model": src.name, "source": src.kind, "family": spec.family, "scheme": src.scheme, "backend": be.name,
-           "backend_note": note, "device": str(device), "prompt_len": n_prompt, "context_len": context_len,
+           "backend_note": note, "device": str(device), "devices": world, "parallel": getattr(be, "path", ""),
+           "prompt_len": n_prompt, "context_len": context_len,
            "context_fill": fill, "new_tokens": new_tokens, "runs": len(t.tok_per_s_runs),
            "tok_per_s": t.tok_per_s, "tok_per_s_runs": t.tok_per_s_runs, "spread_pct": t.spread_pct,
            "ms_per_token": t.ms_per_token, "ttft_s": t.ttft_s, "ttft_s_runs": t.ttft_s_runs,
            # prompt tokens over the time to first token (the prefill and one decode step); None when the context
            # was filled synthetically
            "prefill_tok_per_s": n_prompt / t.ttft_s if fill == "prefill" and t.ttft_s > 0 else None,
-           "bytes_per_token": total, "bytes": b.as_dict(), "backend_bytes_per_token": backend_bytes(be),
-           "achieved_gbps": gbps, "read_probe_gbps": probe["gbps"], "pct_roofline": 100 * gbps / probe["gbps"],
-           "roofline_tok_per_s": probe["gbps"] * 1e9 / total}
+           "bytes_per_token": total, "bytes": b.as_dict(), "bytes_per_device": total / world,
+           "backend_bytes_per_token": backend_bytes(be) if world == 1 else None,
+           "achieved_gbps": gbps, "read_probe_gbps": probe["gbps"],
+           "pct_roofline": 100 * gbps / (world * probe["gbps"]),
+           "roofline_tok_per_s": world * probe["gbps"] * 1e9 / total, "token_ids": t.token_ids}
     del be
     _free(device)
     return row
@@ -177,7 +192,9 @@ def run(model: str | None, *, backend: str = "auto", device: str | None = None, 
         tiny: bool = False, all_: bool = False, archs: list[str] | None = None, prompt_len: int = 32,
         new_tokens: int = 128,
         context_len: int | None = None, runs: int = 3, context_fill: str = "auto", probe_bytes: int | None = None,
-        argv: list[str] | None = None, log=None) -> dict:
+        argv: list[str] | None = None, log=None, prepared: tuple | None = None) -> dict:
+    """`prepared`: (Source, backend) already opened and built (rank 0 of --devices N: its backend leads the
+    other ranks); else MODEL is opened and `backend` built here."""
     from kie_moe.engine import resolve_device
     dev = resolve_device(device)
     if dev.type == "cuda" and dev.index is None:
@@ -187,6 +204,10 @@ def run(model: str | None, *, backend: str = "auto", device: str | None = None, 
     res = {"schema": SCHEMA, "env": R.environment(dev, argv), "read_probe": R.read_probe(dev, probe_bytes), "rows": []}
     kw = dict(prompt_len=prompt_len, new_tokens=new_tokens, context_len=context_len, runs=runs,
               context_fill=context_fill)
+    if prepared is not None:
+        src, be = prepared
+        res["rows"].append(bench_row(src, be.name, dev, res["read_probe"], be=be, **kw))
+        return res
     if not all_:
         src = open_model(model, dev, scheme=scheme, tiny=tiny)
         res["rows"].append(bench_row(src, backend, dev, res["read_probe"], **kw))
@@ -255,8 +276,12 @@ def table(res: dict) -> str:
         r, b = rows[0], rows[0]["bytes"]
         runs = r["tok_per_s_runs"]
         ctx = f"context {r['prompt_len']}..{r['prompt_len'] + r['new_tokens'] - 1}"
-        lines += [f"{r['model']}  scheme {r['scheme']}  backend {r['backend']}  {r['device']}",
-                  f"  tok/s         {r['tok_per_s']:.1f}   ({r['runs']} runs {min(runs):.1f}-{max(runs):.1f}, "
+        devs = r.get("devices", 1)
+        lines += [f"{r['model']}  scheme {r['scheme']}  backend {r['backend']}  {r['device']}"
+                  + (f"  x{devs} devices" if devs > 1 else "")]
+        if devs > 1:
+            lines.append(f"  parallel      {r['parallel']}")
+        lines += [f"  tok/s         {r['tok_per_s']:.1f}   ({r['runs']} runs {min(runs):.1f}-{max(runs):.1f}, "
                   f"spread {r['spread_pct']:.1f}%)",
                   f"  ms/token      {r['ms_per_token']:.3f}",
                   f"  TTFT          {r['ttft_s'] * 1e3:.1f} ms   "
@@ -264,9 +289,11 @@ def table(res: dict) -> str:
                   + (f": {r['prefill_tok_per_s']:.0f} prompt tok/s)" if r.get("prefill_tok_per_s") else ")"),
                   f"  bytes/token   {R.fmt_bytes(r['bytes_per_token'])}   (weights {R.fmt_bytes(b['weights'])} + "
                   f"scales {R.fmt_bytes(b['scales'])} + KV {R.fmt_bytes(b['kv'])} at {ctx})",
-                  f"  achieved      {R.fmt_gbps(r['achieved_gbps'])}",
-                  f"  roofline      {r['pct_roofline']:.1f}% of {R.fmt_gbps(r['read_probe_gbps'])} "
-                  f"(ceiling {r['roofline_tok_per_s']:.0f} tok/s)"]
+                  f"  achieved      {R.fmt_gbps(r['achieved_gbps'])}" + (f" ({devs} devices together)" if devs > 1 else ""),
+                  f"  roofline      {r['pct_roofline']:.1f}% of "
+                  + (f"{devs} x " if devs > 1 else "") + f"{R.fmt_gbps(r['read_probe_gbps'])} "
+                  f"(ceiling {r['roofline_tok_per_s']:.0f} tok/s"
+                  + (f": {devs} devices each read {R.fmt_bytes(r['bytes_per_device'])}/token)" if devs > 1 else ")")]
         if r["backend_note"]:
             lines.append(f"  note          {r['backend_note']}")
         return "\n".join(lines)
@@ -295,9 +322,9 @@ def write_json(res: dict, path: str):
 def user_errors(fn):
     """Library errors that mean "this model / scheme / backend combination cannot run" (a shape a format cannot
     hold, a family a backend lacks) reach the user as one line (exit 2), like every KieError."""
-    def wrap(a):
+    def wrap(*args, **kw):
         try:
-            return fn(a)
+            return fn(*args, **kw)
         except (ValueError, NotImplementedError) as e:
             raise KieError(f"{type(e).__name__}: {e}") from None
     return wrap
@@ -305,6 +332,23 @@ def user_errors(fn):
 
 @user_errors
 def cmd_bench(a) -> int:
+    """One device: here. --devices N: N workers (kie_moe/launch.py, ranks.py), rank 0 measures and prints."""
+    from kie_moe import ranks
+    if getattr(a, "devices", 1) > 1:
+        if a.all:
+            raise InputError("--all measures the single-device matrix; --devices N takes one MODEL")
+        if a.model is None:
+            raise InputError("give MODEL (a checkpoint directory or preset) with --devices N")
+
+    def prepare(group):
+        src = open_model(a.model, group.device, scheme=a.scheme, tiny=a.tiny)
+        return src, ranks.rank_backend(src.model, group, a.backend)
+
+    return ranks.launch_ranks(a, lambda: _bench(a), prepare, lambda src, be: _bench(a, (src, be)))
+
+
+@user_errors
+def _bench(a, prepared: tuple | None = None) -> int:
     log = None
     if a.all:                                   # progress on stderr: the suite takes minutes on a GPU
         def log(r):
@@ -314,7 +358,7 @@ def cmd_bench(a) -> int:
               archs=[x for x in a.archs.split(",") if x] if a.archs else None,
               prompt_len=a.prompt_len, new_tokens=a.new_tokens, context_len=a.context_len, runs=a.runs,
               context_fill=a.context_fill, probe_bytes=a.probe_mb << 20 if a.probe_mb else None,
-              argv=getattr(a, "argv", None), log=log)
+              argv=getattr(a, "argv", None), log=log, prepared=prepared)
     if a.out:
         write_json(res, a.out)
     print(json.dumps(res) if a.json else table(res))

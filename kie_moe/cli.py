@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from kie_moe.models.errors import KieError
@@ -24,24 +25,30 @@ def _parse_ids(s: str) -> list[int]:
 
 
 def cmd_generate(a) -> int:
-    from kie_moe.launch import launch         # N workers on 127.0.0.1; N = 1 runs here, through the same call
-    return launch(getattr(a, "devices", 1), getattr(a, "argv", []),
-                  lambda env: _generate(a) if env.world == 1 else _generate_tp(a, env))
+    """One device: here. --devices N: N workers (kie_moe/launch.py), each decoding its shard in lockstep
+    (kie_moe/ranks.py); rank 0 prints, through the same _generate as one device."""
+    from kie_moe import ranks
+
+    def prepare(group):
+        from kie_moe.models.registry import load_model
+        m = load_model(a.model)
+        return m, ranks.rank_backend(m, group, a.backend)
+
+    def lead(m, be):
+        from kie_moe.engine import Engine
+        return _generate(a, Engine(a.model, device=str(be.device), model=m, backend_impl=be))
+
+    return ranks.launch_ranks(a, lambda: _generate(a), prepare, lead)
 
 
-def _generate_tp(a, env) -> int:
-    from kie_moe.launch import generate_worker
-    return generate_worker(a, env)
-
-
-def _generate(a) -> int:
+def _generate(a, eng=None) -> int:
     from kie_moe.engine import Engine
     from kie_moe.sampling import SamplingParams
     from kie_moe.tokenizer import IncrementalDecoder
 
     params = SamplingParams(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_p=a.top_p,
                             top_k=a.top_k, seed=a.seed, ignore_eos=a.ignore_eos)
-    eng = Engine(a.model, device=a.device, backend=a.backend)
+    eng = Engine(a.model, device=a.device, backend=a.backend) if eng is None else eng
     if a.prompt_ids is not None:
         ids = _parse_ids(a.prompt_ids)
     elif a.chat:
@@ -59,7 +66,7 @@ def _generate(a) -> int:
     res = eng.generate(ids, params, on_token)
     if a.json:
         print(json.dumps({"token_ids": res.token_ids, "text": res.text, "tokens_per_s": res.tokens_per_s,
-                          "backend": eng.backend_name, "prompt_tokens": res.prompt_tokens,
+                          "backend": eng.backend_name, "devices": eng.devices, "prompt_tokens": res.prompt_tokens,
                           "ttft_s": res.ttft_s, "finish_reason": res.finish_reason}))
     else:
         if eng.tokenizer is None:
@@ -67,7 +74,8 @@ def _generate(a) -> int:
         else:
             print()
         print(f"[{len(res.token_ids)} tokens, {res.tokens_per_s:.1f} tok/s decode, "
-              f"{res.ttft_s * 1e3:.0f} ms to first token, backend {eng.backend_name}, {eng.device}]", file=sys.stderr)
+              f"{res.ttft_s * 1e3:.0f} ms to first token, backend {eng.backend_name}, {eng.device}"
+              + (f", {eng.devices} devices" if eng.devices > 1 else "") + "]", file=sys.stderr)
     return 0
 
 
@@ -93,11 +101,36 @@ def cmd_synth(a) -> int:
 
 
 def cmd_serve(a) -> int:
-    from kie_moe.server import serve
-    serve(a.model, host=a.host, port=a.port, api_key=a.api_key, max_queue=a.max_queue,
-          max_model_len=a.max_model_len, device=a.device, backend=a.backend,
-          served_model_name=a.served_model_name)
-    return 0
+    """One device: here. --devices N: rank 0 binds the port and serves HTTP, every rank decodes each request in
+    lockstep (kie_moe/ranks.py)."""
+    from kie_moe import ranks
+    from kie_moe.server import bind, serve
+    kw = dict(host=a.host, port=a.port, api_key=a.api_key, max_queue=a.max_queue, max_model_len=a.max_model_len,
+              served_model_name=a.served_model_name)
+
+    def prepare(group):
+        from kie_moe.models.registry import load_model
+        sock = bind(a.host, a.port) if group.rank == 0 else None   # a taken port fails before the model loads
+        try:
+            m = load_model(a.model)
+            return (sock, m), ranks.rank_backend(m, group, a.backend)
+        except BaseException:
+            if sock is not None:
+                sock.close()
+            raise
+
+    def lead(ctx, be):
+        from kie_moe.engine import Engine
+        sock, m = ctx
+        serve(a.model, **kw, sock=sock, engine=Engine(a.model, device=str(be.device), model=m, backend_impl=be),
+              on_shutdown=be.stop)
+        return 0
+
+    def single():
+        serve(a.model, **kw, device=a.device, backend=a.backend)
+        return 0
+
+    return ranks.launch_ranks(a, single, prepare, lead)
 
 
 def cmd_demo(a) -> int:
@@ -131,6 +164,10 @@ def cmd_preview(a) -> int:
     return run(a)
 
 
+DEVICES_HELP = ("N devices (default 1): N worker processes, one per GPU (--device cpu: N CPU processes), each "
+                "decoding its shard in lockstep; rank 0 prints / serves")
+
+
 def _measure_args(p: argparse.ArgumentParser, new_tokens: int):
     p.add_argument("--prompt-len", type=int, default=32, help="prompt tokens (default 32)")
     p.add_argument("--new-tokens", type=int, default=new_tokens, help=f"tokens decoded per run (default {new_tokens})")
@@ -158,7 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true",
                    help='print one JSON object: {"token_ids", "text", "tokens_per_s", "backend", ...}')
     g.add_argument("--devices", type=int, default=1,
-                   help="GPUs: N > 1 starts N worker processes (tensor + expert parallel over KCCL, greedy)")
+                   help=DEVICES_HELP)
     _device_args(g)
     g.set_defaults(fn=cmd_generate)
 
@@ -202,6 +239,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="context limit for prompt + generated tokens (default: the model's)")
     v.add_argument("--served-model-name", default=None,
                    help="model name clients send and /v1/models lists (default: MODEL_DIR as given)")
+    v.add_argument("--devices", type=int, default=1, help=DEVICES_HELP)
     _device_args(v)
     v.set_defaults(fn=cmd_serve)
 
@@ -246,6 +284,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default auto: random values where the backend allows)")
     b.add_argument("--json", action="store_true", help="print the JSON result instead of the table")
     b.add_argument("--out", default=None, metavar="FILE", help="also write the JSON result to FILE")
+    b.add_argument("--devices", type=int, default=1, help=DEVICES_HELP + "; the roofline is N devices' (each "
+                                                          "reads bytes/N)")
     _device_args(b)
     b.set_defaults(fn=cmd_bench)
 
@@ -275,7 +315,9 @@ def build_parser() -> argparse.ArgumentParser:
     pv = sub.add_parser("preview", help="the dense Laneformer-2B preview reproduction (FP16, batch 1)",
                         description="Build laneformer-2b with random FP16 weights on the GPU, decode, and print tok/s "
                                     "and % of the roofline beside the published 2,100 tok/s on 8x H200.")
-    pv.add_argument("--devices", type=int, default=1, help="GPUs to decode on (default 1; more needs KCCL: later)")
+    pv.add_argument("--devices", type=int, default=1,
+                    help="devices to decode on (default 1): N worker processes, the lanes split N ways (Laneformer "
+                         "DTP ranks over KCCL; with --device cpu --tiny, N CPU processes)")
     pv.add_argument("--backend", default="monokernel", choices=["monokernel", "graph", "reference"],
                     help="monokernel (default) or graph; falls back to the reference backend, labelled, when the "
                          "backend does not run the laneformer family yet")
@@ -294,7 +336,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.fn(args)
     except KieError as e:
-        print(f"kie {args.cmd}: error: {e}", file=sys.stderr)
+        if os.environ.get("KIE_WORKER") != "1" or os.environ.get("RANK", "0") == "0":   # rank 0 speaks for all
+            print(f"kie {args.cmd}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"kie {args.cmd}: interrupted", file=sys.stderr)

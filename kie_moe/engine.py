@@ -113,12 +113,15 @@ class GenerationResult:
 
 
 class Engine:
-    def __init__(self, model_dir: str, device: str | None = None, backend: str = "auto"):
+    def __init__(self, model_dir: str, device: str | None = None, backend: str = "auto", *, model=None,
+                 backend_impl=None):
+        """`model`: model_dir already loaded; `backend_impl`: an already built backend object instead of
+        `backend` (a `--devices N` rank's, kie_moe/ranks.py)."""
         self.model_dir = model_dir
-        self.model = load_model(model_dir)
+        self.model = load_model(model_dir) if model is None else model
         self.spec = self.model.spec
         self.device = resolve_device(device)
-        self.backend = make_backend(backend, self.model, self.device)
+        self.backend = backend_impl if backend_impl is not None else make_backend(backend, self.model, self.device)
         self.tokenizer = Tokenizer(model_dir) if has_tokenizer(model_dir) else None
         self.eos_ids = set(self.spec.eos_token_ids) | generation_eos(model_dir)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None and not self.eos_ids:
@@ -127,6 +130,10 @@ class Engine:
     @property
     def backend_name(self) -> str:
         return self.backend.name
+
+    @property
+    def devices(self) -> int:
+        return getattr(self.backend, "world", 1)
 
     def encode(self, prompt: str) -> list[int]:
         if self.tokenizer is None:

@@ -8,10 +8,17 @@ Roofline for N devices: with the weights split N ways (lanes / tensor parallel),
 token at its own bandwidth, so the ideal is bandwidth / (bytes / N) = N x bandwidth / bytes tok/s. Communication
 is assumed hidden (what DTP is for), so this is an upper bound.
 
-Honesty rules: multi-device decoding (KCCL) is not implemented yet, so --devices > 1 stops with exit 2 instead of
-extrapolating; a backend that cannot run the laneformer family (the graph backend; the monokernel off the GPU) is
-replaced by the reference backend on the same device, and every output line says so. The monokernel runs the
-Laneformer itself (kernels/monokernel/lanes.py), in FP16.
+--devices N (kie_moe/launch.py + ranks.py): N worker processes, each holding L/N of the lanes, decode in lockstep;
+rank 0 measures the read probe (one device's), times the generations and reports. On GPUs the monokernel runs its
+tensor-parallel plan (kernels/monokernel/shard.TpRank) where that plan takes the Laneformer (DTP); where it refuses
+(NotImplementedError), or on CPU processes (--device cpu --tiny: no symmetric memory there), the run is the DTP
+reference in torch (dense/simulate.RankDecoder), the lanes' partials exchanged through KCCL (GpuHeap on GPUs, a
+HostHeap in /dev/shm between CPU processes), labelled as the fallback it is. More devices than are visible: one
+line, exit 2, nothing run.
+
+Honesty rules: a backend that cannot run the laneformer family here (the graph backend; the monokernel off the GPU
+or without a plan for N devices) is replaced by the reference backend on the same devices, and every output line
+says so. The monokernel runs the Laneformer itself on one GPU (kernels/monokernel/lanes.py), in FP16.
 """
 from __future__ import annotations
 
@@ -32,19 +39,6 @@ PUBLISHED = {"tok_per_s": 2100.0, "devices": 8, "device": "H200", "dtype": "fp16
 SCHEMA = "kie-preview/1"
 
 
-def check_devices(n: int, dev: torch.device):
-    if n < 1:
-        raise InputError(f"--devices must be at least 1, got {n}")
-    if n == 1:
-        return
-    have = torch.cuda.device_count() if dev.type == "cuda" else 0
-    if have < n:
-        raise InputError(f"--devices {n}: this machine has {have} GPU{'s' if have != 1 else ''}; multi-GPU "
-                         f"decoding (KCCL) is a later issue, so nothing was run (use --devices 1)")
-    raise InputError(f"--devices {n}: {have} GPUs are present, but multi-GPU decoding (KCCL) is a later issue; "
-                     f"nothing was run (use --devices 1)")
-
-
 def make_backend(name: str, model, dev: torch.device, dtype: torch.dtype):
     """-> (backend, label). The requested backend, or the reference backend on the same device when the requested
     one does not take the laneformer family yet (the reason goes into the label). The monokernel streams the
@@ -62,24 +56,53 @@ def make_backend(name: str, model, dev: torch.device, dtype: torch.dtype):
     return ReferenceBackend(model, dev, dtype), f"reference (fallback: {name} backend failed: {reason})"
 
 
-def run(*, devices: int = 1, backend: str = "monokernel", device: str | None = None, tiny: bool = False,
-        prompt_len: int = 32, new_tokens: int = 128, runs: int = 3, probe_bytes: int | None = None,
-        argv: list[str] | None = None) -> dict:
-    from kie_moe.engine import resolve_device
-    dev = resolve_device(device)
-    check_devices(devices, dev)
-    if dev.type != "cuda" and not tiny:
+def rank_backend(name: str, model, group, dtype: torch.dtype):
+    """--devices N: -> (this rank's backend, label). The requested backend's multi-device path, or the reference
+    ranks (DTP lanes over KCCL) when it has none for the laneformer family here. Every rank decides alike: the
+    requested path fails before any collective (no CUDA, no DTP plan, no multi-device graph path)."""
+    from kie_moe import ranks
+    try:
+        be = ranks.rank_backend(model, group, name, dtype=dtype)
+        return be, be.name
+    except (KieError, NotImplementedError) as e:
+        reason = f"{type(e).__name__}: {e}".splitlines()[0].split(";")[0][:200]
+    be = ranks.rank_backend(model, group, "reference", dtype=dtype)
+    return be, f"{be.name} (fallback: {name} backend on {group.world} devices failed: {reason})"
+
+
+def _dtype(dev: torch.device) -> torch.dtype:
+    return torch.float16 if dev.type == "cuda" else torch.float32   # CPU (smoke test): the reference's fp32
+
+
+def check(device: torch.device | str | None, tiny: bool, backend: str):
+    kind = device.type if isinstance(device, torch.device) else ("cpu" if device == "cpu" else "cuda")
+    if kind != "cuda" and not tiny:
         raise InputError("kie preview needs a CUDA GPU (laneformer-2b is 4.6 GB of FP16 weights); "
                          "--tiny --device cpu runs the tiny variant as a smoke test, not the preview")
-    if dev.type == "cuda" and dev.index is None:
-        dev = torch.device("cuda", torch.cuda.current_device())
     if backend not in ("monokernel", "graph", "reference"):
         raise InputError(f"--backend must be monokernel, graph or reference, got {backend!r}")
-    dtype = torch.float16 if dev.type == "cuda" else torch.float32   # CPU (smoke test): the reference's fp32
+
+
+def run(*, devices: int = 1, backend: str = "monokernel", device: str | None = None, tiny: bool = False,
+        prompt_len: int = 32, new_tokens: int = 128, runs: int = 3, probe_bytes: int | None = None,
+        argv: list[str] | None = None, prepared: tuple | None = None) -> dict:
+    """`prepared`: (Source, backend, label) already built (rank 0 of --devices N); else one device, built here."""
+    from kie_moe.engine import resolve_device
+    dev = resolve_device(device)
+    check(dev, tiny, backend)
+    if devices != 1 and prepared is None:
+        raise InputError(f"--devices {devices}: run through `kie preview --devices N` (kie_moe/launch.py)")
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    dtype = _dtype(dev)
     res = {"schema": SCHEMA, "env": R.environment(dev, argv), "read_probe": R.read_probe(dev, probe_bytes),
            "published": PUBLISHED}
-    src = open_model(PRESET, dev, tiny=tiny, dtype=dtype)
-    be, label = make_backend(backend, src.model, dev, dtype)
+    if prepared is None:
+        src = open_model(PRESET, dev, tiny=tiny, dtype=dtype)
+        be, label = make_backend(backend, src.model, dev, dtype)
+    else:
+        src, be, label = prepared
+    devices = getattr(be, "world", 1)
     row = B.bench_row(src, be.name, dev, res["read_probe"], prompt_len=prompt_len, new_tokens=new_tokens,
                       runs=runs, be=be)
     del be
@@ -109,32 +132,53 @@ def report(res: dict) -> str:
     lines = [f"Laneformer-2B preview ({r['model']}, {r['weight_dtype']}, batch 1) on {n}x {env.get('device')}"
              + (f", driver {env['driver']}" if env.get("driver") else "")
              + f", torch {env.get('torch')}, triton {env.get('triton')}",
-             f"  backend       {r['backend_label']}",
-             f"  measured      {r['tok_per_s']:.1f} tok/s  ({r['ms_per_token']:.3f} ms/token, {r['runs']} runs, "
-             f"spread {r['spread_pct']:.1f}%; TTFT {r['ttft_s'] * 1e3:.1f} ms)",
-             f"  bytes/token   {R.fmt_bytes(r['bytes_per_token'])}  (weights {R.fmt_bytes(r['bytes']['weights'])} "
-             f"+ KV {R.fmt_bytes(r['bytes']['kv'])} at context "
-             f"{r['prompt_len']}..{r['prompt_len'] + r['new_tokens'] - 1})",
-             f"  achieved      {R.fmt_gbps(r['achieved_gbps'])} = {r['pct_roofline']:.1f}% of the read ceiling "
-             f"{R.fmt_gbps(rf['bandwidth_gbps'])}",
-             f"  roofline      {n} device{'s' if n > 1 else ''}: {ideal[str(n)]:.0f} tok/s ideal "
-             f"({rf['measured_pct_of_ideal']:.1f}% reached);  8 devices: {ideal['8']:.0f} tok/s "
-             f"({rf['formula']})",
-             f"  published     {PUBLISHED['tok_per_s']:,.0f} tok/s on 8x H200 (FP16)"
-             + ("" if res["tiny"] else f" = {rf['published_pct_of_ideal_8']:.1f}% of that 8-device ideal"),
-             f"  note          {rf['note']}"]
+             f"  backend       {r['backend_label']}"]
+    if n > 1:
+        lines.append(f"  parallel      {r['parallel']}")
+    lines += [f"  measured      {r['tok_per_s']:.1f} tok/s  ({r['ms_per_token']:.3f} ms/token, {r['runs']} runs, "
+              f"spread {r['spread_pct']:.1f}%; TTFT {r['ttft_s'] * 1e3:.1f} ms)",
+              f"  bytes/token   {R.fmt_bytes(r['bytes_per_token'])}  (weights {R.fmt_bytes(r['bytes']['weights'])} "
+              f"+ KV {R.fmt_bytes(r['bytes']['kv'])} at context "
+              f"{r['prompt_len']}..{r['prompt_len'] + r['new_tokens'] - 1})",
+              f"  achieved      {R.fmt_gbps(r['achieved_gbps'])} = {r['pct_roofline']:.1f}% of "
+              + (f"{n} x " if n > 1 else "") + f"the read ceiling "
+              f"{R.fmt_gbps(rf['bandwidth_gbps'])}",
+              f"  roofline      {n} device{'s' if n > 1 else ''}: {ideal[str(n)]:.0f} tok/s ideal "
+              f"({rf['measured_pct_of_ideal']:.1f}% reached);  8 devices: {ideal['8']:.0f} tok/s "
+              f"({rf['formula']})",
+              f"  published     {PUBLISHED['tok_per_s']:,.0f} tok/s on 8x H200 (FP16)"
+              + ("" if res["tiny"] else f" = {rf['published_pct_of_ideal_8']:.1f}% of that 8-device ideal"),
+              f"  note          {rf['note']}"]
+    if r.get("backend_note"):
+        lines.append(f"  note          {r['backend_note']}")
     return "\n".join(lines)
 
 
 @B.user_errors
 def cmd_preview(a) -> int:
+    """One device: here. --devices N: N workers (kie_moe/launch.py, ranks.py), rank 0 measures and reports."""
+    from kie_moe import ranks
+    check(a.device, a.tiny, a.backend)            # before any worker starts
+
+    def prepare(group):
+        dtype = _dtype(group.device)
+        src = open_model(PRESET, group.device, tiny=a.tiny, dtype=dtype)
+        be, label = rank_backend(a.backend, src.model, group, dtype)
+        return (src, label), be
+
+    return ranks.launch_ranks(a, lambda: _preview(a), prepare,
+                              lambda ctx, be: _preview(a, (ctx[0], be, ctx[1])), check=False)
+
+
+@B.user_errors
+def _preview(a, prepared: tuple | None = None) -> int:
     res = run(devices=a.devices, backend=a.backend, device=a.device, tiny=a.tiny, prompt_len=a.prompt_len,
               new_tokens=a.new_tokens, runs=a.runs, probe_bytes=a.probe_mb << 20 if a.probe_mb else None,
-              argv=getattr(a, "argv", None))
+              argv=getattr(a, "argv", None), prepared=prepared)
     if a.out:
         B.write_json(res, a.out)
     print(json.dumps(res) if a.json else report(res))
     if res["row"]["backend_label"] != res["row"]["backend"]:
         print(f"kie preview: the {a.backend} backend could not run laneformer-2b here; the number above is the "
-              f"reference backend's ({res['row']['backend_label']})", file=sys.stderr)
+              f"{res['row']['backend']} backend's ({res['row']['backend_label']})", file=sys.stderr)
     return 0

@@ -162,16 +162,20 @@ def _sync(device: torch.device):
         torch.cuda.synchronize(device)
 
 
-def time_generate(backend, prompt: list[int], new_tokens: int, device: torch.device) -> tuple[float, float, int]:
-    """One greedy generation with EOS ignored -> (ttft_s, decode_s, tokens). Decode time runs from the first
-    token to the last (the tokens after the first), as kie_moe.engine.GenerationResult counts it."""
+def time_generate(backend, prompt: list[int], new_tokens: int, device: torch.device,
+                  out: list | None = None) -> tuple[float, float, int]:
+    """One greedy generation with EOS ignored -> (ttft_s, decode_s, tokens); the token ids go to `out` if given.
+    Decode time runs from the first token to the last (the tokens after the first), as
+    kie_moe.engine.GenerationResult counts it."""
     from kie_moe.sampling import SamplingParams
     p = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
     _sync(device)
     t0 = time.perf_counter()
     first, n = None, 0
-    for _ in backend.generate(list(prompt), p, set()):
+    for tid in backend.generate(list(prompt), p, set()):
         n += 1
+        if out is not None:
+            out.append(tid)
         if first is None:
             first = time.perf_counter()
     _sync(device)
@@ -187,6 +191,7 @@ class Timing:
     ttft_s: float                  # median over runs
     ttft_s_runs: list
     tokens: int
+    token_ids: list = field(default_factory=list)    # the last timed run's (greedy): the same on every path
 
     @property
     def spread_pct(self) -> float:
@@ -208,10 +213,11 @@ def measure(backend, prompt: list[int], new_tokens: int, runs: int, device: torc
         time_generate(backend, prompt, new_tokens, device)
     tps, ttft, n = [], [], 0
     for _ in range(max(1, runs)):
-        t_first, dec, n = time_generate(backend, prompt, new_tokens, device)
+        ids: list[int] = []
+        t_first, dec, n = time_generate(backend, prompt, new_tokens, device, ids)
         tps.append((n - 1) / dec if dec > 0 and n > 1 else 0.0)
         ttft.append(t_first)
-    return Timing(statistics.median(tps), tps, statistics.median(ttft), ttft, n)
+    return Timing(statistics.median(tps), tps, statistics.median(ttft), ttft, n, ids)
 
 
 # ---- environment -------------------------------------------------------------------------------------------------

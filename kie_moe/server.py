@@ -383,8 +383,9 @@ def _gate(app, svc: Service, api_key: str | None):
 
 
 def create_app(engine, model_name: str, *, api_key: str | None = None, max_queue: int = 64,
-               max_model_len: int | None = None):
-    """The ASGI app for `engine` (already loaded). Start it with uvicorn; its lifespan runs the worker thread."""
+               max_model_len: int | None = None, on_shutdown=None):
+    """The ASGI app for `engine` (already loaded). Start it with uvicorn; its lifespan runs the worker thread.
+    `on_shutdown()`: called once the worker thread has stopped (rank 0 of --devices N tells the others)."""
     if max_queue < 0:
         raise KieError(f"--max-queue must be >= 0, got {max_queue}")
     svc = Service(engine, model_name, max_queue, max_model_len)
@@ -396,6 +397,8 @@ def create_app(engine, model_name: str, *, api_key: str | None = None, max_queue
             yield
         finally:
             svc.sched.stop()
+            if on_shutdown is not None:
+                on_shutdown()
 
     app = FastAPI(title="KIE-MoE", lifespan=lifespan)
     app.state.service = svc
@@ -423,7 +426,8 @@ def create_app(engine, model_name: str, *, api_key: str | None = None, max_queue
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "model": svc.name, "backend": engine.backend_name}
+        return {"status": "ok", "model": svc.name, "backend": engine.backend_name,
+                "devices": getattr(engine.backend, "world", 1)}
 
     @app.get("/metrics")
     async def metrics():
@@ -500,25 +504,34 @@ def bind(host: str, port: int) -> socket.socket:
 
 def serve(model: str, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None, max_queue: int = 64,
           max_model_len: int | None = None, device: str | None = None, backend: str = "auto",
-          served_model_name: str | None = None, log_level: str = "info"):
+          served_model_name: str | None = None, log_level: str = "info", sock: socket.socket | None = None,
+          engine=None, on_shutdown=None):
+    """Serve until SIGINT / SIGTERM. `sock`: already bound (else bound here, before the model loads); `engine`:
+    already built (rank 0 of `--devices N`, whose backend leads the other ranks; else built here); `on_shutdown`:
+    see create_app (uvicorn re-raises the signal once it has shut down, so this is the last word rank 0 gets)."""
     try:
         import uvicorn
     except ImportError:
+        if sock is not None:
+            sock.close()
         raise KieError("kie serve needs uvicorn and fastapi: pip install 'kie-moe[server]'") from None
     from kie_moe.engine import Engine
 
     api_key = api_key or os.environ.get("KIE_API_KEY") or None
-    sock = bind(host, port)       # before loading: a taken port fails at once, not after a long model load
+    if sock is None:
+        sock = bind(host, port)   # before loading: a taken port fails at once, not after a long model load
     try:
-        engine = Engine(model, device=device, backend=backend)
+        if engine is None:
+            engine = Engine(model, device=device, backend=backend)
         app = create_app(engine, served_model_name or model, api_key=api_key, max_queue=max_queue,
-                         max_model_len=max_model_len)
+                         max_model_len=max_model_len, on_shutdown=on_shutdown)
     except BaseException:
         sock.close()
         raise
     h, p = sock.getsockname()[:2]
     url = f"http://[{h}]:{p}" if ":" in h else f"http://{h}:{p}"
-    print(f"kie serve: {served_model_name or model} on {url} (backend {engine.backend_name}, {engine.device}, "
+    ndev = f", {engine.devices} devices" if engine.devices > 1 else ""
+    print(f"kie serve: {served_model_name or model} on {url} (backend {engine.backend_name}, {engine.device}{ndev}, "
           f"max queue {max_queue}{', API key required' if api_key else ''})", file=sys.stderr, flush=True)
     if host not in LOOPBACK and not api_key:
         print("kie serve: warning: listening beyond loopback without --api-key: anyone who can reach this port "

@@ -50,8 +50,11 @@ def check_row(r: dict, runs: int):
     assert b["total"] == b["weights"] + b["scales"] + b["kv"] == r["bytes_per_token"] > 0
     assert sum(b["detail"].values()) == b["weights"] + b["scales"]
     assert math.isclose(r["achieved_gbps"], r["tok_per_s"] * r["bytes_per_token"] / 1e9)
-    assert math.isclose(r["pct_roofline"], 100 * r["achieved_gbps"] / r["read_probe_gbps"])
-    assert math.isclose(r["roofline_tok_per_s"], r["read_probe_gbps"] * 1e9 / r["bytes_per_token"])
+    n = r["devices"]                         # N devices: each reads bytes / N, the ceiling is N probes
+    assert math.isclose(r["bytes_per_device"], r["bytes_per_token"] / n)
+    assert math.isclose(r["pct_roofline"], 100 * r["achieved_gbps"] / (n * r["read_probe_gbps"]))
+    assert math.isclose(r["roofline_tok_per_s"], n * r["read_probe_gbps"] * 1e9 / r["bytes_per_token"])
+    assert len(r["token_ids"]) == r["new_tokens"] and (n > 1) == bool(r["parallel"])
 
 
 def test_bench_checkpoint_json(ckpt, tmp_path, capsys):
@@ -188,9 +191,12 @@ def test_preview_tiny_and_devices(capsys):
     ideal = rf["ideal_tok_per_s"]
     assert math.isclose(ideal["8"], 8 * ideal["1"])
     assert math.isclose(ideal["1"], rf["bandwidth_gbps"] * 1e9 / r["bytes_per_token"])
-    assert main(["preview", "--devices", "2"]) == 2
-    err = capsys.readouterr().err
-    assert "--devices 2" in err and "KCCL" in err
+    if not torch.cuda.is_available():        # more devices than visible: one line, nothing run
+        assert main(["preview", "--devices", "2"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "--devices 2: only 0 GPUs visible" in err
+    assert main(["preview", "--devices", "2", "--device", "cpu"]) == 2      # not --tiny: no CPU preview
+    assert "needs a CUDA GPU" in capsys.readouterr().err
     assert main(["preview"]) == 2 or torch.cuda.is_available()
 
 
@@ -213,3 +219,47 @@ def test_bench_all_records_every_row(monkeypatch, capsys):
     assert rc == 0 and [(r["model"], r["backend"]) for r in res["rows"]] == [("llama-3.2-1b (tiny)", "reference")]
     assert main(["bench", "--all", "--archs", "mixtral-8x7b", "--tiny", *RUN]) == 2
     assert "none of these is in the --all matrix" in capsys.readouterr().err
+
+
+# ---- --devices N on CPU: N worker processes (kie_moe/launch.py, ranks.py), rank 0 writes the result -----------------
+
+def test_bench_two_cpu_ranks_same_tokens(tmp_path, capsys):
+    """Tensor + expert parallel reference ranks over KCCL (a HostHeap in /dev/shm) give the single-device greedy
+    tokens of a tiny MoE; the row names the path and its roofline is two devices'."""
+    args = ["bench", "qwen3-30b-a3b", "--tiny", "--device", "cpu", "--new-tokens", "8", "--runs", "1",
+            "--probe-mb", "16"]
+    rc, one = run_json(capsys, [*args, "--json"])
+    assert rc == 0
+    out = tmp_path / "two.json"
+    assert main([*args, "--devices", "2", "--out", str(out)]) == 0
+    two = json.loads(out.read_text())
+    (r1,), (r2,) = one["rows"], two["rows"]
+    check_row(r1, 1)
+    check_row(r2, 1)
+    assert (r1["backend"], r1["devices"]) == ("reference", 1)
+    assert (r2["backend"], r2["devices"]) == ("tp-reference+kccl", 2)
+    assert "2 CPU processes" in r2["parallel"] and "KCCL HostHeap" in r2["parallel"]
+    assert "nominal" in r2["backend_note"]          # CPU ranks share one memory system: said, not hidden
+    assert r2["token_ids"] == r1["token_ids"] and len(set(r1["token_ids"])) > 2
+    assert r2["bytes_per_token"] == r1["bytes_per_token"]
+    assert two["env"]["command"].endswith("--devices 2 --out " + str(out))
+
+
+def test_preview_two_cpu_ranks(tmp_path, capsys):
+    """kie preview --devices 2 on CPU: Laneformer DTP lane ranks over KCCL, labelled as the monokernel's fallback,
+    the same greedy tokens as one device, the roofline of two devices."""
+    args = ["preview", "--tiny", "--device", "cpu", "--new-tokens", "6", "--runs", "1", "--probe-mb", "16"]
+    rc, one = run_json(capsys, [*args, "--json"])
+    assert rc == 0
+    out = tmp_path / "preview.json"
+    assert main([*args, "--devices", "2", "--out", str(out)]) == 0
+    two = json.loads(out.read_text())
+    r, rf = two["row"], two["roofline"]
+    check_row(r, 1)
+    assert two["devices"] == r["devices"] == 2 and r["backend"] == "dtp-reference+kccl"
+    assert r["backend_label"].startswith("dtp-reference+kccl (fallback: monokernel") and "CUDA" in r["backend_label"]
+    assert "2 of 4 lanes each" in r["parallel"]
+    ideal = rf["ideal_tok_per_s"]
+    assert math.isclose(ideal["2"], 2 * ideal["1"]) and math.isclose(ideal["8"], 8 * ideal["1"])
+    assert math.isclose(rf["measured_pct_of_ideal"], 100 * r["tok_per_s"] / ideal["2"])
+    assert r["token_ids"] == one["row"]["token_ids"]

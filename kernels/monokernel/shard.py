@@ -255,14 +255,19 @@ class TpRank:
 
     def generate(self, prompt_ids: list[int], p, eos_ids) -> Iterator[int]:
         """Every rank: zero its region, wait for all (no rank may put before every region is zero), run the launch.
-        The host stop flag is per rank, so a consumer that stops early on rank 0 alone would leave the others
-        waiting for it: every rank drains its whole stream here."""
+        Tokens stream as the kernel writes them. The host stop flag is per rank, so a consumer that stops early on
+        rank 0 alone would leave the others waiting for its puts: the inner stream is never closed early (no
+        `yield from`, which would close it), it is drained to its end on every rank instead."""
         import torch.distributed as dist
         self.be.sym.zero_()
         torch.cuda.synchronize(self.device)
         dist.barrier(self.group)
+        stream = self.be.generate(prompt_ids, p, eos_ids)
         try:
-            yield from list(self.be.generate(prompt_ids, p, eos_ids))
+            for tok in stream:
+                yield tok
         finally:
+            for _ in stream:           # the rest of this rank's launch (nothing left after a normal end)
+                pass
             torch.cuda.synchronize(self.device)
             dist.barrier(self.group)   # nobody zeroes its region for the next launch while a peer still puts
