@@ -54,7 +54,7 @@ def check_row(r: dict, runs: int):
     assert math.isclose(r["bytes_per_device"], r["bytes_per_token"] / n)
     assert math.isclose(r["pct_roofline"], 100 * r["achieved_gbps"] / (n * r["read_probe_gbps"]))
     assert math.isclose(r["roofline_tok_per_s"], n * r["read_probe_gbps"] * 1e9 / r["bytes_per_token"])
-    assert len(r["token_ids"]) == r["new_tokens"] and (n > 1) == bool(r["parallel"])
+    assert len(r["token_ids"]) == r["new_tokens"] and (n == 1 or r["parallel"])   # N > 1 names its path
 
 
 def test_bench_checkpoint_json(ckpt, tmp_path, capsys):
@@ -263,3 +263,31 @@ def test_preview_two_cpu_ranks(tmp_path, capsys):
     assert math.isclose(ideal["2"], 2 * ideal["1"]) and math.isclose(ideal["8"], 8 * ideal["1"])
     assert math.isclose(rf["measured_pct_of_ideal"], 100 * r["tok_per_s"] / ideal["2"])
     assert r["token_ids"] == one["row"]["token_ids"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["monokernel", "reference"])
+def test_gpu_one_device_through_the_worker_path(backend, tmp_path, capsys, monkeypatch):
+    """One GPU, KIE_LAUNCH_WORKERS=1: `kie bench --devices 1` runs the N-device path (a worker process, an NCCL group
+    + gloo control group; TpRank over torch symmetric memory, or the reference rank over GpuHeap) and gives the
+    tokens of the same code in this process: the one-rank sharded monokernel (in-kernel prefill, as TpRank), or the
+    single-device reference backend."""
+    from kie_moe.engine import ReferenceBackend
+    from kie_moe.kernels.monokernel.shard import ShardedMonokernel
+    from kie_moe.sampling import SamplingParams
+    from kie_moe.synthetic import open_model
+    dev = torch.device("cuda", 0)
+    src = open_model("qwen3-30b-a3b", dev, tiny=True)
+    ids = B.prompt_ids(src.model.spec.vocab_size, 32)
+    be = ShardedMonokernel(src.model, 1, dev) if backend == "monokernel" else ReferenceBackend(src.model, dev)
+    want = list(be.generate(ids, SamplingParams(max_new_tokens=8, ignore_eos=True), set()))
+    del be, src
+    monkeypatch.setenv("KIE_LAUNCH_WORKERS", "1")
+    out = tmp_path / "w.json"
+    assert main(["bench", "qwen3-30b-a3b", "--tiny", "--backend", backend, "--new-tokens", "8", "--runs", "1",
+                 "--out", str(out)]) == 0
+    (r,) = json.loads(out.read_text())["rows"]
+    check_row(r, 1)
+    assert r["backend"] == {"monokernel": "monokernel-tp", "reference": "tp-reference+kccl"}[backend]
+    assert r["devices"] == 1 and "1 GPU" in r["parallel"]
+    assert r["token_ids"] == want
