@@ -45,6 +45,7 @@ from kie_moe.models.errors import InputError, KieError
 # server's followers wait for the next request that long. A rank that dies closes its sockets, which ends them.
 CONTROL_TIMEOUT = timedelta(days=365)
 HEAP_BYTES = 1 << 20           # per-slot capacity of the KCCL heap of the reference ranks (larger messages: chunks)
+HOST_HEAP_BYTES = 1 << 18      # the same between CPU processes: 2 x N^2 slots in /dev/shm (docker's default is 64 MB)
 HEAP_TIMEOUT_S = 60.0          # KCCL watchdog of the reference ranks
 
 
@@ -165,16 +166,20 @@ def _heap(group: Group):
     if group.device.type == "cuda":
         from kie_moe.kccl.symm_gpu import GpuHeap
         return GpuHeap.rendezvous(capacity_bytes=HEAP_BYTES, timeout_s=HEAP_TIMEOUT_S)
-    from kie_moe.kccl.symm import HostPool
+    from kie_moe.kccl.symm import HostPool, _layout
     path = pool = None
     if group.rank == 0:
-        d = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+        need = _layout(group.world, HOST_HEAP_BYTES)[2]
+        d = next((d for d in ("/dev/shm", tempfile.gettempdir()) if _free_bytes(d) > 2 * need), None)
+        if d is None:
+            raise InputError(f"--devices {group.world} --device cpu: no room for the {need >> 20} MB KCCL heap in "
+                             f"/dev/shm or {tempfile.gettempdir()}")
         path = os.path.join(d, f"kccl-{uuid.uuid4().hex}")
-        pool = HostPool(group.world, HEAP_BYTES, path, create=True)
+        pool = HostPool(group.world, HOST_HEAP_BYTES, path, create=True)
     path = group.bcast_obj(path)
     try:
         if group.rank != 0:
-            pool = HostPool(group.world, HEAP_BYTES, path, create=False)
+            pool = HostPool(group.world, HOST_HEAP_BYTES, path, create=False)
         group.barrier()                                   # every rank has mapped it
     finally:
         if group.rank == 0:
@@ -183,6 +188,14 @@ def _heap(group: Group):
             except OSError:
                 pass
     return pool.handle(group.rank, HEAP_TIMEOUT_S)
+
+
+def _free_bytes(d: str) -> int:
+    try:
+        st = os.statvfs(d)
+        return st.f_bavail * st.f_frsize
+    except OSError:
+        return 0
 
 
 class MonokernelRank:
