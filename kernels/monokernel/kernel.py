@@ -16,7 +16,10 @@ Ops: GEMV tiles (stream.py), GQA attention per kv head and split (ops.py), MLA a
 (mla.py), the router's top-k recomputed by each expert task (ops.route), LM-head tiles and the sampler, which
 writes the token ring and the next step's input (or, during an in-kernel prefill, feeds the prompt's next token).
 Laneformer (LANES > 0; lanes.py, lane_ops.py): x holds one stream per lane; q|k|v and gate|up tasks read their
-lane's (F_AUX), lane_o / lane_down tasks stream every lane's output rows and combine the lanes' partials in place.
+lane's (F_AUX), lane_o / lane_down tasks stream every lane's output rows and combine the lanes' partials in
+place. Over TP ranks (Delayed Tensor Parallelism) a rank holds its lanes only: lane output tasks put the rank's
+pre-summed partial (F_XCTR >= 0) and a delayed layer's tasks first wait for layer i - d's KCCL counter (F_XWAIT);
+same-layer totals and the final aggregation go through REDUCE tasks (aux 0 / 1 / 2).
 Weight formats: FMT_ATTN / FMT_MLP / FMT_EXP (constexprs, kernels/tiles.py's FMT_ID) say where each Linear
 kind lives: the float arena (wa) or the quantized buffers of qarena.py (codes qw: read as e4m3 bytes or u32
 words; scales qs8 / qf32; per-row factors qf32). Router, LM head, embeddings, norms and biases are always float.
@@ -32,7 +35,7 @@ import triton.language as tl
 from kie_moe.kccl.sync import flag_is_set, put_span, read_counter, signal, signal_peer, st_release_sys, wait
 
 from . import plan as P
-from .lane_ops import lane_final_mean, lane_out_tile, stream_lane_out
+from .lane_ops import lane_final_mean, lane_final_reduce, lane_out_tile, lane_reduce, lane_sum, stream_lane_out
 from .mla import mla_absorb_task, mla_attention_task, mla_vup_task
 from .prefetch import prefetch_rows
 from .ops import attention_task, attn_combine, embed_row, pick_token, route, vec_dot_norm
@@ -206,7 +209,8 @@ def monokernel(
     NG: tl.constexpr, TG: tl.constexpr, GSCORE: tl.constexpr,
     # Laneformer (lanes.kernel_meta; LANES 0: any other family)
     LANES: tl.constexpr, DELAY: tl.constexpr, RING: tl.constexpr, EARLY_COMM: tl.constexpr, USE_COMM: tl.constexpr,
-    LANE_NORM: tl.constexpr, PRE_AGG: tl.constexpr, LANE_SCALE: tl.constexpr, BLOCK_L: tl.constexpr,
+    LANE_NORM: tl.constexpr, PRE_AGG: tl.constexpr, LANES_ALL: tl.constexpr, LANE_SCALE: tl.constexpr,
+    BLOCK_L: tl.constexpr,
     BK_O: tl.constexpr, BK_DOWN: tl.constexpr,
     # tiles
     BN_QKV: tl.constexpr, BN_O: tl.constexpr, BN_GU: tl.constexpr, BN_DOWN: tl.constexpr, BN_ROUTER: tl.constexpr,
@@ -273,11 +277,16 @@ def monokernel(
             sig = tl.load(row + 8)
             woff = tl.load(row + 10).to(tl.int64) * 2147483648 + tl.load(row + 9)
         xctr = symi_ptr + sym_ctr_off
-        if TP > 0:   # the KCCL counter a put task signals on every rank
+        xc = 0    # the KCCL counter a put task signals on every rank (lane plans: -1 = no put)
+        xw = -1   # lane output tasks of a delayed layer: the KCCL counter of layer i - DELAY's tile (-1: none)
+        if TP > 0:
             if USE_ASM:
-                xctr += tl.sum(tl.where(offs_f == 11, rowv, 0), axis=0)
+                xc = tl.sum(tl.where(offs_f == 11, rowv, 0), axis=0)
+                xw = tl.sum(tl.where(offs_f == 12, rowv, 0), axis=0)
             else:
-                xctr += tl.load(row + 11)
+                xc = tl.load(row + 11)
+                xw = tl.load(row + 12)
+            xctr += xc
         if MODE == 1:
             op = tl.where(op == _OP_SAMPLE, op, 0)
         wctr = cnt_ptr + wc
@@ -386,14 +395,26 @@ def monokernel(
                 w0, s0 = lane_out_tile(w, qf32_ptr, NQ // LANES, D, r0, r_end, 0, 1, LANES, 0, BN_O, BK_O)
             t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
             st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE)
+            if TP > 0:   # DTP: a delayed layer also needs every rank's partials of layer i - DELAY (long there)
+                if st == 0:
+                    if xw >= 0:
+                        wctr = symi_ptr + sym_ctr_off + xw   # (the watchdog reports this wait)
+                        target = TP * (step + 1)
+                        st = _kccl_wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE)
+                if st == 0:
+                    st = flag_is_set(stop_ptr, USE_ASM, NT).to(tl.int32)
             if LANES > 0:
                 if st == 0:
                     xin = scratch_ptr + pid * NQ   # every head's output (lane-major), as the o_proj's
                     attn_combine(ao_ptr, am_ptr, al_ptr, wa_ptr, n_splits, xin, HQ, DH, False, BLOCK_X)
                     tl.debug_barrier()
                     stream_lane_out(w, qf32_ptr, qf32_ptr, w0, s0, NQ // LANES, r0, r_end, xin, x_ptr,
-                                    x_ptr + HIST_OFF, x_ptr + XF_OFF, layer, 0, 0, LANE_SCALE, D, LANES, DELAY, RING,
-                                    EARLY_COMM, USE_COMM, 0, BLOCK_L, BN_O, BK_O, XB, NS)
+                                    x_ptr + HIST_OFF, x_ptr + XF_OFF, layer, 0, 0, LANE_SCALE, symf_ptr, tp_rank, D,
+                                    LANES, DELAY, RING, EARLY_COMM, USE_COMM, 0, BLOCK_L, BN_O, BK_O, XB, NS, TP)
+                    if TP > 0:
+                        if xc >= 0:   # our pre-summed partial of these rows into every rank's slot of (layer, attn)
+                            _tp_put(symf_ptr + (layer * 2) * (TP * D) + tp_rank * D, poff_ptr, r0, r_end, xctr, TP,
+                                    USE_ASM, BLOCK_X)
         elif op == _OP_LANE_DOWN:   # Laneformer: w2 of every lane, the lane combination; aux: also write xf
             if LANES > 0:
                 w = wa_ptr + tl.multiple_of(woff, 64)
@@ -403,18 +424,43 @@ def monokernel(
                                        BK_DOWN)
             t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
             st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE)
+            if TP > 0:
+                if st == 0:
+                    if xw >= 0:
+                        wctr = symi_ptr + sym_ctr_off + xw   # (the watchdog reports this wait)
+                        target = TP * (step + 1)
+                        st = _kccl_wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE)
+                if st == 0:
+                    st = flag_is_set(stop_ptr, USE_ASM, NT).to(tl.int32)
             if LANES > 0:
                 if st == 0:
                     stream_lane_out(w, qf32_ptr, qf32_ptr, w0, s0, I_DENSE // LANES, r0, r_end, h_ptr, x_ptr,
-                                    x_ptr + HIST_OFF, x_ptr + XF_OFF, layer, 1, aux, LANE_SCALE, D, LANES, DELAY,
-                                    RING, EARLY_COMM, USE_COMM, 0, BLOCK_L, BN_DOWN, BK_DOWN, XB, NS)
+                                    x_ptr + HIST_OFF, x_ptr + XF_OFF, layer, 1, aux, LANE_SCALE, symf_ptr, tp_rank,
+                                    D, LANES, DELAY, RING, EARLY_COMM, USE_COMM, 0, BLOCK_L, BN_DOWN, BK_DOWN, XB,
+                                    NS, TP)
+                    if TP > 0:
+                        if xc >= 0:
+                            _tp_put(symf_ptr + (layer * 2 + 1) * (TP * D) + tp_rank * D, poff_ptr, r0, r_end, xctr,
+                                    TP, USE_ASM, BLOCK_X)
         elif op == _OP_LANE_AGG:   # Laneformer without pre_norm_lane_agg: xf = mean of the lanes' final norms
             t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
             st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE)
+            if TP > 0:
+                if st == 0:
+                    st = flag_is_set(stop_ptr, USE_ASM, NT).to(tl.int32)
             if LANES > 0:
                 if st == 0:
-                    lane_final_mean(x_ptr, wa_ptr + fnorm_off, x_ptr + XF_OFF, r0, r_end, eps, D, LANES, LANE_NORM,
-                                    BLOCK_L, BLOCK_X)
+                    if TP > 0:   # this rank's lanes' sum into our row of every rank's recv_f, then a REDUCE (aux 2)
+                        fo = symf_ptr + sym_pv_off - TP * D + tp_rank * D
+                        if PRE_AGG:
+                            lane_sum(x_ptr, fo, r0, r_end, D, LANES, BLOCK_L, BLOCK_X)
+                        else:
+                            lane_final_mean(x_ptr, wa_ptr + fnorm_off, fo, r0, r_end, eps, D, LANES, LANE_NORM,
+                                            BLOCK_L, BLOCK_X, 0)
+                        _tp_put(fo, poff_ptr, r0, r_end, xctr, TP, USE_ASM, BLOCK_X)
+                    else:
+                        lane_final_mean(x_ptr, wa_ptr + fnorm_off, x_ptr + XF_OFF, r0, r_end, eps, D, LANES,
+                                        LANE_NORM, BLOCK_L, BLOCK_X)
         elif op == _OP_GATEUP:
             # up rows follow gate rows (codes, scales, factors)
             wg = _wp(FMT_MLP, wa_ptr, qw8_ptr, qw32_ptr, woff)
@@ -598,8 +644,16 @@ def monokernel(
             wctr = symi_ptr + sym_ctr_off + wc
             st = _kccl_wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE)
             if TP > 0:
-                if st == 0:   # aux: 0 = recv_o, 1 = recv_d
-                    _tp_reduce(symf_ptr + aux * (TP * D), x_ptr, r0, r_end, D, TP, BLOCK_X)
+                if st == 0:
+                    if LANES > 0:   # aux: 0 / 1 = a same-layer lane combination (attn / ffn), 2 = xf
+                        if aux == 2:
+                            lane_final_reduce(symf_ptr + sym_pv_off - TP * D, x_ptr + XF_OFF, r0, r_end, D, TP,
+                                              PRE_AGG == 0, LANES_ALL, BLOCK_X)
+                        else:
+                            lane_reduce(symf_ptr, x_ptr, x_ptr + HIST_OFF, layer, aux, r0, r_end, D, LANES, DELAY,
+                                        RING, TP, BLOCK_L, BLOCK_X)
+                    else:           # aux: 0 = recv_o, 1 = recv_d
+                        _tp_reduce(symf_ptr + aux * (TP * D), x_ptr, r0, r_end, D, TP, BLOCK_X)
         else:  # MODE 1 (sync only), or an unknown opcode: claim, wait, signal
             t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
             st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE)

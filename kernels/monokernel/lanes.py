@@ -27,9 +27,25 @@ Tasks (per layer, in this order):
                final scale), then the LM head runs without a norm
 The LM head and the sampler are the other families' (the sampler writes the next token's embedding into every lane).
 
-Multi-GPU later (DTP): the partial buffers are lane-indexed ([.., LANES, D]), so a rank that owns lanes [a, b) would
-compute and keep p_m for its own m only and receive the other ranks' pre-summed partials (dense/lanes.py) into a
-symmetric buffer; the combination above then reads `sum_m p_m` from there instead of summing its own lanes.
+Over N GPUs (Delayed Tensor Parallelism; shard_lanes + plan.build_plan(tp=(rank, N)); shard.py runs the ranks):
+rank r owns lanes [r L/N, (r+1) L/N) -- their weights (lane axis sliced), norm scales, residual streams and KV heads;
+the rank's plan is an ordinary lane plan of L/N lanes (LANES; LANES_ALL = L for sqrt(L) and the final mean).
+  - every lane output task computes its lanes' partials p_m of its rows, and when some layer reads layer i's
+    partials (F_XCTR >= 0) writes the pre-summed S_r = sum_{m of r} p_m into its row of the (layer, sublayer) slot
+    of every rank's symmetric `recv` [2 L, N, D] (its own included) and signals that tile's KCCL counter there;
+  - a DELAYED layer i (i >= d > 0, use_comm) first waits (F_XWAIT) for the KCCL counter of the same tile of layer
+    i - d -- the other ranks' partials d layers late, normally long there -- then combines locally:
+    x_l += p_l + (sum_q S_q(i-d) - p_l(i-d)), own p_l(i-d) from the local history ring;
+  - a layer that needs the same layer's total (i < d with use_early_comm; every layer when d = 0 with use_comm)
+    cannot wait inside its output task (every rank's task would wait for the others'), so it puts and signals
+    only; an OP_REDUCE task per tile (aux 0 / 1) waits for the N signals and applies the combination;
+  - SCALED layers add sqrt(L) p_l and put only when a DELAYED layer reads them;
+  - final aggregation: lane_agg tasks put the rank's sum over its lanes (of x with pre_norm_lane_agg, else of the
+    lanes' final norms) into every rank's `recv_f` [N, D]; an OP_REDUCE task (aux 2) per tile writes xf = the
+    rank-ordered sum (/ L without pre_norm_lane_agg); then shard.py's LM head (vocab pieces + max / argmax put).
+Slots are per (layer, sublayer), never reused within a step; across steps a rank overwrites a peer's slot only
+after that peer's sampler ran (which needed every rank's final partial), so no slot is written before it was read.
+With N = 1 the same tasks run and the arithmetic is the unsharded plan's, bit for bit.
 """
 from __future__ import annotations
 
@@ -76,9 +92,10 @@ def state_size(d) -> int:
 def kernel_meta(plan) -> dict:
     """The Laneformer constexprs of kernel.monokernel (zeros / ones for other families)."""
     d, t = plan.dims, plan.tiles
+    n_all = d.LANES_ALL or d.LANES
     return dict(LANES=d.LANES, DELAY=d.DELAY, RING=ring(d) if d.LANES else 1, EARLY_COMM=d.EARLY_COMM,
-                USE_COMM=d.USE_COMM, LANE_NORM=d.LANE_NORM, PRE_AGG=d.PRE_AGG,
-                LANE_SCALE=math.sqrt(d.LANES) if d.LANES else 1.0, BLOCK_L=P._pow2(max(d.LANES, 1)),
+                USE_COMM=d.USE_COMM, LANE_NORM=d.LANE_NORM, PRE_AGG=d.PRE_AGG, LANES_ALL=max(n_all, 1),
+                LANE_SCALE=math.sqrt(n_all) if d.LANES else 1.0, BLOCK_L=P._pow2(max(d.LANES, 1)),
                 BK_O=t.bn.get("o_k", t.block_k), BK_DOWN=t.bn.get("down_k", t.block_k))
 
 
@@ -179,14 +196,33 @@ def build_lane_tasks(plan, n_splits: int = 1) -> torch.Tensor:
     count: dict[int, int] = {}
     wcol = {P.OP_QKV: P.LF_QKV, P.OP_LANE_O: P.LF_O, P.OP_GATEUP: P.LF_GATE, P.OP_LANE_DOWN: P.LF_DOWN}
 
-    def emit(op, layer, r0, n, aux, wait, wcnt, wbase, sig):
+    def emit(op, layer, r0, n, aux, wait, wcnt, wbase, sig, xctr=-1, xwait=-1):
         w = plan.lm_off if op == P.OP_LM else int(lt[layer, wcol[op]]) if op in wcol else 0
-        row = [op, layer, r0, n, aux, wait, wcnt, wbase, sig, w & 0x7FFFFFFF, w >> 31]
-        rows.append(row + [0] * (P.NF - len(row)))
+        rows.append([op, layer, r0, n, aux, wait, wcnt, wbase, sig, w & 0x7FFFFFFF, w >> 31, xctr, xwait])
         count[sig] = count.get(sig, 0) + 1
 
     def after(ctr):
         return ctr, count[ctr], count[ctr]
+
+    tp, T = d.TP, plan.tp_tiles
+    xc = lambda layer, kind, tile: (layer * 2 + kind) * T + tile  # noqa: E731   KCCL counters (lane_sym_layout)
+    xc_lm = 2 * L * T
+
+    def lane_out(op, i, kind, wait, done, sent):
+        """A sublayer's lane output tasks (tensor parallel: their puts, delayed waits, same-layer reduces)."""
+        op_rows = plan.op_rows["o" if kind == 0 else "down"]
+        aux = int(kind == 1 and i == L - 1 and bool(d.PRE_AGG) and not tp)   # unsharded: the last down writes xf
+        if not tp:
+            for r0, n in op_rows:
+                emit(op, i, r0, n, aux, *wait, done)
+            return
+        same = same_layer_total(d, i)
+        for t, (r0, n) in enumerate(op_rows):
+            emit(op, i, r0, n, 0, *wait, sent if same else done, xc(i, kind, t) if sends(d, i) else -1,
+                 xc(i - d.DELAY, kind, t) if delayed(d, i) else -1)
+        if same:
+            for t, (r0, n) in enumerate(op_rows):
+                emit(P.OP_REDUCE, i, r0, n, kind, xc(i, kind, t), tp, tp, done)
 
     fL = d.I_DENSE // d.LANES
     prev = (c_sample, 1, 0)
@@ -197,22 +233,94 @@ def build_lane_tasks(plan, n_splits: int = 1) -> torch.Tensor:
         for g in range(d.HKV):
             for s in range(n_splits):
                 emit(P.OP_ATTN, i, g, s, 0, *after(C(P._C_QKV)), C(P._C_ATTN))
-        for r0, n in plan.op_rows["o"]:
-            emit(P.OP_LANE_O, i, r0, n, 0, *after(C(P._C_ATTN)), C(P._C_O))
+        lane_out(P.OP_LANE_O, i, 0, after(C(P._C_ATTN)), C(P._C_O), C(P._C_OSENT))
         for r0, n in plan.op_rows["gateup"]:
             emit(P.OP_GATEUP, i, r0, n, r0 // fL, *after(C(P._C_O)), C(P._C_UP))
-        last_xf = int(i == L - 1 and bool(d.PRE_AGG))
-        for r0, n in plan.op_rows["down"]:
-            emit(P.OP_LANE_DOWN, i, r0, n, last_xf, *after(C(P._C_UP)), C(P._C_OUT))
+        lane_out(P.OP_LANE_DOWN, i, 1, after(C(P._C_UP)), C(P._C_OUT), C(P._C_DSENT))
         prev = after(C(P._C_OUT))
-    if not d.PRE_AGG:
+    if tp:   # every rank's lanes: its sum (of x, or of the final norms) put, then xf = the rank-ordered sum
+        agg = plan.op_rows["lane_agg"]
+        for t, (r0, n) in enumerate(agg):
+            emit(P.OP_LANE_AGG, L - 1, r0, n, 0, *prev, P.counter_index(L - 1, P._C_QB), xc_lm + 1 + t)
+        for t, (r0, n) in enumerate(agg):
+            emit(P.OP_REDUCE, L - 1, r0, n, 2, xc_lm + 1 + t, tp, tp, c_agg)
+        prev = after(c_agg)
+    elif not d.PRE_AGG:
         for r0, n in plan.op_rows["lane_agg"]:
             emit(P.OP_LANE_AGG, L - 1, r0, n, 0, *prev, c_agg)
         prev = after(c_agg)
     for t, (r0, n) in enumerate(plan.op_rows["lm"]):
-        emit(P.OP_LM, L - 1, r0, n, t, *prev, c_lm)
-    emit(P.OP_SAMPLE, L - 1, 0, 0, 0, *after(c_lm), c_sample)
+        emit(P.OP_LM, L - 1, r0, n, t, *prev, c_lm, xc_lm if tp else -1)
+    if tp:   # every rank's LM-head tile maxima, through KCCL (as shard.py's plain TP)
+        n_lm = plan.n_lm_tiles * tp
+        emit(P.OP_SAMPLE, L - 1, 0, 0, 0, xc_lm, n_lm, n_lm, c_sample)
+    else:
+        emit(P.OP_SAMPLE, L - 1, 0, 0, 0, *after(c_lm), c_sample)
     return torch.tensor(rows, dtype=torch.int32)
+
+
+# ---- tensor parallel (DTP): which layers exchange what --------------------------------------------------------------
+
+def same_layer_total(d, i: int) -> bool:
+    """Layer i adds the total of its own partials over all lanes: an ALL layer (i < d, use_early_comm), or every
+    layer of d = 0 with use_comm (p + (total - p)). Tensor parallel: its combination is a REDUCE task's."""
+    return bool((i < d.DELAY and d.EARLY_COMM) or (d.DELAY == 0 and d.USE_COMM))
+
+
+def delayed(d, i: int) -> bool:
+    """Layer i reads layer i - d's partials of every lane (DELAYED, d > 0): its output tasks wait for them."""
+    return bool(d.USE_COMM and 0 < d.DELAY <= i)
+
+
+def sends(d, i: int) -> bool:
+    """Some layer reads layer i's pre-summed partials: i itself (same_layer_total) or i + d (delayed)."""
+    return same_layer_total(d, i) or bool(d.USE_COMM and d.DELAY > 0 and i + d.DELAY < d.L)
+
+
+def lane_sym_layout(plan) -> dict:
+    """plan.Plan.sym_layout of a tensor-parallel Laneformer (int32-word offsets, the same on every rank):
+    recv [2 L, TP, D]: row ((i * 2 + sublayer) * TP + q) = rank q's pre-summed partial of layer i's attention (0)
+    or FFN (1) sublayer; recv_f [TP, D]: rank q's sum over its lanes for the final aggregation; pv / pi [TP, n_lm]:
+    LM-head tile maxima; ctr: KCCL counters, (layer, sublayer, tile) -> (i * 2 + k) * T + tile, then the LM head,
+    then one per lane_agg tile."""
+    n, D, L, T = plan.dims.TP, plan.dims.D, plan.spec.num_layers, plan.tp_tiles
+    n_lm, n_agg = plan.n_lm_tiles, len(plan.op_rows["lane_agg"])
+    recv_f = 2 * L * n * D
+    pv = recv_f + n * D
+    ctr = pv + 2 * n * n_lm
+    n_ctr = 2 * L * T + 1 + n_agg
+    return dict(recv=0, recv_f=recv_f, pv=pv, pi=pv + n * n_lm, ctr=ctr, n_ctr=n_ctr, words=ctr + n_ctr)
+
+
+_LANE_AXIS = ("attn.q", "attn.k", "attn.v", "attn.o", "mlp.gate", "mlp.up", "mlp.down")
+
+
+def shard_lanes(spec, weights, rank: int, world: int):
+    """-> (rank `rank`'s LaneformerSpec: L / N lanes with their heads and FFN share; a store of its weights: the
+    lane tensors and per-lane norm scales of lanes [rank L/N, (rank+1) L/N), embeddings / LM head / shared norms
+    whole). Its plan is an ordinary lane plan of L / N lanes (build_plan(tp=(rank, world)) adds the KCCL tasks)."""
+    import dataclasses
+    from kie_moe.models.errors import ConfigError, InputError
+    from .shard import DictStore
+    if not 0 <= rank < world:
+        raise InputError(f"rank {rank} outside world {world}")
+    L = spec.num_lanes
+    if L % world:
+        raise ConfigError(f"laneformer tensor parallel: {world} ranks cannot split num_lanes={L} (each rank owns "
+                          "whole lanes)")
+    n = L // world
+    lanes = slice(rank * n, (rank + 1) * n)
+    out = {}
+    for name in weights.names():
+        t = weights.get(name)
+        local = name.split(".", 2)[2] if name.startswith("layers.") else name
+        if local in _LANE_AXIS or (local in ("attn_norm", "mlp_norm", "final_norm") and t.dim() == 2):
+            t = t[lanes]
+        out[name] = t.contiguous()
+    rspec = dataclasses.replace(spec, num_lanes=n, num_heads=spec.num_heads // world,
+                                num_kv_heads=spec.num_kv_heads // world,
+                                intermediate_size=spec.intermediate_size // world)
+    return rspec, DictStore(out, "<laneformer tensor-parallel shard>")
 
 
 def agg_rows(d, n_sms: int) -> list[tuple[int, int]]:

@@ -46,10 +46,13 @@ OP_LANE_O, OP_LANE_DOWN, OP_LANE_AGG = range(20, 23)   # Laneformer (lanes.py): 
 OP_NAMES.update({OP_LANE_O: "lane_o_proj", OP_LANE_DOWN: "lane_down", OP_LANE_AGG: "lane_agg"})  # lane combination
 
 # ---- task table columns ----------------------------------------------------------------------------------------
-F_OP, F_LAYER, F_ROW0, F_NROWS, F_AUX, F_WAIT, F_WCNT, F_WBASE, F_SIG, F_WLO, F_WHI, F_XCTR = range(12)
-NF = 12
+F_OP, F_LAYER, F_ROW0, F_NROWS, F_AUX, F_WAIT, F_WCNT, F_WBASE, F_SIG, F_WLO, F_WHI, F_XCTR, F_XWAIT = range(13)
+NF = 13
 # F_XCTR (tensor-parallel plans): the KCCL counter, in every rank's symmetric region, that a put task signals on
 # each rank (o_proj / down / expert_down tiles, LM-head tiles); REDUCE and the sampler wait on theirs (F_WAIT).
+# F_XWAIT (tensor-parallel Laneformer, lanes.py): a second wait of a lane output task, on the KCCL counter of the
+# same tile of layer i - d (the other ranks' delayed partials), TP signals per step; -1 none. Lane plans put only
+# where F_XCTR >= 0.
 # F_WLO / F_WHI: the element offset of the task's (first) weight matrix, lo 31 bits + hi: the prefetch address
 # comes straight from the task row, not from a second (dependent) load of the layer table
 
@@ -149,6 +152,8 @@ class Dims:
     # tensor parallel over TP ranks (shard.py; 0: an unsharded plan). 1 is a real sharded plan of one rank: the
     # same put / signal / wait / reduce tasks as N ranks, into its own symmetric region
     TP: int = 0
+    # tensor-parallel Laneformer: lanes of the whole model (LANES: this rank's); 0 = LANES (unsharded)
+    LANES_ALL: int = 0
 
     @property
     def NQKV(self) -> int:
@@ -262,6 +267,9 @@ class Plan:
         [TP, n_lm]: every rank's LM-head tile maxima; ctr: the KCCL counters (F_XCTR), per (layer, attn | mlp,
         tile) and one for the LM head."""
         n, D, L = self.dims.TP, self.dims.D, self.spec.num_layers
+        if self.dims.LANES:
+            from .lanes import lane_sym_layout
+            return lane_sym_layout(self)
         pv = 2 * n * D
         ctr = pv + 2 * n * self.n_lm_tiles
         return dict(recv_o=0, recv_d=n * D, pv=pv, pi=pv + n * self.n_lm_tiles, ctr=ctr,
@@ -466,9 +474,10 @@ def build_plan(spec: ModelSpec, weights=None, device: str | torch.device = "cpu"
     if tp and (d.MLA or d.QK_NORM == 2):
         raise NotImplementedError("monokernel tensor parallel: MLA and whole-projection q/k norms are not split yet")
     qfmt = max(fm.values(), default=0)
-    if d.LANES and (qfmt or tp):
-        raise NotImplementedError("monokernel laneformer: float weights on one GPU only (quantized Linears and "
-                                  "tensor parallel are not planned yet)")
+    if d.LANES and qfmt:
+        raise NotImplementedError("monokernel laneformer: float weights only (quantized Linears are not planned yet)")
+    if d.LANES and tp:   # `spec` is rank tp[0]'s shard (lanes.shard_lanes): LANES of its own, of LANES * world
+        d = dataclasses.replace(d, LANES_ALL=d.LANES * tp[1])
     qa = QArena(qfmt) if qfmt else None
     has = (lambda n: n in names) if names is not None else (lambda n: not spec.tie_word_embeddings)
     arena, lay_offs, top = layout_arena(spec, d, has, qa)
@@ -603,7 +612,7 @@ def build_tasks(plan: Plan, n_splits: int = 1) -> torch.Tensor:
 
     def emit(op, layer, r0, n, aux, wait, wcnt, wbase, sig, xctr=0):
         w = plan.lm_off if op == OP_LM else int(lt[layer, wcol[op]]) if op in wcol else 0
-        rows.append([op, layer, r0, n, aux, wait, wcnt, wbase, sig, w & 0x7FFFFFFF, w >> 31, xctr])
+        rows.append([op, layer, r0, n, aux, wait, wcnt, wbase, sig, w & 0x7FFFFFFF, w >> 31, xctr, -1])
         count[sig] = count.get(sig, 0) + 1
 
     tp, T = d.TP, plan.tp_tiles
@@ -691,7 +700,7 @@ def describe_task(tasks: torch.Tensor, i: int) -> str:
     elif op == OP_SAMPLE:
         where = ""
     elif op == OP_REDUCE:
-        where = f"{('o_proj', 'mlp_down')[aux]} rows {r0}..{r0 + n - 1}"
+        where = f"{('o_proj', 'mlp_down', 'lane_agg')[aux]} rows {r0}..{r0 + n - 1}"
     else:
         extra = f" slot {aux}" if op == OP_EXP_UP else f" tile {aux}" if op == OP_LM else ""
         where = f"rows {r0}..{r0 + n - 1}{extra}"

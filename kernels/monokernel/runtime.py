@@ -381,6 +381,9 @@ class MonokernelBackend:
         wctr = int(tasks[row, P.F_WAIT])
         op = int(tasks[row, P.F_OP])
         kccl = self.dims.TP and (op == P.OP_REDUCE or op == P.OP_SAMPLE)
+        if self.dims.TP and op in (P.OP_LANE_O, P.OP_LANE_DOWN) and int(tasks[row, P.F_XWAIT]) >= 0 \
+                and ctrl[CT_ERR_NEED] == self.dims.TP * (step + 1):   # its second wait: layer i - d's KCCL counter
+            kccl, wctr = True, int(tasks[row, P.F_XWAIT])
         name = self.xctr_name(wctr) if kccl else f"counter {self.counter_name(wctr)}"
         raise RuntimeError(
             f"monokernel watchdog: task {row} ({P.describe_task(tasks, row)}) of decode step {step} waited for "
@@ -393,6 +396,8 @@ class MonokernelBackend:
         T, pre = self.plan.tp_tiles, f"rank {self.plan.tp_rank}'s KCCL counter"
         if c == 2 * self.spec.num_layers * T:
             return f"{pre} lm_head (every rank's LM-head tiles)"
+        if c > 2 * self.spec.num_layers * T:
+            return f"{pre} lane_agg tile {c - 2 * self.spec.num_layers * T - 1} (one signal per rank)"
         layer, rest = divmod(c, 2 * T)
         return f"{pre} {('o_proj', 'mlp_down')[rest // T]}[layer {layer}] tile {rest % T} (one signal per rank)"
 

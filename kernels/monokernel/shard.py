@@ -10,6 +10,9 @@ Split (plain TP, for models that cannot be retrained for DTP): rank r of N owns
   elsewhere: see `expert_split`);
 - biases of row-split outputs (o, down, expert down) only on rank 0 (zeros elsewhere: added once);
 - the router, norms and embeddings replicated; the LM head whole, but each rank streams only its vocab piece.
+A Laneformer is split by lanes instead (Delayed Tensor Parallelism, lanes.shard_lanes and lanes.py's docstring):
+rank r owns lanes [r L/N, (r+1) L/N) and puts its pre-summed partials after each sublayer; a layer waits for the
+other ranks' partials only d layers later (and for the same layer's only where the architecture says so).
 
 In the kernel (kernel.py, TP constexpr), o_proj / down / expert_down tiles write their partial into this rank's
 row of every rank's symmetric `recv` buffer (its own included) and signal that rank's KCCL counter of the tile; a
@@ -153,14 +156,15 @@ def peer_offsets(addrs: list[int], rank: int) -> torch.Tensor:
 def rank_backend(model, rank: int, world: int, device, **opts) -> MonokernelBackend:
     """Rank `rank`'s MonokernelBackend: its shard's plan with the KCCL tasks; in-kernel prefill (a torch prefill
     would need the other ranks' heads)."""
-    if model.spec.family == "laneformer":
-        raise NotImplementedError("monokernel: the Laneformer (DTP) is not a monokernel plan yet; "
-                                  "kccl/tp_sim.kccl_laneformer runs it over KCCL in torch")
     plan_keys = {"wdtype", "n_sms", "block_k", "tile_elems", "block_t", "min_task_bytes", "x_bcast",
                  "max_task_bytes", "programs_per_sm", "num_stages"}
     plan_opts = {k: v for k, v in opts.items() if k in plan_keys}
     be_opts = {k: v for k, v in opts.items() if k not in plan_keys}
-    rspec, store = shard(model.spec, model.weights, rank, world)
+    if model.spec.family == "laneformer":   # Delayed Tensor Parallelism: whole lanes per rank (lanes.py)
+        from .lanes import shard_lanes
+        rspec, store = shard_lanes(model.spec, model.weights, rank, world)
+    else:
+        rspec, store = shard(model.spec, model.weights, rank, world)
     plan = P.build_plan(rspec, store, device, tp=(rank, world), **plan_opts)
     return MonokernelBackend(None, device, plan=plan, prefill="kernel", **be_opts)
 
