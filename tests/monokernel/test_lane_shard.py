@@ -6,6 +6,11 @@ equals the unsharded lane plan bit for bit; the task table's waits point d layer
 3 layers, 6 steps): each case stays well under 30 s in the interpreter."""
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -18,6 +23,7 @@ from kie_moe.sampling import SamplingParams
 
 from .test_laneformer import CASES as LANE_CASES
 from .test_laneformer import PROMPT, lane_model, reference  # noqa: F401  (lane_model: the fixture)
+from .test_shard import PTXAS
 
 STEPS = 6
 GREEDY = SamplingParams(max_new_tokens=STEPS, ignore_eos=True)
@@ -134,6 +140,42 @@ def test_shard_lanes_slices_and_refuses(lane_model):  # noqa: F811
         LN.shard_lanes(m.spec, m.weights, 0, 3)
 
 
+def test_deadlock_names_the_delayed_wait(lane_model):  # noqa: F811
+    """A lane rank stuck at its delayed wait (here: on a counter nobody signals) is named: task, layer, rows."""
+    m = lane_model(dict(broadcast_delay=1, use_early_comm=False))
+    sm = ShardedMonokernel(m, 2, "cpu", n_sms=1)
+    be = sm.ranks[1]
+    tasks = be.tasks(1)
+    row = next(i for i in range(tasks.shape[0]) if int(tasks[i, P.F_XWAIT]) >= 0)
+    assert int(tasks[row, P.F_LAYER]) == 1 and int(tasks[row, P.F_OP]) == P.OP_LANE_O
+    tasks[row, P.F_XWAIT] = 2 * m.spec.num_layers * be.plan.tp_tiles - 1   # the last layer's FFN: never put
+    with pytest.raises(RuntimeError, match=r"deadlock: .*rank 1 waits at task \d+ \(lane_o_proj layer 1 rows"):
+        list(sm.generate(PROMPT[:3], SamplingParams(max_new_tokens=1, ignore_eos=True), set()))
+
+SCRIPT = r"""
+import sys, torch
+from kie_moe.models.registry import load_model
+from kie_moe.kernels.monokernel.runtime import compile_offline
+from kie_moe.kernels.monokernel.shard import rank_backend
+m = load_model(sys.argv[1])
+be = rank_backend(m, 1, 2, "cpu", offline=True, wdtype=torch.bfloat16, n_sms=132)
+ptx = compile_offline(be).asm["ptx"]
+for needle in ("ld.global.acquire.sys", "red.release.sys.global.add", "%globaltimer"):
+    assert needle in ptx, needle
+print("ok", len(ptx))
+"""
+
+
+@pytest.mark.skipif(not (os.path.exists(PTXAS) or shutil.which("ptxas")), reason="no ptxas in this triton build")
+def test_lane_rank_kernel_compiles_for_sm90(lane_model):  # noqa: F811
+    """Rank 1 of 2 of a lane-mean d1 model (delayed waits, puts, lane_agg / REDUCE aux 2) builds for sm_90."""
+    m = lane_model(LANE_CASES["d1_no-early_shared-norm_lane-mean_last2-unclamped"][0])
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", SCRIPT, m.path], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert "ok " in r.stdout
+
+
 # ---- on one GPU: N = 1 through TpRank (what every `--devices N` worker runs) -----------------------------------------
 
 @pytest.mark.gpu
@@ -158,3 +200,4 @@ def test_gpu_one_rank_laneformer_equals_unsharded(case, lane_model):  # noqa: F8
             assert list(r.generate(PROMPT, p, set())) == want
     finally:
         dist.destroy_process_group()
+
