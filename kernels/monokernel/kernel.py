@@ -43,7 +43,7 @@ from .stream import stream_expert_down, stream_gemv, stream_glu, tile
 
 # ctrl words (int32, device): written by the kernel, read by the host after the launch
 CT_STOP, CT_ERR, CT_ERR_TASK, CT_ERR_HAVE, CT_ERR_NEED, CT_REASON, CT_NTOK, CT_YIELD = range(8)
-N_CTRL = 8
+N_CTRL = 8      # then 3 words per program: its watchdog record (task + 1, counter value, target)
 WAIT_YIELD = 3   # interpreter only: a KCCL wait another rank has not satisfied yet (see _kccl_wait)
 
 _OP_QKV = tl.constexpr(P.OP_QKV)
@@ -68,6 +68,7 @@ _OP_REDUCE = tl.constexpr(P.OP_REDUCE)
 _CT_YIELD = tl.constexpr(CT_YIELD)
 _WAIT_YIELD = tl.constexpr(WAIT_YIELD)
 _NF = tl.constexpr(P.NF)
+_N_CTRL = tl.constexpr(N_CTRL)
 _NLF = tl.constexpr(P.NLF)
 
 
@@ -663,12 +664,14 @@ def monokernel(
             tl.store(ctrl_ptr + _CT_YIELD, t + 1)
             tl.store(stop_ptr, 1)
         if st == 2:
-            # watchdog: the first program to trip records where it was stuck, then everyone stops
-            first = tl.atomic_cas(ctrl_ptr + 1, 0, 1) == 0       # CT_ERR
-            if first:
-                tl.store(ctrl_ptr + 2, t)                        # CT_ERR_TASK (global index: step * T + row)
-                tl.store(ctrl_ptr + 3, read_counter(wctr, USE_ASM))  # CT_ERR_HAVE
-                tl.store(ctrl_ptr + 4, target)                   # CT_ERR_NEED
+            # watchdog: every program that trips records (task + 1, have, need) in its own slot after the N_CTRL
+            # words, then everyone stops. The host names the earliest task in claim order: the root cause (the
+            # tasks downstream of a stuck one time out too, and which program trips first is a race on a GPU).
+            tl.atomic_xchg(ctrl_ptr + 1, 1)                      # CT_ERR
+            rec = ctrl_ptr + _N_CTRL + 3 * pid
+            tl.store(rec, t + 1)                                 # global index (step * T + row) + 1
+            tl.store(rec + 1, read_counter(wctr, USE_ASM))
+            tl.store(rec + 2, target)
             tl.atomic_xchg(stop_ptr, 1)
         t = t_next
         rowv = row_next

@@ -31,7 +31,7 @@ from kie_moe.models.rope import cos_sin
 from ..prefill import Prefill
 from . import lanes
 from . import plan as P
-from .kernel import CT_ERR, CT_ERR_HAVE, CT_ERR_NEED, CT_ERR_TASK, CT_STOP, CT_YIELD, N_CTRL, monokernel
+from .kernel import CT_ERR, CT_ERR_HAVE, CT_ERR_NEED, CT_STOP, CT_YIELD, N_CTRL, monokernel
 
 _MAX_EOS = 16
 _COUNTER_KINDS = ("qkv_proj", "attention", "o_proj", "router", "gate_up", "layer_out", "q_b_proj", "mla_absorb",
@@ -138,7 +138,7 @@ class MonokernelBackend:
         self.pv, self.pi = z(self.plan.n_lm_tiles), z(self.plan.n_lm_tiles, dt=i32)
         self.counters = z(P.n_counters(self.spec), dt=i32)
         self.cursor = z(1, dt=i32)
-        self.ctrl = z(N_CTRL, dt=i32)
+        self.ctrl = z(N_CTRL + 3 * self.grid, dt=i32)
         self.eos = z(_MAX_EOS, dt=i32)
         self.forced = z(1, dt=i32)                     # prompt ids of an in-kernel prefill
         pin = self.device.type == "cuda"
@@ -376,7 +376,10 @@ class MonokernelBackend:
             return
         tasks = self._launch_tasks.cpu()
         T = tasks.shape[0]
-        t = ctrl[CT_ERR_TASK]
+        recs = [ctrl[i:i + 3] for i in range(N_CTRL, len(ctrl), 3) if ctrl[i] > 0]
+        t, have, need = min(recs)       # the earliest stuck task in claim order: every later one waits behind it
+        t -= 1
+        ctrl[CT_ERR_HAVE], ctrl[CT_ERR_NEED] = have, need
         step, row = divmod(t, T)
         wctr = int(tasks[row, P.F_WAIT])
         op = int(tasks[row, P.F_OP])
