@@ -39,24 +39,26 @@ def kccl_laneformer(spec, weights, world: int, timeout: float = 60.0, capacity_b
 
 # ---- tensor / expert parallel split of a ModelSpec ----------------------------------------------------------------
 
-def _heads(a, rank: int, world: int) -> tuple[slice, slice]:
-    """-> (q head slice, kv head slice) of `rank`. A rank's q heads must read whole kv groups or share one."""
+def head_split(a, rank: int, world: int) -> tuple[slice, slice]:
+    """-> (q head slice, kv head slice) of `rank`: whole GQA groups, or a share of one group (its kv head
+    duplicated). Shared by this simulation and the tensor-parallel monokernel (kernels/monokernel/shard.py)."""
     if a.kind != "gqa":
-        raise ConfigError(f"tensor-parallel simulation supports gqa attention, not {a.kind!r}")
+        raise ConfigError(f"tensor parallel: {a.kind!r} attention is not split yet (gqa only)")
     if a.qk_norm == "full":
-        raise ConfigError("qk_norm='full' normalises the whole projection across heads: not head-splittable")
+        raise ConfigError("tensor parallel: qk_norm='full' normalises the whole projection across heads")
     if a.num_heads % world:
-        raise ConfigError(f"{world} ranks cannot split num_heads={a.num_heads}")
+        raise ConfigError(f"tensor parallel: {world} ranks cannot split num_heads={a.num_heads}")
     hq, rep = a.num_heads // world, a.num_heads // a.num_kv_heads
     if hq % rep and rep % hq:
-        raise ConfigError(f"{world} ranks: {hq} q heads per rank straddle kv groups of {rep} heads")
+        raise ConfigError(f"tensor parallel: {world} ranks: {hq} q heads per rank straddle kv groups of {rep}")
     q0 = rank * hq
     return slice(q0, q0 + hq), slice(q0 // rep, (q0 + hq - 1) // rep + 1)
 
 
-def _cols(n: int, rank: int, world: int, what: str) -> slice:
+def col_split(n: int, rank: int, world: int, what: str) -> slice:
+    """Columns of `rank` when `world` ranks split n evenly (ConfigError naming `what` otherwise)."""
     if n % world:
-        raise ConfigError(f"{world} ranks cannot split {what} of {n} columns")
+        raise ConfigError(f"tensor parallel: {world} ranks cannot split {what} of {n} columns")
     return slice(rank * n // world, (rank + 1) * n // world)
 
 
@@ -80,7 +82,7 @@ def rank_weights(spec: ModelSpec, weights, rank: int, world: int, device="cpu",
     layers = []
     for i, lay in enumerate(spec.layers):
         a = lay.attn
-        qs, ks = _heads(a, rank, world)
+        qs, ks = head_split(a, rank, world)
         Dh = a.head_dim
         rows = lambda s: slice(s.start * Dh, s.stop * Dh)
         n = lambda s: canonical(i, s)
@@ -99,7 +101,7 @@ def rank_weights(spec: ModelSpec, weights, rank: int, world: int, device="cpu",
             w[n("attn.sinks")] = get(n("attn.sinks"))[qs]
         prefixes = ["mlp"] if lay.moe is None else (["moe.shared"] if lay.moe.shared_intermediate_size else [])
         for pre in prefixes:                                          # column-split swiglu
-            c = _cols(get(n(f"{pre}.gate")).shape[0], rank, world, f"layer {i} {pre}")
+            c = col_split(get(n(f"{pre}.gate")).shape[0], rank, world, f"layer {i} {pre}")
             for nm in ("gate", "up"):
                 w[n(f"{pre}.{nm}")] = get(n(f"{pre}.{nm}"))[c]
                 if n(f"{pre}.{nm}_bias") in names:

@@ -37,7 +37,8 @@ from typing import Iterator
 
 import torch
 
-from kie_moe.models.errors import ConfigError, InputError
+from kie_moe.models.errors import InputError
+from kie_moe.kccl.tp_sim import col_split, head_split
 from kie_moe.models.spec import ModelSpec, canonical
 
 from . import plan as P
@@ -70,27 +71,6 @@ class DictStore:
         return self.d[name]
 
 
-def _heads(a, rank: int, world: int) -> tuple[slice, slice]:
-    """(q heads, kv heads) of `rank`: whole GQA groups, or a share of one group (its kv head duplicated)."""
-    if a.kind != "gqa":
-        raise ConfigError(f"tensor parallel: {a.kind!r} attention is not split yet (gqa only)")
-    if a.qk_norm == "full":
-        raise ConfigError("tensor parallel: qk_norm='full' normalises the whole projection across heads")
-    if a.num_heads % world:
-        raise ConfigError(f"tensor parallel: {world} ranks cannot split num_heads={a.num_heads}")
-    hq, rep = a.num_heads // world, a.num_heads // a.num_kv_heads
-    if hq % rep and rep % hq:
-        raise ConfigError(f"tensor parallel: {world} ranks: {hq} q heads per rank straddle kv groups of {rep}")
-    q0 = rank * hq
-    return slice(q0, q0 + hq), slice(q0 // rep, (q0 + hq - 1) // rep + 1)
-
-
-def _cols(n: int, rank: int, world: int, what: str) -> slice:
-    if n % world:
-        raise ConfigError(f"tensor parallel: {world} ranks cannot split {what} of {n} columns")
-    return slice(rank * n // world, (rank + 1) * n // world)
-
-
 def shard(spec: ModelSpec, weights, rank: int, world: int) -> tuple[ModelSpec, DictStore]:
     """-> (rank `rank`'s spec: its heads and intermediate sizes; a store of its slices, as float tensors)."""
     if not 0 <= rank < world:
@@ -101,7 +81,7 @@ def shard(spec: ModelSpec, weights, rank: int, world: int) -> tuple[ModelSpec, D
     layers = []
     for i, lay in enumerate(spec.layers):
         a = lay.attn
-        qs, ks = _heads(a, rank, world)
+        qs, ks = head_split(a, rank, world)
         Dh = a.head_dim
         rows = lambda s: slice(s.start * Dh, s.stop * Dh)  # noqa: E731
         n = lambda s: canonical(i, s)  # noqa: E731
@@ -131,7 +111,7 @@ def shard(spec: ModelSpec, weights, rank: int, world: int) -> tuple[ModelSpec, D
             moe = dataclasses.replace(moe, intermediate_size=moe.intermediate_size // world,
                                       shared_intermediate_size=moe.shared_intermediate_size // world)
         for pre, size in groups:                                             # column-split (GLU) MLPs
-            c = _cols(size, rank, world, f"layer {i} {pre}")
+            c = col_split(size, rank, world, f"layer {i} {pre}")
             for nm in ("gate", "up"):
                 w[n(f"{pre}.{nm}")] = get(n(f"{pre}.{nm}"))[c]
                 if n(f"{pre}.{nm}_bias") in names:
