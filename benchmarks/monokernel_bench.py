@@ -47,7 +47,7 @@ def read_probe_gbps(nbytes: int = 4 << 30) -> float:
 
 def bench_one(arch: str, probe: float, *, new_tokens: int, prompt_len: int, reps: int, layers: int | None = None,
               block_k=None, tile_elems=None, num_warps=8, max_task_kb=512, x_bcast=False, num_stages=None,
-              programs_per_sm=1, breakdown: bool = False, fmt: str = "bf16") -> dict:
+              programs_per_sm=1, breakdown: bool = False, fmt: str = "bf16", trace_steps: int = 0) -> dict:
     import torch
     from kie_moe.kernels.monokernel import plan as P
     from kie_moe.kernels.monokernel.runtime import MonokernelBackend
@@ -102,6 +102,15 @@ def bench_one(arch: str, probe: float, *, new_tokens: int, prompt_len: int, reps
                 tm, _, _ = timed(mode)
                 r[name] = dict(ms_per_token=1e3 * tm / new_tokens, tok_per_s=new_tokens / tm,
                                pct_of_probe=100 * bpt * new_tokens / tm / 1e9 / probe)
+        if trace_steps:   # one more launch, time stamped per task (kernels/monokernel/trace.py)
+            from kie_moe.kernels.monokernel.trace import format_table, summarize
+            n = mk.last_launch["n_tasks"] * trace_steps
+            mk.launch(tok, prompt_len, trace_steps, (), ignore_eos=True, trace_tasks=n)
+            torch.cuda.synchronize()
+            mk.check_error()
+            r["trace"] = summarize(mk._launch_tasks.cpu().numpy(), mk.trace[:n].cpu().numpy(),
+                                   mk.grid, op_bytes=plan.op_bytes_per_step())
+            print(format_table(r["trace"]), flush=True)
     except Exception as ex:  # one failing config must not lose the others
         r["error"] = f"{type(ex).__name__}: {ex}"[:2000]
         r["trace"] = traceback.format_exc()[-3000:]
@@ -129,6 +138,12 @@ def main(argv=None):
                     "dtype), fp8, fp8-block, nvfp4, mxfp4 (default bf16,fp8)")
     ap.add_argument("--sweep", action="store_true", help="tile-shape grid on the first preset")
     ap.add_argument("--no-breakdown", action="store_true", help="skip the sync-only / no-wait kernel variants")
+    ap.add_argument("--programs-per-sm", type=int, default=1, help="persistent programs per SM (with 2: --num-warps 4)")
+    ap.add_argument("--num-warps", type=int, default=8)
+    ap.add_argument("--num-stages", type=int, default=None, help="weight-load pipeline stages (default: the plan's)")
+    ap.add_argument("--trace", type=int, default=0, metavar="STEPS",
+                    help="also run STEPS time-stamped decode steps and print where a step's time goes per op "
+                         "(critical path, wait / work per task: kernels/monokernel/trace.py)")
     a = ap.parse_args(argv)
 
     import torch
@@ -139,14 +154,16 @@ def main(argv=None):
                torch=torch.__version__, triton=triton.__version__, date=time.strftime("%Y-%m-%d"))
     res["read_probe_gbps"] = probe = read_probe_gbps()
     print(json.dumps(res), flush=True)
-    kw = dict(new_tokens=a.new_tokens, prompt_len=a.prompt_len, reps=a.reps, layers=a.layers)
+    kw = dict(new_tokens=a.new_tokens, prompt_len=a.prompt_len, reps=a.reps, layers=a.layers, trace_steps=a.trace,
+              programs_per_sm=a.programs_per_sm, num_warps=a.num_warps, num_stages=a.num_stages)
     archs = [x for x in a.archs.split(",") if x]
     fmts = [f for f in a.formats.split(",") if f]
     # the breakdown (two more compiles) for the first format only: the gpu-check stage has 300 s
     res["runs"] = [bench_one(x, probe, breakdown=not a.no_breakdown and i == 0, fmt=f, **kw)
                    for x in archs for i, f in enumerate(fmts)]
     if a.sweep:
-        res["sweep"] = [bench_one(archs[0], probe, **point, **kw) for point in SWEEP]
+        base = {k: v for k, v in kw.items() if k not in ("programs_per_sm", "num_warps", "num_stages")}
+        res["sweep"] = [bench_one(archs[0], probe, **point, **base) for point in SWEEP]
     if a.out:
         with open(a.out, "w") as f:
             json.dump(res, f, indent=1)

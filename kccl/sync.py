@@ -34,6 +34,12 @@ def globaltimer():
 
 
 @triton.jit
+def clock64():
+    """This SM's cycle counter (int64): exact durations on one SM, not comparable across SMs."""
+    return tl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+
+
+@triton.jit
 def ld_acquire(ptr, SYS: tl.constexpr = False):
     """Acquire load of an int32 word (every thread loads; all see a value at least as new as the release)."""
     if SYS:

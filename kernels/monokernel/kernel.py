@@ -32,7 +32,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kie_moe.kccl.sync import flag_is_set, put_span, read_counter, signal, signal_peer, st_release_sys, wait
+from kie_moe.kccl.sync import clock64, flag_is_set, globaltimer, put_span, read_counter, signal, signal_peer, st_release_sys, wait
 
 from . import plan as P
 from .lane_ops import lane_final_mean, lane_final_reduce, lane_out_tile, lane_reduce, lane_sum, stream_lane_out
@@ -132,12 +132,23 @@ def _sp(FMT: tl.constexpr, qf32_ptr, qs8f_ptr, qs8u_ptr, off):
 
 
 @triton.jit
-def _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM: tl.constexpr, NT: tl.constexpr, MODE: tl.constexpr):
+def _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM: tl.constexpr, NT: tl.constexpr, MODE: tl.constexpr, tr,
+          trace_on):
     if MODE == 2:   # benchmark mode "no waits": streaming speed without dependency latency (wrong results)
         st = 0
     else:
         st = wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, False, NT)
+    if MODE == 3:
+        _stamp(tr, 1, trace_on)
     return st
+
+
+@triton.jit
+def _stamp(tr, k: tl.constexpr, on):
+    """MODE 3 (trace): record (globaltimer, clock64) as event k of this task: 0 start, 1 input ready, 2 done."""
+    if on:
+        tl.store(tr + k, globaltimer())
+        tl.store(tr + 3 + k, clock64())
 
 
 @triton.jit
@@ -179,7 +190,7 @@ def _tp_reduce(recv_ptr, x_ptr, r0, r_end, D: tl.constexpr, TP: tl.constexpr, BL
 
 # Runtime integers vary per launch (positions, counts, seeds): without this, Triton would specialise on value 1
 # and on divisibility by 16 and recompile this large kernel (~10 s) for new combinations.
-_DYNAMIC = ["n_tasks", "n_steps", "start_pos", "kv_tmax", "n_splits", "n_lm", "n_eos", "ignore_eos", "n_forced",
+_DYNAMIC = ["trace_cap", "n_tasks", "n_steps", "start_pos", "kv_tmax", "n_splits", "n_lm", "n_eos", "ignore_eos", "n_forced",
             "do_sample", "seed", "timeout_ns", "embed_off", "lm_off", "fnorm_off", "tp_rank", "sym_pv_off",
             "sym_ctr_off"]
 
@@ -193,6 +204,9 @@ def monokernel(
     pv_ptr, pi_ptr,
     # control
     cnt_ptr, cursor_ptr, ctrl_ptr, ring_ptr, hostflag_ptr, eos_ptr, forced_ptr,
+    # MODE 3: int64 [trace_cap, 8] per task (claim order): globaltimer at start / input ready / done, the same in
+    # clock64, the program id
+    trace_ptr, trace_cap,
     # tensor parallel (TP > 0): this rank's symmetric region as f32 / i32 (one allocation), the distances to every
     # rank's copy (kccl.sync.peer), and the region's layout (plan.sym_layout)
     symf_ptr, symi_ptr, poff_ptr, tp_rank, sym_pv_off, sym_ctr_off,
@@ -225,7 +239,8 @@ def monokernel(
     TP: tl.constexpr = 0,
 ):
     """MODE 0: decode. Benchmark-only modes (wrong tokens, for locating time): 1 = tasks only claim, wait and
-    signal (the sampler still runs): the cost of scheduling + dependency latency; 2 = no waits: streaming speed."""
+    signal (the sampler still runs): the cost of scheduling + dependency latency; 2 = no waits: streaming speed.
+    MODE 3: decode as MODE 0, and time stamps of the first trace_cap tasks into trace_ptr (GPU only)."""
     pid = tl.program_id(0)
     stop_ptr = ctrl_ptr + 0  # CT_STOP
     n_total = n_tasks * n_steps
@@ -290,6 +305,10 @@ def monokernel(
             xctr += xc
         if MODE == 1:
             op = tl.where(op == _OP_SAMPLE, op, 0)
+        tr = trace_ptr + t.to(tl.int64) * 8
+        trace_on = (MODE == 3) & (t < trace_cap)
+        if MODE == 3:
+            _stamp(tr, 0, trace_on)
         wctr = cnt_ptr + wc
         r_end = r0 + nr
         pos = start_pos + step
@@ -309,7 +328,7 @@ def monokernel(
             prefetch_rows(w, r0, nr, D, FMT_ATTN, USE_ASM)   # the whole task into L2 before the wait
             w0, s0 = tile(w, sq, D, r0, r_end, 0, 1, FMT_ATTN, BN_QKV, BLOCK_K)
             t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
-            st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE)
+            st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE, tr, trace_on)
             if st == 0:
                 stream_gemv(w, sq, qf32_ptr + tl.load(lrow + P.LF_QKV_F), w0, s0, D, r0, r_end, lx,
                             wa_ptr + tl.multiple_of(tl.load(lrow + P.LF_ATTN_NORM), 64) + lnw, eps,
@@ -317,7 +336,7 @@ def monokernel(
                             pi_ptr, 0, 1.0, 0, 0, True, HAS_QKV_BIAS, False, False, FMT_ATTN, BN_QKV, BLOCK_K, XB, NS)
         elif op == _OP_ATTN:
             t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
-            st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE)
+            st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE, tr, trace_on)
             if MLA == 0:   # (an MLA model never has these tasks: do not compile them)
                 if st == 0:
                     head = (layer * 2 * HKV + r0).to(tl.int64) * kv_tmax * DH  # cache [L, 2, HKV, T_max, DH]
@@ -332,7 +351,7 @@ def monokernel(
             prefetch_rows(w, r0, nr, O_K, FMT_ATTN, USE_ASM)
             w0, s0 = tile(w, sq, O_K, r0, r_end, 0, 1, FMT_ATTN, BN_O, BLOCK_K)
             t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
-            st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE)
+            st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE, tr, trace_on)
             if TP > 0:   # a launch that is ending puts nothing (peers may already be zeroing for the next one)
                 if st == 0:
                     st = flag_is_set(stop_ptr, USE_ASM, NT).to(tl.int32)
@@ -356,7 +375,7 @@ def monokernel(
             w = wa_ptr + tl.multiple_of(woff, 64)
             w0, s0 = tile(w, qf32_ptr, R_Q, r0, r_end, 0, 1, 0, BN_QB, BLOCK_K)
             t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
-            st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE)
+            st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE, tr, trace_on)
             if MLA:
                 if st == 0:
                     stream_gemv(w, qf32_ptr, qf32_ptr, w0, s0, R_Q, r0, r_end, qkv_ptr,
@@ -365,7 +384,7 @@ def monokernel(
                                 BLOCK_K, XB, NS)
         elif op == _OP_ABSORB:
             t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
-            st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE)
+            st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE, tr, trace_on)
             if MLA:
                 if st == 0:
                     mla_absorb_task(r0, nr, pos, qkv_ptr + Q_OFF, wa_ptr + tl.multiple_of(woff, 64),
@@ -375,7 +394,7 @@ def monokernel(
                                     DH, NOPE, VD, R_KV, ROT, ROPE_PAIR, BN_KVB, BLOCK_RKV, BLOCK_H)
         elif op == _OP_MLA_ATTN:
             t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
-            st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE)
+            st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE, tr, trace_on)
             if MLA:
                 if st == 0:
                     mla_attention_task(r0, nr, aux, n_splits, pos, qkv_ptr + QLAT_OFF, qkv_ptr + QPE_OFF,
@@ -383,7 +402,7 @@ def monokernel(
                                        sm_scale, HQ, R_KV, ROT, BLOCK_HG, BLOCK_RKV, BLOCK_RD, BLOCK_T)
         elif op == _OP_VUP:
             t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
-            st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE)
+            st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE, tr, trace_on)
             if MLA:
                 if st == 0:
                     mla_vup_task(r0, nr, n_splits, ao_ptr, am_ptr, al_ptr, wa_ptr + tl.multiple_of(woff, 64), h_ptr,
@@ -395,7 +414,7 @@ def monokernel(
                     prefetch_rows(w + lane * (D * (NQ // LANES)), r0, nr, NQ // LANES, 0, USE_ASM)
                 w0, s0 = lane_out_tile(w, qf32_ptr, NQ // LANES, D, r0, r_end, 0, 1, LANES, 0, BN_O, BK_O)
             t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
-            st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE)
+            st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE, tr, trace_on)
             if TP > 0:   # DTP: a delayed layer also needs every rank's partials of layer i - DELAY (long there)
                 if st == 0:
                     if xw >= 0:
@@ -424,7 +443,7 @@ def monokernel(
                 w0, s0 = lane_out_tile(w, qf32_ptr, I_DENSE // LANES, D, r0, r_end, 0, 1, LANES, 0, BN_DOWN,
                                        BK_DOWN)
             t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
-            st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE)
+            st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE, tr, trace_on)
             if TP > 0:
                 if st == 0:
                     if xw >= 0:
@@ -445,7 +464,7 @@ def monokernel(
                                     TP, USE_ASM, BLOCK_X)
         elif op == _OP_LANE_AGG:   # Laneformer without pre_norm_lane_agg: xf = mean of the lanes' final norms
             t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
-            st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE)
+            st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE, tr, trace_on)
             if TP > 0:
                 if st == 0:
                     st = flag_is_set(stop_ptr, USE_ASM, NT).to(tl.int32)
@@ -475,7 +494,7 @@ def monokernel(
             g0, gs0 = tile(wg, sg_, D, r0, r_end, 0, 1, FMT_MLP, BN_GU, BLOCK_K)
             u0, us0 = tile(wu, su_, D, r0, r_end, 0, 1, FMT_MLP, BN_GU, BLOCK_K)
             t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
-            st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE)
+            st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE, tr, trace_on)
             if st == 0:
                 stream_glu(wg, wu, sg_, su_, qf32_ptr + f_off, qf32_ptr + f_off + I_DENSE, g0, u0, gs0, us0, D, r0,
                            r_end, lx, wa_ptr + tl.multiple_of(tl.load(lrow + P.LF_MLP_NORM), 64) + lnw, eps, wa_ptr,
@@ -486,7 +505,7 @@ def monokernel(
             prefetch_rows(w, r0, nr, I_DENSE, FMT_MLP, USE_ASM)
             w0, s0 = tile(w, sq, I_DENSE, r0, r_end, 0, 1, FMT_MLP, BN_DOWN, BLOCK_K)
             t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
-            st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE)
+            st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE, tr, trace_on)
             if TP > 0:
                 if st == 0:
                     st = flag_is_set(stop_ptr, USE_ASM, NT).to(tl.int32)
@@ -503,7 +522,7 @@ def monokernel(
             w = wa_ptr + tl.multiple_of(woff, 64)
             w0, s0 = tile(w, qf32_ptr, D, r0, r_end, 0, 1, 0, BN_ROUTER, BLOCK_K)
             t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
-            st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE)
+            st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE, tr, trace_on)
             if st == 0:
                 stream_gemv(w, qf32_ptr, qf32_ptr, w0, s0, D, r0, r_end, x_ptr,
                             wa_ptr + tl.multiple_of(tl.load(lrow + P.LF_MLP_NORM), 64), eps,
@@ -522,7 +541,7 @@ def monokernel(
             g0, gs0 = tile(wg, sg_, D, r0, r_end, 0, 1, FMT_EXP, BN_SUP, BLOCK_K)
             u0, us0 = tile(wu, su_, D, r0, r_end, 0, 1, FMT_EXP, BN_SUP, BLOCK_K)
             t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
-            st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE)
+            st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE, tr, trace_on)
             if st == 0:
                 nw = wa_ptr + tl.multiple_of(tl.load(lrow + P.LF_MLP_NORM), 64)
                 stream_glu(wg, wu, sg_, su_, qf32_ptr + f_off, qf32_ptr + f_off + I_SH, g0, u0, gs0, us0, D, r0,
@@ -534,7 +553,7 @@ def monokernel(
                         tl.store(sg_ptr, tl.sigmoid(s))
         elif op == _OP_EXP_UP:
             t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
-            st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE)
+            st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE, tr, trace_on)
             if st == 0:
                 # every expert task recomputes the (tiny) top-k from the router logits: no extra phase
                 ids, wts = route(rlog_ptr + layer * E, wa_ptr + tl.load(lrow + P.LF_SCORE_B), route_scale, E, TOPK,
@@ -561,7 +580,7 @@ def monokernel(
                            XB, NS)
         elif op == _OP_EXP_DOWN:
             t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
-            st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE)
+            st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE, tr, trace_on)
             if TP > 0:
                 if st == 0:
                     st = flag_is_set(stop_ptr, USE_ASM, NT).to(tl.int32)
@@ -590,7 +609,7 @@ def monokernel(
             prefetch_rows(w, r0, nr, D, 0, USE_ASM)
             w0, s0 = tile(w, qf32_ptr, D, r0, r_end, 0, 1, 0, BN_LM, BLOCK_K)
             t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
-            st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE)
+            st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE, tr, trace_on)
             if TP > 0:
                 if st == 0:
                     st = flag_is_set(stop_ptr, USE_ASM, NT).to(tl.int32)
@@ -621,7 +640,7 @@ def monokernel(
                 pvs = symf_ptr + sym_pv_off
                 pis = symi_ptr + sym_pv_off + TP * n_lm
             else:
-                st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE)
+                st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE, tr, trace_on)
             if st == 0:
                 if step < n_forced:   # in-kernel prefill: the next input is the prompt's next token
                     tok = tl.load(forced_ptr + step + 1)
@@ -657,9 +676,13 @@ def monokernel(
                         _tp_reduce(symf_ptr + aux * (TP * D), x_ptr, r0, r_end, D, TP, BLOCK_X)
         else:  # MODE 1 (sync only), or an unknown opcode: claim, wait, signal
             t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
-            st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE)
+            st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE, tr, trace_on)
         if st == 0:
             signal(cnt_ptr + sig, 1, USE_ASM)
+        if MODE == 3:
+            _stamp(tr, 2, trace_on)
+            if trace_on:
+                tl.store(tr + 6, pid)
         if st == _WAIT_YIELD:   # interpreter: resume here once the other ranks ran (shard.py)
             tl.store(ctrl_ptr + _CT_YIELD, t + 1)
             tl.store(stop_ptr, 1)

@@ -294,6 +294,40 @@ class Plan:
     def n_lm_tiles(self) -> int:
         return len(self.op_rows["lm"])
 
+    def op_bytes_per_step(self) -> dict[str, float]:
+        """Weight bytes one decode step streams per op kind (OP_NAMES; active experts only), for trace.summarize.
+        MLA's kv_b split between absorb and v_up is counted whole under mla_absorb."""
+        d, eb = self.dims, self.weights.element_size()
+        ab, mb, xb = (self.elem_bytes(k) for k in ("attn", "mlp", "exp"))
+        out: dict[str, float] = {}
+
+        def add(name, n):
+            out[name] = out.get(name, 0.0) + n
+        nq = d.HQ * d.DH
+        for lay in self.spec.layers:
+            if d.MLA:
+                add("qkv_proj", d.NQKV * d.D * eb)
+                add("q_b_proj", nq * d.R_Q * eb)
+                add("mla_absorb", d.HQ * (d.NOPE + d.VD) * d.R_KV * eb)
+                add("o_proj", d.D * d.HQ * d.VD * eb)
+            elif d.LANES:
+                add("qkv_proj", d.NQKV * d.D * eb)
+                add("lane_o_proj", d.D * nq * eb)
+            else:
+                add("qkv_proj", d.NQKV * d.D * ab)
+                add("o_proj", d.D * nq * ab)
+            if lay.moe is None:
+                add("mlp_gate_up", 2 * d.I_DENSE * d.D * (eb if d.LANES else mb))
+                add("lane_down" if d.LANES else "mlp_down", d.I_DENSE * d.D * (eb if d.LANES else mb))
+            else:
+                add("router", d.E * d.D * eb)
+                add("expert_gate_up", d.TOPK * 2 * d.I_MOE * d.D * xb)
+                if d.I_SH:
+                    add("shared_gate_up", 2 * d.I_SH * d.D * xb)
+                add("expert_down", (d.TOPK * d.I_MOE + d.I_SH) * d.D * xb)
+        add("lm_head", d.V * d.D * eb)
+        return out
+
     def weight_bytes_per_token(self) -> int:
         """Bytes one decode step streams (active experts only; codes + scales), for bandwidth numbers."""
         d, eb = self.dims, self.weights.element_size()
@@ -422,7 +456,9 @@ def split_rows(n_rows: int, row_bytes: int, n_sms: int, min_task_bytes: int, max
     the task count is chosen for all of them together."""
     total = n_rows * row_bytes * groups
     waves = max(1, -(-total // (n_sms * max_task_bytes)))
-    n_tasks = -(-n_sms * waves // groups)
+    # groups > 1: round down, so all groups' tasks fit the waves (136 = 8 x 17 expert tasks on 132 programs would
+    # make a few programs run two in a row, and the phase would last two task times)
+    n_tasks = max(1, n_sms * waves // groups) if groups > 1 else n_sms * waves
     n_tasks = max(1, min(n_tasks, n_rows, max(1, total // groups // max(1, min_task_bytes))))
     per = -(-n_rows // n_tasks)
     return [(r, min(per, n_rows - r)) for r in range(0, n_rows, per)]

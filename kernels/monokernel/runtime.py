@@ -138,6 +138,7 @@ class MonokernelBackend:
         self.pv, self.pi = z(self.plan.n_lm_tiles), z(self.plan.n_lm_tiles, dt=i32)
         self.counters = z(P.n_counters(self.spec), dt=i32)
         self.cursor = z(1, dt=i32)
+        self.trace = torch.zeros(1, 8, dtype=torch.int64, device=dev)   # launch(trace_tasks=...) grows it
         self.ctrl = z(N_CTRL + 3 * self.grid, dt=i32)
         self.eos = z(_MAX_EOS, dt=i32)
         self.forced = z(1, dt=i32)                     # prompt ids of an in-kernel prefill
@@ -248,12 +249,22 @@ class MonokernelBackend:
 
     # ---- decode --------------------------------------------------------------------------------------------------
     def launch(self, last_token: int, start_pos: int, n_steps: int, eos_ids, *, ignore_eos: bool = False,
-               temperature: float = 0.0, seed: int = 0, mode: int = 0, forced: list[int] | None = None):
+               temperature: float = 0.0, seed: int = 0, mode: int = 0, forced: list[int] | None = None,
+               trace_tasks: int = 0):
         """Start one launch decoding `n_steps` tokens after `last_token` (at position start_pos). Async on the GPU.
         forced: a whole prompt to run through the kernel first (in-kernel prefill: start_pos 0, its tokens fed as
         inputs, no logits, nothing in the ring), then n_steps generated tokens.
-        mode 1 / 2: benchmark-only kernel variants (kernel.monokernel's MODE: sync only / no waits)."""
+        mode 1 / 2: benchmark-only kernel variants (kernel.monokernel's MODE: sync only / no waits).
+        trace_tasks > 0 (GPU): decode as usual and time stamp the first trace_tasks tasks in claim order into
+        self.trace (int64 [trace_tasks, 8]; benchmarks/monokernel_trace.py reads it)."""
         d, pl = self.dims, self.plan
+        if trace_tasks:
+            if self.interpret:
+                raise InputError("monokernel: tracing reads GPU clocks (not under TRITON_INTERPRET)")
+            mode = 3
+            if self.trace.shape[0] < trace_tasks:
+                self.trace = torch.zeros(trace_tasks, 8, dtype=torch.int64, device=self.device)
+            self.trace.zero_()
         if self._done is not None:      # the previous launch may still write the ring we are about to reuse
             self._done.synchronize()
         n_forced = 0
@@ -290,7 +301,7 @@ class MonokernelBackend:
         self.last_launch = dict(n_steps=n_steps, n_splits=n_splits, n_tasks=int(tasks.shape[0]), start_pos=start_pos,
                                 n_forced=n_forced)
         args, meta = self.kernel_args(tasks, n_steps, start_pos, n_splits, len(eos), ignore_eos, temperature, seed,
-                                      n_forced)
+                                      n_forced, trace_tasks)
         meta["MODE"] = mode
         self._launch_args = (args, meta)
         self._run()
@@ -319,7 +330,7 @@ class MonokernelBackend:
         self._run()
 
     def kernel_args(self, tasks, n_steps, start_pos, n_splits, n_eos, ignore_eos=False, temperature=0.0, seed=0,
-                    n_forced=0):
+                    n_forced=0, trace_tasks=0):
         """(positional args, constexpr kwargs) of one launch -- shared by launch() and compile_offline()."""
         d, pl, t = self.dims, self.plan, self.plan.tiles
         nq = d.HQ * d.DH
@@ -331,6 +342,7 @@ class MonokernelBackend:
             self.x, self.qkv, self.ao, self.am, self.al, self.scratch, self.h, self.rlog, self.rids, self.rwts,
             self.sg, self.pv, self.pi,
             self.counters, self.cursor, self.ctrl, self.ring, self.hostflag, self.eos, self.forced,
+            self.trace, trace_tasks,
             self.sym.view(torch.float32), self.sym, self.poff, pl.tp_rank, *self._sym_offs(),
             int(tasks.shape[0]), n_steps, start_pos, self.kv_tmax, n_splits, pl.n_lm_tiles, n_eos,
             int(ignore_eos), n_forced, int(temperature > 0), 1.0 / temperature if temperature > 0 else 1.0,
@@ -466,7 +478,7 @@ class MonokernelBackend:
                     done.synchronize()
 
 
-def compile_offline(backend: MonokernelBackend, arch: int = 90, n_splits: int = 1):
+def compile_offline(backend: MonokernelBackend, arch: int = 90, n_splits: int = 1, mode: int = 0):
     """Compile the monokernel for `arch` (sm_90: H100/H200) without a GPU: the arguments of a real launch of
     `backend` turned into a signature. Returns the CompiledKernel (metadata: registers, spills, shared memory).
     Needs the JIT (not interpreted) kernel: call in a process without TRITON_INTERPRET=1."""
@@ -491,7 +503,7 @@ def compile_offline(backend: MonokernelBackend, arch: int = 90, n_splits: int = 
             sig[name] = "i64" if abs(int(a)) >= 2 ** 31 else "i32"
     for k, v in meta.items():
         sig[k] = "constexpr"
-    meta = {**meta, "USE_ASM": True}
+    meta = {**meta, "USE_ASM": True, "MODE": mode}
     src = ASTSource(monokernel, sig, constexprs=meta, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32),
                           options=dict(num_warps=backend.num_warps, launch_cooperative_grid=True))

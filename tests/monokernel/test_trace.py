@@ -1,0 +1,73 @@
+"""kernels/monokernel/trace.py: the analysis on a hand-made timeline (where the answer is known), and on the GPU a
+traced launch against an untraced one."""
+import numpy as np
+import pytest
+
+from kie_moe.kernels.monokernel import plan as P
+from kie_moe.kernels.monokernel.trace import format_table, summarize
+
+
+def _tasks(ops_sigs):
+    t = np.zeros((len(ops_sigs), P.NF), dtype=np.int32)
+    for i, (op, sig) in enumerate(ops_sigs):
+        t[i, P.F_OP], t[i, P.F_SIG] = op, sig
+    return t
+
+
+def _stamp(tr, i, start, ready, done, ghz=2.0, prog=0):
+    tr[i] = [start, ready, done, int(start * ghz), int(ready * ghz), int(done * ghz), prog, 0]
+
+
+def test_summarize_charges_the_critical_path_to_the_phase_that_ends_it():
+    # one step = 2 qkv tiles (counter 0) then 1 o_proj tile (counter 1) waiting for both; 3 steps, step 0 skipped
+    tasks = _tasks([(P.OP_QKV, 0), (P.OP_QKV, 0), (P.OP_O, 1)])
+    tr = np.zeros((9, 8), dtype=np.int64)
+    for s in range(3):
+        b = 10_000 + s * 1_000
+        _stamp(tr, 3 * s + 0, b, b + 100, b + 300, prog=0)      # qkv: 200 ns work
+        _stamp(tr, 3 * s + 1, b, b + 100, b + 500, prog=1)      # qkv: 400 ns work (the straggler)
+        _stamp(tr, 3 * s + 2, b, b + 600, b + 900, prog=2)      # o: ready 100 ns after the last qkv, 300 ns work
+    s = summarize(tasks, tr, n_programs=3, skip_steps=1, op_bytes={"o_proj": 4e5})
+    assert s["steps"] == 2 and s["tasks_per_step"] == 3
+    assert s["sm_ghz"] == pytest.approx(2.0, rel=1e-3)
+    q, o = s["ops"]["qkv_proj"], s["ops"]["o_proj"]
+    assert q["work_us"] == pytest.approx(0.3) and q["wait_us"] == pytest.approx(0.1) and q["work_us_max"] == 0.4
+    assert o["wait_us"] == pytest.approx(0.6) and o["work_us"] == pytest.approx(0.3)
+    # step 1: qkv ends at 11500 (500 after the span's start), o at 11900 (+400); step 2 starts at 12000: qkv ends
+    # 12500 (+600, with the 100 ns gap between steps), o at 12900 (+400)
+    assert q["critical_us_per_step"] == pytest.approx((0.5 + 0.6) / 2)
+    assert o["critical_us_per_step"] == pytest.approx(0.4)
+    assert sum(d["critical_us_per_step"] for d in s["ops"].values()) == pytest.approx(s["ms_per_step"] * 1e3)
+    assert o["wake_lag_us"] == pytest.approx(0.1) and q["done_spread_us"] == pytest.approx(0.2)
+    assert o["mb_per_step"] == 0.4 and o["gbps_on_critical_path"] == pytest.approx(1000.0)   # 400 KB in 0.4 us
+    assert "o_proj" in format_table(s)
+
+
+def test_summarize_needs_more_steps_than_it_skips():
+    tasks = _tasks([(P.OP_QKV, 0)])
+    tr = np.zeros((1, 8), dtype=np.int64)
+    _stamp(tr, 0, 1, 2, 3)
+    with pytest.raises(ValueError, match="1 whole step"):
+        summarize(tasks, tr, 1)
+
+
+@pytest.mark.gpu
+def test_gpu_traced_launch_decodes_the_same_and_stamps_every_task(tiny_model):
+    import torch
+    from kie_moe.kernels.monokernel.runtime import MonokernelBackend
+    m = tiny_model("qwen3_moe_mixed", torch.bfloat16)
+    mk = MonokernelBackend(m, "cuda")
+    mk.launch(3, 4, 6, (), ignore_eos=True)
+    torch.cuda.synchronize()
+    want = mk.ring[1:7].tolist()
+    T = mk.last_launch["n_tasks"]
+    mk.launch(3, 4, 6, (), ignore_eos=True, trace_tasks=6 * T)
+    torch.cuda.synchronize()
+    mk.check_error()
+    assert mk.ring[1:7].tolist() == want
+    tr = mk.trace[:6 * T].cpu().numpy()
+    assert (tr[:, 2] > 0).all() and (tr[:, 0] <= tr[:, 1]).all() and (tr[:, 1] <= tr[:, 2]).all()
+    assert (tr[:, 3] <= tr[:, 4]).all() and (tr[:, 4] <= tr[:, 5]).all()
+    s = summarize(mk._launch_tasks.cpu().numpy(), tr, mk.grid, op_bytes=mk.plan.op_bytes_per_step())
+    assert sum(mk.plan.op_bytes_per_step().values()) == pytest.approx(mk.plan.weight_bytes_per_token())
+    assert s["steps"] == 5 and {"expert_gate_up", "mlp_gate_up", "lm_head"} <= set(s["ops"])
