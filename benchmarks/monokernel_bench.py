@@ -141,6 +141,9 @@ def main(argv=None):
     ap.add_argument("--programs-per-sm", type=int, default=1, help="persistent programs per SM (with 2: --num-warps 4)")
     ap.add_argument("--num-warps", type=int, default=8)
     ap.add_argument("--num-stages", type=int, default=None, help="weight-load pipeline stages (default: the plan's)")
+    ap.add_argument("--block-k", type=int, default=None, help="K step of the weight tiles (default: the plan's)")
+    ap.add_argument("--tile-elems", type=int, default=None, help="elements per weight tile (default: the plan's)")
+    ap.add_argument("--max-task-kb", type=int, default=512, help="largest task in KB (more tasks per phase below)")
     ap.add_argument("--trace", type=int, default=0, metavar="STEPS",
                     help="also run STEPS time-stamped decode steps and print where a step's time goes per op "
                          "(critical path, wait / work per task: kernels/monokernel/trace.py)")
@@ -155,18 +158,20 @@ def main(argv=None):
     res["read_probe_gbps"] = probe = read_probe_gbps()
     print(json.dumps(res), flush=True)
     kw = dict(new_tokens=a.new_tokens, prompt_len=a.prompt_len, reps=a.reps, layers=a.layers, trace_steps=a.trace,
-              programs_per_sm=a.programs_per_sm, num_warps=a.num_warps, num_stages=a.num_stages)
+              programs_per_sm=a.programs_per_sm, num_warps=a.num_warps, num_stages=a.num_stages, block_k=a.block_k,
+              tile_elems=a.tile_elems, max_task_kb=a.max_task_kb)
     archs = [x for x in a.archs.split(",") if x]
     fmts = [f for f in a.formats.split(",") if f]
     # the breakdown (two more compiles) for the first format only: the gpu-check stage has 300 s
     res["runs"] = [bench_one(x, probe, breakdown=not a.no_breakdown and i == 0, fmt=f, **kw)
                    for x in archs for i, f in enumerate(fmts)]
     if a.sweep:
-        base = {k: v for k, v in kw.items() if k not in ("programs_per_sm", "num_warps", "num_stages")}
+        base = {k: v for k, v in kw.items() if k not in ("programs_per_sm", "num_warps", "num_stages", "block_k",
+                                                          "tile_elems", "max_task_kb")}
         res["sweep"] = [bench_one(archs[0], probe, **point, **base) for point in SWEEP]
     if a.out:
         with open(a.out, "w") as f:
-            json.dump(res, f, indent=1)
+            json.dump(res, f, indent=1, default=lambda o: o.item() if hasattr(o, "item") else str(o))
     return res
 
 

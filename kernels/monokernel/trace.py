@@ -10,7 +10,8 @@ summarize() turns that into
   ...); phases ordered by when their last task finished, each is charged the time since the previous phase ended.
   Summed per op kind, that says which ops the step's wall time goes to (their sum is the traced span);
 - per phase kind: the lag from the previous phase's end to this phase's first ready task (wake-up latency) and the
-  spread of its tasks' done times (tail: imbalance or stragglers);
+  spread of its tasks' ready times (a task is ready when its input is there AND its program is free: a wide spread
+  means programs arrive late, still busy with earlier tasks);
 - busy share: sum of work over (programs x span).
 """
 from __future__ import annotations
@@ -60,26 +61,26 @@ def summarize(tasks: np.ndarray, trace: np.ndarray, n_programs: int, skip_steps:
     phases = []
     for a, b in zip(bounds[:-1], bounds[1:]):
         sel = order[a:b]
-        phases.append((int(gt2[sel].max()), int(gt1[sel].min()), int(gt2[sel].min()), name(op[sel[0]])))
+        phases.append((int(gt2[sel].max()), int(gt1[sel].min()), int(gt1[sel].max()), name(op[sel[0]])))
     phases.sort()
     crit: dict[str, float] = {}
     lag: dict[str, list] = {}
     tail: dict[str, list] = {}
     prev_end = int(gt0.min())
-    for end, first_ready, first_done, nm in phases:
+    for end, first_ready, last_ready, nm in phases:
         crit[nm] = crit.get(nm, 0.0) + (end - prev_end) / 1e3 / steps
         lag.setdefault(nm, []).append((first_ready - prev_end) / 1e3)
-        tail.setdefault(nm, []).append((end - first_done) / 1e3)
+        tail.setdefault(nm, []).append((last_ready - first_ready) / 1e3)
         prev_end = max(prev_end, end)
     for nm, d in per_op.items():
         d["critical_us_per_step"] = crit.get(nm, 0.0)
         d["wake_lag_us"] = float(np.mean(lag[nm])) if nm in lag else None
-        d["done_spread_us"] = float(np.mean(tail[nm])) if nm in tail else None
+        d["ready_spread_us"] = float(np.mean(tail[nm])) if nm in tail else None
         if op_bytes and nm in op_bytes:
             d["mb_per_step"] = op_bytes[nm] / 1e6
             d["gbps_on_critical_path"] = op_bytes[nm] / max(1e-9, d["critical_us_per_step"]) / 1e3
     busy = float(work_us.sum() * 1e3 / (n_programs * max(1, span_ns)))
-    return dict(steps=steps, tasks_per_step=T, ms_per_step=span_ns / 1e6 / steps, sm_ghz=ghz, busy_share=busy,
+    return dict(steps=int(steps), tasks_per_step=int(T), ms_per_step=span_ns / 1e6 / steps, sm_ghz=ghz, busy_share=busy,
                 wait_share=float(wait_us.sum() * 1e3 / (n_programs * max(1, span_ns))), ops=per_op)
 
 
@@ -92,6 +93,6 @@ def format_table(s: dict) -> str:
     for nm, d in ops:
         f = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
         lines.append(f"{nm:<16}{d['tasks_per_step']:>7}{d['wait_us']:>9.2f}{d['work_us']:>9.2f}{d['work_us_max']:>8.1f}"
-                     f"{d['critical_us_per_step']:>13.1f}{f(d['wake_lag_us']):>8}{f(d['done_spread_us']):>10}"
+                     f"{d['critical_us_per_step']:>13.1f}{f(d['wake_lag_us']):>8}{f(d['ready_spread_us']):>10}"
                      f"{f(d.get('mb_per_step')):>8}{f(d.get('gbps_on_critical_path')):>10}")
     return "\n".join(lines)

@@ -38,7 +38,7 @@ def test_summarize_charges_the_critical_path_to_the_phase_that_ends_it():
     assert q["critical_us_per_step"] == pytest.approx((0.5 + 0.6) / 2)
     assert o["critical_us_per_step"] == pytest.approx(0.4)
     assert sum(d["critical_us_per_step"] for d in s["ops"].values()) == pytest.approx(s["ms_per_step"] * 1e3)
-    assert o["wake_lag_us"] == pytest.approx(0.1) and q["done_spread_us"] == pytest.approx(0.2)
+    assert o["wake_lag_us"] == pytest.approx(0.1) and q["ready_spread_us"] == 0 and o["ready_spread_us"] == 0
     assert o["mb_per_step"] == 0.4 and o["gbps_on_critical_path"] == pytest.approx(1000.0)   # 400 KB in 0.4 us
     assert "o_proj" in format_table(s)
 
