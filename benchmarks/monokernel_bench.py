@@ -25,10 +25,10 @@ import time
 import traceback
 
 DEFAULT_ARCHS = "llama-3.2-1b,qwen3-30b-a3b"
-SWEEP = [  # plan / launch options per point (defaults: block_k 1024, tile_elems 16384, 8 warps, 512 KB tasks,
-    # num_stages 3, one program per SM)
+SWEEP = [  # plan / launch options per point (defaults: block_k 1024, tile_elems 16384, 8 warps, 128 KB tasks
+    # (512 for a Laneformer), num_stages 3, one program per SM)
     dict(), dict(num_stages=0), dict(num_stages=2), dict(num_stages=4), dict(block_k=2048, num_stages=3),
-    dict(tile_elems=32768, num_stages=3), dict(max_task_kb=128), dict(max_task_kb=2048),
+    dict(tile_elems=32768, num_stages=3), dict(max_task_kb=64), dict(max_task_kb=512),
     dict(num_warps=4, programs_per_sm=2), dict(num_warps=4, programs_per_sm=2, num_stages=0),
     dict(tile_elems=8192, block_k=512, x_bcast=True, num_stages=0),
 ]
@@ -46,7 +46,7 @@ def read_probe_gbps(nbytes: int = 4 << 30) -> float:
 
 
 def bench_one(arch: str, probe: float, *, new_tokens: int, prompt_len: int, reps: int, layers: int | None = None,
-              block_k=None, tile_elems=None, num_warps=8, max_task_kb=512, x_bcast=False, num_stages=None,
+              block_k=None, tile_elems=None, num_warps=8, max_task_kb=None, x_bcast=False, num_stages=None,
               programs_per_sm=1, breakdown: bool = False, fmt: str = "bf16", trace_steps: int = 0) -> dict:
     import torch
     from kie_moe.kernels.monokernel import plan as P
@@ -59,7 +59,8 @@ def bench_one(arch: str, probe: float, *, new_tokens: int, prompt_len: int, reps
         spec = P.preset_spec(arch, layers)
         t0 = time.perf_counter()
         plan = P.build_plan(spec, None, "cuda", random_seed=0, block_k=block_k, tile_elems=tile_elems,
-                            max_task_bytes=max_task_kb << 10, x_bcast=x_bcast, num_stages=num_stages,
+                            max_task_bytes=None if max_task_kb is None else max_task_kb << 10,
+                            x_bcast=x_bcast, num_stages=num_stages,
                             programs_per_sm=programs_per_sm, wdtype=torch.float16 if fmt == "fp16" else None,
                             formats=None if fmt in ("bf16", "fp16") else {"attn": fmt, "mlp": fmt, "exp": fmt})
         torch.cuda.synchronize()
@@ -143,7 +144,8 @@ def main(argv=None):
     ap.add_argument("--num-stages", type=int, default=None, help="weight-load pipeline stages (default: the plan's)")
     ap.add_argument("--block-k", type=int, default=None, help="K step of the weight tiles (default: the plan's)")
     ap.add_argument("--tile-elems", type=int, default=None, help="elements per weight tile (default: the plan's)")
-    ap.add_argument("--max-task-kb", type=int, default=512, help="largest task in KB (more tasks per phase below)")
+    ap.add_argument("--max-task-kb", type=int, default=None,
+                    help="largest task in KB (more tasks per phase below; default: the plan's, 128 or 512 for lanes)")
     ap.add_argument("--trace", type=int, default=0, metavar="STEPS",
                     help="also run STEPS time-stamped decode steps and print where a step's time goes per op "
                          "(critical path, wait / work per task: kernels/monokernel/trace.py)")

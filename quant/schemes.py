@@ -318,6 +318,35 @@ class QuantizedTensor:
         also what compressed-tensors' decompress does (its bf16 nvfp4/mxfp4 outputs match ours bit for bit)."""
         return get_scheme(self.scheme)._dequantize(self.tensors, self.shape).to(dtype)
 
+    def narrow(self, dim: int, start: int, length: int, what: str = "weight") -> "QuantizedTensor":
+        """The codes of weight[..., start:start + length, ...] along `dim` (0 = out rows, 1 = in columns of an
+        [out, in] weight; negative counts from the end), without dequantizing: codes, packed nibbles and scales
+        are cut at their own granularity (2 codes per byte, a scale per 16 / 32 columns or per 128 x 128 block).
+        A cut inside a scale group cannot be expressed: ConfigError naming `what` (tensor parallelism asks)."""
+        from kie_moe.models.errors import ConfigError
+        dim = dim % len(self.shape)
+        n = self.shape[dim]
+        if not (0 <= start and length > 0 and start + length <= n):
+            raise ConfigError(f"{what}: slice [{start}, {start + length}) outside its {n} along dim {dim}")
+        new_shape = tuple(length if i == dim else d for i, d in enumerate(self.shape))
+        sch = get_scheme(self.scheme)
+        old_specs, new_specs = sch.tensor_specs(self.shape), sch.tensor_specs(new_shape)
+        out = {}
+        for name, t in self.tensors.items():
+            so, sn = old_specs[name][0], new_specs[name][0]
+            axes = [k for k in range(len(so)) if so[k] != sn[k]]
+            if not axes:                      # not laid out along dim (per-row scale when cutting columns, ...)
+                out[name] = t
+                continue
+            k = axes[0]
+            unit = next((u for u in (1, 2, 16, 32, 64, 128) if -(-n // u) == so[k] and -(-length // u) == sn[k]), None)
+            if unit is None or start % unit or (length % unit and start + length != n):
+                raise ConfigError(f"{what}: a {self.scheme} weight of shape {self.shape} cannot be cut at "
+                                  f"[{start}, {start + length}) along dim {dim}: its {name!r} holds one entry per "
+                                  f"{unit or '?'} of them")
+            out[name] = t.narrow(k, start // unit, sn[k])
+        return QuantizedTensor(self.scheme, out, new_shape, self.dtype)
+
     def unstack(self) -> list["QuantizedTensor"]:
         """Stacked [E, out, in] -> E QuantizedTensors of [out, in] (views, no copy)."""
         if len(self.shape) != 3:

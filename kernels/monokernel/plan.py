@@ -17,8 +17,10 @@ copies of the table back to back: global task t is step t // T, row t % T, and w
 between steps. Every phase waits for the whole previous phase, which also orders every buffer reuse (WAR).
 
 Tile sizes: an op of B bytes becomes ~n_sms * ceil(B / (n_sms * max_task_bytes)) tasks of equal row counts (so
-every SM streams about the same bytes in a phase: one task per SM for every op below n_sms * 512 KB, i.e. all
-but the LM head at 1-2B scale), never smaller than min_task_bytes (a claim + wait costs ~1-2 us).
+every SM streams about the same bytes in a phase: one task per SM for every op below n_sms * max_task_bytes, by
+default 128 KB (512 KB for a Laneformer: measured best on the H200), so an op of several waves gives every program
+several tasks of which the next one's weights are prefetched while the current one streams), never smaller than
+min_task_bytes (a claim + wait costs ~1-2 us).
 """
 from __future__ import annotations
 
@@ -473,7 +475,7 @@ def _bn(rows: list[tuple[int, int]], cap: int) -> int:
 def build_plan(spec: ModelSpec, weights=None, device: str | torch.device = "cpu", *,
                wdtype: torch.dtype | None = None, n_sms: int | None = None, block_k: int | None = None,
                tile_elems: int | None = None, block_t: int | None = None, min_task_bytes: int = 16 << 10,
-               x_bcast: bool = False, max_task_bytes: int = 512 << 10, random_seed: int | None = None,
+               x_bcast: bool = False, max_task_bytes: int | None = None, random_seed: int | None = None,
                quantized=None, formats: dict | None = None, programs_per_sm: int = 1,
                num_stages: int | None = None, tp: tuple[int, int] | None = None) -> Plan:
     """Pack `weights` (WeightStore-like: names(), get(canonical), `in`) into device buffers and tile every op.
@@ -549,6 +551,11 @@ def build_plan(spec: ModelSpec, weights=None, device: str | torch.device = "cpu"
         # gate/up ops two matrices, so they get half. 16384 fits sm_90's 255 registers without spills (offline
         # ptxas); larger tiles put more bytes in flight but spill (benchmarks/monokernel_bench.py --sweep).
         tile_elems = 16384 if gpu else 64 * block_k
+    if max_task_bytes is None:
+        # H200, 2026-12-03 (benchmarks/NOTES.md): 128 KB tasks beat 512 KB on llama-3.2-1b bf16 (+8.6%) and
+        # qwen3-30b-a3b fp8 (+12%; nvfp4 -2.5%, within noise), but cost the Laneformer 17% (its lane ops read every
+        # lane's rows per task: smaller tasks repeat that per-task work)
+        max_task_bytes = (512 if d.LANES else 128) << 10
     sp = lambda n, rb, g=1: split_rows(n, int(rb), n_sms, min_task_bytes, max_task_bytes, g)  # noqa: E731
     o_in = d.HQ * (d.VD if d.MLA else d.DH)
     rows = {"qkv": sp(d.NQKV, d.D * qb["attn"]), "o": sp(d.D, o_in * qb["attn"]), "lm": sp(d.V, d.D * eb)}
