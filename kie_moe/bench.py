@@ -342,7 +342,8 @@ def cmd_bench(a) -> int:
 
     def prepare(group):
         src = open_model(a.model, group.device, scheme=a.scheme, tiny=a.tiny)
-        return src, ranks.rank_backend(src.model, group, a.backend)
+        return src, ranks.rank_backend(src.model, group, a.backend,
+                                           expert_split=getattr(a, "expert_split", None))
 
     return ranks.launch_ranks(a, lambda: _bench(a), prepare, lambda src, be: _bench(a, (src, be)))
 

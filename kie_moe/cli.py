@@ -32,7 +32,7 @@ def cmd_generate(a) -> int:
     def prepare(group):
         from kie_moe.models.registry import load_model
         m = load_model(a.model)
-        return m, ranks.rank_backend(m, group, a.backend)
+        return m, ranks.rank_backend(m, group, a.backend, expert_split=a.expert_split)
 
     def lead(m, be):
         from kie_moe.engine import Engine
@@ -113,7 +113,7 @@ def cmd_serve(a) -> int:
         sock = bind(a.host, a.port) if group.rank == 0 else None   # a taken port fails before the model loads
         try:
             m = load_model(a.model)
-            return (sock, m), ranks.rank_backend(m, group, a.backend)
+            return (sock, m), ranks.rank_backend(m, group, a.backend, expert_split=a.expert_split)
         except BaseException:
             if sock is not None:
                 sock.close()
@@ -164,6 +164,10 @@ def cmd_preview(a) -> int:
     return run(a)
 
 
+EXPERT_SPLIT_HELP = ("with --devices N on GPUs, how a MoE's experts are split: tp (columns of every expert on every "
+                     "rank: 1/N of each active expert's bytes, the batch-1 choice), ep (whole experts per rank), "
+                     "auto (default: tp where the expert width splits into whole scale groups of the weight format, "
+                     "else ep)")
 DEVICES_HELP = ("N devices (default 1): N worker processes, one per GPU (--device cpu: N CPU processes), each "
                 "decoding its shard in lockstep; rank 0 prints / serves")
 
@@ -197,6 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--devices", type=int, default=1,
                    help=DEVICES_HELP)
     _device_args(g)
+    g.add_argument("--expert-split", default=None, choices=["auto", "tp", "ep"], help=EXPERT_SPLIT_HELP)
     g.set_defaults(fn=cmd_generate)
 
     c = sub.add_parser("convert", help="convert an HF checkpoint to fp8 / fp8-block / nvfp4 / mxfp4",
@@ -241,6 +246,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="model name clients send and /v1/models lists (default: MODEL_DIR as given)")
     v.add_argument("--devices", type=int, default=1, help=DEVICES_HELP)
     _device_args(v)
+    v.add_argument("--expert-split", default=None, choices=["auto", "tp", "ep"], help=EXPERT_SPLIT_HELP)
     v.set_defaults(fn=cmd_serve)
 
     d = sub.add_parser("demo", help="the embedded demo model end to end: convert, generate, compare with bf16",
@@ -287,6 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--devices", type=int, default=1, help=DEVICES_HELP + "; the roofline is N devices' (each "
                                                           "reads bytes/N)")
     _device_args(b)
+    b.add_argument("--expert-split", default=None, choices=["auto", "tp", "ep"], help=EXPERT_SPLIT_HELP)
     b.set_defaults(fn=cmd_bench)
 
     w = sub.add_parser("sweep", help="throughput vs quality per quantization scheme: table + plot",

@@ -125,16 +125,18 @@ def check_backend(kind: str, backend: str) -> str:
                      f"on GPUs or CPU)")
 
 
-def rank_backend(model, group: Group, backend: str = "auto", dtype: torch.dtype | None = None):
+def rank_backend(model, group: Group, backend: str = "auto", dtype: torch.dtype | None = None,
+                 expert_split: str | None = None):
     """This rank's backend for `model` (collective: call on every rank with the same arguments). `dtype`: the
     weights' working dtype (default: the backend's own -- bf16 on GPUs, fp32 for the reference on CPU). --backend
     auto on GPUs: the monokernel, or the reference ranks where its planner refuses the model (NotImplementedError,
-    raised alike on every rank before any collective); the backend's `path` says which and why."""
+    raised alike on every rank before any collective); the backend's `path` says which and why. expert_split:
+    tp / ep / auto|None for the monokernel's MoE layers (shard.expert_split)."""
     path = check_backend(group.device.type, backend)
     why = ""
     if path == "monokernel":
         try:
-            return MonokernelRank(model, group, dtype)
+            return MonokernelRank(model, group, dtype, None if expert_split == "auto" else expert_split)
         except NotImplementedError as e:
             if backend != "auto":
                 raise
@@ -202,9 +204,9 @@ class MonokernelRank:
     """kernels/monokernel/shard.TpRank behind the rank-backend contract (GPUs only)."""
     name = "monokernel-tp"
 
-    def __init__(self, model, group: Group, dtype: torch.dtype | None = None):
+    def __init__(self, model, group: Group, dtype: torch.dtype | None = None, expert_split: str | None = None):
         from kie_moe.kernels.monokernel.shard import TpRank
-        self.tp = TpRank(model, **({"wdtype": dtype} if dtype is not None else {}))
+        self.tp = TpRank(model, expert_split=expert_split, **({"wdtype": dtype} if dtype is not None else {}))
         self.world, self.device = group.world, group.device
         self.path = (f"tensor-parallel monokernel on {group.unit}: partial sums through in-kernel KCCL puts / waits "
                      f"over torch symmetric memory")

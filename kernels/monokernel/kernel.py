@@ -32,7 +32,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kie_moe.kccl.sync import clock64, flag_is_set, globaltimer, put_span, read_counter, signal, signal_peer, st_release_sys, wait
+from kie_moe.kccl.sync import (clock64, flag_is_set, globaltimer, put_span, read_counter, signal, signal_peer,
+                               st_release_sys, wait)
 
 from . import plan as P
 from .lane_ops import lane_final_mean, lane_final_reduce, lane_out_tile, lane_reduce, lane_sum, stream_lane_out
@@ -190,7 +191,8 @@ def _tp_reduce(recv_ptr, x_ptr, r0, r_end, D: tl.constexpr, TP: tl.constexpr, BL
 
 # Runtime integers vary per launch (positions, counts, seeds): without this, Triton would specialise on value 1
 # and on divisibility by 16 and recompile this large kernel (~10 s) for new combinations.
-_DYNAMIC = ["trace_cap", "n_tasks", "n_steps", "start_pos", "kv_tmax", "n_splits", "n_lm", "n_eos", "ignore_eos", "n_forced",
+_DYNAMIC = ["trace_cap", "n_tasks", "n_steps", "start_pos", "kv_tmax", "n_splits", "n_lm", "n_eos", "ignore_eos",
+            "n_forced",
             "do_sample", "seed", "timeout_ns", "embed_off", "lm_off", "fnorm_off", "tp_rank", "sym_pv_off",
             "sym_ctr_off"]
 
@@ -236,7 +238,7 @@ def monokernel(
     BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr,
     BLOCK_TOPK: tl.constexpr, BLOCK_EOS: tl.constexpr, BLOCK_X: tl.constexpr,
     XB: tl.constexpr, NS: tl.constexpr, USE_ASM: tl.constexpr, NT: tl.constexpr, MODE: tl.constexpr = 0,
-    TP: tl.constexpr = 0,
+    TP: tl.constexpr = 0, E_LO: tl.constexpr = 0, E_LOC: tl.constexpr = 0,
 ):
     """MODE 0: decode. Benchmark-only modes (wrong tokens, for locating time): 1 = tasks only claim, wait and
     signal (the sampler still runs): the cost of scheduling + dependency latency; 2 = no waits: streaming speed.
@@ -563,21 +565,29 @@ def monokernel(
                     tl.store(rids_ptr + layer * TOPK + offs_j, ids, mask=offs_j < TOPK)
                     tl.store(rwts_ptr + layer * TOPK + offs_j, wts, mask=offs_j < TOPK)
                 e = tl.sum(tl.where(offs_j == aux, ids, 0), axis=0).to(tl.int64)
-                wg = _wp(FMT_EXP, wa_ptr, qw8_ptr, qw32_ptr, tl.load(lrow + P.LF_EGATE)) + e * (I_MOE * RU_D_EXP)
-                wu = _wp(FMT_EXP, wa_ptr, qw8_ptr, qw32_ptr, tl.load(lrow + P.LF_EUP)) + e * (I_MOE * RU_D_EXP)
-                sg_ = _sp(FMT_EXP, qf32_ptr, qs8f_ptr, qs8u_ptr, tl.load(lrow + P.LF_EGATE_S) + e * (I_MOE * SC_D_EXP))
-                su_ = _sp(FMT_EXP, qf32_ptr, qs8f_ptr, qs8u_ptr, tl.load(lrow + P.LF_EUP_S) + e * (I_MOE * SC_D_EXP))
-                prefetch_rows(wg, r0, nr, D, FMT_EXP, USE_ASM)   # experts are known only now
-                prefetch_rows(wu, r0, nr, D, FMT_EXP, USE_ASM)
-                g0, gs0 = tile(wg, sg_, D, r0, r_end, 0, 1, FMT_EXP, BN_EUP, BLOCK_K)
-                u0, us0 = tile(wu, su_, D, r0, r_end, 0, 1, FMT_EXP, BN_EUP, BLOCK_K)
-                stream_glu(wg, wu, sg_, su_, qf32_ptr + tl.load(lrow + P.LF_EGATE_F) + e * I_MOE,
-                           qf32_ptr + tl.load(lrow + P.LF_EUP_F) + e * I_MOE, g0, u0, gs0, us0, D, r0, r_end, x_ptr,
-                           wa_ptr + tl.multiple_of(tl.load(lrow + P.LF_MLP_NORM), 64), eps,
-                           wa_ptr + tl.load(lrow + P.LF_EGATE_B) + e * I_MOE,
-                           wa_ptr + tl.load(lrow + P.LF_EUP_B) + e * I_MOE,
-                           h_ptr + aux * I_MOE, glu_limit, glu_alpha, HAS_EBIAS, EXP_ACT, FMT_EXP, BN_EUP, BLOCK_K,
-                           XB, NS)
+                mine = e >= 0
+                if E_LOC > 0:   # expert parallel: a slot routed to another rank's expert is that rank's work
+                    mine = (e >= E_LO) & (e < E_LO + E_LOC)
+                    e = tl.where(mine, e - E_LO, 0)
+                if mine:
+                    wg = _wp(FMT_EXP, wa_ptr, qw8_ptr, qw32_ptr, tl.load(lrow + P.LF_EGATE)) + e * (I_MOE * RU_D_EXP)
+                    wu = _wp(FMT_EXP, wa_ptr, qw8_ptr, qw32_ptr, tl.load(lrow + P.LF_EUP)) + e * (I_MOE * RU_D_EXP)
+                    sg_ = _sp(FMT_EXP, qf32_ptr, qs8f_ptr, qs8u_ptr,
+                              tl.load(lrow + P.LF_EGATE_S) + e * (I_MOE * SC_D_EXP))
+                    su_ = _sp(FMT_EXP, qf32_ptr, qs8f_ptr, qs8u_ptr,
+                              tl.load(lrow + P.LF_EUP_S) + e * (I_MOE * SC_D_EXP))
+                    prefetch_rows(wg, r0, nr, D, FMT_EXP, USE_ASM)   # experts are known only now
+                    prefetch_rows(wu, r0, nr, D, FMT_EXP, USE_ASM)
+                    g0, gs0 = tile(wg, sg_, D, r0, r_end, 0, 1, FMT_EXP, BN_EUP, BLOCK_K)
+                    u0, us0 = tile(wu, su_, D, r0, r_end, 0, 1, FMT_EXP, BN_EUP, BLOCK_K)
+                    stream_glu(wg, wu, sg_, su_, qf32_ptr + tl.load(lrow + P.LF_EGATE_F) + e * I_MOE,
+                               qf32_ptr + tl.load(lrow + P.LF_EUP_F) + e * I_MOE, g0, u0, gs0, us0, D, r0, r_end,
+                               x_ptr,
+                               wa_ptr + tl.multiple_of(tl.load(lrow + P.LF_MLP_NORM), 64), eps,
+                               wa_ptr + tl.load(lrow + P.LF_EGATE_B) + e * I_MOE,
+                               wa_ptr + tl.load(lrow + P.LF_EUP_B) + e * I_MOE,
+                               h_ptr + aux * I_MOE, glu_limit, glu_alpha, HAS_EBIAS, EXP_ACT, FMT_EXP, BN_EUP,
+                               BLOCK_K, XB, NS)
         elif op == _OP_EXP_DOWN:
             t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
             st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE, tr, trace_on)
@@ -591,8 +601,9 @@ def monokernel(
                 if USE_ASM:   # the routed experts' rows of this task, all slots at once, into L2
                     eb = _wbase(FMT_EXP, wa_ptr, qw8_ptr, qw32_ptr) + _wu(FMT_EXP, tl.load(lrow + P.LF_EDOWN))
                     for j in tl.static_range(TOPK):
-                        e = tl.load(rids_ptr + layer * TOPK + j).to(tl.int64)
-                        prefetch_rows(eb + e * (D * RU_I_EXP), r0, nr, I_MOE, FMT_EXP, USE_ASM)
+                        e = tl.load(rids_ptr + layer * TOPK + j).to(tl.int64) - E_LO
+                        if (e >= 0) & ((e < E_LOC) | (E_LOC == 0)):
+                            prefetch_rows(eb + e * (D * RU_I_EXP), r0, nr, I_MOE, FMT_EXP, USE_ASM)
                 stream_expert_down(_wbase(FMT_EXP, wa_ptr, qw8_ptr, qw32_ptr),
                                    _sp(FMT_EXP, qf32_ptr, qs8f_ptr, qs8u_ptr, tl.zeros((), tl.int64)), qf32_ptr,
                                    _wu(FMT_EXP, tl.multiple_of(tl.load(lrow + P.LF_EDOWN), 64)),
@@ -601,7 +612,7 @@ def monokernel(
                                    tl.load(lrow + P.LF_SDOWN_S), tl.load(lrow + P.LF_SDOWN_F),
                                    wa_ptr + tl.load(lrow + P.LF_EDOWN_B), r0, r_end, h_ptr, rids_ptr + layer * TOPK,
                                    rwts_ptr + layer * TOPK, sg_ptr, x_ptr, ye, D, I_MOE, I_SH, TOPK, HAS_EBIAS,
-                                   HAS_SH_GATE, FMT_EXP, BLOCK_TOPK, BN_EDOWN, BLOCK_K, XB, NS, TP == 0)
+                                   HAS_SH_GATE, FMT_EXP, BLOCK_TOPK, BN_EDOWN, BLOCK_K, XB, NS, TP == 0, E_LO, E_LOC)
                 if TP > 0:
                     _tp_put(ye, poff_ptr, r0, r_end, xctr, TP, USE_ASM, BLOCK_X)
         elif op == _OP_LM:

@@ -156,6 +156,10 @@ class Dims:
     TP: int = 0
     # tensor-parallel Laneformer: lanes of the whole model (LANES: this rank's); 0 = LANES (unsharded)
     LANES_ALL: int = 0
+    # expert parallelism (shard.py, expert_split "ep"): this rank stores experts [E_LO, E_LO + E_LOC) of E whole;
+    # a routed slot whose expert lives elsewhere streams nothing here (its rank adds it through the all-reduce)
+    E_LO: int = 0
+    E_LOC: int = 0          # 0: all E (no expert parallelism)
 
     @property
     def NQKV(self) -> int:
@@ -410,13 +414,14 @@ def layout_arena(spec: ModelSpec, d: Dims, has, qa: QArena | None = None) -> tup
             if d.HAS_SBIAS:
                 o[LF_SCORE_B] = ar.add([(c("moe.score_bias"), (E,))])
             ex = lambda e, n: c(f"moe.experts.{e}.{n}")  # noqa: E731
-            lin(o, LF_EGATE, "exp", [(ex(e, "gate"), (I, D)) for e in range(E)], LF_EGATE_S, LF_EGATE_F)
-            lin(o, LF_EUP, "exp", [(ex(e, "up"), (I, D)) for e in range(E)], LF_EUP_S, LF_EUP_F)
-            lin(o, LF_EDOWN, "exp", [(ex(e, "down"), (D, I)) for e in range(E)], LF_EDOWN_S, LF_EDOWN_F)
+            own = range(d.E_LO, d.E_LO + (d.E_LOC or E))   # the stored experts (all, or this rank's: EP)
+            lin(o, LF_EGATE, "exp", [(ex(e, "gate"), (I, D)) for e in own], LF_EGATE_S, LF_EGATE_F)
+            lin(o, LF_EUP, "exp", [(ex(e, "up"), (I, D)) for e in own], LF_EUP_S, LF_EUP_F)
+            lin(o, LF_EDOWN, "exp", [(ex(e, "down"), (D, I)) for e in own], LF_EDOWN_S, LF_EDOWN_F)
             if d.HAS_EBIAS:
-                o[LF_EGATE_B] = ar.add([(ex(e, "gate_bias"), (I,)) for e in range(E)])
-                o[LF_EUP_B] = ar.add([(ex(e, "up_bias"), (I,)) for e in range(E)])
-                o[LF_EDOWN_B] = ar.add([(ex(e, "down_bias"), (D,)) for e in range(E)])
+                o[LF_EGATE_B] = ar.add([(ex(e, "gate_bias"), (I,)) for e in own])
+                o[LF_EUP_B] = ar.add([(ex(e, "up_bias"), (I,)) for e in own])
+                o[LF_EDOWN_B] = ar.add([(ex(e, "down_bias"), (D,)) for e in own])
             if d.I_SH:
                 lin(o, LF_SGATE, "exp", [(c("moe.shared.gate"), (d.I_SH, D)), (c("moe.shared.up"), (d.I_SH, D))],
                     LF_SGATE_S, LF_SGATE_F)
@@ -477,7 +482,8 @@ def build_plan(spec: ModelSpec, weights=None, device: str | torch.device = "cpu"
                tile_elems: int | None = None, block_t: int | None = None, min_task_bytes: int = 16 << 10,
                x_bcast: bool = False, max_task_bytes: int | None = None, random_seed: int | None = None,
                quantized=None, formats: dict | None = None, programs_per_sm: int = 1,
-               num_stages: int | None = None, tp: tuple[int, int] | None = None) -> Plan:
+               num_stages: int | None = None, tp: tuple[int, int] | None = None,
+               experts: tuple[int, int] | None = None) -> Plan:
     """Pack `weights` (WeightStore-like: names(), get(canonical), `in`) into device buffers and tile every op.
 
     quantized: callable(canonical name) -> quant.schemes.QuantizedTensor | None, the codes of Linears stored
@@ -491,7 +497,8 @@ def build_plan(spec: ModelSpec, weights=None, device: str | torch.device = "cpu"
     sm_90 compile, [16 x 1024] bf16 tiles, 3 stages: 78 KB of shared memory, no spills); 0: a register double
     buffer. Default 3 on the GPU.
     tp: (rank, world): `spec` / `weights` are rank `rank`'s shard (shard.py: its heads, MLP and expert columns,
-    the whole LM head, of which it streams only its vocab piece) and the task table gets the KCCL tasks."""
+    the whole LM head, of which it streams only its vocab piece) and the task table gets the KCCL tasks.
+    experts: (first, count): expert parallelism, `weights` hold only these experts (whole; global names)."""
     device = torch.device(device)
     d = model_dims(spec)
     gpu = device.type in ("cuda", "meta")  # meta: an offline compile for the GPU
@@ -509,6 +516,10 @@ def build_plan(spec: ModelSpec, weights=None, device: str | torch.device = "cpu"
         fm["attn"] = 0   # MLA's Linears stay float (a quantized checkpoint's store dequantizes them on read)
     d = dataclasses.replace(d, FMT_ATTN=fm.get("attn", 0), FMT_MLP=fm.get("mlp", 0), FMT_EXP=fm.get("exp", 0),
                             TP=tp[1] if tp else 0)
+    if experts is not None:
+        if not d.E or not (0 <= experts[0] and experts[1] > 0 and experts[0] + experts[1] <= d.E):
+            raise ValueError(f"monokernel: experts {experts} outside the model's {d.E}")
+        d = dataclasses.replace(d, E_LO=experts[0], E_LOC=experts[1])
     if tp and (d.MLA or d.QK_NORM == 2):
         raise NotImplementedError("monokernel tensor parallel: MLA and whole-projection q/k norms are not split yet")
     qfmt = max(fm.values(), default=0)

@@ -364,7 +364,8 @@ class MonokernelBackend:
             BLOCK_K=t.block_k, BLOCK_T=t.block_t, BLOCK_P=t.block_p, BLOCK_R=_pow2(d.HQ // d.HKV),
             BLOCK_H=_pow2(d.ROT // 2), BLOCK_C=_pow2(max(d.DH - d.ROT, 1)), BLOCK_D=_pow2(d.DH),
             BLOCK_E=_pow2(max(d.E, 1)), BLOCK_TOPK=_pow2(max(d.TOPK, 1)), BLOCK_EOS=_MAX_EOS, BLOCK_X=bx,
-            XB=t.xb, NS=t.ns, USE_ASM=not self.interpret, NT=32 * self.num_warps, TP=d.TP)
+            XB=t.xb, NS=t.ns, USE_ASM=not self.interpret, NT=32 * self.num_warps, TP=d.TP, E_LO=d.E_LO,
+            E_LOC=d.E_LOC)
         return args, meta
 
     def _sym_offs(self) -> tuple[int, int]:

@@ -4,10 +4,13 @@ exchanging partial sums through KCCL inside the kernel (no host round trip, no k
 Split (plain TP, for models that cannot be retrained for DTP): rank r of N owns
 - attention: query heads [r*Hq/N, (r+1)*Hq/N) with the kv heads they read (duplicated when Hkv < N), its
   columns of o_proj; its KV cache holds only those kv heads;
-- dense MLP, shared expert and every routed expert: columns [r*I/N, (r+1)*I/N) of gate / up (rows) and down
-  (columns): tensor parallelism within each expert, so every rank streams 1/N of each active expert's bytes at
-  batch 1 whatever the router picks (expert parallelism would leave a rank idle whenever the top-k experts live
-  elsewhere: see `expert_split`);
+- dense MLP, shared expert and (expert_split "tp", the batch-1 choice) every routed expert: columns
+  [r*I/N, (r+1)*I/N) of gate / up (rows) and down (columns): tensor parallelism within each expert, so every rank
+  streams 1/N of each active expert's bytes whatever the router picks; or (expert_split "ep", where I/N does not
+  split into whole scale groups of the stored format, or on request) whole experts [lo, lo + n) per rank
+  (`expert_range`): a slot routed elsewhere streams nothing here, its owner adds it through the same all-reduce;
+- a quantized checkpoint's codes and scales cut like the float slices (QuantizedTensor.narrow; a cut inside a
+  scale group is a ConfigError naming the tensor);
 - biases of row-split outputs (o, down, expert down) only on rank 0 (zeros elsewhere: added once);
 - the router, norms and embeddings replicated; the LM head whole, but each rank streams only its vocab piece.
 A Laneformer is split by lanes instead (Delayed Tensor Parallelism, lanes.shard_lanes and lanes.py's docstring):
@@ -37,29 +40,71 @@ from typing import Iterator
 
 import torch
 
-from kie_moe.models.errors import InputError
+from kie_moe.models.errors import ConfigError, InputError
 from kie_moe.kccl.tp_sim import col_split, head_split
 from kie_moe.models.spec import ModelSpec, canonical
 
 from . import plan as P
 from .runtime import MonokernelBackend
 
-EXPERT_SPLITS = ("tp",)   # expert parallel inside the kernel: not yet (kccl/tp_sim.py has it in torch)
+EXPERT_SPLITS = ("tp", "ep")
 
 
-def expert_split(spec: ModelSpec, world: int) -> str:
-    """How a MoE's experts are split over `world` ranks. Batch 1 streams top_k experts per layer: within-expert
-    TP reads bytes / N on every rank; expert parallelism reads the chosen experts on the ranks that own them, so
-    the slowest rank reads up to min(top_k, E / N) whole experts (top_k / N only when the router spreads them
-    perfectly). TP is never slower at batch 1, so it is the plan's choice; EP pays off only for batches."""
-    return "tp"
+def expert_range(num_experts: int, rank: int, world: int) -> tuple[int, int]:
+    """(first, count) of the experts rank `rank` owns under expert parallelism: contiguous blocks, as
+    kccl.tp_sim.owns_expert (e * world // E == rank)."""
+    lo = -(-rank * num_experts // world)
+    return lo, -(-(rank + 1) * num_experts // world) - lo
+
+
+def _tp_cut_unit(scheme: str | None) -> int:
+    """Columns a within-expert TP cut must be a multiple of, for an expert down projection stored in `scheme`
+    (its scale groups / blocks; gate / up rows: fp8-block's 128-row blocks too)."""
+    return {None: 1, "fp8": 1, "fp8-block": 128, "nvfp4": 16, "mxfp4": 32}[scheme]
+
+
+def expert_split(spec: ModelSpec, world: int, scheme: str | None = None, want: str | None = None) -> str:
+    """How a MoE's experts are split over `world` ranks: "tp" (columns of every expert on every rank) or "ep"
+    (whole experts per rank). Batch 1 streams top_k experts per layer: within-expert TP reads bytes / N on every
+    rank; expert parallelism reads the chosen experts on the ranks that own them, so the slowest rank reads up to
+    min(top_k, E / N) whole experts (top_k / N only when the router spreads them perfectly), and the others wait
+    for it at the all-reduce. So TP is the choice wherever it can cut: each expert's intermediate size must split
+    into whole scale groups of the stored format (`scheme`: 128-column blocks for fp8-block, 16 / 32 for nvfp4 /
+    mxfp4); EP where it cannot (e.g. I = 768 over 8 ranks in fp8-block: 96 columns). `want` forces one (an
+    impossible one raises ConfigError naming why)."""
+    moes = [lay.moe for lay in spec.layers if lay.moe is not None]
+    if not moes or world == 1:
+        return want or "tp"
+    m = moes[0]
+    unit = _tp_cut_unit(scheme)
+    tp_why = None
+    if m.intermediate_size % world or (m.intermediate_size // world) % unit:
+        tp_why = (f"expert intermediate size {m.intermediate_size} over {world} ranks is not a multiple of "
+                  f"{unit} columns{f' ({scheme} scale groups)' if unit > 1 else ''}")
+    ep_why = None if m.num_experts >= world else f"{m.num_experts} experts cannot give each of {world} ranks one"
+    if want not in (None, *EXPERT_SPLITS):
+        raise ConfigError(f"expert split must be one of {EXPERT_SPLITS}, got {want!r}")
+    choice = want or ("tp" if tp_why is None else "ep")
+    why = tp_why if choice == "tp" else ep_why
+    if why:
+        raise ConfigError(f"tensor parallel ({choice}): {why}")
+    return choice
 
 
 class DictStore:
-    """A WeightStore over a dict (names(), get(), `in`): a rank's shard for build_plan."""
+    """A WeightStore over a dict (names(), get(), `in`): a rank's shard for build_plan. Of a quantized checkpoint
+    it also hands out the shard's codes (`quantized_tensor`, which kernels.weights.stored_codes asks): the source's
+    QuantizedTensor of each name cut like its float slice (`cuts`: name -> None whole, or (dim, start, length)).
+    experts: (first, count) under expert parallelism (build_plan's `experts`), else None."""
 
-    def __init__(self, d: dict, path: str = "<tensor-parallel shard>"):
-        self.d, self.path = d, path
+    def __init__(self, d: dict, path: str = "<tensor-parallel shard>", codes=None, cuts: dict | None = None,
+                 experts: tuple[int, int] | None = None):
+        self.d, self.path, self.codes, self.cuts, self.experts = d, path, codes, cuts or {}, experts
+
+    def quantized_tensor(self, name: str):
+        q = self.codes(name) if self.codes is not None and name in self.d else None
+        cut = self.cuts.get(name)
+        return q if q is None or cut is None else q.narrow(*cut, what=name)
 
     def names(self) -> list[str]:
         return list(self.d)
@@ -71,12 +116,26 @@ class DictStore:
         return self.d[name]
 
 
-def shard(spec: ModelSpec, weights, rank: int, world: int) -> tuple[ModelSpec, DictStore]:
-    """-> (rank `rank`'s spec: its heads and intermediate sizes; a store of its slices, as float tensors)."""
+def shard(spec: ModelSpec, weights, rank: int, world: int, experts: str | None = None) -> tuple[ModelSpec, DictStore]:
+    """-> (rank `rank`'s spec: its heads and intermediate sizes; a store of its slices: float tensors, and the cut
+    codes of a quantized checkpoint's Linears). experts: "tp" / "ep" / None (expert_split decides)."""
     if not 0 <= rank < world:
         raise InputError(f"rank {rank} outside world {world}")
+    from .plan import _default_quantized
+    codes = _default_quantized(weights)
     names = set(weights.names())
     get = weights.get
+    scheme = None
+    if codes is not None:
+        q = next((codes(n) for n in sorted(names) if ".moe.experts." in n and n.endswith(".down")), None)
+        scheme = q.scheme if q is not None else None
+    how = expert_split(spec, world, scheme, experts)
+    cuts: dict = {}
+
+    def cut(name, dim, sl):   # a float slice and the same cut of its codes
+        cuts[name] = (dim, sl.start, sl.stop - sl.start)
+        t = get(name)
+        return t[sl] if dim == 0 else t[:, sl]
     w = {n: get(n) for n in ("embed", "final_norm", "lm_head") if n in names}
     layers = []
     for i, lay in enumerate(spec.layers):
@@ -90,10 +149,10 @@ def shard(spec: ModelSpec, weights, rank: int, world: int) -> tuple[ModelSpec, D
             if n(nm) in names:
                 w[n(nm)] = get(n(nm))                                        # replicated
         for nm, sl in (("attn.q", qs), ("attn.k", ks), ("attn.v", ks)):
-            w[n(nm)] = get(n(nm))[rows(sl)]                                  # [heads*Dh, D] rows
+            w[n(nm)] = cut(n(nm), 0, rows(sl))                               # [heads*Dh, D] rows
             if n(nm + "_bias") in names:
                 w[n(nm + "_bias")] = get(n(nm + "_bias"))[rows(sl)]
-        w[n("attn.o")] = get(n("attn.o"))[:, rows(qs)]                       # [D, heads*Dh] columns
+        w[n("attn.o")] = cut(n("attn.o"), 1, rows(qs))                       # [D, heads*Dh] columns
         if n("attn.o_bias") in names:                                        # added once: rank 0
             b = get(n("attn.o_bias"))
             w[n("attn.o_bias")] = b if rank == 0 else torch.zeros_like(b)
@@ -105,24 +164,36 @@ def shard(spec: ModelSpec, weights, rank: int, world: int) -> tuple[ModelSpec, D
             groups.append(("mlp", mlp.intermediate_size))
             mlp = dataclasses.replace(mlp, intermediate_size=mlp.intermediate_size // world)
         if moe is not None:
-            groups += [(f"moe.experts.{e}", moe.intermediate_size) for e in range(moe.num_experts)]
+            if how == "tp":
+                groups += [(f"moe.experts.{e}", moe.intermediate_size) for e in range(moe.num_experts)]
+            else:                                                            # whole experts, biases included
+                lo, cnt = expert_range(moe.num_experts, rank, world)
+                for e in range(lo, lo + cnt):
+                    for nm in ("gate", "up", "down", "gate_bias", "up_bias", "down_bias"):
+                        if n(f"moe.experts.{e}.{nm}") in names:
+                            w[n(f"moe.experts.{e}.{nm}")] = get(n(f"moe.experts.{e}.{nm}"))
+                            cuts[n(f"moe.experts.{e}.{nm}")] = None
             if moe.shared_intermediate_size:
                 groups.append(("moe.shared", moe.shared_intermediate_size))
-            moe = dataclasses.replace(moe, intermediate_size=moe.intermediate_size // world,
+            moe = dataclasses.replace(moe, intermediate_size=moe.intermediate_size // (world if how == "tp" else 1),
                                       shared_intermediate_size=moe.shared_intermediate_size // world)
         for pre, size in groups:                                             # column-split (GLU) MLPs
             c = col_split(size, rank, world, f"layer {i} {pre}")
             for nm in ("gate", "up"):
-                w[n(f"{pre}.{nm}")] = get(n(f"{pre}.{nm}"))[c]
+                w[n(f"{pre}.{nm}")] = cut(n(f"{pre}.{nm}"), 0, c)
                 if n(f"{pre}.{nm}_bias") in names:
                     w[n(f"{pre}.{nm}_bias")] = get(n(f"{pre}.{nm}_bias"))[c]
-            w[n(f"{pre}.down")] = get(n(f"{pre}.down"))[:, c]
+            w[n(f"{pre}.down")] = cut(n(f"{pre}.down"), 1, c)
             if n(f"{pre}.down_bias") in names:
                 b = get(n(f"{pre}.down_bias"))
                 w[n(f"{pre}.down_bias")] = b if rank == 0 else torch.zeros_like(b)
         attn = dataclasses.replace(a, num_heads=qs.stop - qs.start, num_kv_heads=ks.stop - ks.start)
         layers.append(dataclasses.replace(lay, attn=attn, mlp=mlp, moe=moe))
-    return dataclasses.replace(spec, layers=tuple(layers)), DictStore({k: v.contiguous() for k, v in w.items()})
+    ex = None
+    if how == "ep" and any(lay.moe is not None for lay in spec.layers):
+        ex = expert_range(next(lay.moe for lay in spec.layers if lay.moe is not None).num_experts, rank, world)
+    store = DictStore({k: v.contiguous() for k, v in w.items()}, codes=codes, cuts=cuts, experts=ex)
+    return dataclasses.replace(spec, layers=tuple(layers)), store
 
 
 def peer_offsets(addrs: list[int], rank: int) -> torch.Tensor:
@@ -138,14 +209,16 @@ def rank_backend(model, rank: int, world: int, device, **opts) -> MonokernelBack
     would need the other ranks' heads)."""
     plan_keys = {"wdtype", "n_sms", "block_k", "tile_elems", "block_t", "min_task_bytes", "x_bcast",
                  "max_task_bytes", "programs_per_sm", "num_stages"}
+    experts = opts.pop("expert_split", None)
     plan_opts = {k: v for k, v in opts.items() if k in plan_keys}
     be_opts = {k: v for k, v in opts.items() if k not in plan_keys}
     if model.spec.family == "laneformer":   # Delayed Tensor Parallelism: whole lanes per rank (lanes.py)
         from .lanes import shard_lanes
         rspec, store = shard_lanes(model.spec, model.weights, rank, world)
     else:
-        rspec, store = shard(model.spec, model.weights, rank, world)
-    plan = P.build_plan(rspec, store, device, tp=(rank, world), **plan_opts)
+        rspec, store = shard(model.spec, model.weights, rank, world, experts)
+    plan = P.build_plan(rspec, store, device, tp=(rank, world), experts=getattr(store, "experts", None),
+                        **plan_opts)
     return MonokernelBackend(None, device, plan=plan, prefill="kernel", **be_opts)
 
 

@@ -218,12 +218,21 @@ def stream_glu(wg_ptr, wu_ptr, sg_ptr, su_ptr, fg_ptr, fu_ptr, g_first, u_first,
 
 
 @triton.jit
-def _down_tile(w_ptr, s_ptr, ed_w, ed_s, sd_w, sd_s, ids, offs_j, row0, r_end, q, n,
+def _seg_k(is_exp, loc, offs_j, j, I_MOE: tl.constexpr, I_SH: tl.constexpr):
+    """Columns of an expert_down segment: I_MOE for a routed slot held here, 0 for one held by another rank
+    (expert parallel: nothing loaded), I_SH for the shared expert."""
+    here = tl.sum(tl.where(offs_j == j, loc, 0), axis=0) > 0
+    return tl.where(is_exp, tl.where(here, I_MOE, 0), I_SH)
+
+
+@triton.jit
+def _down_tile(w_ptr, s_ptr, ed_w, ed_s, sd_w, sd_s, ids, loc, offs_j, row0, r_end, q, n,
                D: tl.constexpr, I_MOE: tl.constexpr, I_SH: tl.constexpr, TOPK: tl.constexpr, FMT: tl.constexpr,
                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Tile q of expert_down's walk: per row chunk, every slot's [D, I_MOE] down rows (slot j = expert ids[j]),
-    then the shared expert's [D, I_SH]; each segment padded to whole K steps. Masked when q >= n. ed_w / ed_s:
-    expert 0's weight / scale offsets (units of w_ptr / s_ptr); expert e is e * D rows further."""
+    then the shared expert's [D, I_SH]; each segment padded to whole K steps. Masked when q >= n, and (expert
+    parallel) for a slot whose expert another rank holds (loc[j] == 0: K 0). ed_w / ed_s: the first stored
+    expert's weight / scale offsets (units of w_ptr / s_ptr); stored expert e is e * D rows further."""
     NKE: tl.constexpr = (I_MOE + BLOCK_K - 1) // BLOCK_K + (I_MOE == 0)
     NKS: tl.constexpr = (I_SH + BLOCK_K - 1) // BLOCK_K
     PER: tl.constexpr = TOPK * NKE + NKS + (TOPK * NKE + NKS == 0)  # tiles per row chunk (>= 1)
@@ -232,7 +241,7 @@ def _down_tile(w_ptr, s_ptr, ed_w, ed_s, sd_w, sd_s, ids, offs_j, row0, r_end, q
     c = q % PER
     is_exp = c < TOPK * NKE
     e = tl.sum(tl.where(offs_j == c // NKE, ids, 0), axis=0).to(tl.int64)
-    K = tl.where(is_exp, I_MOE, I_SH)
+    K = _seg_k(is_exp, loc, offs_j, c // NKE, I_MOE, I_SH)
     w_off = tl.where(is_exp, ed_w + e * (D * RU), sd_w)
     s_off = tl.where(is_exp, ed_s + e * (D * SC), sd_s)
     k0 = tl.where(is_exp, c % NKE, c - TOPK * NKE) * BLOCK_K
@@ -246,11 +255,13 @@ def stream_expert_down(w_ptr, s_ptr, f_ptr, ed_w, ed_s, ed_f, sd_w, sd_s, sd_f, 
                        D: tl.constexpr, I_MOE: tl.constexpr, I_SH: tl.constexpr, TOPK: tl.constexpr,
                        HAS_EBIAS: tl.constexpr, HAS_SH_GATE: tl.constexpr, FMT: tl.constexpr,
                        BLOCK_TOPK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, XB: tl.constexpr,
-                       NS: tl.constexpr = 0, HAS_RES: tl.constexpr = True):
+                       NS: tl.constexpr = 0, HAS_RES: tl.constexpr = True, E_LO: tl.constexpr = 0,
+                       E_LOC: tl.constexpr = 0):
     """x[r] += sum_j w_j (Wdown[e_j][r] . h_j + bdown[e_j][r]) + sg (Wsh_down[r] . h_sh), r in [row0, r_end):
     every routed slot and the shared expert of an output tile in one task, routing weights folded into the
     activations, so the sum has a fixed order and needs no atomics. h: [TOPK, I_MOE] then [I_SH]. The result
-    goes to y (y may alias x); without HAS_RES, y gets the sum alone (a tensor-parallel partial).
+    goes to y (y may alias x); without HAS_RES, y gets the sum alone (a tensor-parallel partial). E_LOC > 0
+    (expert parallel): this rank stores experts [E_LO, E_LO + E_LOC); other slots add nothing here.
     Per-row format factors (fp8 / nvfp4) differ per expert: those formats keep one accumulator per segment
     (a row chunk's sum is closed per expert), the others one for the whole chunk."""
     NKE: tl.constexpr = (I_MOE + BLOCK_K - 1) // BLOCK_K + (I_MOE == 0)
@@ -262,6 +273,12 @@ def stream_expert_down(w_ptr, s_ptr, f_ptr, ed_w, ed_s, ed_f, sd_w, sd_s, sd_f, 
     offs_j = tl.arange(0, BLOCK_TOPK)
     ids = tl.load(ids_ptr + offs_j, mask=offs_j < TOPK, other=0, cache_modifier=".cg")
     wts = tl.load(wts_ptr + offs_j, mask=offs_j < TOPK, other=0.0, cache_modifier=".cg")
+    loc = (offs_j < TOPK).to(tl.int32)
+    if E_LOC > 0:   # global ids -> stored ids; another rank's slots weigh 0 (and load nothing: _seg_k)
+        here = (ids >= E_LO) & (ids < E_LO + E_LOC)
+        loc = here.to(tl.int32)
+        ids = tl.where(here, ids - E_LO, 0)
+        wts = tl.where(here, wts, 0.0)
     sg = 1.0
     if HAS_SH_GATE:
         sg = tl.load(sg_ptr, cache_modifier=".cg")
@@ -269,21 +286,22 @@ def stream_expert_down(w_ptr, s_ptr, f_ptr, ed_w, ed_s, ed_f, sd_w, sd_s, sd_f, 
     acc = qzeros(FMT, BLOCK_N, BLOCK_K, VEC, XB)
     ss = sszeros(FMT, BLOCK_N, BLOCK_K, VEC, XB)
     y = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    w_cur, s_cur = _down_tile(w_ptr, s_ptr, ed_w, ed_s, sd_w, sd_s, ids, offs_j, row0, r_end, 0, n,
+    w_cur, s_cur = _down_tile(w_ptr, s_ptr, ed_w, ed_s, sd_w, sd_s, ids, loc, offs_j, row0, r_end, 0, n,
                               D, I_MOE, I_SH, TOPK, FMT, BLOCK_N, BLOCK_K)
     for q in tl.range(0, n, num_stages=max(NS, 1)):
         if NS > 0:
-            w_cur, s_cur = _down_tile(w_ptr, s_ptr, ed_w, ed_s, sd_w, sd_s, ids, offs_j, row0, r_end, q, n,
+            w_cur, s_cur = _down_tile(w_ptr, s_ptr, ed_w, ed_s, sd_w, sd_s, ids, loc, offs_j, row0, r_end, q, n,
                                       D, I_MOE, I_SH, TOPK, FMT, BLOCK_N, BLOCK_K)
         else:
-            w_nxt, s_nxt = _down_tile(w_ptr, s_ptr, ed_w, ed_s, sd_w, sd_s, ids, offs_j, row0, r_end, q + 1, n,
+            w_nxt, s_nxt = _down_tile(w_ptr, s_ptr, ed_w, ed_s, sd_w, sd_s, ids, loc, offs_j, row0, r_end, q + 1,
+                                      n,
                                       D, I_MOE, I_SH, TOPK, FMT, BLOCK_N, BLOCK_K)
         # this tile's activations: h_j * w_j for routed slot j, h_sh * sg for the shared expert
         c = q % PER
         is_exp = c < TOPK * NKE
         j = c // NKE
         xs = tl.where(is_exp, tl.sum(tl.where(offs_j == j, wts, 0.0), axis=0), sg)
-        K = tl.where(is_exp, I_MOE, I_SH)
+        K = _seg_k(is_exp, loc, offs_j, j, I_MOE, I_SH)
         k0 = tl.where(is_exp, c % NKE, c - TOPK * NKE) * BLOCK_K
         h_off = tl.where(is_exp, j * I_MOE, TOPK * I_MOE)
         acc, ss = qstep(acc, ss, w_cur, s_cur, h_ptr + h_off, h_ptr, xs, k0, K, False, False, FMT,

@@ -86,7 +86,8 @@ def summarize(tasks: np.ndarray, trace: np.ndarray, n_programs: int, skip_steps:
 
 def format_table(s: dict) -> str:
     lines = [f"{s['steps']} steps x {s['tasks_per_step']} tasks, {s['ms_per_step']:.3f} ms/step, SM clock "
-             f"{s['sm_ghz']:.2f} GHz, programs busy {100 * s['busy_share']:.0f}% / waiting {100 * s['wait_share']:.0f}%",
+             f"{s['sm_ghz']:.2f} GHz, programs busy {100 * s['busy_share']:.0f}% / waiting "
+             f"{100 * s['wait_share']:.0f}%",
              f"{'op':<16}{'tasks':>7}{'wait us':>9}{'work us':>9}{'max':>8}{'crit us/step':>13}{'lag us':>8}"
              f"{'spread us':>10}{'MB':>8}{'GB/s crit':>10}"]
     ops = sorted(s["ops"].items(), key=lambda kv: -kv[1]["critical_us_per_step"])

@@ -121,11 +121,14 @@ from kie_moe.models.registry import load_model
 from kie_moe.kernels.monokernel.runtime import compile_offline
 from kie_moe.kernels.monokernel.shard import rank_backend
 m = load_model(sys.argv[1])
-be = rank_backend(m, 1, 2, "cpu", offline=True, wdtype=torch.bfloat16, block_k=512, block_t=32, n_sms=132)
-ptx = compile_offline(be).asm["ptx"]
-for needle in ("ld.global.acquire.sys", "red.release.sys.global.add", "ld.global.acquire.gpu", "%globaltimer"):
-    assert needle in ptx, needle
-print("ok", len(ptx))
+for split in ("tp", "ep"):   # within-expert TP and expert parallelism (E_LOC > 0: the locality masks)
+    be = rank_backend(m, 1, 2, "cpu", offline=True, wdtype=torch.bfloat16, block_k=512, block_t=32, n_sms=132,
+                      expert_split=split)
+    assert (be.plan.dims.E_LOC > 0) == (split == "ep")
+    ptx = compile_offline(be).asm["ptx"]
+    for needle in ("ld.global.acquire.sys", "red.release.sys.global.add", "ld.global.acquire.gpu", "%globaltimer"):
+        assert needle in ptx, needle
+    print("ok", split, len(ptx))
 """
 
 
@@ -135,7 +138,7 @@ def test_sharded_kernel_compiles_for_sm90(tiny_model):
     r = subprocess.run([sys.executable, "-c", SCRIPT, tiny_model("qwen2_moe").path], env=env, capture_output=True,
                        text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-4000:]
-    assert "ok " in r.stdout
+    assert r.stdout.count("ok ") == 2
 
 
 # ---- on one GPU: the same code with one rank (the multi-GPU runs are their own issue) -------------------------------
@@ -177,3 +180,73 @@ def test_gpu_kccl_watchdog_names_the_counter(tiny_model):
         list(sm.generate(PROMPT, p, set()))
     assert time.monotonic() - t0 < 5.0
     assert list(sm.generate(PROMPT, p, set())) == want
+
+
+# ---- expert parallelism and quantized shards --------------------------------------------------------------------
+
+def test_expert_split_picks_tp_where_it_can_cut_and_ep_where_it_cannot():
+    from kie_moe.kernels.monokernel.shard import expert_range, expert_split
+    from kie_moe.kccl.tp_sim import owns_expert
+    spec = P.preset_spec("qwen3-30b-a3b", 1)           # 128 experts of I = 768
+    assert expert_split(spec, 8) == "tp"                # 96 columns each
+    assert expert_split(spec, 8, "nvfp4") == "tp" and expert_split(spec, 8, "mxfp4") == "tp"   # 96 = 6 x 16 = 3 x 32
+    assert expert_split(spec, 8, "fp8-block") == "ep"   # 96 is not whole 128-column blocks
+    assert expert_split(spec, 8, want="ep") == "ep"
+    with pytest.raises(ConfigError, match="not a multiple of 128 columns"):
+        expert_split(spec, 8, "fp8-block", want="tp")
+    with pytest.raises(ConfigError, match="128 experts cannot give each of 256 ranks one"):
+        expert_split(spec, 256, want="ep")
+    for E, world in ((9, 4), (128, 8), (5, 5)):        # the same owners as the torch TP simulation
+        for r in range(world):
+            lo, n = expert_range(E, r, world)
+            assert [e for e in range(E) if owns_expert(e, E, r, world)] == list(range(lo, lo + n))
+
+
+def _qstore(store, q):
+    """A quantized checkpoint as build_plan / shard see one: dequantized floats on get(), codes on request."""
+    from .test_formats import DequantStore
+
+    class QStore(DequantStore):
+        def quantized_tensor(self, name):
+            return self.q.get(name)
+    return QStore(store, q)
+
+
+EP_CASES = [  # (tiny checkpoint, world, expert split, scheme or None, Linear kinds quantized, expected split)
+    ("qwen3_moe_mixed", 4, "ep", None, (), "ep"),                    # 9 experts over 4 ranks: 3, 2, 2, 2
+    ("gpt_oss", 2, "ep", None, (), "ep"),                            # expert biases (added by their owner)
+    ("qwen3_moe_mixed", 2, None, "fp8", ("attn", "mlp", "exp"), "tp"),    # codes and row scales cut per rank
+    ("mixtral_window", 2, None, "nvfp4", ("attn", "exp"), "ep"),     # I = 48: 24-column halves split a 16-group
+]
+
+
+@pytest.mark.parametrize("case,world,want,scheme,kinds,split", EP_CASES,
+                         ids=[f"{c[0]}-{c[1]}-{c[3] or 'float'}-{c[5]}" for c in EP_CASES])
+def test_expert_parallel_and_quantized_ranks_give_the_single_device_tokens(case, world, want, scheme, kinds, split,
+                                                                           tiny_model):
+    from .test_formats import DequantStore, quantize_model
+    m = tiny_model(case)
+    q = quantize_model(m, scheme, kinds) if scheme else {}
+
+    class M:
+        spec = m.spec
+        weights = _qstore(m.weights, q) if q else m.weights
+
+    class Ref:
+        spec = m.spec
+        weights = DequantStore(m.weights, q)
+    sm = ShardedMonokernel(M, world, "cpu", n_sms=2, expert_split=want)
+    moe = next(lay.moe for lay in m.spec.layers if lay.moe is not None)
+    for r, be in enumerate(sm.ranks):
+        d = be.plan.dims
+        assert (d.E_LOC > 0) == (split == "ep")
+        if split == "ep":                                # whole experts of this rank only
+            from kie_moe.kernels.monokernel.shard import expert_range
+            assert (d.E_LO, d.E_LOC) == expert_range(moe.num_experts, r, world)
+            assert be.plan.spec.layers[-1].moe.intermediate_size == moe.intermediate_size
+        if scheme:
+            assert d.FMT_EXP == {"fp8": 1, "nvfp4": 3}[scheme]
+    got = list(sm.generate(PROMPT, GREEDY, set()))
+    assert got == reference_greedy(Ref, PROMPT, len(got)) and len(got) == GREEDY.max_new_tokens
+    xs = [be.x for be in sm.ranks]
+    assert all(torch.equal(x, xs[0]) for x in xs[1:])
