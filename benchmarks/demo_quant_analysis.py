@@ -84,26 +84,8 @@ def main(argv=None) -> int:
                 "ppl_change_pct": 100 * (ppl_t / ppl_r - 1)}
 
     def hf_state(get) -> dict:
-        """HF (transformers v5: fused experts) state dict with module name -> float weight (None: keep bf16)."""
-        sd = dict(base)
-        for L in range(n_layers):
-            p = f"model.layers.{L}."
-            for n in ("q_proj", "k_proj", "v_proj", "o_proj"):
-                w = get(p + f"self_attn.{n}")
-                if w is not None:
-                    sd[p + f"self_attn.{n}.weight"] = w
-            gu, dn = sd[p + "mlp.experts.gate_up_proj"].clone(), sd[p + "mlp.experts.down_proj"].clone()
-            inter = dn.shape[-1]
-            for e in range(n_experts):
-                g, u, d = (get(p + f"mlp.experts.{e}.{n}") for n in ("gate_proj", "up_proj", "down_proj"))
-                if g is not None:
-                    gu[e, :inter] = g
-                if u is not None:
-                    gu[e, inter:] = u
-                if d is not None:
-                    dn[e] = d
-            sd[p + "mlp.experts.gate_up_proj"], sd[p + "mlp.experts.down_proj"] = gu, dn
-        return sd
+        from kie_moe.hf_state import qwen3_moe_state
+        return qwen3_moe_state(base, get, n_layers, n_experts)
 
     same = hf_state(lambda m: SRC[m + ".weight"])
     assert all(torch.equal(same[k], base[k]) for k in base), "module -> HF parameter mapping is wrong"

@@ -330,28 +330,6 @@ class BestState:
 
 
 # ------------------------------------------------------------------------------------------------ quantization gate
-def _hf_state(base: dict, get, n_layers: int, n_experts: int) -> dict:
-    """HF (transformers v5: fused experts) state dict with module name -> float weight (None: keep the base one);
-    module names are the checkpoint's (`...mlp.experts.E.gate_proj`), as kie convert writes them."""
-    sd = dict(base)
-    for L in range(n_layers):
-        p = f"model.layers.{L}."
-        for n in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            w = get(p + f"self_attn.{n}")
-            if w is not None:
-                sd[p + f"self_attn.{n}.weight"] = w
-        gu, dn = sd[p + "mlp.experts.gate_up_proj"].clone(), sd[p + "mlp.experts.down_proj"].clone()
-        inter = dn.shape[-1]
-        for e in range(n_experts):
-            g, u, d = (get(p + f"mlp.experts.{e}.{n}") for n in ("gate_proj", "up_proj", "down_proj"))
-            if g is not None:
-                gu[e, :inter] = g
-            if u is not None:
-                gu[e, inter:] = u
-            if d is not None:
-                dn[e] = d
-        sd[p + "mlp.experts.gate_up_proj"], sd[p + "mlp.experts.down_proj"] = gu, dn
-    return sd
 
 
 @torch.no_grad()
@@ -370,6 +348,7 @@ def quant_gate(model_dir: str, device, schemes=GATE_SCHEMES, window: int = GATE_
     from transformers.utils import logging as hf_logging
 
     from kie_moe import heldout as H
+    from kie_moe.hf_state import qwen3_moe_state
     from kie_moe.models.quantizable import convert_checkpoint
     from kie_moe.quant import ct_scheme
 
@@ -386,7 +365,7 @@ def quant_gate(model_dir: str, device, schemes=GATE_SCHEMES, window: int = GATE_
         base = {k: v.clone() for k, v in model.state_dict().items()}
         src = {k: v.float() for k, v in load_file(os.path.join(model_dir, "model.safetensors")).items()}
         n_layers, n_experts = cfg.num_hidden_layers, cfg.num_experts
-        same = _hf_state(base, lambda m: src[m + ".weight"].to(device), n_layers, n_experts)
+        same = qwen3_moe_state(base, lambda m: src[m + ".weight"].to(device), n_layers, n_experts)
         assert all(torch.equal(same[k], base[k]) for k in base), "module -> HF parameter mapping is wrong"
 
         text_path = os.path.join(model_dir, H.HELDOUT)
@@ -439,7 +418,7 @@ def quant_gate(model_dir: str, device, schemes=GATE_SCHEMES, window: int = GATE_
                     raise RuntimeError("no module was quantized (no weight has whole blocks of this scheme)")
                 err = math.sqrt(sum(float((w - src[m + ".weight"]).pow(2).sum()) for m, w in dec.items())
                                 / sum(float(src[m + ".weight"].pow(2).sum()) for m in dec))
-                model.load_state_dict(_hf_state(base, lambda m: dec[m].to(device) if m in dec else None,
+                model.load_state_dict(qwen3_moe_state(base, lambda m: dec[m].to(device) if m in dec else None,
                                                 n_layers, n_experts))
                 q = logits()
                 lq = F.log_softmax(q, -1)
