@@ -565,29 +565,28 @@ def monokernel(
                     tl.store(rids_ptr + layer * TOPK + offs_j, ids, mask=offs_j < TOPK)
                     tl.store(rwts_ptr + layer * TOPK + offs_j, wts, mask=offs_j < TOPK)
                 e = tl.sum(tl.where(offs_j == aux, ids, 0), axis=0).to(tl.int64)
-                mine = e >= 0
-                if E_LOC > 0:   # expert parallel: a slot routed to another rank's expert is that rank's work
+                re_ = r_end
+                nr_ = nr
+                if E_LOC > 0:   # expert parallel: a slot routed to another rank's expert streams no rows here
                     mine = (e >= E_LO) & (e < E_LO + E_LOC)
                     e = tl.where(mine, e - E_LO, 0)
-                if mine:
-                    wg = _wp(FMT_EXP, wa_ptr, qw8_ptr, qw32_ptr, tl.load(lrow + P.LF_EGATE)) + e * (I_MOE * RU_D_EXP)
-                    wu = _wp(FMT_EXP, wa_ptr, qw8_ptr, qw32_ptr, tl.load(lrow + P.LF_EUP)) + e * (I_MOE * RU_D_EXP)
-                    sg_ = _sp(FMT_EXP, qf32_ptr, qs8f_ptr, qs8u_ptr,
-                              tl.load(lrow + P.LF_EGATE_S) + e * (I_MOE * SC_D_EXP))
-                    su_ = _sp(FMT_EXP, qf32_ptr, qs8f_ptr, qs8u_ptr,
-                              tl.load(lrow + P.LF_EUP_S) + e * (I_MOE * SC_D_EXP))
-                    prefetch_rows(wg, r0, nr, D, FMT_EXP, USE_ASM)   # experts are known only now
-                    prefetch_rows(wu, r0, nr, D, FMT_EXP, USE_ASM)
-                    g0, gs0 = tile(wg, sg_, D, r0, r_end, 0, 1, FMT_EXP, BN_EUP, BLOCK_K)
-                    u0, us0 = tile(wu, su_, D, r0, r_end, 0, 1, FMT_EXP, BN_EUP, BLOCK_K)
-                    stream_glu(wg, wu, sg_, su_, qf32_ptr + tl.load(lrow + P.LF_EGATE_F) + e * I_MOE,
-                               qf32_ptr + tl.load(lrow + P.LF_EUP_F) + e * I_MOE, g0, u0, gs0, us0, D, r0, r_end,
-                               x_ptr,
-                               wa_ptr + tl.multiple_of(tl.load(lrow + P.LF_MLP_NORM), 64), eps,
-                               wa_ptr + tl.load(lrow + P.LF_EGATE_B) + e * I_MOE,
-                               wa_ptr + tl.load(lrow + P.LF_EUP_B) + e * I_MOE,
-                               h_ptr + aux * I_MOE, glu_limit, glu_alpha, HAS_EBIAS, EXP_ACT, FMT_EXP, BN_EUP,
-                               BLOCK_K, XB, NS)
+                    re_ = tl.where(mine, r_end, r0)
+                    nr_ = tl.where(mine, nr, 0)
+                wg = _wp(FMT_EXP, wa_ptr, qw8_ptr, qw32_ptr, tl.load(lrow + P.LF_EGATE)) + e * (I_MOE * RU_D_EXP)
+                wu = _wp(FMT_EXP, wa_ptr, qw8_ptr, qw32_ptr, tl.load(lrow + P.LF_EUP)) + e * (I_MOE * RU_D_EXP)
+                sg_ = _sp(FMT_EXP, qf32_ptr, qs8f_ptr, qs8u_ptr, tl.load(lrow + P.LF_EGATE_S) + e * (I_MOE * SC_D_EXP))
+                su_ = _sp(FMT_EXP, qf32_ptr, qs8f_ptr, qs8u_ptr, tl.load(lrow + P.LF_EUP_S) + e * (I_MOE * SC_D_EXP))
+                prefetch_rows(wg, r0, nr_, D, FMT_EXP, USE_ASM)   # experts are known only now
+                prefetch_rows(wu, r0, nr_, D, FMT_EXP, USE_ASM)
+                g0, gs0 = tile(wg, sg_, D, r0, re_, 0, 1, FMT_EXP, BN_EUP, BLOCK_K)
+                u0, us0 = tile(wu, su_, D, r0, re_, 0, 1, FMT_EXP, BN_EUP, BLOCK_K)
+                stream_glu(wg, wu, sg_, su_, qf32_ptr + tl.load(lrow + P.LF_EGATE_F) + e * I_MOE,
+                           qf32_ptr + tl.load(lrow + P.LF_EUP_F) + e * I_MOE, g0, u0, gs0, us0, D, r0, re_, x_ptr,
+                           wa_ptr + tl.multiple_of(tl.load(lrow + P.LF_MLP_NORM), 64), eps,
+                           wa_ptr + tl.load(lrow + P.LF_EGATE_B) + e * I_MOE,
+                           wa_ptr + tl.load(lrow + P.LF_EUP_B) + e * I_MOE,
+                           h_ptr + aux * I_MOE, glu_limit, glu_alpha, HAS_EBIAS, EXP_ACT, FMT_EXP, BN_EUP, BLOCK_K,
+                           XB, NS)
         elif op == _OP_EXP_DOWN:
             t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
             st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE, tr, trace_on)
@@ -601,8 +600,12 @@ def monokernel(
                 if USE_ASM:   # the routed experts' rows of this task, all slots at once, into L2
                     eb = _wbase(FMT_EXP, wa_ptr, qw8_ptr, qw32_ptr) + _wu(FMT_EXP, tl.load(lrow + P.LF_EDOWN))
                     for j in tl.static_range(TOPK):
-                        e = tl.load(rids_ptr + layer * TOPK + j).to(tl.int64) - E_LO
-                        if (e >= 0) & ((e < E_LOC) | (E_LOC == 0)):
+                        e = tl.load(rids_ptr + layer * TOPK + j).to(tl.int64)
+                        if E_LOC > 0:   # expert parallel: this rank's slots only
+                            e = e - E_LO
+                            prefetch_rows(eb + e * (D * RU_I_EXP), r0, tl.where((e >= 0) & (e < E_LOC), nr, 0),
+                                          I_MOE, FMT_EXP, USE_ASM)
+                        else:
                             prefetch_rows(eb + e * (D * RU_I_EXP), r0, nr, I_MOE, FMT_EXP, USE_ASM)
                 stream_expert_down(_wbase(FMT_EXP, wa_ptr, qw8_ptr, qw32_ptr),
                                    _sp(FMT_EXP, qf32_ptr, qs8f_ptr, qs8u_ptr, tl.zeros((), tl.int64)), qf32_ptr,

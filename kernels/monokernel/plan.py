@@ -520,8 +520,8 @@ def build_plan(spec: ModelSpec, weights=None, device: str | torch.device = "cpu"
         if not d.E or not (0 <= experts[0] and experts[1] > 0 and experts[0] + experts[1] <= d.E):
             raise ValueError(f"monokernel: experts {experts} outside the model's {d.E}")
         d = dataclasses.replace(d, E_LO=experts[0], E_LOC=experts[1])
-    if tp and (d.MLA or d.QK_NORM == 2):
-        raise NotImplementedError("monokernel tensor parallel: MLA and whole-projection q/k norms are not split yet")
+    if tp and d.QK_NORM == 2:
+        raise NotImplementedError("monokernel tensor parallel: whole-projection q/k norms are not split yet")
     qfmt = max(fm.values(), default=0)
     if d.LANES and qfmt:
         raise NotImplementedError("monokernel laneformer: float weights only (quantized Linears are not planned yet)")

@@ -3,7 +3,9 @@ exchanging partial sums through KCCL inside the kernel (no host round trip, no k
 
 Split (plain TP, for models that cannot be retrained for DTP): rank r of N owns
 - attention: query heads [r*Hq/N, (r+1)*Hq/N) with the kv heads they read (duplicated when Hkv < N), its
-  columns of o_proj; its KV cache holds only those kv heads;
+  columns of o_proj; its KV cache holds only those kv heads. MLA (DeepSeek): its heads' rows of q (or q_b) and
+  kv_b and columns of o_proj; the latent projections (q_a, kv_a, their norms) replicated, so every rank computes
+  the same latent and keeps its own latent cache;
 - dense MLP, shared expert and (expert_split "tp", the batch-1 choice) every routed expert: columns
   [r*I/N, (r+1)*I/N) of gate / up (rows) and down (columns): tensor parallelism within each expert, so every rank
   streams 1/N of each active expert's bytes whatever the router picks; or (expert_split "ep", where I/N does not
@@ -104,6 +106,8 @@ class DictStore:
     def quantized_tensor(self, name: str):
         q = self.codes(name) if self.codes is not None and name in self.d else None
         cut = self.cuts.get(name)
+        if cut == "float":     # read as float by the plan (MLA's Linears): no codes
+            return None
         return q if q is None or cut is None else q.narrow(*cut, what=name)
 
     def names(self) -> list[str]:
@@ -140,19 +144,25 @@ def shard(spec: ModelSpec, weights, rank: int, world: int, experts: str | None =
     layers = []
     for i, lay in enumerate(spec.layers):
         a = lay.attn
-        qs, ks = head_split(a, rank, world)
+        n = lambda s: canonical(i, s)  # noqa: E731
+        if a.kind == "mla":
+            w.update(_mla_shard(a, i, get, names, rank, world, cuts))
+            qs = _mla_heads(a, rank, world)
+            ks = qs
+        else:
+            qs, ks = head_split(a, rank, world)
         Dh = a.head_dim
         rows = lambda s: slice(s.start * Dh, s.stop * Dh)  # noqa: E731
-        n = lambda s: canonical(i, s)  # noqa: E731
         for nm in ("attn_norm", "mlp_norm", "attn.q_norm", "attn.k_norm", "moe.router", "moe.router_bias",
                    "moe.score_bias", "moe.shared_gate"):
             if n(nm) in names:
                 w[n(nm)] = get(n(nm))                                        # replicated
-        for nm, sl in (("attn.q", qs), ("attn.k", ks), ("attn.v", ks)):
+        for nm, sl in (("attn.q", qs), ("attn.k", ks), ("attn.v", ks)) if a.kind == "gqa" else ():
             w[n(nm)] = cut(n(nm), 0, rows(sl))                               # [heads*Dh, D] rows
             if n(nm + "_bias") in names:
                 w[n(nm + "_bias")] = get(n(nm + "_bias"))[rows(sl)]
-        w[n("attn.o")] = cut(n("attn.o"), 1, rows(qs))                       # [D, heads*Dh] columns
+        if a.kind == "gqa":
+            w[n("attn.o")] = cut(n("attn.o"), 1, rows(qs))                   # [D, heads*Dh] columns
         if n("attn.o_bias") in names:                                        # added once: rank 0
             b = get(n("attn.o_bias"))
             w[n("attn.o_bias")] = b if rank == 0 else torch.zeros_like(b)
@@ -187,13 +197,41 @@ def shard(spec: ModelSpec, weights, rank: int, world: int, experts: str | None =
             if n(f"{pre}.down_bias") in names:
                 b = get(n(f"{pre}.down_bias"))
                 w[n(f"{pre}.down_bias")] = b if rank == 0 else torch.zeros_like(b)
-        attn = dataclasses.replace(a, num_heads=qs.stop - qs.start, num_kv_heads=ks.stop - ks.start)
+        attn = dataclasses.replace(a, num_heads=qs.stop - qs.start,
+                                   num_kv_heads=(ks.stop - ks.start) if a.kind == "gqa" else qs.stop - qs.start)
         layers.append(dataclasses.replace(lay, attn=attn, mlp=mlp, moe=moe))
     ex = None
     if how == "ep" and any(lay.moe is not None for lay in spec.layers):
         ex = expert_range(next(lay.moe for lay in spec.layers if lay.moe is not None).num_experts, rank, world)
     store = DictStore({k: v.contiguous() for k, v in w.items()}, codes=codes, cuts=cuts, experts=ex)
     return dataclasses.replace(spec, layers=tuple(layers)), store
+
+
+def _mla_heads(a, rank: int, world: int) -> slice:
+    if a.num_heads % world:
+        raise ConfigError(f"tensor parallel: {world} ranks cannot split num_heads={a.num_heads}")
+    h = a.num_heads // world
+    return slice(rank * h, (rank + 1) * h)
+
+
+def _mla_shard(a, i: int, get, names, rank: int, world: int, cuts: dict) -> dict:
+    """Multi-head Latent Attention of layer i, split by heads: the latent projections (q_a, kv_a and their norms)
+    replicated (every rank computes the same latent and writes its own cache copy), q (or q_b), kv_b rows and
+    o_proj columns of this rank's heads. The monokernel keeps MLA's Linears float: no codes are cut ("float")."""
+    hs = _mla_heads(a, rank, world)
+    per = lambda k: slice(hs.start * k, hs.stop * k)  # noqa: E731
+    out = {}
+    for nm, sl, dim in (("attn.q", per(a.head_dim), 0), ("attn.q_b", per(a.head_dim), 0),
+                        ("attn.kv_b", per(a.qk_nope_head_dim + a.v_head_dim), 0), ("attn.o", per(a.v_head_dim), 1),
+                        ("attn.q_a", None, 0), ("attn.q_a_norm", None, 0), ("attn.kv_a", None, 0),
+                        ("attn.kv_a_norm", None, 0)):
+        name = canonical(i, nm)
+        if name not in names:
+            continue
+        t = get(name)
+        out[name] = t if sl is None else (t[sl] if dim == 0 else t[:, sl])
+        cuts[name] = "float"
+    return out
 
 
 def peer_offsets(addrs: list[int], rank: int) -> torch.Tensor:

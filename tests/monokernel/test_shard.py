@@ -83,7 +83,8 @@ def test_one_rank_is_the_unsharded_plan_bit_for_bit(tiny_model):
     assert int(ctr[-1]) == steps * be.plan.n_lm_tiles and int(ctr[0]) == steps
 
 
-CASES = [("llama", 2), ("qwen3_moe_mixed", 2), ("gpt_oss", 2), ("qwen3_moe_mixed", 4)]
+CASES = [("llama", 2), ("qwen3_moe_mixed", 2), ("gpt_oss", 2), ("qwen3_moe_mixed", 4),
+         ("deepseek_v2", 2), ("deepseek_v3", 2)]   # MLA split by heads (latent projections replicated)
 
 
 @pytest.mark.parametrize("case,world", CASES, ids=[f"{c}-{w}" for c, w in CASES])
