@@ -41,13 +41,11 @@ def main(argv=None) -> int:
     ap.add_argument("--train-windows", type=int, default=40)
     a = ap.parse_args(argv)
 
-    from compressed_tensors.compressors import BaseCompressor
     from safetensors.torch import load_file
     from transformers import AutoTokenizer, Qwen3MoeForCausalLM
 
     from kie_moe import demo, heldout as H
     from kie_moe.models.quantizable import convert_checkpoint
-    from kie_moe.quant import ct_scheme
 
     torch.set_grad_enabled(False)
     t0 = time.time()
@@ -84,7 +82,7 @@ def main(argv=None) -> int:
                 "ppl_change_pct": 100 * (ppl_t / ppl_r - 1)}
 
     def hf_state(get) -> dict:
-        from kie_moe.hf_state import qwen3_moe_state
+        from kie_moe.hf_state import ct_decompressed, qwen3_moe_state
         return qwen3_moe_state(base, get, n_layers, n_experts)
 
     same = hf_state(lambda m: SRC[m + ".weight"])
@@ -120,14 +118,7 @@ def main(argv=None) -> int:
     for scheme in SCHEMES:
         dst = os.path.join(tmp, scheme)
         rep = convert_checkpoint(src, dst, scheme, progress=False, on_warning=lambda m: None)
-        written = load_file(os.path.join(dst, "model.safetensors"))
-        cts = ct_scheme(scheme)
-        comp = BaseCompressor.get_value_from_registry(cts.format)
-        mods: dict[str, dict[str, torch.Tensor]] = {}
-        for k, v in written.items():
-            mod, _, local = k.rpartition(".")
-            mods.setdefault(mod, {})[local] = v
-        dec = {m: comp.decompress(t, cts)["weight"].float() for m, t in mods.items() if "weight_scale" in t}
+        written, dec = ct_decompressed(dst, scheme)
         decoded[scheme] = dec
         errs = {m: float((w - SRC[m + ".weight"]).norm() / SRC[m + ".weight"].norm()) for m, w in dec.items()}
         tot = math.sqrt(sum(float((w - SRC[m + ".weight"]).pow(2).sum()) for m, w in dec.items())

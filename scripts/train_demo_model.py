@@ -342,15 +342,13 @@ def quant_gate(model_dir: str, device, schemes=GATE_SCHEMES, window: int = GATE_
     window) (every non-overlapping window, no BOS: what `kie sweep --max-tokens 0` scores; max_windows > 0: that
     many, spread over the text, as `kie sweep --max-tokens max_windows*window` does). A scheme that would
     start after `deadline` (time.time()) is skipped; one that fails is reported with its error."""
-    from compressed_tensors.compressors import BaseCompressor
     from safetensors.torch import load_file
     from transformers import AutoTokenizer, Qwen3MoeForCausalLM
     from transformers.utils import logging as hf_logging
 
     from kie_moe import heldout as H
-    from kie_moe.hf_state import qwen3_moe_state
+    from kie_moe.hf_state import ct_decompressed, qwen3_moe_state
     from kie_moe.models.quantizable import convert_checkpoint
-    from kie_moe.quant import ct_scheme
 
     t0, tmp = time.time(), None
     hf_logging.disable_progress_bar()
@@ -406,14 +404,7 @@ def quant_gate(model_dir: str, device, schemes=GATE_SCHEMES, window: int = GATE_
             try:
                 dst = os.path.join(tmp, scheme)
                 rep = convert_checkpoint(model_dir, dst, scheme, progress=False, on_warning=lambda m: None)
-                written = load_file(os.path.join(dst, "model.safetensors"))
-                cts = ct_scheme(scheme)
-                comp = BaseCompressor.get_value_from_registry(cts.format)
-                mods: dict[str, dict[str, torch.Tensor]] = {}
-                for k, v in written.items():
-                    mod, _, local = k.rpartition(".")
-                    mods.setdefault(mod, {})[local] = v
-                dec = {m: comp.decompress(t, cts)["weight"].float() for m, t in mods.items() if "weight_scale" in t}
+                written, dec = ct_decompressed(dst, scheme)
                 if not dec:
                     raise RuntimeError("no module was quantized (no weight has whole blocks of this scheme)")
                 err = math.sqrt(sum(float((w - src[m + ".weight"]).pow(2).sum()) for m, w in dec.items())
@@ -433,7 +424,7 @@ def quant_gate(model_dir: str, device, schemes=GATE_SCHEMES, window: int = GATE_
                     t1, dp = TARGETS[scheme]
                     r["target"] = {"top1_min": t1, "ppl_change_pct_max": dp,
                                    "met": r["top1"] >= t1 and abs(r["ppl_change_pct"]) <= dp}
-                del rep, written, mods, dec, q, lq
+                del rep, written, dec, q, lq
             except Exception as e:  # noqa: BLE001 -- a failed scheme is a finding, not a reason to lose the others
                 r = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
             finally:
