@@ -250,10 +250,10 @@ def build_parser() -> argparse.ArgumentParser:
     v.set_defaults(fn=cmd_serve)
 
     d = sub.add_parser("demo", help="the embedded demo model end to end: convert, generate, compare with bf16",
-                       description="Convert the embedded demo model (a small Qwen3-MoE trained on Python's standard "
-                                   "library) to each scheme, complete a Python prompt with each, and print a table: "
-                                   "weight bytes, decode tok/s, and top-1 agreement / KL vs bf16 and perplexity, "
-                                   "teacher-forced on held-out text.")
+                       description="Convert the embedded demo model (a small Qwen3-MoE trained on Python source: the "
+                                   "standard library and site-packages) to each scheme, complete a Python prompt "
+                                   "with each, and print a table: weight bytes, decode tok/s, and top-1 agreement / "
+                                   "KL vs bf16 and perplexity, teacher-forced on held-out text.")
     d.add_argument("--model", default=None, metavar="MODEL_DIR",
                    help="another checkpoint with tokenizer files (default: the embedded kie_moe/assets/demo-moe)")
     d.add_argument("--out", default=None, metavar="DIR",

@@ -1,12 +1,12 @@
 """`kie demo`: the whole product on the embedded model, on a fresh machine, in about a minute on a laptop CPU.
 
-The embedded model (kie_moe/assets/demo-moe: a small Qwen3-MoE trained on Python's standard library, see its
-TRAINING.md) is converted to each scheme (cached under --out, keyed by a hash of the source weights, so a second
-run only generates), each version completes a Python prompt greedily, and a table compares them with bf16:
-weight bytes, decode tokens/s, and quality teacher-forced on held-out text the model never trained on (top-1
-agreement and mean KL(bf16 || scheme) of the next-token distributions, perplexity), over the same token windows
-`kie sweep` scores by default (kie_moe.heldout: 32 windows of 256 tokens spread over the whole text; --windows 0
-scores all of it).
+The embedded model (kie_moe/assets/demo-moe: a small Qwen3-MoE trained on Python source, the standard library and
+site-packages, see its TRAINING.md) is converted to each scheme (cached under --out, keyed by a hash of the source
+weights, so a second run only generates), each version completes a Python prompt greedily, and a table compares them
+with bf16: weight bytes, decode tokens/s, and quality teacher-forced on held-out text the model never trained on
+(top-1 agreement and mean KL(bf16 || scheme) of the next-token distributions, perplexity), over the same token
+windows `kie sweep` scores by default (kie_moe.heldout: 32 windows of 256 tokens spread over the whole text;
+--windows 0 scores all of it).
 
 Quality runs through the reference decoder in float32 on every device (the oracle, so the numbers measure the
 weights, not a backend's arithmetic); generation and tokens/s use the engine's backend (auto: the fastest there).

@@ -10,12 +10,15 @@ ids are taken at evenly spaced, non-overlapping offsets spanning the whole text.
 `w[1:]`: every window scores exactly `length` next tokens, each from an empty cache.
 
 Why it matters (the sweep-vs-demo gap, 2026-12-03): the sweep used to score the first 512 tokens of the text only
-(with a BOS), which for the demo model is one docstring of prose in `_strptime.py` (perplexity 2632, exactly what
-HF transformers computes for those windows), while the demo scored 4 windows spread over the file (210). Per-window
-perplexity of that overfit model ranges from about 1.4 to several thousand, so a few windows are a poor sample: over
-4 random windows of 256 the bf16 perplexity spans 48..972 (5th..95th percentile) and fp8's perplexity change
-+-3 points. Both commands now default to DEFAULT_WINDOWS x DEFAULT_WINDOW_LEN tokens spread over the whole text;
-windows=0 scores every window that fits.
+(with a BOS), which for the demo model then shipped is one docstring of prose in `_strptime.py` (perplexity 2632,
+exactly what HF transformers computes for those windows), while the demo scored 4 windows spread over the file
+(210). Per-window perplexity of that overfit model ranged from about 1.4 to several thousand, so a few windows were a
+poor sample: over 4 random windows of 256 its bf16 perplexity spanned 48..972 (5th..95th percentile) and fp8's
+perplexity change +-3 points. The retrained model shipped since (bf16 perplexity 11.69 over the whole text) varies
+far less per window (3.2 to 39 over the text's 109 windows of 256; over 4 random ones 7.8..17.9, 5th..95th
+percentile, and fp8's change -0.2..+0.6 points), but a few windows are still a poor sample. Both commands now
+default to DEFAULT_WINDOWS x DEFAULT_WINDOW_LEN tokens spread over the whole text; windows=0 scores every window
+that fits.
 """
 from __future__ import annotations
 
@@ -29,7 +32,8 @@ from .synthetic import EMBEDDED_DEMO
 
 HELDOUT = "heldout.txt"
 DEFAULT_WINDOW_LEN = 256
-DEFAULT_WINDOWS = 32          # 8192 scored tokens: fp8 top-1 sd ~0.004, ppl-change sd ~0.6 points on the demo model
+DEFAULT_WINDOWS = 32          # 8192 scored tokens: on the shipped demo model fp8 top-1 sd ~0.002, ppl-change sd
+                              # ~0.1 points (32 of the text's 109 windows of 256 drawn at random, 2026-12-03)
 
 
 def heldout_file(model_dir: str | None) -> str | None:

@@ -105,8 +105,9 @@ def token_windows(model_dir: str | None, spec, text_file: str | None, window: in
 
 def quality_dtype(dev: torch.device, lazy: bool, store) -> torch.dtype:
     """float32 activations (what kie demo uses, so a scheme's numbers measure its weights, not bf16 rounding of
-    activations, which alone moves 1% of the demo model's argmaxes) wherever a float32 copy fits: always on the
-    host; on a GPU when it takes under half of the free memory; else bf16 (said in results.json)."""
+    activations, which alone moves 0.8% of the shipped demo model's argmaxes: top-1 0.992 vs float32 over the default
+    8192 held-out tokens on CPU, KL 0.0003; fp8 weights move 2.9%) wherever a float32 copy fits:
+    always on the host; on a GPU when it takes under half of the free memory; else bf16 (said in results.json)."""
     if dev.type == "cpu":
         return torch.float32
     n = None if lazy else _float32_bytes(store)

@@ -68,15 +68,19 @@ def test_table_well_formed(result):
 
 def test_fp8_agrees_with_bf16(result):
     bf16, fp8, nvfp4 = result[0].rows
-    # Bounds sit just outside what the shipped model measures (benchmarks/results/2026-12-03-*: fp8 top-1 0.914,
-    # KL 0.056, ppl +0.2% over the whole held-out text; 0.92 / 0.058 / +0.8% over kie demo's default 8192 tokens;
-    # noisier on the 256 tokens here). The conversion is at fp8's rounding floor (2.6% weight error, the same top-1 as
-    # Gaussian noise of that size): the small, heavily overfit demo model is far more sensitive to weight noise than
-    # real LLMs, and the issue's 99% top-1 target is reported as not met, not hidden here.
-    assert fp8.top1 >= 0.88, f"fp8 top-1 agreement with bf16 only {fp8.top1:.3f}"
-    assert fp8.kl < 0.1
+    # Bounds from what the shipped model (retrained 2026-12-03, see its TRAINING.md) measures on these 256 tokens on
+    # CPU: fp8 top-1 0.965 (247 of 256), KL 0.0027, ppl +0.40%; nvfp4 0.879 / 0.038 / +3.1% (whole held-out text,
+    # H200 gate: fp8 0.9765 / 0.0025 / +0.21%, nvfp4 0.9142 / 0.0250 / +2.10%;
+    # benchmarks/results/2026-12-03-demo-quality.md section 6). Margins: fp8 3x on KL, ~4x on the ppl change, 6 more
+    # flipped tokens on top-1; nvfp4 2x on KL and ppl change, 15 more flipped tokens. They still trip on an fp8
+    # converter whose error is twice fp8's (Gaussian noise of 2 x 2.6% on the same modules: top-1 0.934, KL 0.0095
+    # here) and on one that writes 4-bit-sized error into fp8. The issue's 99% fp8 top-1 target is not met (0.9765)
+    # and is reported as such, not tested here.
+    assert fp8.top1 >= 0.94, f"fp8 top-1 agreement with bf16 only {fp8.top1:.3f}"
+    assert fp8.kl < 0.008
+    assert abs(fp8.ppl / bf16.ppl - 1) < 0.015
     assert fp8.kl <= nvfp4.kl  # 4-bit weights lose more than 8-bit ones
-    assert abs(fp8.ppl / bf16.ppl - 1) < 0.10
+    assert nvfp4.top1 >= 0.82 and nvfp4.kl < 0.08 and abs(nvfp4.ppl / bf16.ppl - 1) < 0.06
     # greedy text of fp8 starts like bf16's (the first token is the one most likely to agree)
     assert fp8.text[:1] == bf16.text[:1]
 

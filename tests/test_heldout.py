@@ -1,9 +1,9 @@
 """Held-out quality data (kie_moe.heldout) and the perplexity that kie sweep and kie demo compute from it, on the
 shipped demo model, against HF transformers' own Qwen3MoeForCausalLM.
 
-What these would have caught (2026-12-03): kie sweep scored the first 512 tokens of heldout.txt (one docstring; ppl
-2632) while kie demo scored 4 windows spread over the file (ppl 210): "the same held-out text" gave two numbers
-12x apart. Each command's arithmetic was right (HF gives 2631.78 on the sweep's old windows too); the data were not
+What these would have caught (2026-12-03, on the demo model shipped before the retraining): kie sweep scored the
+first 512 tokens of heldout.txt (one docstring; ppl 2632) while kie demo scored 4 windows spread over the file (ppl
+210): "the same held-out text" gave two numbers 12x apart. Each command's arithmetic was right (HF gives 2631.78 on the sweep's old windows too); the data were not
 the same.
 """
 from __future__ import annotations
