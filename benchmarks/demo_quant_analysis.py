@@ -1,5 +1,7 @@
 #!/usr/bin/env python3
-"""Why the demo model loses 9% top-1 agreement in fp8: the conversion, or the model? Oracles we did not write only.
+"""Where the demo model's fp8 / fp4 top-1 agreement goes: the conversion, or the model? Oracles we did not write only.
+(Written for the previous demo model, which lost 9% top-1 in fp8: results/2026-12-03-demo-quality.md sections 1-4;
+the retrained model loses 2.4%, section 6.)
 
 1. Convert the shipped demo model (kie_moe/assets/demo-moe) to every scheme with `kie convert`, decompress every
    quantized module with compressed-tensors' own compressor, and measure its relative Frobenius error vs bf16.

@@ -23,7 +23,7 @@ Qwen3MoeForCausalLM in float32 over every 256-token window of the whole heldout.
 benchmarks/demo_quant_analysis.py does): top-1 agreement with bf16, mean KL, perplexity change -> TRAINING.md and
 one JSON line on stdout.
 
-    python scripts/train_demo_model.py --out OUT_DIR --device cuda --time-budget-s 400   # the real run (~5 min, H200)
+    python scripts/train_demo_model.py --out OUT_DIR --device cuda --time-budget-s 430   # the shipped run (~4 min, H200)
     python scripts/train_demo_model.py --out /tmp/d --device cpu --tiny --steps 20 --extra-bytes 2e6 \\
         --max-data-mb 1 --seq-len 128 --batch 8 --eval-every 5                          # end-to-end check on CPU
     python scripts/train_demo_model.py --gate-only kie_moe/assets/demo-moe             # the gate on any model dir
@@ -805,7 +805,7 @@ def training_md(a, m: dict) -> str:
     dev_name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"{os.cpu_count()}-core CPU"
     placeholder = a.tiny or dev.type == "cpu"
     status = ("**PLACEHOLDER**: a short CPU/tiny run, not a model to ship; the real one: `python "
-              "scripts/train_demo_model.py --out DIR --device cuda --time-budget-s 400` (about 5 minutes on one "
+              "scripts/train_demo_model.py --out DIR --device cuda --time-budget-s 430` (about 4 minutes on one "
               "H200)." if placeholder else "The trained demo model (the GPU run).")
     s, x = m["shape"], m["xstats"]
     cmd = " ".join(["python", "scripts/train_demo_model.py"] + a.argv)
