@@ -26,7 +26,7 @@ import traceback
 
 DEFAULT_ARCHS = "llama-3.2-1b,qwen3-30b-a3b"
 SWEEP = [  # plan / launch options per point (defaults: block_k 1024, tile_elems 16384, 8 warps, 128 KB tasks
-    # (512 for a Laneformer), num_stages 3, one program per SM)
+    # (512 for a Laneformer and fp4 weights), num_stages 3, one program per SM)
     dict(), dict(num_stages=0), dict(num_stages=2), dict(num_stages=4), dict(block_k=2048, num_stages=3),
     dict(tile_elems=32768, num_stages=3), dict(max_task_kb=64), dict(max_task_kb=512),
     dict(num_warps=4, programs_per_sm=2), dict(num_warps=4, programs_per_sm=2, num_stages=0),
@@ -145,7 +145,8 @@ def main(argv=None):
     ap.add_argument("--block-k", type=int, default=None, help="K step of the weight tiles (default: the plan's)")
     ap.add_argument("--tile-elems", type=int, default=None, help="elements per weight tile (default: the plan's)")
     ap.add_argument("--max-task-kb", type=int, default=None,
-                    help="largest task in KB (more tasks per phase below; default: the plan's, 128 or 512 for lanes)")
+                    help="largest task in KB (more tasks per phase below; default: the plan's: 128, 512 for lanes and "
+                         "fp4)")
     ap.add_argument("--trace", type=int, default=0, metavar="STEPS",
                     help="also run STEPS time-stamped decode steps and print where a step's time goes per op "
                          "(critical path, wait / work per task: kernels/monokernel/trace.py)")

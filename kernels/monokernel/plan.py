@@ -18,9 +18,9 @@ between steps. Every phase waits for the whole previous phase, which also orders
 
 Tile sizes: an op of B bytes becomes ~n_sms * ceil(B / (n_sms * max_task_bytes)) tasks of equal row counts (so
 every SM streams about the same bytes in a phase: one task per SM for every op below n_sms * max_task_bytes, by
-default 128 KB (512 KB for a Laneformer: measured best on the H200), so an op of several waves gives every program
-several tasks of which the next one's weights are prefetched while the current one streams), never smaller than
-min_task_bytes (a claim + wait costs ~1-2 us).
+default 128 KB (512 KB for a Laneformer and for fp4 weights: measured best on the H200), so an op of several waves
+gives every program several tasks of which the next one's weights are prefetched while the current one streams),
+never smaller than min_task_bytes (a claim + wait costs ~1-2 us).
 """
 from __future__ import annotations
 
@@ -564,9 +564,9 @@ def build_plan(spec: ModelSpec, weights=None, device: str | torch.device = "cpu"
         tile_elems = 16384 if gpu else 64 * block_k
     if max_task_bytes is None:
         # H200, 2026-12-03 (benchmarks/NOTES.md): 128 KB tasks beat 512 KB on llama-3.2-1b bf16 (+8.6%) and
-        # qwen3-30b-a3b fp8 (+12%; nvfp4 -2.5%, within noise), but cost the Laneformer 17% (its lane ops read every
-        # lane's rows per task: smaller tasks repeat that per-task work)
-        max_task_bytes = (512 if d.LANES else 128) << 10
+        # qwen3-30b-a3b fp8 (+12%), but cost qwen3 nvfp4 2.5% (fp4 tiles are ALU-bound: more tasks, more per-task
+        # decode set-up) and the Laneformer 17% (its lane ops read every lane's rows per task)
+        max_task_bytes = (512 if d.LANES or max(d.FMT_ATTN, d.FMT_MLP, d.FMT_EXP) >= 3 else 128) << 10
     sp = lambda n, rb, g=1: split_rows(n, int(rb), n_sms, min_task_bytes, max_task_bytes, g)  # noqa: E731
     o_in = d.HQ * (d.VD if d.MLA else d.DH)
     rows = {"qkv": sp(d.NQKV, d.D * qb["attn"]), "o": sp(d.D, o_in * qb["attn"]), "lm": sp(d.V, d.D * eb)}
