@@ -14,14 +14,13 @@ Ranks are threads here; on GPUs the same rank code runs one per process (kie_moe
 """
 from __future__ import annotations
 
-import dataclasses
 import threading
 
 import torch
 
 from kie_moe.models.errors import ConfigError
 from kie_moe.models.reference import ReferenceDecoder, linear, rms_norm
-from kie_moe.models.spec import ModelSpec, canonical
+from kie_moe.models.spec import ModelSpec
 
 from .collectives import KcclThreadGroup
 from .symm import KcclAborted
@@ -74,52 +73,17 @@ def vocab_piece(vocab: int, rank: int, world: int) -> slice:
 
 def rank_weights(spec: ModelSpec, weights, rank: int, world: int, device="cpu",
                  dtype=torch.float32) -> tuple[ModelSpec, dict]:
-    """-> (rank's spec: heads / kv heads per rank; name -> tensor of the rank's slices only, on `device`)."""
-    names = set(weights.names())
-    get = lambda n: weights.get(n).to(device, dtype)
-    w = {"embed": get("embed"), "final_norm": get("final_norm")}
-    w["lm_head"] = (get("lm_head") if "lm_head" in names else w["embed"])[vocab_piece(spec.vocab_size, rank, world)]
-    layers = []
-    for i, lay in enumerate(spec.layers):
-        a = lay.attn
-        qs, ks = head_split(a, rank, world)
-        Dh = a.head_dim
-        rows = lambda s: slice(s.start * Dh, s.stop * Dh)
-        n = lambda s: canonical(i, s)
-        for nm in ("attn_norm", "mlp_norm", "attn.q_norm", "attn.k_norm", "moe.router", "moe.router_bias",
-                   "moe.score_bias", "moe.shared_gate"):
-            if n(nm) in names:
-                w[n(nm)] = get(n(nm))                                 # replicated
-        for nm, sl in (("attn.q", qs), ("attn.k", ks), ("attn.v", ks)):
-            w[n(nm)] = get(n(nm))[rows(sl)]                           # [heads*Dh, D] rows
-            if n(nm + "_bias") in names:
-                w[n(nm + "_bias")] = get(n(nm + "_bias"))[rows(sl)]
-        w[n("attn.o")] = get(n("attn.o"))[:, rows(qs)]                # [D, heads*Dh] columns
-        if n("attn.o_bias") in names and rank == 0:
-            w[n("attn.o_bias")] = get(n("attn.o_bias"))
-        if n("attn.sinks") in names:
-            w[n("attn.sinks")] = get(n("attn.sinks"))[qs]
-        prefixes = ["mlp"] if lay.moe is None else (["moe.shared"] if lay.moe.shared_intermediate_size else [])
-        for pre in prefixes:                                          # column-split swiglu
-            c = col_split(get(n(f"{pre}.gate")).shape[0], rank, world, f"layer {i} {pre}")
-            for nm in ("gate", "up"):
-                w[n(f"{pre}.{nm}")] = get(n(f"{pre}.{nm}"))[c]
-                if n(f"{pre}.{nm}_bias") in names:
-                    w[n(f"{pre}.{nm}_bias")] = get(n(f"{pre}.{nm}_bias"))[c]
-            w[n(f"{pre}.down")] = get(n(f"{pre}.down"))[:, c]
-            if n(f"{pre}.down_bias") in names and rank == 0:
-                w[n(f"{pre}.down_bias")] = get(n(f"{pre}.down_bias"))
-        if lay.moe is not None:                                       # whole experts, owned by one rank
-            E = lay.moe.num_experts
-            for e in range(E):
-                if owns_expert(e, E, rank, world):
-                    pre = n(f"moe.experts.{e}.")
-                    for nm in names:
-                        if nm.startswith(pre):
-                            w[nm] = get(nm)
-        attn = dataclasses.replace(a, num_heads=qs.stop - qs.start, num_kv_heads=ks.stop - ks.start)
-        layers.append(dataclasses.replace(lay, attn=attn))
-    return dataclasses.replace(spec, layers=tuple(layers)), w
+    """-> (rank's spec; name -> tensor of the rank's slices only, on `device`): the tensor-parallel monokernel's own
+    split (kernels/monokernel/shard.shard) with whole experts per rank (expert parallel: owns_expert), and the LM
+    head cut to this rank's vocab piece. The reference decoder below runs GQA only."""
+    from kie_moe.kernels.monokernel.shard import shard
+    if any(lay.attn.kind != "gqa" for lay in spec.layers):
+        raise ConfigError(f"tensor parallel: {spec.layers[0].attn.kind!r} attention is not split yet in the torch "
+                          "reference ranks (gqa only; the GPU monokernel splits MLA)")
+    rspec, store = shard(spec, weights, rank, world, experts="ep" if any(lay.moe for lay in spec.layers) else None)
+    w = {n: store.get(n).to(device, dtype) for n in store.names()}
+    w["lm_head"] = w.get("lm_head", w["embed"])[vocab_piece(spec.vocab_size, rank, world)]
+    return rspec, w
 
 
 class _DictWeights:
