@@ -136,7 +136,7 @@ def rank_backend(model, group: Group, backend: str = "auto", dtype: torch.dtype 
     why = ""
     if path == "monokernel":
         try:
-            return MonokernelRank(model, group, dtype, None if expert_split == "auto" else expert_split)
+            return MonokernelRank(model, group, dtype, expert_split)
         except NotImplementedError as e:
             if backend != "auto":
                 raise

@@ -2,21 +2,16 @@
 stop the run; compile modes fall back in order and the row names the mode that produced the number; a family
 transformers lacks is skipped without a child; the join gives ours / peer; and a real child (tiny HF model, eager
 and static cache on CPU) returns a timed row. The GPU numbers themselves come from scripts/gpu-check's peers stage."""
-import importlib.util
 import json
-from pathlib import Path
-
 import pytest
 
-_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "peers.py"
+from .scripts import load_script
+
 
 
 @pytest.fixture(scope="module")
 def peers():
-    spec = importlib.util.spec_from_file_location("peers", _PATH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("benchmarks/peers.py")
 
 
 def test_segfaulting_child_is_a_row(peers, tmp_path):

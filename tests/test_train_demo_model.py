@@ -4,7 +4,6 @@ end-to-end run (model folder + tar, the best state saved rather than the last, t
 against kie sweep's own reference-decoder path on the same windows)."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -14,17 +13,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "train_demo_model.py")
+from .scripts import load_script
+
 SHIPPED_FILES = ["TRAINING.md", "config.json", "generation_config.json", "heldout.txt", "model.safetensors",
                  "tokenizer.json", "tokenizer_config.json"]
 
 
 @pytest.fixture(scope="module")
 def tdm():
-    spec = importlib.util.spec_from_file_location("train_demo_model", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("scripts/train_demo_model.py")
 
 
 def _write(path, data: bytes | str):

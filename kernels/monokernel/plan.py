@@ -336,18 +336,7 @@ class Plan:
 
     def weight_bytes_per_token(self) -> int:
         """Bytes one decode step streams (active experts only; codes + scales), for bandwidth numbers."""
-        d, eb = self.dims, self.weights.element_size()
-        per = 0.0
-        for lay in self.spec.layers:
-            if d.MLA:
-                per += (d.NQKV * d.D + d.HQ * d.DH * d.R_Q + d.HQ * (d.NOPE + d.VD) * d.R_KV + d.D * d.HQ * d.VD) * eb
-            else:
-                per += (d.NQKV * d.D + d.D * d.HQ * d.DH) * self.elem_bytes("attn")
-            if lay.moe is None:
-                per += 3 * d.I_DENSE * d.D * self.elem_bytes("mlp")
-            else:
-                per += d.E * d.D * eb + (d.TOPK * 3 * d.I_MOE + 3 * d.I_SH) * d.D * self.elem_bytes("exp")
-        return int(per + d.V * d.D * eb)
+        return int(sum(self.op_bytes_per_step().values()))
 
 
 # ---- arena layout ----------------------------------------------------------------------------------------------

@@ -256,7 +256,7 @@ class MonokernelBackend:
         inputs, no logits, nothing in the ring), then n_steps generated tokens.
         mode 1 / 2: benchmark-only kernel variants (kernel.monokernel's MODE: sync only / no waits).
         trace_tasks > 0 (GPU): decode as usual and time stamp the first trace_tasks tasks in claim order into
-        self.trace (int64 [trace_tasks, 8]; benchmarks/monokernel_trace.py reads it)."""
+        self.trace (int64 [trace_tasks, 8]; kernels/monokernel/trace.summarize reads it)."""
         d, pl = self.dims, self.plan
         if trace_tasks:
             if self.interpret:

@@ -72,8 +72,10 @@ def expert_split(spec: ModelSpec, world: int, scheme: str | None = None, want: s
     min(top_k, E / N) whole experts (top_k / N only when the router spreads them perfectly), and the others wait
     for it at the all-reduce. So TP is the choice wherever it can cut: each expert's intermediate size must split
     into whole scale groups of the stored format (`scheme`: 128-column blocks for fp8-block, 16 / 32 for nvfp4 /
-    mxfp4); EP where it cannot (e.g. I = 768 over 8 ranks in fp8-block: 96 columns). `want` forces one (an
-    impossible one raises ConfigError naming why)."""
+    mxfp4); EP where it cannot (e.g. I = 768 over 8 ranks in fp8-block: 96 columns). `want` "tp" / "ep" forces one
+    (an impossible one raises ConfigError naming why); None or "auto" lets it choose."""
+    if want == "auto":
+        want = None
     moes = [lay.moe for lay in spec.layers if lay.moe is not None]
     if not moes or world == 1:
         return want or "tp"

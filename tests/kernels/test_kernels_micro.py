@@ -2,21 +2,15 @@
 MoE ids, x8 sharing, the JSON rows) runs on tiny shapes through the interpreter, so a GPU run is never lost to a
 typo. The timing itself only runs on the device machine."""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
+from ..scripts import load_script
 from .helpers import DEV, needs_device
 
-_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "kernels_micro.py"
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("kernels_micro", _PATH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("benchmarks/kernels_micro.py")
 
 
 def test_help_and_args(capsys):

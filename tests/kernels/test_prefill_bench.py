@@ -1,19 +1,14 @@
 """benchmarks/prefill_bench.py on CPU: a tiny preset end to end (build, timed prefill, reference parity, TTFT
 through the backend's generate), so the GPU run is never lost to a typo; the JSON is well formed."""
-import importlib.util
 import json
-from pathlib import Path
-
 import pytest
 
-_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "prefill_bench.py"
+from ..scripts import load_script
+
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("prefill_bench", _PATH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("benchmarks/prefill_bench.py")
 
 
 def test_help(capsys):

@@ -193,6 +193,7 @@ def test_expert_split_picks_tp_where_it_can_cut_and_ep_where_it_cannot():
     assert expert_split(spec, 8, "nvfp4") == "tp" and expert_split(spec, 8, "mxfp4") == "tp"   # 96 = 6 x 16 = 3 x 32
     assert expert_split(spec, 8, "fp8-block") == "ep"   # 96 is not whole 128-column blocks
     assert expert_split(spec, 8, want="ep") == "ep"
+    assert expert_split(spec, 8, "fp8-block", want="auto") == "ep"   # "auto" (the CLI's default) = let it choose
     with pytest.raises(ConfigError, match="not a multiple of 128 columns"):
         expert_split(spec, 8, "fp8-block", want="tp")
     with pytest.raises(ConfigError, match="128 experts cannot give each of 256 ranks one"):
