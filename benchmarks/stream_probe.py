@@ -1,0 +1,173 @@
+"""How fast ONE persistent program per SM streams a monokernel task, with no dependencies and no opcode switch:
+the monokernel's own stream functions (kernels/monokernel/stream.py) in a tiny kernel, one task after another
+per program, each task's first tile loaded right before the call (as after a wait: no overlap between tasks).
+Beside them, `copy`: the same task bytes read by a plain tl.range loop of 16-byte vector loads (the ceiling of
+this structure: one program, one task at a time) and the read-bandwidth probe of the same process.
+
+It isolates the streaming loop's cost from everything else the monokernel does, so a tile shape / pipeline /
+x-layout choice can be measured in seconds instead of through whole decode steps. GPU only.
+
+    python benchmarks/stream_probe.py --out probe.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+import traceback
+
+import triton
+import triton.language as tl
+
+from kie_moe.kernels.monokernel.stream import stream_gemv, stream_glu, tile
+
+
+@triton.jit
+def _glu_probe(wg, wu, s_ptr, f_ptr, x_ptr, nw_ptr, h_ptr, n_iter, ROWS: tl.constexpr, K: tl.constexpr,
+               FMT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, XB: tl.constexpr, NS: tl.constexpr):
+    """Task (it, pid): rows [task * ROWS, +ROWS) of a gate / up pair (an expert's slice: expert_gate_up)."""
+    pid = tl.program_id(0)
+    n_prog = tl.num_programs(0)
+    for it in range(n_iter):
+        r0 = (it * n_prog + pid) * ROWS
+        g0, gs0 = tile(wg, s_ptr, K, r0, r0 + ROWS, 0, 1, FMT, BN, BK)
+        u0, us0 = tile(wu, s_ptr, K, r0, r0 + ROWS, 0, 1, FMT, BN, BK)
+        stream_glu(wg, wu, s_ptr, s_ptr, f_ptr, f_ptr, g0, u0, gs0, us0, K, r0, r0 + ROWS, x_ptr, nw_ptr, 1e-6,
+                   f_ptr, f_ptr, h_ptr, 0.0, 0.0, False, 0, FMT, BN, BK, XB, NS)
+
+
+@triton.jit
+def _gemv_probe(w, s_ptr, f_ptr, x_ptr, nw_ptr, y_ptr, n_iter, ROWS: tl.constexpr, K: tl.constexpr,
+                FMT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, XB: tl.constexpr, NS: tl.constexpr):
+    """Task (it, pid): rows [task * ROWS, +ROWS) of one matrix with the input RMSNorm (qkv_proj)."""
+    pid = tl.program_id(0)
+    n_prog = tl.num_programs(0)
+    for it in range(n_iter):
+        r0 = (it * n_prog + pid) * ROWS
+        w0, s0 = tile(w, s_ptr, K, r0, r0 + ROWS, 0, 1, FMT, BN, BK)
+        stream_gemv(w, s_ptr, f_ptr, w0, s0, K, r0, r0 + ROWS, x_ptr, nw_ptr, 1e-6, f_ptr, y_ptr, y_ptr, 0,
+                    f_ptr, y_ptr, 0, 1.0, 0, 0, True, False, False, False, FMT, BN, BK, XB, NS)
+
+
+@triton.jit
+def _copy_probe(w, out_ptr, n_iter, TASK: tl.constexpr, BLOCK: tl.constexpr, NS: tl.constexpr):
+    """Task (it, pid): TASK int32 words read in [BLOCK] steps through a pipelined loop, summed (kept alive)."""
+    pid = tl.program_id(0)
+    n_prog = tl.num_programs(0)
+    acc = tl.zeros((BLOCK,), dtype=tl.int32)
+    for it in range(n_iter):
+        base = (it * n_prog + pid).to(tl.int64) * TASK
+        for k in tl.range(0, TASK, BLOCK, num_stages=NS):
+            acc += tl.load(w + base + k + tl.arange(0, BLOCK))
+    tl.store(out_ptr + pid * BLOCK + tl.arange(0, BLOCK), acc)
+
+
+def read_probe_gbps() -> float:
+    from monokernel_bench import read_probe_gbps as probe
+    return probe()
+
+
+def run_point(kind: str, fmt: int, rows: int, k: int, bn: int, bk: int, xb: int, ns: int, warps: int,
+              per_sm: int, n_sms: int, n_iter: int) -> dict:
+    import torch
+    import triton.testing as tt
+    dev = "cuda"
+    n_prog = n_sms * per_sm
+    r_total = n_prog * n_iter * rows
+    if kind == "copy":
+        words = rows * k // 4   # rows x k bytes per task, as int32 words
+        w = torch.randint(0, 100, (n_prog * n_iter * words,), dtype=torch.int32, device=dev)
+        out = torch.empty(n_prog * bk, dtype=torch.int32, device=dev)
+        fn = lambda: _copy_probe[(n_prog,)](w, out, n_iter, words, bk // 4, ns, num_warps=warps)  # noqa: E731
+        nbytes = w.numel() * 4
+    else:
+        n_mats = 2 if kind == "glu" else 1
+        if fmt == 0:
+            mats = [torch.randn(r_total, k, device=dev, dtype=torch.bfloat16) for _ in range(n_mats)]
+            s = torch.zeros(16, device=dev)
+            per_row = 2 * k
+        elif fmt == 1:
+            mats = [torch.randn(r_total, k, device=dev).to(torch.float8_e4m3fn) for _ in range(n_mats)]
+            s = torch.zeros(16, device=dev)
+            per_row = k
+        else:   # nvfp4: packed words [R, K/8] u32, e4m3 group-16 scales [R, K/16]
+            mats = [torch.randint(0, 2 ** 31, (r_total, k // 8), dtype=torch.int32, device=dev).view(torch.uint32)
+                    for _ in range(n_mats)]
+            s = (torch.rand(r_total * k // 16, device=dev) + 0.5).to(torch.float8_e4m3fn)
+            per_row = k // 2 + k // 16
+        f = torch.ones(r_total, device=dev)
+        x = torch.randn(k, device=dev)
+        nw = torch.ones(k, device=dev, dtype=torch.bfloat16)
+        h = torch.empty(r_total, device=dev)
+        if kind == "glu":
+            fn = lambda: _glu_probe[(n_prog,)](mats[0], mats[1], s, f, x, nw, h, n_iter, rows, k, fmt, bn, bk,  # noqa: E731
+                                              xb, ns, num_warps=warps)
+        else:
+            fn = lambda: _gemv_probe[(n_prog,)](mats[0], s, f, x, nw, h, n_iter, rows, k, fmt, bn, bk, xb, ns,  # noqa: E731
+                                               num_warps=warps)
+        nbytes = n_mats * r_total * per_row
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    compile_s = time.perf_counter() - t0
+    ms = tt.do_bench(fn, warmup=20, rep=200, return_mode="median")
+    task_bytes = nbytes / (n_prog * n_iter)
+    return dict(gbps=nbytes / ms / 1e6, us_per_task=1e3 * ms / n_iter, task_kb=task_bytes / 1024,
+                gbps_per_program=task_bytes / (1e3 * ms / n_iter) / 1e3, compile_s=compile_s, nbytes=nbytes)
+
+
+# (kind, fmt, rows per task, K, BN, BK, XB, NS, warps, programs per SM); fmt: 0 bf16, 1 fp8, 3 nvfp4.
+# Defaults of today's plan: expert_gate_up fp8 BN 8 / BK 1024 / NS 3 / XB 0 / 8 warps (qwen3: 48 rows x 2048).
+POINTS = [
+    ("copy", 1, 96, 2048, 0, 16384, 0, 3, 8, 1), ("copy", 1, 96, 2048, 0, 16384, 0, 6, 8, 1),
+    ("copy", 1, 96, 2048, 0, 4096, 0, 4, 8, 1), ("copy", 1, 96, 2048, 0, 8192, 0, 4, 4, 2),
+    ("glu", 1, 48, 2048, 8, 1024, 0, 3, 8, 1),     # the plan's expert_gate_up today
+    ("glu", 1, 48, 2048, 8, 1024, 0, 0, 8, 1), ("glu", 1, 48, 2048, 8, 1024, 0, 2, 8, 1),
+    ("glu", 1, 48, 2048, 8, 1024, 0, 4, 8, 1),
+    ("glu", 1, 48, 2048, 16, 1024, 0, 3, 8, 1), ("glu", 1, 48, 2048, 16, 1024, 0, 0, 8, 1),
+    ("glu", 1, 48, 2048, 32, 512, 0, 3, 8, 1), ("glu", 1, 48, 2048, 4, 2048, 0, 3, 8, 1),
+    ("glu", 1, 48, 2048, 8, 1024, 1, 3, 8, 1), ("glu", 1, 48, 2048, 8, 1024, 1, 0, 8, 1),
+    ("glu", 1, 48, 2048, 16, 512, 1, 3, 8, 1), ("glu", 1, 48, 2048, 4, 1024, 1, 0, 8, 1),
+    ("glu", 1, 48, 2048, 8, 1024, 0, 3, 4, 2), ("glu", 1, 48, 2048, 8, 1024, 1, 0, 4, 2),
+    ("glu", 1, 48, 2048, 8, 1024, 0, 3, 4, 1),
+    ("glu", 0, 48, 2048, 8, 1024, 0, 3, 8, 1), ("glu", 0, 48, 2048, 8, 1024, 1, 0, 8, 1),
+    ("glu", 3, 48, 2048, 4, 1024, 0, 3, 8, 1), ("glu", 3, 48, 2048, 8, 1024, 0, 3, 8, 1),
+    ("glu", 3, 48, 2048, 8, 512, 0, 0, 8, 1),
+    ("gemv", 0, 32, 2048, 16, 1024, 0, 3, 8, 1), ("gemv", 0, 32, 2048, 16, 1024, 1, 0, 8, 1),
+    ("gemv", 0, 32, 2048, 8, 1024, 1, 0, 8, 1), ("gemv", 1, 64, 2048, 16, 1024, 0, 3, 8, 1),
+]
+KEYS = ("kind", "fmt", "rows", "k", "bn", "bk", "xb", "ns", "warps", "per_sm")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out")
+    ap.add_argument("--iters", type=int, default=16, help="tasks per program per launch")
+    ap.add_argument("--only", default=None, help="comma-separated point indices")
+    a = ap.parse_args(argv)
+    import torch
+    n_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    probe = read_probe_gbps()
+    print(f"probe {probe:.0f} GB/s ({probe / n_sms:.1f} per SM), {n_sms} SMs", flush=True)
+    res = []
+    pts = POINTS if a.only is None else [POINTS[int(i)] for i in a.only.split(",")]
+    for p in pts:
+        r = dict(zip(KEYS, p))
+        try:
+            r.update(run_point(*p, n_sms, a.iters))
+            r["pct_of_probe"] = 100 * r["gbps"] / probe
+        except Exception as ex:
+            r["error"] = f"{type(ex).__name__}: {ex}"[:600]
+            r["tb"] = traceback.format_exc()[-1500:]
+        res.append(r)
+        print(json.dumps({k: (round(v, 2) if isinstance(v, float) else v) for k, v in r.items() if k != "tb"}),
+              flush=True)
+    if a.out:
+        import torch as _t
+        with open(a.out, "w") as fh:
+            json.dump(dict(probe_gbps=probe, n_sms=n_sms, device=_t.cuda.get_device_name(0), torch=_t.__version__,
+                           triton=triton.__version__, iters=a.iters, points=res), fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
