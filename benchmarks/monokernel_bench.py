@@ -47,13 +47,13 @@ def read_probe_gbps(nbytes: int = 4 << 30) -> float:
 
 def bench_one(arch: str, probe: float, *, new_tokens: int, prompt_len: int, reps: int, layers: int | None = None,
               block_k=None, tile_elems=None, num_warps=8, max_task_kb=None, x_bcast=False, num_stages=None,
-              programs_per_sm=1, breakdown: bool = False, fmt: str = "bf16", trace_steps: int = 0) -> dict:
+              programs_per_sm=1, maxnreg=None, breakdown: bool = False, fmt: str = "bf16", trace_steps: int = 0) -> dict:
     import torch
     from kie_moe.kernels.monokernel import plan as P
     from kie_moe.kernels.monokernel.runtime import MonokernelBackend
     r = dict(arch=arch, fmt=fmt, layers=layers, block_k=block_k, tile_elems=tile_elems, num_warps=num_warps,
              max_task_kb=max_task_kb, x_bcast=x_bcast, num_stages=num_stages, programs_per_sm=programs_per_sm,
-             new_tokens=new_tokens, prompt_len=prompt_len)
+             maxnreg=maxnreg, new_tokens=new_tokens, prompt_len=prompt_len)
     mk = None
     try:
         spec = P.preset_spec(arch, layers)
@@ -68,7 +68,7 @@ def bench_one(arch: str, probe: float, *, new_tokens: int, prompt_len: int, reps
         r["tiles"] = dict(block_k=plan.tiles.block_k, bn=plan.tiles.bn, block_t=plan.tiles.block_t,
                           num_stages=plan.tiles.ns, programs=plan.n_sms)
         r["tasks_per_op"] = {k: len(v) for k, v in plan.op_rows.items()}
-        mk = MonokernelBackend(None, torch.device("cuda"), plan=plan, num_warps=num_warps)
+        mk = MonokernelBackend(None, torch.device("cuda"), plan=plan, num_warps=num_warps, maxnreg=maxnreg)
         tok = 1000 % spec.vocab_size
 
         def timed(mode: int) -> tuple[float, list, float]:
@@ -141,6 +141,8 @@ def main(argv=None):
     ap.add_argument("--no-breakdown", action="store_true", help="skip the sync-only / no-wait kernel variants")
     ap.add_argument("--programs-per-sm", type=int, default=1, help="persistent programs per SM (with 2: --num-warps 4)")
     ap.add_argument("--num-warps", type=int, default=8)
+    ap.add_argument("--maxnreg", type=int, default=None, help="registers per thread cap (2+ programs per SM need "
+                    "<= 128 at 8 warps)")
     ap.add_argument("--num-stages", type=int, default=None, help="weight-load pipeline stages (default: the plan's)")
     ap.add_argument("--block-k", type=int, default=None, help="K step of the weight tiles (default: the plan's)")
     ap.add_argument("--tile-elems", type=int, default=None, help="elements per weight tile (default: the plan's)")
@@ -161,8 +163,8 @@ def main(argv=None):
     res["read_probe_gbps"] = probe = read_probe_gbps()
     print(json.dumps(res), flush=True)
     kw = dict(new_tokens=a.new_tokens, prompt_len=a.prompt_len, reps=a.reps, layers=a.layers, trace_steps=a.trace,
-              programs_per_sm=a.programs_per_sm, num_warps=a.num_warps, num_stages=a.num_stages, block_k=a.block_k,
-              tile_elems=a.tile_elems, max_task_kb=a.max_task_kb)
+              programs_per_sm=a.programs_per_sm, maxnreg=a.maxnreg, num_warps=a.num_warps, num_stages=a.num_stages,
+              block_k=a.block_k, tile_elems=a.tile_elems, max_task_kb=a.max_task_kb)
     archs = [x for x in a.archs.split(",") if x]
     fmts = [f for f in a.formats.split(",") if f]
     # the breakdown (two more compiles) for the first format only: the gpu-check stage has 300 s

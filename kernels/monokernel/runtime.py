@@ -86,7 +86,7 @@ class MonokernelBackend:
     def __init__(self, model, device: torch.device | str = "cuda", *, kv_dtype: torch.dtype | None = None,
                  prefill_dtype: torch.dtype | None = None, timeout_ms: float | None = None, num_warps: int = 8,
                  max_splits: int | None = None, plan: P.Plan | None = None, offline: bool = False,
-                 prefill: str | None = None, **plan_opts):
+                 prefill: str | None = None, maxnreg: int | None = None, **plan_opts):
         self.device = torch.device(device)
         self.interpret = interpreting() and not offline  # offline: buffers for compile_offline(), no launches
         if self.device.type != "cuda" and not self.interpret and not offline:
@@ -105,6 +105,8 @@ class MonokernelBackend:
         self.timeout_ns = int((timeout_ms if timeout_ms is not None
                                else float(os.environ.get("KIE_MONOKERNEL_TIMEOUT_MS", 500))) * 1e6)
         self.num_warps = num_warps
+        # registers per thread cap (ptxas): below the switch's 255 so that 2+ programs fit on an SM
+        self.maxnreg = maxnreg
         self.grid = 1 if self.interpret else self.plan.n_sms
         groups = len(self.plan.op_rows["mla_attn"]) if d.MLA else d.HKV   # attention tasks per split
         self.max_splits = max_splits or max(1, self.plan.n_sms // groups)
@@ -308,7 +310,8 @@ class MonokernelBackend:
 
     def _run(self):
         args, meta = self._launch_args
-        monokernel[(self.grid,)](*args, **meta, num_warps=self.num_warps, launch_cooperative_grid=True)
+        extra = {} if self.maxnreg is None or self.interpret else dict(maxnreg=self.maxnreg)
+        monokernel[(self.grid,)](*args, **meta, num_warps=self.num_warps, launch_cooperative_grid=True, **extra)
         if self.device.type == "cuda":
             self._done = torch.cuda.Event()
             self._done.record()
@@ -507,4 +510,5 @@ def compile_offline(backend: MonokernelBackend, arch: int = 90, n_splits: int = 
     meta = {**meta, "USE_ASM": True, "MODE": mode}
     src = ASTSource(monokernel, sig, constexprs=meta, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                          options=dict(num_warps=backend.num_warps, launch_cooperative_grid=True))
+                          options=dict(num_warps=backend.num_warps, launch_cooperative_grid=True,
+                                       **({} if backend.maxnreg is None else dict(maxnreg=backend.maxnreg))))
