@@ -46,19 +46,19 @@ def read_probe_gbps(nbytes: int = 4 << 30) -> float:
 
 
 def bench_one(arch: str, probe: float, *, new_tokens: int, prompt_len: int, reps: int, layers: int | None = None,
-              block_k=None, tile_elems=None, num_warps=8, max_task_kb=None, x_bcast=False, num_stages=None,
+              block_k=None, tile_elems=None, block_t=None, num_warps=8, max_task_kb=None, x_bcast=False, num_stages=None,
               programs_per_sm=1, maxnreg=None, breakdown: bool = False, fmt: str = "bf16", trace_steps: int = 0) -> dict:
     import torch
     from kie_moe.kernels.monokernel import plan as P
     from kie_moe.kernels.monokernel.runtime import MonokernelBackend
-    r = dict(arch=arch, fmt=fmt, layers=layers, block_k=block_k, tile_elems=tile_elems, num_warps=num_warps,
+    r = dict(arch=arch, fmt=fmt, layers=layers, block_k=block_k, tile_elems=tile_elems, block_t=block_t, num_warps=num_warps,
              max_task_kb=max_task_kb, x_bcast=x_bcast, num_stages=num_stages, programs_per_sm=programs_per_sm,
              maxnreg=maxnreg, new_tokens=new_tokens, prompt_len=prompt_len)
     mk = None
     try:
         spec = P.preset_spec(arch, layers)
         t0 = time.perf_counter()
-        plan = P.build_plan(spec, None, "cuda", random_seed=0, block_k=block_k, tile_elems=tile_elems,
+        plan = P.build_plan(spec, None, "cuda", random_seed=0, block_k=block_k, tile_elems=tile_elems, block_t=block_t,
                             max_task_bytes=None if max_task_kb is None else max_task_kb << 10,
                             x_bcast=x_bcast, num_stages=num_stages,
                             programs_per_sm=programs_per_sm, wdtype=torch.float16 if fmt == "fp16" else None,
@@ -144,6 +144,7 @@ def main(argv=None):
     ap.add_argument("--maxnreg", type=int, default=None, help="registers per thread cap (2+ programs per SM need "
                     "<= 128 at 8 warps)")
     ap.add_argument("--num-stages", type=int, default=None, help="weight-load pipeline stages (default: the plan's)")
+    ap.add_argument("--block-t", type=int, default=None, help="attention positions per step (default: the plan's)")
     ap.add_argument("--block-k", type=int, default=None, help="K step of the weight tiles (default: the plan's)")
     ap.add_argument("--tile-elems", type=int, default=None, help="elements per weight tile (default: the plan's)")
     ap.add_argument("--max-task-kb", type=int, default=None,
@@ -164,7 +165,7 @@ def main(argv=None):
     print(json.dumps(res), flush=True)
     kw = dict(new_tokens=a.new_tokens, prompt_len=a.prompt_len, reps=a.reps, layers=a.layers, trace_steps=a.trace,
               programs_per_sm=a.programs_per_sm, maxnreg=a.maxnreg, num_warps=a.num_warps, num_stages=a.num_stages,
-              block_k=a.block_k, tile_elems=a.tile_elems, max_task_kb=a.max_task_kb)
+              block_k=a.block_k, block_t=a.block_t, tile_elems=a.tile_elems, max_task_kb=a.max_task_kb)
     archs = [x for x in a.archs.split(",") if x]
     fmts = [f for f in a.formats.split(",") if f]
     # the breakdown (two more compiles) for the first format only: the gpu-check stage has 300 s
@@ -172,7 +173,7 @@ def main(argv=None):
                    for x in archs for i, f in enumerate(fmts)]
     if a.sweep:
         base = {k: v for k, v in kw.items() if k not in ("programs_per_sm", "num_warps", "num_stages", "block_k",
-                                                          "tile_elems", "max_task_kb")}
+                                                          "tile_elems", "max_task_kb", "block_t")}
         res["sweep"] = [bench_one(archs[0], probe, **point, **base) for point in SWEEP]
     if a.out:
         with open(a.out, "w") as f:
