@@ -46,12 +46,14 @@ def read_probe_gbps(nbytes: int = 4 << 30) -> float:
 
 
 def bench_one(arch: str, probe: float, *, new_tokens: int, prompt_len: int, reps: int, layers: int | None = None,
-              block_k=None, tile_elems=None, block_t=None, num_warps=8, max_task_kb=None, x_bcast=False, num_stages=None,
-              programs_per_sm=1, maxnreg=None, breakdown: bool = False, fmt: str = "bf16", trace_steps: int = 0) -> dict:
+              block_k=None, tile_elems=None, block_t=None, num_warps=None, max_task_kb=None, x_bcast=False,
+              num_stages=None, programs_per_sm=None, maxnreg=None, breakdown: bool = False, fmt: str = "bf16",
+              trace_steps: int = 0) -> dict:
     import torch
     from kie_moe.kernels.monokernel import plan as P
     from kie_moe.kernels.monokernel.runtime import MonokernelBackend
-    r = dict(arch=arch, fmt=fmt, layers=layers, block_k=block_k, tile_elems=tile_elems, block_t=block_t, num_warps=num_warps,
+    r = dict(arch=arch, fmt=fmt, layers=layers, block_k=block_k, tile_elems=tile_elems, block_t=block_t,
+             num_warps=num_warps,
              max_task_kb=max_task_kb, x_bcast=x_bcast, num_stages=num_stages, programs_per_sm=programs_per_sm,
              maxnreg=maxnreg, new_tokens=new_tokens, prompt_len=prompt_len)
     mk = None
@@ -65,10 +67,12 @@ def bench_one(arch: str, probe: float, *, new_tokens: int, prompt_len: int, reps
                             formats=None if fmt in ("bf16", "fp16") else {"attn": fmt, "mlp": fmt, "exp": fmt})
         torch.cuda.synchronize()
         r["plan_s"] = time.perf_counter() - t0
+        r["programs_per_sm"] = plan.programs_per_sm
         r["tiles"] = dict(block_k=plan.tiles.block_k, bn=plan.tiles.bn, block_t=plan.tiles.block_t,
                           num_stages=plan.tiles.ns, programs=plan.n_sms)
         r["tasks_per_op"] = {k: len(v) for k, v in plan.op_rows.items()}
         mk = MonokernelBackend(None, torch.device("cuda"), plan=plan, num_warps=num_warps, maxnreg=maxnreg)
+        r.update(num_warps=mk.num_warps, maxnreg=mk.maxnreg)
         tok = 1000 % spec.vocab_size
 
         def timed(mode: int) -> tuple[float, list, float]:
@@ -139,8 +143,9 @@ def main(argv=None):
                     "dtype), fp8, fp8-block, nvfp4, mxfp4 (default bf16,fp8)")
     ap.add_argument("--sweep", action="store_true", help="tile-shape grid on the first preset")
     ap.add_argument("--no-breakdown", action="store_true", help="skip the sync-only / no-wait kernel variants")
-    ap.add_argument("--programs-per-sm", type=int, default=1, help="persistent programs per SM (with 2: --num-warps 4)")
-    ap.add_argument("--num-warps", type=int, default=8)
+    ap.add_argument("--programs-per-sm", type=int, default=None,
+                    help="persistent programs per SM (default: the plan's GPU_PROGRAMS_PER_SM)")
+    ap.add_argument("--num-warps", type=int, default=None, help="default: plan.launch_warps(programs per SM)")
     ap.add_argument("--maxnreg", type=int, default=None, help="registers per thread cap (2+ programs per SM need "
                     "<= 128 at 8 warps)")
     ap.add_argument("--num-stages", type=int, default=None, help="weight-load pipeline stages (default: the plan's)")

@@ -100,11 +100,13 @@ def run_point(kind: str, fmt: int, rows: int, k: int, bn: int, bk: int, xb: int,
         nw = torch.ones(k, device=dev, dtype=torch.bfloat16)
         h = torch.empty(r_total, device=dev)
         if kind == "glu":
-            fn = lambda: _glu_probe[(n_prog,)](mats[0], mats[1], s, f, x, nw, h, n_iter, rows, k, fmt, bn, bk,  # noqa: E731
-                                              xb, ns, num_warps=warps)
+            def fn():
+                _glu_probe[(n_prog,)](mats[0], mats[1], s, f, x, nw, h, n_iter, rows, k, fmt, bn, bk, xb, ns,
+                                      num_warps=warps)
         else:
-            fn = lambda: _gemv_probe[(n_prog,)](mats[0], s, f, x, nw, h, n_iter, rows, k, fmt, bn, bk, xb, ns,  # noqa: E731
-                                               num_warps=warps)
+            def fn():
+                _gemv_probe[(n_prog,)](mats[0], s, f, x, nw, h, n_iter, rows, k, fmt, bn, bk, xb, ns,
+                                       num_warps=warps)
         nbytes = n_mats * r_total * per_row
     t0 = time.perf_counter()
     fn()

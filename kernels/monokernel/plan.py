@@ -266,6 +266,7 @@ class Plan:
     qbufs: dict | None = None
     tp_rank: int = 0                          # tensor parallel (dims.TP > 0): this rank, and the layout of
     tp_tiles: int = 0                         # its symmetric region (sym_layout)
+    programs_per_sm: int = 1                  # persistent programs per SM (n_sms counts all of them)
 
     def sym_layout(self) -> dict:
         """Tensor-parallel plans: int32-word offsets in a rank's symmetric region (the same on every rank).
@@ -466,11 +467,31 @@ def _bn(rows: list[tuple[int, int]], cap: int) -> int:
 
 # ---- the plan ------------------------------------------------------------------------------------------------------
 
+# How the monokernel occupies an SM on the GPU. One 8-warp program per SM streams a task at 35-48% of the probe
+# (fp8 gate/up, benchmarks/stream_probe.py), 4 programs of 4 warps at 77%: independent programs hide each
+# other's load latency and barriers, where more warps in one program do not (1 x 16: 28%). They must all fit the
+# SM's 64K registers (maxnreg) and 228 KB of shared memory (tile_elems) for the cooperative launch.
+GPU_PROGRAMS_PER_SM = 1
+GPU_TILE_ELEMS = {1: 16384, 2: 8192, 3: 4096, 4: 4096}     # programs per SM -> elements per weight tile
+GPU_BLOCK_T = {1: 32, 2: 16, 3: 8, 4: 8}                   # attention positions per step (registers)
+
+
+def launch_warps(programs_per_sm: int) -> int:
+    return 8 if programs_per_sm == 1 else 4
+
+
+def launch_maxnreg(programs_per_sm: int, num_warps: int) -> int | None:
+    """Registers per thread that let `programs_per_sm` programs of `num_warps` warps share an SM's 64K (None:
+    ptxas' own 255 fits)."""
+    n = 65536 // (programs_per_sm * num_warps * 32) // 8 * 8
+    return None if n >= 255 else n
+
+
 def build_plan(spec: ModelSpec, weights=None, device: str | torch.device = "cpu", *,
                wdtype: torch.dtype | None = None, n_sms: int | None = None, block_k: int | None = None,
                tile_elems: int | None = None, block_t: int | None = None, min_task_bytes: int = 16 << 10,
                x_bcast: bool = False, max_task_bytes: int | None = None, random_seed: int | None = None,
-               quantized=None, formats: dict | None = None, programs_per_sm: int = 1,
+               quantized=None, formats: dict | None = None, programs_per_sm: int | None = None,
                num_stages: int | None = None, tp: tuple[int, int] | None = None,
                experts: tuple[int, int] | None = None) -> Plan:
     """Pack `weights` (WeightStore-like: names(), get(canonical), `in`) into device buffers and tile every op.
@@ -480,8 +501,9 @@ def build_plan(spec: ModelSpec, weights=None, device: str | torch.device = "cpu"
     Linear kind (attention / dense MLP / experts), one quantized format per model; router, embeddings, LM head,
     norms and biases stay float. weights=None with random_seed: random weights drawn on the device (benchmarks;
     no host copy), in `formats` ({kind: "fp8" | "fp8-block" | "nvfp4" | "mxfp4"}) where given.
-    programs_per_sm: persistent programs per SM (the grid; tiles are sized for all of them): with 2, one program
-    streams while the other waits on a dependency (needs the kernel to fit twice per SM: num_warps=4).
+    programs_per_sm: persistent programs per SM (the grid; tiles are sized for all of them); default
+    GPU_PROGRAMS_PER_SM on the GPU, with tile_elems / block_t from GPU_TILE_ELEMS / GPU_BLOCK_T so that they all
+    fit the SM (the backend takes launch_warps / launch_maxnreg).
     num_stages: > 0 pipelines each task's weight loads with tl.range(num_stages) (cp.async into shared memory:
     sm_90 compile, [16 x 1024] bf16 tiles, 3 stages: 78 KB of shared memory, no spills); 0: a register double
     buffer. Default 3 on the GPU.
@@ -491,6 +513,8 @@ def build_plan(spec: ModelSpec, weights=None, device: str | torch.device = "cpu"
     device = torch.device(device)
     d = model_dims(spec)
     gpu = device.type in ("cuda", "meta")  # meta: an offline compile for the GPU
+    if programs_per_sm is None:
+        programs_per_sm = GPU_PROGRAMS_PER_SM if gpu else 1
     if wdtype is None:
         wdtype = torch.bfloat16 if gpu else torch.float32
     if n_sms is None:
@@ -550,7 +574,7 @@ def build_plan(spec: ModelSpec, weights=None, device: str | torch.device = "cpu"
         # elements per [BLOCK_N, BLOCK_K] weight tile buffer; a program holds two per matrix (double buffering),
         # gate/up ops two matrices, so they get half. 16384 fits sm_90's 255 registers without spills (offline
         # ptxas); larger tiles put more bytes in flight but spill (benchmarks/monokernel_bench.py --sweep).
-        tile_elems = 16384 if gpu else 64 * block_k
+        tile_elems = GPU_TILE_ELEMS.get(programs_per_sm, 4096) if gpu else 64 * block_k
     if max_task_bytes is None:
         # H200, 2026-12-03 (benchmarks/NOTES.md): 128 KB tasks beat 512 KB on llama-3.2-1b bf16 (+8.6%) and
         # qwen3-30b-a3b fp8 (+12%), but cost qwen3 nvfp4 2.5% (fp4 tiles are ALU-bound: more tasks, more per-task
@@ -600,7 +624,7 @@ def build_plan(spec: ModelSpec, weights=None, device: str | torch.device = "cpu"
         bn["kvb"] = max(1, min(_pow2(max(d.NOPE, d.VD)), tile_elems // _pow2(d.R_KV)))
     if block_t is None:
         # attention scores are [REP, BLOCK_T, Dh] products in registers: keep them <= 16K fp32 per program
-        block_t = 32 if gpu else 16
+        block_t = GPU_BLOCK_T.get(programs_per_sm, 8) if gpu else 16
         block_t = max(1, min(block_t, 16384 // (_pow2(d.HQ // d.HKV) * _pow2(d.DH))))
         if d.MLA:   # MLA attention tiles are tl.dot operands: >= 16 rows
             block_t = 32 if gpu else 16
@@ -610,7 +634,8 @@ def build_plan(spec: ModelSpec, weights=None, device: str | torch.device = "cpu"
                        xb=int(x_bcast), ns=num_stages)
     tp_tiles = max(len(rows[k]) for k in ("o", "down", "exp_down") if k in rows) if tp else 0
     return Plan(spec, d, device, wdtype, arena, buf, table.to(device), top["embed"], top["lm_head"],
-                top["final_norm"], n_sms, tiles, rows, table, qa, qbufs, tp[0] if tp else 0, tp_tiles)
+                top["final_norm"], n_sms, tiles, rows, table, qa, qbufs, tp[0] if tp else 0, tp_tiles,
+                programs_per_sm)
 
 
 @dataclass

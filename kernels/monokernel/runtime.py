@@ -84,8 +84,8 @@ class MonokernelBackend:
     name = "monokernel"
 
     def __init__(self, model, device: torch.device | str = "cuda", *, kv_dtype: torch.dtype | None = None,
-                 prefill_dtype: torch.dtype | None = None, timeout_ms: float | None = None, num_warps: int = 8,
-                 max_splits: int | None = None, plan: P.Plan | None = None, offline: bool = False,
+                 prefill_dtype: torch.dtype | None = None, timeout_ms: float | None = None,
+                 num_warps: int | None = None, max_splits: int | None = None, plan: P.Plan | None = None, offline: bool = False,
                  prefill: str | None = None, maxnreg: int | None = None, **plan_opts):
         self.device = torch.device(device)
         self.interpret = interpreting() and not offline  # offline: buffers for compile_offline(), no launches
@@ -104,9 +104,10 @@ class MonokernelBackend:
         self.prefill_mode = prefill or "torch"
         self.timeout_ns = int((timeout_ms if timeout_ms is not None
                                else float(os.environ.get("KIE_MONOKERNEL_TIMEOUT_MS", 500))) * 1e6)
-        self.num_warps = num_warps
-        # registers per thread cap (ptxas): below the switch's 255 so that 2+ programs fit on an SM
-        self.maxnreg = maxnreg
+        # warps and a register cap (ptxas) such that all of the plan's programs per SM fit at once
+        pp = self.plan.programs_per_sm
+        self.num_warps = num_warps or P.launch_warps(pp)
+        self.maxnreg = maxnreg or P.launch_maxnreg(pp, self.num_warps)
         self.grid = 1 if self.interpret else self.plan.n_sms
         groups = len(self.plan.op_rows["mla_attn"]) if d.MLA else d.HKV   # attention tasks per split
         self.max_splits = max_splits or max(1, self.plan.n_sms // groups)
