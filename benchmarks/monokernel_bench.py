@@ -144,7 +144,7 @@ def main(argv=None):
     ap.add_argument("--sweep", action="store_true", help="tile-shape grid on the first preset")
     ap.add_argument("--no-breakdown", action="store_true", help="skip the sync-only / no-wait kernel variants")
     ap.add_argument("--programs-per-sm", type=int, default=None,
-                    help="persistent programs per SM (default: the plan's GPU_PROGRAMS_PER_SM)")
+                    help="persistent programs per SM (default: plan.gpu_programs_per_sm)")
     ap.add_argument("--num-warps", type=int, default=None, help="default: plan.launch_warps(programs per SM)")
     ap.add_argument("--maxnreg", type=int, default=None, help="registers per thread cap (2+ programs per SM need "
                     "<= 128 at 8 warps)")

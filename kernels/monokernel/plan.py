@@ -467,11 +467,17 @@ def _bn(rows: list[tuple[int, int]], cap: int) -> int:
 
 # ---- the plan ------------------------------------------------------------------------------------------------------
 
-# How the monokernel occupies an SM on the GPU. One 8-warp program per SM streams a task at 35-48% of the probe
-# (fp8 gate/up, benchmarks/stream_probe.py), 4 programs of 4 warps at 77%: independent programs hide each
-# other's load latency and barriers, where more warps in one program do not (1 x 16: 28%). They must all fit the
-# SM's 64K registers (maxnreg) and 228 KB of shared memory (tile_elems) for the cooperative launch.
-GPU_PROGRAMS_PER_SM = 1
+# How the monokernel occupies an SM on the GPU. In isolation one 8-warp program per SM streams a task at 35-48% of
+# the probe (fp8 gate/up, benchmarks/stream_probe.py), 2 x 4 warps at 59% and 4 x 4 at 77%: independent programs
+# hide each other's load latency and barriers (more warps in one program do not: 1 x 16, 28%). In the whole
+# kernel (H200, 2026-12-03, benchmarks/NOTES.md) the extra programs pay off only for a dense model: llama-3.2-1b
+# bf16 490 -> 550 tok/s at 2 x 4; qwen3-30b-a3b fp8 134 -> 112 (2 x 4) / 103 (4 x 4): its phases are one small
+# task per program, and each extra task repeats the routing, claim, wait and signal. All programs must fit the
+# SM's 64K registers (launch_maxnreg) and 228 KB of shared memory (tile_elems) for the cooperative launch.
+def gpu_programs_per_sm(d: Dims) -> int:
+    return 1 if (d.E or d.LANES or d.MLA) else 2
+
+
 GPU_TILE_ELEMS = {1: 16384, 2: 8192, 3: 4096, 4: 4096}     # programs per SM -> elements per weight tile
 GPU_BLOCK_T = {1: 32, 2: 16, 3: 8, 4: 8}                   # attention positions per step (registers)
 
@@ -502,8 +508,8 @@ def build_plan(spec: ModelSpec, weights=None, device: str | torch.device = "cpu"
     norms and biases stay float. weights=None with random_seed: random weights drawn on the device (benchmarks;
     no host copy), in `formats` ({kind: "fp8" | "fp8-block" | "nvfp4" | "mxfp4"}) where given.
     programs_per_sm: persistent programs per SM (the grid; tiles are sized for all of them); default
-    GPU_PROGRAMS_PER_SM on the GPU, with tile_elems / block_t from GPU_TILE_ELEMS / GPU_BLOCK_T so that they all
-    fit the SM (the backend takes launch_warps / launch_maxnreg).
+    gpu_programs_per_sm(dims) on the GPU, with tile_elems / block_t from GPU_TILE_ELEMS / GPU_BLOCK_T so that
+    they all fit the SM (the backend takes launch_warps / launch_maxnreg).
     num_stages: > 0 pipelines each task's weight loads with tl.range(num_stages) (cp.async into shared memory:
     sm_90 compile, [16 x 1024] bf16 tiles, 3 stages: 78 KB of shared memory, no spills); 0: a register double
     buffer. Default 3 on the GPU.
@@ -514,7 +520,7 @@ def build_plan(spec: ModelSpec, weights=None, device: str | torch.device = "cpu"
     d = model_dims(spec)
     gpu = device.type in ("cuda", "meta")  # meta: an offline compile for the GPU
     if programs_per_sm is None:
-        programs_per_sm = GPU_PROGRAMS_PER_SM if gpu else 1
+        programs_per_sm = gpu_programs_per_sm(d) if gpu else 1
     if wdtype is None:
         wdtype = torch.bfloat16 if gpu else torch.float32
     if n_sms is None:

@@ -58,3 +58,21 @@ def test_arena_views_hold_the_checkpoint_tensors(tiny_model):
     assert plan.arena.entries["layers.1.attn.q"][0] == off
     assert plan.arena.entries["layers.1.attn.k"][0] == off + q.numel()
     assert plan.weight_bytes_per_token() > 0
+
+
+@pytest.mark.parametrize("arch,want", [("llama-3.2-1b", 2), ("qwen3-30b-a3b", 1), ("laneformer-2b", 1)])
+def test_gpu_launch_shape_fits_an_sm(arch, want):
+    # a GPU plan (meta device: shapes only) of a dense model runs 2 programs per SM, an MoE / Laneformer 1; the
+    # warps and register cap the backend derives must let all of them share an sm_90 SM (64K registers, 228 KB)
+    from kie_moe.kernels.monokernel.runtime import MonokernelBackend
+    plan = P.build_plan(P.preset_spec(arch, 2), None, "meta", n_sms=132)
+    assert plan.programs_per_sm == want and plan.n_sms == 132 * want
+    be = MonokernelBackend(None, torch.device("meta"), plan=plan, offline=True)
+    regs = be.maxnreg or 255
+    assert want * be.num_warps * 32 * regs <= 65536
+    assert be.grid == plan.n_sms
+
+
+def test_launch_maxnreg():
+    assert P.launch_maxnreg(1, 8) is None and P.launch_maxnreg(2, 4) is None   # ptxas' 255 fits
+    assert P.launch_maxnreg(4, 4) == 128 and P.launch_maxnreg(2, 8) == 128 and P.launch_maxnreg(3, 4) == 168
