@@ -1,6 +1,7 @@
 """The monokernel: ONE persistent Triton kernel that runs whole decode steps, many of them per launch.
 
-grid = number of SMs (cooperative launch, so an oversized grid fails instead of hanging). Each program claims the
+grid = SMs x programs per SM (plan.gpu_programs_per_sm: 2 for dense models, 1 otherwise; cooperative launch, so a
+grid that cannot be resident at once fails instead of hanging). Each program claims the
 next task from an atomic cursor in topological order (plan.build_tasks), and for each task:
   1. issues the task's first weight tile loads (weights never depend on activations: HBM keeps streaming across
      the dependency below),
