@@ -1,0 +1,59 @@
+"""benchmarks/stream_probe.py on CPU: its probe kernels (the monokernel's own stream functions, one task after
+another per program) compute the torch reference on tiny odd shapes through the interpreter, for bf16, fp8 and
+nvfp4 weights, so the GPU timing run measures the real loop and is never lost to a typo."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ..scripts import load_script
+
+E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+
+
+def _weights(fmt, rows, k, g):
+    """(codes as the kernel reads them, scales, float reference [rows, k] in the kernel's output units)."""
+    if fmt == 0:
+        w = torch.randn(rows, k, generator=g).to(torch.bfloat16)
+        return w, torch.zeros(16), w.float()
+    if fmt == 1:
+        w = torch.randn(rows, k, generator=g).to(torch.float8_e4m3fn)
+        return w, torch.zeros(16), w.float()
+    words = torch.randint(0, 2 ** 31, (rows, k // 8), generator=g, dtype=torch.int64)
+    s = (torch.rand(rows * k // 16, generator=g) + 0.5).to(torch.float8_e4m3fn)
+    nib = torch.stack([(words >> (4 * e)) & 0xF for e in range(8)], dim=-1).reshape(rows, k)   # x[8j + e]
+    ref = E2M1[nib] * s.float().view(rows, k // 16).repeat_interleave(16, dim=1) * 2.0 ** -14
+    return words.to(torch.int32).view(torch.uint32), s, ref
+
+
+@pytest.mark.parametrize("fmt", [0, 1, 3])
+def test_probe_kernels_match_torch(fmt):
+    sp = load_script("benchmarks/stream_probe.py")
+    g = torch.Generator().manual_seed(fmt)
+    progs, iters, rows, k = 2, 2, 12, 384       # 12 rows: not a multiple of BN 8; K: 3 steps of 128
+    n = progs * iters * rows
+    wg, s, g_ref = _weights(fmt, n, k, g)
+    wu, s_u, u_ref = _weights(fmt, n, k, g)
+    if fmt == 3:   # the probe passes one scale buffer for both matrices
+        wu, u_ref = wg, g_ref
+    x = torch.randn(k, generator=g)
+    nw = (torch.rand(k, generator=g) + 0.5).to(torch.bfloat16)
+    xn = x / (x.pow(2).mean() + 1e-6).sqrt() * nw.float()
+    f = torch.ones(n)
+    h = torch.zeros(n)
+    sp._glu_probe[(progs,)](wg, wu, s, f, x, nw, h, iters, rows, k, fmt, 8, 128, 0, 0)
+    want = F.silu(g_ref @ xn) * (u_ref @ xn)
+    torch.testing.assert_close(h, want, rtol=2e-3, atol=2e-3 * want.abs().max().item())
+    y = torch.zeros(n)
+    sp._gemv_probe[(progs,)](wg, s, f, x, nw, y, iters, rows, k, fmt, 8, 128, 0, 0)
+    want = g_ref @ xn
+    torch.testing.assert_close(y, want, rtol=2e-3, atol=2e-3 * want.abs().max().item())
+
+
+def test_copy_probe_reads_every_task_word():
+    sp = load_script("benchmarks/stream_probe.py")
+    progs, iters, task, block = 3, 2, 96, 32
+    w = torch.arange(progs * iters * task, dtype=torch.int32)
+    out = torch.zeros(progs * block, dtype=torch.int32)
+    sp._copy_probe[(progs,)](w, out, iters, task, block, 2)
+    assert int(out.sum()) == int(w.sum())
