@@ -19,21 +19,29 @@ import traceback
 import triton
 import triton.language as tl
 
+from kie_moe.kccl.sync import signal, wait
 from kie_moe.kernels.monokernel.stream import stream_gemv, stream_glu, tile
 
 
 @triton.jit
 def _glu_probe(wg, wu, s_ptr, f_ptr, x_ptr, nw_ptr, h_ptr, n_iter, ROWS: tl.constexpr, K: tl.constexpr,
-               FMT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, XB: tl.constexpr, NS: tl.constexpr):
-    """Task (it, pid): rows [task * ROWS, +ROWS) of a gate / up pair (an expert's slice: expert_gate_up)."""
+               FMT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, XB: tl.constexpr, NS: tl.constexpr,
+               ctr_ptr=None, PHASED: tl.constexpr = False, USE_ASM: tl.constexpr = False, NT: tl.constexpr = 256):
+    """Task (it, pid): rows [task * ROWS, +ROWS) of a gate / up pair (an expert's slice: expert_gate_up).
+    PHASED: iteration `it` is a phase, as in the monokernel: a program loads its task's first tiles, waits until
+    every program finished phase it - 1 (kccl.sync on one counter), streams, signals."""
     pid = tl.program_id(0)
     n_prog = tl.num_programs(0)
     for it in range(n_iter):
         r0 = (it * n_prog + pid) * ROWS
         g0, gs0 = tile(wg, s_ptr, K, r0, r0 + ROWS, 0, 1, FMT, BN, BK)
         u0, us0 = tile(wu, s_ptr, K, r0, r0 + ROWS, 0, 1, FMT, BN, BK)
+        if PHASED:
+            wait(ctr_ptr, it * n_prog, ctr_ptr + 1, 2_000_000_000, USE_ASM, False, NT)
         stream_glu(wg, wu, s_ptr, s_ptr, f_ptr, f_ptr, g0, u0, gs0, us0, K, r0, r0 + ROWS, x_ptr, nw_ptr, 1e-6,
                    f_ptr, f_ptr, h_ptr, 0.0, 0.0, False, 0, FMT, BN, BK, XB, NS)
+        if PHASED:
+            signal(ctr_ptr, 1, USE_ASM)
 
 
 @triton.jit
@@ -81,7 +89,7 @@ def run_point(kind: str, fmt: int, rows: int, k: int, bn: int, bk: int, xb: int,
         fn = lambda: _copy_probe[(n_prog,)](w, out, n_iter, words, bk // 4, ns, num_warps=warps)  # noqa: E731
         nbytes = w.numel() * 4
     else:
-        n_mats = 2 if kind == "glu" else 1
+        n_mats = 1 if kind == "gemv" else 2
         if fmt == 0:
             mats = [torch.randn(r_total, k, device=dev, dtype=torch.bfloat16) for _ in range(n_mats)]
             s = torch.zeros(16, device=dev)
@@ -99,7 +107,14 @@ def run_point(kind: str, fmt: int, rows: int, k: int, bn: int, bk: int, xb: int,
         x = torch.randn(k, device=dev)
         nw = torch.ones(k, device=dev, dtype=torch.bfloat16)
         h = torch.empty(r_total, device=dev)
-        if kind == "glu":
+        if kind == "phased":   # one task per program per phase, phases chained by a counter
+            ctr = torch.zeros(2, dtype=torch.int32, device=dev)
+
+            def fn():
+                ctr.zero_()
+                _glu_probe[(n_prog,)](mats[0], mats[1], s, f, x, nw, h, n_iter, rows, k, fmt, bn, bk, xb, ns,
+                                      ctr, True, True, 32 * warps, num_warps=warps, launch_cooperative_grid=True)
+        elif kind == "glu":
             def fn():
                 _glu_probe[(n_prog,)](mats[0], mats[1], s, f, x, nw, h, n_iter, rows, k, fmt, bn, bk, xb, ns,
                                       num_warps=warps)
@@ -144,6 +159,11 @@ POINTS = [
     ("gemv", 0, 32, 2048, 16, 1024, 0, 3, 8, 2), ("gemv", 0, 32, 2048, 16, 1024, 0, 3, 4, 4),
     ("gemv", 1, 64, 2048, 16, 1024, 0, 3, 8, 2), ("glu", 3, 48, 2048, 4, 1024, 0, 3, 8, 2),
     ("glu", 3, 48, 2048, 4, 1024, 0, 3, 4, 4),
+    # phases (one task per program, then every program waits for all): a monokernel layer's expert gate/up phase
+    # split over 1, 2 or 4 programs per SM (same bytes per phase)
+    ("phased", 1, 48, 2048, 8, 1024, 0, 3, 8, 1), ("phased", 1, 24, 2048, 8, 1024, 0, 3, 4, 2),
+    ("phased", 1, 12, 2048, 8, 1024, 0, 3, 4, 4), ("phased", 0, 48, 2048, 8, 1024, 0, 3, 8, 1),
+    ("phased", 0, 24, 2048, 8, 1024, 0, 3, 4, 2),
 ]
 KEYS = ("kind", "fmt", "rows", "k", "bn", "bk", "xb", "ns", "warps", "per_sm")
 

@@ -44,6 +44,12 @@ def test_probe_kernels_match_torch(fmt):
     sp._glu_probe[(progs,)](wg, wu, s, f, x, nw, h, iters, rows, k, fmt, 8, 128, 0, 0)
     want = F.silu(g_ref @ xn) * (u_ref @ xn)
     torch.testing.assert_close(h, want, rtol=2e-3, atol=2e-3 * want.abs().max().item())
+    # phased (one task per program per phase, chained by a counter): one program runs every phase in order
+    h1 = torch.zeros(n)
+    ctr = torch.zeros(2, dtype=torch.int32)
+    sp._glu_probe[(1,)](wg, wu, s, f, x, nw, h1, progs * iters, rows, k, fmt, 8, 128, 0, 0, ctr, True, False)
+    torch.testing.assert_close(h1, want, rtol=2e-3, atol=2e-3 * want.abs().max().item())
+    assert int(ctr[0]) == progs * iters
     y = torch.zeros(n)
     sp._gemv_probe[(progs,)](wg, s, f, x, nw, y, iters, rows, k, fmt, 8, 128, 0, 0)
     want = g_ref @ xn
