@@ -53,15 +53,14 @@ def bench_one(arch: str, probe: float, *, new_tokens: int, prompt_len: int, reps
     from kie_moe.kernels.monokernel import plan as P
     from kie_moe.kernels.monokernel.runtime import MonokernelBackend
     r = dict(arch=arch, fmt=fmt, layers=layers, block_k=block_k, tile_elems=tile_elems, block_t=block_t,
-             num_warps=num_warps,
-             max_task_kb=max_task_kb, x_bcast=x_bcast, num_stages=num_stages, programs_per_sm=programs_per_sm,
-             maxnreg=maxnreg, new_tokens=new_tokens, prompt_len=prompt_len)
+             num_warps=num_warps, max_task_kb=max_task_kb, x_bcast=x_bcast, num_stages=num_stages,
+             programs_per_sm=programs_per_sm, maxnreg=maxnreg, new_tokens=new_tokens, prompt_len=prompt_len)
     mk = None
     try:
         spec = P.preset_spec(arch, layers)
         t0 = time.perf_counter()
-        plan = P.build_plan(spec, None, "cuda", random_seed=0, block_k=block_k, tile_elems=tile_elems, block_t=block_t,
-                            max_task_bytes=None if max_task_kb is None else max_task_kb << 10,
+        plan = P.build_plan(spec, None, "cuda", random_seed=0, block_k=block_k, tile_elems=tile_elems,
+                            block_t=block_t, max_task_bytes=None if max_task_kb is None else max_task_kb << 10,
                             x_bcast=x_bcast, num_stages=num_stages,
                             programs_per_sm=programs_per_sm, wdtype=torch.float16 if fmt == "fp16" else None,
                             formats=None if fmt in ("bf16", "fp16") else {"attn": fmt, "mlp": fmt, "exp": fmt})

@@ -107,21 +107,16 @@ def run_point(kind: str, fmt: int, rows: int, k: int, bn: int, bk: int, xb: int,
         x = torch.randn(k, device=dev)
         nw = torch.ones(k, device=dev, dtype=torch.bfloat16)
         h = torch.empty(r_total, device=dev)
+        kern = _gemv_probe if kind == "gemv" else _glu_probe
+        extra, opts = (), dict(num_warps=warps)
+        ctr = torch.zeros(2, dtype=torch.int32, device=dev)
         if kind == "phased":   # one task per program per phase, phases chained by a counter
-            ctr = torch.zeros(2, dtype=torch.int32, device=dev)
+            extra, opts["launch_cooperative_grid"] = (ctr, True, True, 32 * warps), True
 
-            def fn():
+        def fn():
+            if extra:
                 ctr.zero_()
-                _glu_probe[(n_prog,)](mats[0], mats[1], s, f, x, nw, h, n_iter, rows, k, fmt, bn, bk, xb, ns,
-                                      ctr, True, True, 32 * warps, num_warps=warps, launch_cooperative_grid=True)
-        elif kind == "glu":
-            def fn():
-                _glu_probe[(n_prog,)](mats[0], mats[1], s, f, x, nw, h, n_iter, rows, k, fmt, bn, bk, xb, ns,
-                                      num_warps=warps)
-        else:
-            def fn():
-                _gemv_probe[(n_prog,)](mats[0], s, f, x, nw, h, n_iter, rows, k, fmt, bn, bk, xb, ns,
-                                       num_warps=warps)
+            kern[(n_prog,)](*mats, s, f, x, nw, h, n_iter, rows, k, fmt, bn, bk, xb, ns, *extra, **opts)
         nbytes = n_mats * r_total * per_row
     t0 = time.perf_counter()
     fn()

@@ -85,8 +85,8 @@ class MonokernelBackend:
 
     def __init__(self, model, device: torch.device | str = "cuda", *, kv_dtype: torch.dtype | None = None,
                  prefill_dtype: torch.dtype | None = None, timeout_ms: float | None = None,
-                 num_warps: int | None = None, max_splits: int | None = None, plan: P.Plan | None = None, offline: bool = False,
-                 prefill: str | None = None, maxnreg: int | None = None, **plan_opts):
+                 num_warps: int | None = None, max_splits: int | None = None, plan: P.Plan | None = None,
+                 offline: bool = False, prefill: str | None = None, maxnreg: int | None = None, **plan_opts):
         self.device = torch.device(device)
         self.interpret = interpreting() and not offline  # offline: buffers for compile_offline(), no launches
         if self.device.type != "cuda" and not self.interpret and not offline:

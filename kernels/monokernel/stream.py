@@ -6,10 +6,11 @@ from the caller, which loads it before waiting on the task's input (weights neve
 
 A persistent kernel runs 1-2 programs per SM, so latency is hidden mostly by bytes in flight per program; measured
 alone (benchmarks/stream_probe.py) this loop is issue / latency bound at one 8-warp program per SM (35% of the
-probe for fp8 gate/up tiles, 77% with 4 programs of 4 warps). Tiles of every weight format come from qtile.py (FMT constexpr; x as a broadcast row or, XB=1, as
-kernels/tiles.py's broadcast tile). Epilogues (RMSNorm scale, per-row format factor, bias, residual, GLU,
-LM-head argmax) run when a row chunk's last K step is done; the RMSNorm's sum of squares is accumulated during
-the first row chunk's sweep over K (no separate pass over x after the wait).
+probe for fp8 gate/up tiles, 77% with 4 programs of 4 warps). Tiles of every weight format come from qtile.py
+(FMT constexpr; x as a broadcast row or, XB=1, as kernels/tiles.py's broadcast tile). Epilogues (RMSNorm scale,
+per-row format factor, bias, residual, GLU, LM-head argmax) run when a row chunk's last K step is done; the
+RMSNorm's sum of squares is accumulated during the first row chunk's sweep over K (no separate pass over x after
+the wait).
 
 PyTorch reference of each: y = W @ (rmsnorm(x) or x) (+ b) (+ res); the tests compare whole decode steps.
 """
