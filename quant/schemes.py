@@ -449,5 +449,6 @@ def quantize(
         if not isinstance(sch, NvFp4Scheme):
             raise ValueError(f"{name}: global_scale only applies to nvfp4, not {sch.name}")
         global_scale = _as_global(global_scale, shape, weight.device, name)
-    tensors = sch._quantize(weight.to(torch.float32), global_scale, name)
+    # contiguous: a transposed view (gpt-oss experts are stored [in, out]) would give codes with its strides
+    tensors = sch._quantize(weight.to(torch.float32).contiguous(), global_scale, name)
     return QuantizedTensor(sch.name, tensors, shape, weight.dtype)

@@ -40,7 +40,7 @@ from . import plan as P
 from .lane_ops import lane_final_mean, lane_final_reduce, lane_out_tile, lane_reduce, lane_sum, stream_lane_out
 from .mla import mla_absorb_task, mla_attention_task, mla_vup_task
 from .prefetch import prefetch_rows
-from .ops import attention_task, attn_combine, embed_row, pick_token, route, vec_dot_norm
+from .ops import attention_task, embed_row, pick_token, route, vec_dot_norm
 from .stream import stream_expert_down, stream_gemv, stream_glu, tile
 
 # ctrl words (int32, device): written by the kernel, read by the host after the launch
@@ -203,7 +203,7 @@ def monokernel(
     # plan: tasks, layer table, float arena, quantized buffers (qarena.py), KV cache, RoPE tables
     tasks_ptr, layers_ptr, wa_ptr, qw8_ptr, qw32_ptr, qf32_ptr, qs8f_ptr, qs8u_ptr, kv_ptr, cos_ptr, sin_ptr,
     # activations (fp32) and per-layer routing
-    x_ptr, qkv_ptr, ao_ptr, am_ptr, al_ptr, scratch_ptr, h_ptr, rlog_ptr, rids_ptr, rwts_ptr, sg_ptr,
+    x_ptr, qkv_ptr, ao_ptr, am_ptr, al_ptr, acnt_ptr, h_ptr, rlog_ptr, rids_ptr, rwts_ptr, sg_ptr,
     pv_ptr, pi_ptr,
     # control
     cnt_ptr, cursor_ptr, ctrl_ptr, ring_ptr, hostflag_ptr, eos_ptr, forced_ptr,
@@ -237,7 +237,7 @@ def monokernel(
     BLOCK_HG: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr,
-    BLOCK_TOPK: tl.constexpr, BLOCK_EOS: tl.constexpr, BLOCK_X: tl.constexpr,
+    BLOCK_TOPK: tl.constexpr, BLOCK_EOS: tl.constexpr, BLOCK_X: tl.constexpr, BLOCK_QG: tl.constexpr,
     XB: tl.constexpr, NS: tl.constexpr, USE_ASM: tl.constexpr, NT: tl.constexpr, MODE: tl.constexpr = 0,
     TP: tl.constexpr = 0, E_LO: tl.constexpr = 0, E_LOC: tl.constexpr = 0,
 ):
@@ -346,8 +346,10 @@ def monokernel(
                     attention_task(r0, nr, n_splits, pos, tl.load(lrow + P.LF_WINDOW).to(tl.int32), qkv_ptr,
                                    kv_ptr + head, kv_ptr + head + HKV * kv_tmax * DH, cos_ptr, sin_ptr,
                                    wa_ptr + tl.load(lrow + P.LF_Q_NORM), wa_ptr + tl.load(lrow + P.LF_K_NORM),
-                                   ao_ptr, am_ptr, al_ptr, eps, sm_scale, clip, HQ, HKV, DH, ROT, ROPE_PAIR,
-                                   QK_NORM, HAS_CLIP, BLOCK_R, BLOCK_H, BLOCK_C, BLOCK_D, BLOCK_T, BLOCK_X)
+                                   ao_ptr, am_ptr, al_ptr, acnt_ptr + layer * HKV + r0,
+                                   wa_ptr + tl.load(lrow + P.LF_SINKS), eps, sm_scale, clip, HQ, HKV, DH, ROT,
+                                   ROPE_PAIR, QK_NORM, HAS_CLIP, HAS_SINKS, BLOCK_R, BLOCK_H, BLOCK_C, BLOCK_D,
+                                   BLOCK_T, BLOCK_X, BLOCK_QG, NT)
         elif op == _OP_O:
             w = _wp(FMT_ATTN, wa_ptr, qw8_ptr, qw32_ptr, woff)
             sq = _sp(FMT_ATTN, qf32_ptr, qs8f_ptr, qs8u_ptr, tl.load(lrow + P.LF_O_S))
@@ -364,11 +366,8 @@ def monokernel(
             if st == 0:
                 if MLA:   # the v_up tasks left v [H * VD] in h
                     xin = h_ptr
-                else:     # splits -> normalised attention output, in this program's private scratch row
-                    xin = scratch_ptr + pid * NQ
-                    attn_combine(ao_ptr, am_ptr, al_ptr, wa_ptr + tl.load(lrow + P.LF_SINKS), n_splits, xin, HQ,
-                                 DH, HAS_SINKS, BLOCK_X)
-                    tl.debug_barrier()
+                else:     # the attention tasks left every head's output in ao's row 0 (ops.head_combine)
+                    xin = ao_ptr
                 stream_gemv(w, sq, qf32_ptr + tl.load(lrow + P.LF_O_F), w0, s0, O_K, r0, r_end, xin, xin, eps,
                             wa_ptr + tl.multiple_of(tl.load(lrow + P.LF_O_B), 64), yo, yo, 0, pv_ptr, pi_ptr,
                             0, 1.0, 0, 0, False, HAS_O_BIAS, TP == 0, False, FMT_ATTN, BN_O, BLOCK_K, XB, NS)
@@ -428,9 +427,7 @@ def monokernel(
                     st = flag_is_set(stop_ptr, USE_ASM, NT).to(tl.int32)
             if LANES > 0:
                 if st == 0:
-                    xin = scratch_ptr + pid * NQ   # every head's output (lane-major), as the o_proj's
-                    attn_combine(ao_ptr, am_ptr, al_ptr, wa_ptr, n_splits, xin, HQ, DH, False, BLOCK_X)
-                    tl.debug_barrier()
+                    xin = ao_ptr   # every head's output (lane-major), as the o_proj's (ops.head_combine)
                     stream_lane_out(w, qf32_ptr, qf32_ptr, w0, s0, NQ // LANES, r0, r_end, xin, x_ptr,
                                     x_ptr + HIST_OFF, x_ptr + XF_OFF, layer, 0, 0, LANE_SCALE, symf_ptr, tp_rank, D,
                                     LANES, DELAY, RING, EARLY_COMM, USE_COMM, 0, BLOCK_L, BN_O, BK_O, XB, NS, TP)

@@ -130,15 +130,18 @@ def qk_block(qkv_ptr, row_off, r_mask, fscale, fw_ptr, w_off, hw_ptr, cos, sin, 
 
 @triton.jit
 def attention_task(g, sp, n_splits, pos, window, qkv_ptr, k_cache, v_cache, cos_ptr, sin_ptr,
-                   qn_ptr, kn_ptr, ao_ptr, am_ptr, al_ptr, eps, sm_scale, clip,
+                   qn_ptr, kn_ptr, ao_ptr, am_ptr, al_ptr, acnt_ptr, sink_ptr, eps, sm_scale, clip,
                    HQ: tl.constexpr, HKV: tl.constexpr, DH: tl.constexpr, ROT: tl.constexpr,
-                   ROPE_PAIR: tl.constexpr, QK_NORM: tl.constexpr, HAS_CLIP: tl.constexpr,
+                   ROPE_PAIR: tl.constexpr, QK_NORM: tl.constexpr, HAS_CLIP: tl.constexpr, HAS_SINKS: tl.constexpr,
                    BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
-                   BLOCK_T: tl.constexpr, BLOCK_X: tl.constexpr):
+                   BLOCK_T: tl.constexpr, BLOCK_X: tl.constexpr, BLOCK_QG: tl.constexpr, NT: tl.constexpr):
     """One kv head `g`, split `sp` of `n_splits`: its REP query heads against cached keys of this split's share of
     the visible window [start, pos); split 0 also takes the current token (and appends its k, v to the cache at
-    `pos`). Writes unnormalised partials: m [REP], l [REP], o [REP, DH] at split `sp` (combined by the o_proj).
-    k_cache / v_cache: this layer's and head's [T_max, DH] rows."""
+    `pos`). Writes unnormalised partials: m [REP], l [REP], o [REP, DH] at split `sp`; the last of the head's
+    splits to finish (acnt_ptr: this layer's and head's counter, zeroed per launch, + n_splits per step) combines
+    them into split 0's row of ao, so the o_proj reads a plain vector. k_cache / v_cache: this layer's and head's
+    [T_max, DH] rows. Every BLOCK_* that is a tl.dot dimension (R, H,
+    C, D, T) is >= 16 (runtime pads them; masks keep the padding out)."""
     REP: tl.constexpr = HQ // HKV
     offs_r = tl.arange(0, BLOCK_R)
     r_mask = offs_r < REP
@@ -181,7 +184,9 @@ def attention_task(g, sp, n_splits, pos, window, qkv_ptr, k_cache, v_cache, cos_
     l_i = tl.where(is0, 1.0, 0.0) + s_cur * 0.0
     acc = tl.where(is0, 1.0, 0.0) * v[None, :] + tl.zeros((BLOCK_R, BLOCK_D), dtype=tl.float32)
 
-    # cached keys visible from `pos`: [start, pos), this split's contiguous share
+    # cached keys visible from `pos`: [start, pos), this split's contiguous share. Scores and p.V are fp32
+    # tl.dot tiles (ieee: FMA products, exact as the reference; [REP, T, Dh] broadcast products would need
+    # 16K+ registers' worth of fp32 per block and spill); every load of a block is issued before its math.
     start = 0
     if window > 0:
         start = tl.maximum(pos - window + 1, 0)
@@ -194,47 +199,62 @@ def attention_task(g, sp, n_splits, pos, window, qkv_ptr, k_cache, v_cache, cos_
         kp = k_cache + offs_t[:, None] * DH
         ta = tl.load(kp + ia[None, :], mask=t_mask[:, None] & h_mask[None, :], other=0.0, cache_modifier=".cg")
         tb = tl.load(kp + ib[None, :], mask=t_mask[:, None] & h_mask[None, :], other=0.0, cache_modifier=".cg")
-        tc = tl.load(kp + ic[None, :], mask=t_mask[:, None] & c_mask[None, :], other=0.0, cache_modifier=".cg")
-        s = (tl.sum(qa[:, None, :] * ta.to(tl.float32)[None, :, :], axis=2)
-             + tl.sum(qb[:, None, :] * tb.to(tl.float32)[None, :, :], axis=2)
-             + tl.sum(qc[:, None, :] * tc.to(tl.float32)[None, :, :], axis=2)) * sm_scale     # [R, T]
-        s = tl.where(t_mask[None, :], s, -1e30)
+        vt = tl.load(v_cache + offs_t[:, None] * DH + offs_d[None, :], mask=t_mask[:, None] & d_mask[None, :],
+                     other=0.0, cache_modifier=".cg").to(tl.float32)
+        s = (tl.dot(qa, tl.trans(ta.to(tl.float32)), input_precision="ieee")
+             + tl.dot(qb, tl.trans(tb.to(tl.float32)), input_precision="ieee"))              # [R, T]
+        if ROT < DH:   # the heads' unrotated columns
+            tc = tl.load(kp + ic[None, :], mask=t_mask[:, None] & c_mask[None, :], other=0.0, cache_modifier=".cg")
+            s += tl.dot(qc, tl.trans(tc.to(tl.float32)), input_precision="ieee")
+        s = tl.where(t_mask[None, :], s * sm_scale, -1e30)
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[:, None]) * t_mask[None, :].to(tl.float32)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        vt = tl.load(v_cache + offs_t[:, None] * DH + offs_d[None, :], mask=t_mask[:, None] & d_mask[None, :],
-                     other=0.0, cache_modifier=".cg").to(tl.float32)
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * vt[None, :, :], axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p, vt, input_precision="ieee")
         m_i = m_new
     tl.store(am_ptr + sp * HQ + heads, m_i, mask=r_mask)
     tl.store(al_ptr + sp * HQ + heads, l_i, mask=r_mask)
     tl.store(ao_ptr + sp * HQ * DH + heads[:, None] * DH + offs_d[None, :], acc,
              mask=r_mask[:, None] & d_mask[None, :])
+    tl.debug_barrier()   # every thread's partial stores before the acq_rel count (the CUTLASS semaphore pattern)
+    done = tl.atomic_add(acnt_ptr, 1, sem="acq_rel", scope="gpu")
+    if done % n_splits == n_splits - 1:
+        head_combine(ao_ptr, am_ptr, al_ptr, sink_ptr, n_splits, g, HQ, DH, REP, HAS_SINKS, BLOCK_QG, NT)
 
 
 @triton.jit
-def attn_combine(ao_ptr, am_ptr, al_ptr, sink_ptr, n_splits, dst_ptr,
-                 HQ: tl.constexpr, DH: tl.constexpr, HAS_SINKS: tl.constexpr, BLOCK: tl.constexpr):
-    """Split partials -> softmax(QK^T) V per head [HQ * DH] into dst (this program's scratch). The sink logit of
-    a head joins the denominator only (gpt-oss)."""
+def head_combine(ao_ptr, am_ptr, al_ptr, sink_ptr, n_splits, g, HQ: tl.constexpr, DH: tl.constexpr,
+                 REP: tl.constexpr, HAS_SINKS: tl.constexpr, BLOCK_QG: tl.constexpr, NT: tl.constexpr):
+    """kv head g's splits -> softmax(QK^T) V of its REP query heads [REP * DH], written over split 0's partial
+    (ao row 0, where the o_proj reads it). SC splits per round trip ([SC, BLOCK_QG] loads, rescaled online; about
+    4 elements per thread and tensor: more spills the whole kernel); the sink logit of a head joins the
+    denominator only (gpt-oss). NT: threads per program."""
     N: tl.constexpr = HQ * DH
-    for k0 in range(0, N, BLOCK):
-        offs = k0 + tl.arange(0, BLOCK)
-        mask = offs < N
-        h = offs // DH
-        m = tl.full((BLOCK,), -1e30, dtype=tl.float32)
-        for s in range(n_splits):
-            m = tl.maximum(m, tl.load(am_ptr + s * HQ + h, mask=mask, other=-1e30, cache_modifier=".cg"))
-        num = tl.zeros((BLOCK,), dtype=tl.float32)
-        den = tl.zeros((BLOCK,), dtype=tl.float32)
-        for s in range(n_splits):
-            f = tl.exp(tl.load(am_ptr + s * HQ + h, mask=mask, other=-1e30, cache_modifier=".cg") - m)
-            num += f * tl.load(ao_ptr + s * N + offs, mask=mask, other=0.0, cache_modifier=".cg")
-            den += f * tl.load(al_ptr + s * HQ + h, mask=mask, other=0.0, cache_modifier=".cg")
-        if HAS_SINKS:
-            den += tl.exp(tl.load(sink_ptr + h, mask=mask, other=0.0).to(tl.float32) - m)
-        tl.store(dst_ptr + offs, num / den, mask=mask)
+    SC: tl.constexpr = (4 * NT) // BLOCK_QG if BLOCK_QG < 4 * NT else 1
+    offs_s = tl.arange(0, SC)
+    c = tl.arange(0, BLOCK_QG)
+    c_mask = c < REP * DH
+    h = g * REP + c // DH
+    col = g * (REP * DH) + c
+    m = tl.full((BLOCK_QG,), -1e30, dtype=tl.float32)
+    num = tl.zeros((BLOCK_QG,), dtype=tl.float32)
+    den = tl.zeros((BLOCK_QG,), dtype=tl.float32)
+    for s0 in range(0, n_splits, SC):
+        sp = s0 + offs_s
+        msk = (sp < n_splits)[:, None] & c_mask[None, :]
+        ms = tl.load(am_ptr + sp[:, None] * HQ + h[None, :], mask=msk, other=-1e30, cache_modifier=".cg")
+        os_ = tl.load(ao_ptr + sp[:, None] * N + col[None, :], mask=msk, other=0.0, cache_modifier=".cg")
+        ls = tl.load(al_ptr + sp[:, None] * HQ + h[None, :], mask=msk, other=0.0, cache_modifier=".cg")
+        m_new = tl.maximum(m, tl.max(ms, axis=0))
+        a = tl.exp(m - m_new)
+        f = tl.exp(ms - m_new[None, :])
+        num = num * a + tl.sum(f * os_, axis=0)
+        den = den * a + tl.sum(f * ls, axis=0)
+        m = m_new
+    if HAS_SINKS:
+        den += tl.exp(tl.load(sink_ptr + h, mask=c_mask, other=0.0).to(tl.float32) - m)
+    tl.store(ao_ptr + col, num / den, mask=c_mask)
 
 
 # ---- LM head and sampling --------------------------------------------------------------------------------------------

@@ -479,7 +479,7 @@ def gpu_programs_per_sm(d: Dims) -> int:
 
 
 GPU_TILE_ELEMS = {1: 16384, 2: 8192, 3: 4096, 4: 4096}     # programs per SM -> elements per weight tile
-GPU_BLOCK_T = {1: 32, 2: 16, 3: 8, 4: 8}                   # attention positions per step (registers)
+GPU_BLOCK_T = 32                                         # attention positions per step, at most
 
 
 def launch_warps(programs_per_sm: int) -> int:
@@ -629,11 +629,13 @@ def build_plan(spec: ModelSpec, weights=None, device: str | torch.device = "cpu"
     if d.MLA:   # rows of kv_b per step of the absorb / v-up ops ([BN_KVB, R_KV] tiles)
         bn["kvb"] = max(1, min(_pow2(max(d.NOPE, d.VD)), tile_elems // _pow2(d.R_KV)))
     if block_t is None:
-        # attention scores are [REP, BLOCK_T, Dh] products in registers: keep them <= 16K fp32 per program
-        block_t = GPU_BLOCK_T.get(programs_per_sm, 8) if gpu else 16
-        block_t = max(1, min(block_t, 16384 // (_pow2(d.HQ // d.HKV) * _pow2(d.DH))))
-        if d.MLA:   # MLA attention tiles are tl.dot operands: >= 16 rows
-            block_t = 32 if gpu else 16
+        # attention walks the cache in [BLOCK_T, Dh] tl.dot tiles (>= 16 rows): fewer, larger blocks cut the
+        # dependent load round trips of a short context; K and V tiles of a block stay <= 8 fp32 per thread
+        # (offline sm_90: [32, 64] spills at 2 x 4 warps, [16, 64] does not; [32, 64] at 1 x 8 does not)
+        block_t = 16
+        if gpu:
+            threads = 32 * launch_warps(programs_per_sm)
+            block_t = 32 if d.MLA else max(16, min(GPU_BLOCK_T, 8 * threads // _pow2(d.DH)))
     if num_stages is None:
         num_stages = 3 if gpu else 0
     tiles = TileConfig(block_k=block_k, bn=bn, block_t=block_t, block_p=_pow2(len(rows["lm"]) * max(1, d.TP)),

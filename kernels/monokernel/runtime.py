@@ -132,7 +132,7 @@ class MonokernelBackend:
         self.ao_width = max(nq, d.HQ * d.R_KV)       # a split's partial outputs: [HQ, DH] or (MLA) [H, r_kv]
         self.ao = z(self.max_splits, self.ao_width)
         self.am, self.al = z(self.max_splits, d.HQ), z(self.max_splits, d.HQ)
-        self.scratch = z(self.grid, nq)
+        self.acnt = z(d.L * max(d.HKV, 1), dt=i32)   # per (layer, kv head): splits done (ops.attention_task)
         self.h = z(max(d.I_DENSE, d.TOPK * d.I_MOE + d.I_SH, d.HQ * d.VD, 1))
         self.rlog = z(d.L, max(d.E, 1))
         self.rids = z(d.L, max(d.TOPK, 1), dt=i32)
@@ -296,6 +296,7 @@ class MonokernelBackend:
         if eos:
             self.eos[:len(eos)] = torch.tensor(eos, dtype=torch.int32)
         self.counters.zero_()
+        self.acnt.zero_()
         self.cursor.zero_()
         self.ctrl.zero_()
         self.ring.zero_()
@@ -343,7 +344,7 @@ class MonokernelBackend:
         args = [
             tasks, pl.layers, pl.weights, qb["qw"].view(torch.float8_e4m3fn), qb["qw"].view(torch.uint32),
             qb["qf32"], qb["qs8"].view(torch.float8_e4m3fn), qb["qs8"], self.kv, self.cos, self.sin,
-            self.x, self.qkv, self.ao, self.am, self.al, self.scratch, self.h, self.rlog, self.rids, self.rwts,
+            self.x, self.qkv, self.ao, self.am, self.al, self.acnt, self.h, self.rlog, self.rids, self.rwts,
             self.sg, self.pv, self.pi,
             self.counters, self.cursor, self.ctrl, self.ring, self.hostflag, self.eos, self.forced,
             self.trace, trace_tasks,
@@ -365,9 +366,12 @@ class MonokernelBackend:
             BN_SUP=t.bn.get("sh_up", 1), BN_LM=t.bn["lm"], BN_QB=t.bn.get("qb", 1), BN_KVB=t.bn.get("kvb", 1),
             BLOCK_RKV=max(16, _pow2(d.R_KV)), BLOCK_RD=max(16, _pow2(d.ROT)), BLOCK_HG=P.MLA_HEADS,
             BLOCK_G=_pow2(d.NG),
-            BLOCK_K=t.block_k, BLOCK_T=t.block_t, BLOCK_P=t.block_p, BLOCK_R=_pow2(d.HQ // d.HKV),
-            BLOCK_H=_pow2(d.ROT // 2), BLOCK_C=_pow2(max(d.DH - d.ROT, 1)), BLOCK_D=_pow2(d.DH),
+            BLOCK_K=t.block_k, BLOCK_T=t.block_t, BLOCK_P=t.block_p,
+            # attention's tl.dot dimensions are >= 16 (ops.attention_task masks the padding)
+            BLOCK_R=max(16, _pow2(d.HQ // d.HKV)), BLOCK_H=max(16, _pow2(d.ROT // 2)),
+            BLOCK_C=max(16, _pow2(max(d.DH - d.ROT, 1))), BLOCK_D=max(16, _pow2(d.DH)),
             BLOCK_E=_pow2(max(d.E, 1)), BLOCK_TOPK=_pow2(max(d.TOPK, 1)), BLOCK_EOS=_MAX_EOS, BLOCK_X=bx,
+            BLOCK_QG=_pow2(max(d.HQ // max(d.HKV, 1) * d.DH, 1)),
             XB=t.xb, NS=t.ns, USE_ASM=not self.interpret, NT=32 * self.num_warps, TP=d.TP, E_LO=d.E_LO,
             E_LOC=d.E_LOC)
         return args, meta

@@ -8,6 +8,7 @@ prefill, and the watchdog."""
 import numpy as np
 import pytest
 import torch
+import triton
 
 from kie_moe.kernels.monokernel import plan as P
 from kie_moe.kernels.monokernel.runtime import MonokernelBackend, gumbel_ref
@@ -81,12 +82,26 @@ def test_greedy_matches_reference(case, n_sms, tiny_model):
 
 @pytest.mark.parametrize("case,splits", [("gpt_oss", 3), ("deepseek_v3", 2)])
 def test_attention_split_over_sequence(case, splits, tiny_model):
-    """Flash-decoding splits (combined in the o_proj task), with sinks and windows shorter than the context."""
+    """Flash-decoding splits (combined by the last split of each kv head), with sinks and windows shorter than the context."""
     m = tiny_model(case)
     be = MonokernelBackend(m, "cpu")
     be.n_splits_override = splits
     got = list(be.generate(PROMPT, SamplingParams(max_new_tokens=5, ignore_eos=True), set()))
     assert be.last_launch["n_splits"] == splits
+    check_against_reference(be, m, PROMPT, got)
+
+
+def test_attention_combine_over_several_round_trips(tiny_model):
+    """More non-empty splits than ops.head_combine takes per round trip (SC = 4 * threads // pow2(REP * Dh); one
+    warp makes SC small enough for a context of 13..17): the last split of each kv head combines them all."""
+    m = tiny_model("gpt_oss")
+    be = MonokernelBackend(m, "cpu", num_warps=1)
+    d = be.plan.dims
+    sc = max(1, 4 * 32 * be.num_warps // triton.next_power_of_2(d.HQ // d.HKV * d.DH))
+    assert sc <= 4
+    be.n_splits_override = 2 * sc + 1            # 2-token splits: the last non-empty one is past 2 * SC
+    got = list(be.generate(PROMPT, SamplingParams(max_new_tokens=5, ignore_eos=True), set()))
+    assert be.last_launch["n_splits"] == 2 * sc + 1
     check_against_reference(be, m, PROMPT, got)
 
 

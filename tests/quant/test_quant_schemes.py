@@ -349,3 +349,15 @@ def test_cuda_gives_the_same_bits_as_cpu(name):
             g, t = g.view(torch.uint8), t.view(torch.uint8)
         assert torch.equal(g, t), k
     assert torch.equal(gpu.dequantize(torch.bfloat16).cpu(), cpu.dequantize(torch.bfloat16))
+
+
+@pytest.mark.parametrize("scheme", ["fp8", "fp8-block", "nvfp4", "mxfp4"])
+def test_transposed_view_quantizes_to_contiguous_codes(scheme):
+    # gpt-oss experts are stored [in, out] and reach quantize() as transposed views; with in == out (gpt-oss-120b:
+    # 2880 x 2880) the codes kept the view's strides and the graph backend's WeightHandle refused them.
+    w = torch.randn(128, 128, generator=torch.Generator().manual_seed(3))
+    q_view, q_copy = quantize(w.t(), scheme), quantize(w.t().contiguous(), scheme)
+    for k, t in q_view.tensors.items():
+        assert t.is_contiguous(), (scheme, k, t.stride())
+        assert torch.equal(t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t,
+                           q_copy.tensors[k].view(torch.uint8) if t.dtype == torch.float8_e4m3fn else q_copy.tensors[k])
