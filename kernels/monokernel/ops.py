@@ -129,6 +129,24 @@ def qk_block(qkv_ptr, row_off, r_mask, fscale, fw_ptr, w_off, hw_ptr, cos, sin, 
 
 
 @triton.jit
+def _kv_block(k_cache, v_cache, t0, hi, ia, ib, ic, h_mask, c_mask, offs_d, d_mask, DH: tl.constexpr,
+              ROT: tl.constexpr, BLOCK_T: tl.constexpr):
+    """Cache rows [t0, t0 + BLOCK_T) below hi: K's rotated halves, its unrotated part (ROT < DH; else K's first
+    half again, unused) and V, as stored (masked to nothing past hi: a look-ahead costs no traffic)."""
+    offs_t = t0 + tl.arange(0, BLOCK_T)
+    t_mask = offs_t < hi
+    kp = k_cache + offs_t[:, None] * DH
+    ta = tl.load(kp + ia[None, :], mask=t_mask[:, None] & h_mask[None, :], other=0.0, cache_modifier=".cg")
+    tb = tl.load(kp + ib[None, :], mask=t_mask[:, None] & h_mask[None, :], other=0.0, cache_modifier=".cg")
+    tc = ta
+    if ROT < DH:
+        tc = tl.load(kp + ic[None, :], mask=t_mask[:, None] & c_mask[None, :], other=0.0, cache_modifier=".cg")
+    vt = tl.load(v_cache + offs_t[:, None] * DH + offs_d[None, :], mask=t_mask[:, None] & d_mask[None, :],
+                 other=0.0, cache_modifier=".cg")
+    return ta, tb, tc, vt
+
+
+@triton.jit
 def attention_task(g, sp, n_splits, pos, window, qkv_ptr, k_cache, v_cache, cos_ptr, sin_ptr,
                    qn_ptr, kn_ptr, ao_ptr, am_ptr, al_ptr, acnt_ptr, sink_ptr, eps, sm_scale, clip,
                    HQ: tl.constexpr, HKV: tl.constexpr, DH: tl.constexpr, ROT: tl.constexpr,
@@ -140,8 +158,8 @@ def attention_task(g, sp, n_splits, pos, window, qkv_ptr, k_cache, v_cache, cos_
     `pos`). Writes unnormalised partials: m [REP], l [REP], o [REP, DH] at split `sp`; the last of the head's
     splits to finish (acnt_ptr: this layer's and head's counter, zeroed per launch, + n_splits per step) combines
     them into split 0's row of ao, so the o_proj reads a plain vector. k_cache / v_cache: this layer's and head's
-    [T_max, DH] rows. Every BLOCK_* that is a tl.dot dimension (R, H,
-    C, D, T) is >= 16 (runtime pads them; masks keep the padding out)."""
+    [T_max, DH] rows. Every BLOCK_* that is a tl.dot dimension (R, H, C, D, T) is >= 16 (runtime pads them;
+    masks keep the padding out)."""
     REP: tl.constexpr = HQ // HKV
     offs_r = tl.arange(0, BLOCK_R)
     r_mask = offs_r < REP
@@ -152,6 +170,16 @@ def attention_task(g, sp, n_splits, pos, window, qkv_ptr, k_cache, v_cache, cos_
     c_mask = ic < DH
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < DH
+    # cached keys visible from `pos`: [start, pos), this split's contiguous share. Their rows were written by
+    # earlier steps: the first block's loads go out first and overlap the q / k loads below.
+    start = 0
+    if window > 0:
+        start = tl.maximum(pos - window + 1, 0)
+    chunk = (pos - start + n_splits - 1) // n_splits
+    lo = start + sp * chunk
+    hi = tl.minimum(lo + chunk, pos)
+    ta, tb, tc, vt = _kv_block(k_cache, v_cache, lo, hi, ia, ib, ic, h_mask, c_mask, offs_d, d_mask, DH, ROT,
+                               BLOCK_T)
     cos = tl.load(cos_ptr + pos * half + tl.arange(0, BLOCK_H), mask=h_mask, other=0.0)
     sin = tl.load(sin_ptr + pos * half + tl.arange(0, BLOCK_H), mask=h_mask, other=0.0)
     q_scale = 1.0
@@ -184,35 +212,25 @@ def attention_task(g, sp, n_splits, pos, window, qkv_ptr, k_cache, v_cache, cos_
     l_i = tl.where(is0, 1.0, 0.0) + s_cur * 0.0
     acc = tl.where(is0, 1.0, 0.0) * v[None, :] + tl.zeros((BLOCK_R, BLOCK_D), dtype=tl.float32)
 
-    # cached keys visible from `pos`: [start, pos), this split's contiguous share. Scores and p.V are fp32
-    # tl.dot tiles (ieee: FMA products, exact as the reference; [REP, T, Dh] broadcast products would need
-    # 16K+ registers' worth of fp32 per block and spill); every load of a block is issued before its math.
-    start = 0
-    if window > 0:
-        start = tl.maximum(pos - window + 1, 0)
-    chunk = (pos - start + n_splits - 1) // n_splits
-    lo = start + sp * chunk
-    hi = tl.minimum(lo + chunk, pos)
+    # Scores and p.V are fp32 tl.dot tiles (ieee: FMA products, exact as the reference; [REP, T, Dh] broadcast
+    # products would need 16K+ registers' worth of fp32 per block and spill); block i + 1's loads are in flight
+    # while block i's math runs (one round trip per split instead of one per block).
     for t0 in range(lo, hi, BLOCK_T):
-        offs_t = t0 + tl.arange(0, BLOCK_T)
-        t_mask = offs_t < hi
-        kp = k_cache + offs_t[:, None] * DH
-        ta = tl.load(kp + ia[None, :], mask=t_mask[:, None] & h_mask[None, :], other=0.0, cache_modifier=".cg")
-        tb = tl.load(kp + ib[None, :], mask=t_mask[:, None] & h_mask[None, :], other=0.0, cache_modifier=".cg")
-        vt = tl.load(v_cache + offs_t[:, None] * DH + offs_d[None, :], mask=t_mask[:, None] & d_mask[None, :],
-                     other=0.0, cache_modifier=".cg").to(tl.float32)
+        na, nb, nc, nv = _kv_block(k_cache, v_cache, t0 + BLOCK_T, hi, ia, ib, ic, h_mask, c_mask, offs_d, d_mask,
+                                   DH, ROT, BLOCK_T)
+        t_mask = t0 + tl.arange(0, BLOCK_T) < hi
         s = (tl.dot(qa, tl.trans(ta.to(tl.float32)), input_precision="ieee")
              + tl.dot(qb, tl.trans(tb.to(tl.float32)), input_precision="ieee"))              # [R, T]
         if ROT < DH:   # the heads' unrotated columns
-            tc = tl.load(kp + ic[None, :], mask=t_mask[:, None] & c_mask[None, :], other=0.0, cache_modifier=".cg")
             s += tl.dot(qc, tl.trans(tc.to(tl.float32)), input_precision="ieee")
         s = tl.where(t_mask[None, :], s * sm_scale, -1e30)
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[:, None]) * t_mask[None, :].to(tl.float32)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p, vt, input_precision="ieee")
+        acc = acc * alpha[:, None] + tl.dot(p, vt.to(tl.float32), input_precision="ieee")
         m_i = m_new
+        ta, tb, tc, vt = na, nb, nc, nv
     tl.store(am_ptr + sp * HQ + heads, m_i, mask=r_mask)
     tl.store(al_ptr + sp * HQ + heads, l_i, mask=r_mask)
     tl.store(ao_ptr + sp * HQ * DH + heads[:, None] * DH + offs_d[None, :], acc,
