@@ -347,9 +347,9 @@ def monokernel(
                                    kv_ptr + head, kv_ptr + head + HKV * kv_tmax * DH, cos_ptr, sin_ptr,
                                    wa_ptr + tl.load(lrow + P.LF_Q_NORM), wa_ptr + tl.load(lrow + P.LF_K_NORM),
                                    ao_ptr, am_ptr, al_ptr, acnt_ptr + layer * HKV + r0,
-                                   wa_ptr + tl.load(lrow + P.LF_SINKS), eps, sm_scale, clip, HQ, HKV, DH, ROT,
-                                   ROPE_PAIR, QK_NORM, HAS_CLIP, HAS_SINKS, BLOCK_R, BLOCK_H, BLOCK_C, BLOCK_D,
-                                   BLOCK_T, BLOCK_X, BLOCK_QG, NT)
+                                   wa_ptr + tl.load(lrow + P.LF_SINKS), eps, sm_scale, clip, tr, trace_on, HQ, HKV,
+                                   DH, ROT, ROPE_PAIR, QK_NORM, HAS_CLIP, HAS_SINKS, BLOCK_R, BLOCK_H, BLOCK_C,
+                                   BLOCK_D, BLOCK_T, BLOCK_X, BLOCK_QG, NT, MODE == 3)
         elif op == _OP_O:
             w = _wp(FMT_ATTN, wa_ptr, qw8_ptr, qw32_ptr, woff)
             sq = _sp(FMT_ATTN, qf32_ptr, qs8f_ptr, qs8u_ptr, tl.load(lrow + P.LF_O_S))

@@ -11,6 +11,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from kie_moe.kccl.sync import clock64
+
 from .stream import rstd, x_chunk
 
 
@@ -148,18 +150,20 @@ def _kv_block(k_cache, v_cache, t0, hi, ia, ib, ic, h_mask, c_mask, offs_d, d_ma
 
 @triton.jit
 def attention_task(g, sp, n_splits, pos, window, qkv_ptr, k_cache, v_cache, cos_ptr, sin_ptr,
-                   qn_ptr, kn_ptr, ao_ptr, am_ptr, al_ptr, acnt_ptr, sink_ptr, eps, sm_scale, clip,
+                   qn_ptr, kn_ptr, ao_ptr, am_ptr, al_ptr, acnt_ptr, sink_ptr, eps, sm_scale, clip, tr, trace_on,
                    HQ: tl.constexpr, HKV: tl.constexpr, DH: tl.constexpr, ROT: tl.constexpr,
                    ROPE_PAIR: tl.constexpr, QK_NORM: tl.constexpr, HAS_CLIP: tl.constexpr, HAS_SINKS: tl.constexpr,
                    BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
-                   BLOCK_T: tl.constexpr, BLOCK_X: tl.constexpr, BLOCK_QG: tl.constexpr, NT: tl.constexpr):
+                   BLOCK_T: tl.constexpr, BLOCK_X: tl.constexpr, BLOCK_QG: tl.constexpr, NT: tl.constexpr,
+                   STAMP: tl.constexpr = False):
     """One kv head `g`, split `sp` of `n_splits`: its REP query heads against cached keys of this split's share of
     the visible window [start, pos); split 0 also takes the current token (and appends its k, v to the cache at
     `pos`). Writes unnormalised partials: m [REP], l [REP], o [REP, DH] at split `sp`; the last of the head's
     splits to finish (acnt_ptr: this layer's and head's counter, zeroed per launch, + n_splits per step) combines
     them into split 0's row of ao, so the o_proj reads a plain vector. k_cache / v_cache: this layer's and head's
     [T_max, DH] rows. Every BLOCK_* that is a tl.dot dimension (R, H, C, D, T) is >= 16 (runtime pads them;
-    masks keep the padding out)."""
+    masks keep the padding out). STAMP (trace mode): clock64 into tr[7] when the K/V loop starts, so the trace can
+    split the task's work into what comes before the loop and the loop + combine (trace.py, `pre us`)."""
     REP: tl.constexpr = HQ // HKV
     offs_r = tl.arange(0, BLOCK_R)
     r_mask = offs_r < REP
@@ -212,6 +216,9 @@ def attention_task(g, sp, n_splits, pos, window, qkv_ptr, k_cache, v_cache, cos_
     l_i = tl.where(is0, 1.0, 0.0) + s_cur * 0.0
     acc = tl.where(is0, 1.0, 0.0) * v[None, :] + tl.zeros((BLOCK_R, BLOCK_D), dtype=tl.float32)
 
+    if STAMP:
+        if trace_on:
+            tl.store(tr + 7, clock64())
     # Scores and p.V are fp32 tl.dot tiles (ieee: FMA products, exact as the reference; [REP, T, Dh] broadcast
     # products would need 16K+ registers' worth of fp32 per block and spill); block i + 1's loads are in flight
     # while block i's math runs (one round trip per split instead of one per block).

@@ -1,11 +1,13 @@
 """Where a monokernel decode step spends its time, from a traced launch (MonokernelBackend.launch(trace_tasks=N)).
 
 The kernel's MODE 3 stamps every task (claim order t = step * T + row) with the global timer and the SM's clock64 at
-three events: start (before its weight loads), input ready (its dependency wait returned), done (after its signal):
-trace int64 [N, 8] = gt_start, gt_ready, gt_done, clk_start, clk_ready, clk_done, program, 0.
+three events: start (before its weight loads), input ready (its dependency wait returned), done (after its signal),
+and attention tasks a fourth in clock64 only, when their K/V loop starts (ops.attention_task):
+trace int64 [N, 8] = gt_start, gt_ready, gt_done, clk_start, clk_ready, clk_done, program, clk_loop (0: none).
 
 summarize() turns that into
-- per op kind: tasks, mean wait (start -> ready) and work (ready -> done) in us, from clock64 (exact on one SM);
+- per op kind: tasks, mean wait (start -> ready) and work (ready -> done) in us, from clock64 (exact on one SM),
+  and for ops with a loop stamp the part of the work before it (`pre`: attention's q / k / RoPE / cache-append);
 - the critical path: a phase is every task of one step that signals the same counter (one layer's o_proj tiles,
   ...); phases ordered by when their last task finished, each is charged the time since the previous phase ended.
   Summed per op kind, that says which ops the step's wall time goes to (their sum is the traced span);
@@ -51,7 +53,10 @@ def summarize(tasks: np.ndarray, trace: np.ndarray, n_programs: int, skip_steps:
     for o in np.unique(op):
         m = op == o
         per_op[name(o)] = dict(tasks_per_step=int(m.sum() // steps), wait_us=float(wait_us[m].mean()),
-                               work_us=float(work_us[m].mean()), work_us_max=float(work_us[m].max()))
+                               work_us=float(work_us[m].mean()), work_us_max=float(work_us[m].max()), pre_us=None)
+        ml = m & (tr[:, 7] > 0)
+        if ml.any():
+            per_op[name(o)]["pre_us"] = float(((tr[ml, 7] - tr[ml, 4]) / ghz / 1e3).mean())
 
     # phases: (step, signalled counter) -> (op, first ready, last done, first done)
     key = step.astype(np.int64) * (int(sig.max()) + 1) + sig
@@ -89,11 +94,11 @@ def format_table(s: dict) -> str:
              f"{s['sm_ghz']:.2f} GHz, programs busy {100 * s['busy_share']:.0f}% / waiting "
              f"{100 * s['wait_share']:.0f}%",
              f"{'op':<16}{'tasks':>7}{'wait us':>9}{'work us':>9}{'max':>8}{'crit us/step':>13}{'lag us':>8}"
-             f"{'spread us':>10}{'MB':>8}{'GB/s crit':>10}"]
+             f"{'spread us':>10}{'MB':>8}{'GB/s crit':>10}{'pre us':>8}"]
     ops = sorted(s["ops"].items(), key=lambda kv: -kv[1]["critical_us_per_step"])
     for nm, d in ops:
         f = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
         lines.append(f"{nm:<16}{d['tasks_per_step']:>7}{d['wait_us']:>9.2f}{d['work_us']:>9.2f}{d['work_us_max']:>8.1f}"
                      f"{d['critical_us_per_step']:>13.1f}{f(d['wake_lag_us']):>8}{f(d['ready_spread_us']):>10}"
-                     f"{f(d.get('mb_per_step')):>8}{f(d.get('gbps_on_critical_path')):>10}")
+                     f"{f(d.get('mb_per_step')):>8}{f(d.get('gbps_on_critical_path')):>10}{f(d.get('pre_us')):>8}")
     return "\n".join(lines)

@@ -67,6 +67,20 @@ def test_summarize_charges_the_critical_path_to_the_phase_that_ends_it():
     assert "o_proj" in format_table(s)
 
 
+def test_summarize_splits_attention_work_at_its_loop_stamp():
+    # 2 steps of one attention task (step 0 skipped): ready at +100 ns, K/V loop at +400 / +600, done at +900
+    tasks = _tasks([(P.OP_ATTN, 0)])
+    tr = np.zeros((2, 8), dtype=np.int64)
+    for s, loop in enumerate((400, 600)):
+        b = 10_000 + s * 1_000
+        _stamp(tr, s, b, b + 100, b + 900)
+        tr[s, 7] = int((b + loop) * 2.0)
+    a = summarize(tasks, tr, n_programs=1, skip_steps=1)["ops"]["attention"]
+    assert a["work_us"] == pytest.approx(0.8) and a["pre_us"] == pytest.approx(0.5)
+    tr[:, 7] = 0                                  # no loop stamp: no split
+    assert summarize(tasks, tr, n_programs=1, skip_steps=1)["ops"]["attention"]["pre_us"] is None
+
+
 def test_summarize_needs_more_steps_than_it_skips():
     tasks = _tasks([(P.OP_QKV, 0)])
     tr = np.zeros((1, 8), dtype=np.int64)
