@@ -192,9 +192,10 @@ def run(model: str | None, *, backend: str = "auto", device: str | None = None, 
         tiny: bool = False, all_: bool = False, archs: list[str] | None = None, prompt_len: int = 32,
         new_tokens: int = 128,
         context_len: int | None = None, runs: int = 3, context_fill: str = "auto", probe_bytes: int | None = None,
-        argv: list[str] | None = None, log=None, prepared: tuple | None = None) -> dict:
+        argv: list[str] | None = None, log=None, prepared: tuple | None = None, out: str | None = None) -> dict:
     """`prepared`: (Source, backend) already opened and built (rank 0 of --devices N: its backend leads the
-    other ranks); else MODEL is opened and `backend` built here."""
+    other ranks); else MODEL is opened and `backend` built here. `out` (with --all): the JSON so far is rewritten
+    after every row, so a suite cut short (a time limit, a crash) keeps the rows it measured."""
     from kie_moe.engine import resolve_device
     dev = resolve_device(device)
     if dev.type == "cuda" and dev.index is None:
@@ -238,6 +239,8 @@ def run(model: str | None, *, backend: str = "auto", device: str | None = None, 
                 row = {"model": src.name, "scheme": sch, "backend": b, "error": msg}
                 _free(dev)
             res["rows"].append(row)
+            if out:
+                write_json(res, out)
             if log is not None:
                 log(row)
         del src
@@ -359,7 +362,7 @@ def _bench(a, prepared: tuple | None = None) -> int:
               archs=[x for x in a.archs.split(",") if x] if a.archs else None,
               prompt_len=a.prompt_len, new_tokens=a.new_tokens, context_len=a.context_len, runs=a.runs,
               context_fill=a.context_fill, probe_bytes=a.probe_mb << 20 if a.probe_mb else None,
-              argv=getattr(a, "argv", None), log=log, prepared=prepared)
+              argv=getattr(a, "argv", None), log=log, prepared=prepared, out=a.out)
     if a.out:
         write_json(res, a.out)
     print(json.dumps(res) if a.json else table(res))

@@ -221,6 +221,23 @@ def test_bench_all_records_every_row(monkeypatch, capsys):
     assert "none of these is in the --all matrix" in capsys.readouterr().err
 
 
+def test_bench_all_out_holds_every_row_measured_so_far(monkeypatch, capsys, tmp_path):
+    # a suite cut short by a time limit keeps its rows: --out is rewritten after each row, before the next starts
+    monkeypatch.setattr(B, "SUITE", (("llama-3.2-1b", "bf16", ("reference",)),
+                                     ("qwen3-30b-a3b", "bf16", ("reference",))))
+    out = tmp_path / "bench.json"
+    seen = []
+    real_bench_row = B.bench_row
+
+    def bench_row(src, *a, **k):                 # what the file holds when the next row starts
+        seen.append(len(json.loads(out.read_text())["rows"]) if out.exists() else 0)
+        return real_bench_row(src, *a, **k)
+    monkeypatch.setattr(B, "bench_row", bench_row)
+    rc, res = run_json(capsys, ["bench", "--all", "--tiny", *RUN, "--json", "--out", str(out)])
+    assert rc == 0 and seen == [0, 1]
+    assert json.loads(out.read_text())["rows"] == res["rows"]
+
+
 # ---- --devices N on CPU: N worker processes (kie_moe/launch.py, ranks.py), rank 0 writes the result -----------------
 
 def test_bench_two_cpu_ranks_same_tokens(tmp_path, capsys):
