@@ -261,6 +261,7 @@ def monokernel(
     RU_D_MLP: tl.constexpr = D // 8 if FMT_MLP >= 3 else D
     RU_D_EXP: tl.constexpr = D // 8 if FMT_EXP >= 3 else D
     RU_I_EXP: tl.constexpr = I_MOE // 8 if FMT_EXP >= 3 else I_MOE
+    EXP_AL: tl.constexpr = (I_MOE * RU_D_EXP) % 16 == 0   # an expert's stride keeps 16-byte alignment
     SC_D_MLP: tl.constexpr = (D + 127) // 128 if FMT_MLP == 2 else (D // 16 if FMT_MLP == 3 else D // 32)
     SC_D_EXP: tl.constexpr = (D + 127) // 128 if FMT_EXP == 2 else (D // 16 if FMT_EXP == 3 else D // 32)
     # Laneformer: x is [LANES, D] (one stream per lane), then the LM head's input xf [D], then the partial history
@@ -571,8 +572,14 @@ def monokernel(
                     e = tl.where(mine, e - E_LO, 0)
                     re_ = tl.where(mine, r_end, r0)
                     nr_ = tl.where(mine, nr, 0)
+                # 16-byte aligned, said on the pointers themselves: Triton loses _wp's hint through this sum and
+                # loaded the tiles byte by byte (sm_90 SASS of qwen3's expert gate/up loop: 64 LDG.U8 per step,
+                # not pipelined, 1,095 instructions per step)
                 wg = _wp(FMT_EXP, wa_ptr, qw8_ptr, qw32_ptr, tl.load(lrow + P.LF_EGATE)) + e * (I_MOE * RU_D_EXP)
                 wu = _wp(FMT_EXP, wa_ptr, qw8_ptr, qw32_ptr, tl.load(lrow + P.LF_EUP)) + e * (I_MOE * RU_D_EXP)
+                if EXP_AL:
+                    wg = tl.multiple_of(wg, 16)
+                    wu = tl.multiple_of(wu, 16)
                 sg_ = _sp(FMT_EXP, qf32_ptr, qs8f_ptr, qs8u_ptr, tl.load(lrow + P.LF_EGATE_S) + e * (I_MOE * SC_D_EXP))
                 su_ = _sp(FMT_EXP, qf32_ptr, qs8f_ptr, qs8u_ptr, tl.load(lrow + P.LF_EUP_S) + e * (I_MOE * SC_D_EXP))
                 prefetch_rows(wg, r0, nr_, D, FMT_EXP, USE_ASM)   # experts are known only now
