@@ -82,7 +82,8 @@ def test_greedy_matches_reference(case, n_sms, tiny_model):
 
 @pytest.mark.parametrize("case,splits", [("gpt_oss", 3), ("deepseek_v3", 2)])
 def test_attention_split_over_sequence(case, splits, tiny_model):
-    """Flash-decoding splits (combined by the last split of each kv head), with sinks and windows shorter than the context."""
+    """Flash-decoding splits (combined by the last split of each kv head), with sinks and windows shorter than
+    the context."""
     m = tiny_model(case)
     be = MonokernelBackend(m, "cpu")
     be.n_splits_override = splits

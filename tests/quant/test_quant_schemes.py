@@ -357,7 +357,7 @@ def test_transposed_view_quantizes_to_contiguous_codes(scheme):
     # 2880 x 2880) the codes kept the view's strides and the graph backend's WeightHandle refused them.
     w = torch.randn(128, 128, generator=torch.Generator().manual_seed(3))
     q_view, q_copy = quantize(w.t(), scheme), quantize(w.t().contiguous(), scheme)
+    bits = lambda t: t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t  # noqa: E731 (fp8: no torch.equal)
     for k, t in q_view.tensors.items():
         assert t.is_contiguous(), (scheme, k, t.stride())
-        assert torch.equal(t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t,
-                           q_copy.tensors[k].view(torch.uint8) if t.dtype == torch.float8_e4m3fn else q_copy.tensors[k])
+        assert torch.equal(bits(t), bits(q_copy.tensors[k])), (scheme, k)
