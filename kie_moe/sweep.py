@@ -279,12 +279,13 @@ def run(model: str, schemes: list[str], out_dir: str, *, text: str | None = None
             row["error"] = f"{type(e).__name__}: {e}"[:1500]
             bar.write(f"kie sweep: {scheme}: {row['error']}", file=sys.stderr)
         res["rows"].append(row)
+        # every row on disk as soon as it is measured: a sweep cut short (time limit, OOM) keeps what it has
+        res["plot"] = plot(res, os.path.join(out_dir, PLOT_FILE))
+        write_outputs(res, out_dir)
         gc.collect()
         if dev.type == "cuda":
             torch.cuda.empty_cache()
     bar.close()
-    res["plot"] = plot(res, os.path.join(out_dir, PLOT_FILE))
-    write_outputs(res, out_dir)
     return res
 
 

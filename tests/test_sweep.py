@@ -134,6 +134,24 @@ def test_synthetic_arch_is_labelled(tmp_path):
     assert (tmp_path / S.PLOT_FILE).read_bytes()[:8] == PNG_SIGNATURE
 
 
+def test_a_sweep_cut_short_keeps_the_rows_it_measured(tmp_path, monkeypatch):
+    """A device command's time limit kills a sweep mid-way: results.json must already hold the finished rows."""
+    from kie_moe import bench as B
+    real = B.bench_row
+    def bench_row(src, *a, **k):
+        if src.scheme == "fp8":
+            raise KeyboardInterrupt   # stands in for the kill; not one of the errors a row records
+        return real(src, *a, **k)
+    monkeypatch.setattr(B, "bench_row", bench_row)
+    with pytest.raises(KeyboardInterrupt):
+        S.run("qwen3-30b-a3b", ["bf16", "fp8"], str(tmp_path), tiny=True, device="cpu", window=16, max_tokens=16,
+              new_tokens=2, runs=1, probe_bytes=16 << 20, progress=False)
+    res = json.load(open(tmp_path / "results.json"))
+    assert [r["scheme"] for r in res["rows"]] == ["bf16"] and res["rows"][0]["tok_per_s"] > 0
+    assert "| bf16 |" in (tmp_path / "results.md").read_text()
+    assert (tmp_path / S.PLOT_FILE).read_bytes()[:8] == PNG_SIGNATURE
+
+
 def test_bad_arguments(ckpt, tmp_path, capsys):
     with pytest.raises(InputError):
         S.parse_schemes("fp8,int3")
