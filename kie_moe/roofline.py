@@ -230,6 +230,17 @@ def _run(cmd: list[str]) -> str | None:
         return None
 
 
+def archive_commit(pkg_dir: str) -> str | None:
+    """The commit a `git archive` export was made from (ARCHIVE_COMMIT is export-subst in .gitattributes): how
+    results from a device machine that got the tree without .git still name their commit. None in a checkout."""
+    try:
+        with open(os.path.join(pkg_dir, "ARCHIVE_COMMIT")) as f:
+            h = f.read().strip()
+    except OSError:
+        return None
+    return h[:12] if h and not h.startswith("$Format") else None
+
+
 def environment(device: torch.device, argv: list[str] | None = None) -> dict:
     """Device, driver and library versions, the git commit of this checkout, the command and the date."""
     argv = sys.argv[1:] if argv is None else argv
@@ -248,7 +259,7 @@ def environment(device: torch.device, argv: list[str] | None = None) -> dict:
     except Exception:
         env["kie_moe"] = None
     here = os.path.dirname(os.path.abspath(__file__))
-    env["git_commit"] = _run(["git", "-C", here, "rev-parse", "--short=12", "HEAD"])
+    env["git_commit"] = _run(["git", "-C", here, "rev-parse", "--short=12", "HEAD"]) or archive_commit(here)
     env["git_dirty"] = bool(_run(["git", "-C", here, "status", "--porcelain", "--untracked-files=no"]))
     if device.type == "cuda":
         p = torch.cuda.get_device_properties(device)

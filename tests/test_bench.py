@@ -308,3 +308,21 @@ def test_gpu_one_device_through_the_worker_path(backend, tmp_path, capsys, monke
     assert r["backend"] == {"monokernel": "monokernel-tp", "reference": "tp-reference+kccl"}[backend]
     assert r["devices"] == 1 and "1 GPU" in r["parallel"]
     assert r["token_ids"] == want
+
+
+def test_a_git_archive_export_names_its_commit(tmp_path):
+    """Device machines get the tree through `git archive` (no .git): results must still name the commit."""
+    import os
+    import subprocess
+    import tarfile
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(R.__file__)))
+    head = subprocess.run(["git", "-C", repo, "rev-parse", "HEAD"], capture_output=True, text=True)
+    if head.returncode != 0:
+        pytest.fail(f"{repo} is not a git checkout: this test needs the repository, as CI's fresh clone is")
+    tar = tmp_path / "head.tar"
+    subprocess.run(["git", "-C", repo, "archive", "-o", str(tar), "HEAD", "kie_moe/ARCHIVE_COMMIT"], check=True)
+    with tarfile.open(tar) as t:
+        t.extractall(tmp_path / "x", filter="data")
+    assert R.archive_commit(str(tmp_path / "x" / "kie_moe")) == head.stdout.strip()[:12]
+    assert R.archive_commit(os.path.dirname(R.__file__)) is None          # a checkout: rev-parse answers instead
+    assert R.archive_commit(str(tmp_path)) is None                        # no file at all
