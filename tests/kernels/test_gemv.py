@@ -247,3 +247,61 @@ def test_errors_name_the_tensor():
         gemv(_x(160), random_weight("fp8_block", 37, 160, device=DEV), config=TileConfig(256, 64))
     with pytest.raises(KeyError, match="weight_packed"):
         WeightHandle.from_compressed({"bias": torch.zeros(3)})
+
+
+# ---- nvfp4 on tensor cores (kernels/fp4_mma.py) -------------------------------------------------------------------
+MMA_SMALL = TileConfig(16, 128, num_warps=2, mma=True)
+
+
+@pytest.mark.parametrize("N,K,config", [(37, 160, MMA_SMALL), (70, 384, TileConfig(32, 256, mma=True, split_k=2)),
+                                        (16, 128, MMA_SMALL)], ids=["tail", "split2", "one-step"])
+def test_nvfp4_mma_exact_on_f16_exact_inputs(N, K, config):
+    """With x exactly representable after the f16 * 2^-6 conversion (halves in [-4, 4]) the tensor-core tile
+    equals the FMA reference to fp32 summation order: the decode, the scale products and the plane order of x are
+    exact; only x's rounding to f16 separates the two formats otherwise. Odd N, a masked K tail, split-K."""
+    w = random_weight("nvfp4", N, K, seed=11, device=DEV)
+    x = (torch.randint(-8, 9, (K,), generator=torch.Generator().manual_seed(3)) * 0.5).to(torch.bfloat16).to(DEV)
+    res = _x(N, 4)
+    y = gemv(x, w, residual=res, out=torch.empty(N, device=DEV), config=config)
+    assert_close(y, gemv_ref(x, w, residual=res, out_dtype=torch.float32), what=f"mma {N}x{K}")
+
+
+def test_nvfp4_mma_general_input_within_f16_rounding():
+    """Arbitrary x (RMS-normed in front): the only difference left is x rounded to f16 (11 bits)."""
+    N, K = 45, 256
+    w = random_weight("nvfp4", N, K, seed=12, device=DEV)
+    x, nw = _x(K, 13) * 7, 1 + 0.2 * _x(K, 14)
+    want = rmsnorm_gemv_ref(x, nw, 1e-5, w, out_dtype=torch.float32)
+    assert_close(rmsnorm_gemv(x, nw, 1e-5, w, out=torch.empty(N, device=DEV), config=MMA_SMALL), want, rel=2e-3,
+                 what="mma rmsnorm")
+    x8 = prepare_x8(x, nw, 1e-5)                               # a caller's fp32 x8 is converted to planes
+    assert_close(gemv(x, w, x8=x8, out=torch.empty(N, device=DEV), config=MMA_SMALL), want, rel=2e-3, what="x8")
+
+
+def test_x_planes_layout():
+    """prepare_x8(planes=True) (the Triton store) = x_planes (torch gather) = the layout the docstring states."""
+    from kie_moe.kernels.fp4_mma import ELEM, X_SHIFT, x_planes
+    K = 96
+    x, nw = _x(K, 15), _x(K, 16)
+    x8 = prepare_x8(x, nw, 1e-5)
+    xh = prepare_x8(x, nw, 1e-5, planes=True)
+    assert xh.dtype == torch.float16 and xh.shape == (8, K // 8)
+    assert torch.equal(xh.cpu(), x_planes(x8).cpu())
+    for p in range(8):
+        for i in range(K // 8):
+            w, e = i - i % 2 + p // 4, ELEM[p % 4][i % 2]
+            assert xh[p, i].item() == (x8[e, w] * X_SHIFT).half().item()
+    assert sorted((ELEM[p % 4][i % 2], i - i % 2 + p // 4) for p in range(8) for i in range(K // 8)) == \
+        sorted((e, w) for e in range(8) for w in range(K // 8))          # every element exactly once
+
+
+def test_nvfp4_mma_bad_configs():
+    w = random_weight("nvfp4", 32, 256, seed=17, device=DEV)
+    x = _x(256)
+    for cfg in (TileConfig(8, 256, mma=True), TileConfig(16, 64, mma=True)):
+        with pytest.raises(ValueError, match="mma is for nvfp4"):
+            gemv(x, w, config=cfg)
+    with pytest.raises(ValueError, match="mma is for nvfp4 weights \\(got mxfp4\\)"):
+        gemv(x, random_weight("mxfp4", 32, 256, seed=18, device=DEV), config=TileConfig(16, 128, mma=True))
+    with pytest.raises(ValueError, match="x8: expected"):
+        gemv(x, w, x8=torch.zeros(8, 31, dtype=torch.float16, device=DEV), config=TileConfig(16, 128, mma=True))
