@@ -26,6 +26,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+import os
+
 import torch
 
 from .tiles import _ASM, _row_ptrs
@@ -33,6 +35,8 @@ from .tiles import _ASM, _row_ptrs
 # Elements of a word in planes 0-3 (and, for the odd word of the pair, 4-7): (low half, high half) of each f16x2.
 ELEM = ((0, 2), (4, 6), (1, 3), (5, 7))
 X_SHIFT = 2.0 ** -6     # x enters the dot as f16 x * 2^-6 (module docstring)
+# A/B switch of the measurement in benchmarks/NOTES.md: one dot over the 8 joined planes (1) or 8 dots (0).
+_JOIN = tl.constexpr(os.environ.get("KIE_MMA_JOIN", "1") == "1")
 
 
 def x_planes(x8: torch.Tensor) -> torch.Tensor:
@@ -138,28 +142,70 @@ def _decode(q, sc, BLOCK_N: tl.constexpr, KW: tl.constexpr):
 
 
 @triton.jit
-def _x_plane(xh_ptr, stride_xh, w0, w_hi, p: tl.constexpr, KW: tl.constexpr):
-    """x of plane p for the step whose first word is w0: [KW, 16] f16 (xh: x_planes' layout), 16 equal columns."""
-    i = tl.multiple_of(w0, 16) + tl.arange(0, KW)
-    x = tl.load(xh_ptr + p * stride_xh + i, mask=i < w_hi, other=0.0)
-    return tl.broadcast_to(x[:, None], (KW, 16))
+def _join8(a0, a1, a2, a3, a4, a5, a6, a7):
+    """[R, C] x 8 -> [R, 8C], element (r, 8c + j) = a_j[r, c] up to a fixed permutation of j (the same for weights
+    and x, so one dot covers all 8 planes)."""
+    j = tl.join(tl.join(tl.join(a0, a1), tl.join(a2, a3)), tl.join(tl.join(a4, a5), tl.join(a6, a7)))
+    return tl.reshape(j, (a0.shape[0], 8 * a0.shape[1]))
 
 
 @triton.jit
-def _mma_step(acc, q, s, xh_ptr, stride_xh, w0, w_hi, BLOCK_N: tl.constexpr, KW: tl.constexpr):
-    """acc [BN, 16] += the step's 8 plane dots; q [BN, KW] words, s [BN, KW // 2] e4m3 group scales. The weights
-    are the dot's A operand (registers), x its B operand."""
+def _x_load(xh_ptr, stride_xh, w0, w_hi, KW: tl.constexpr):
+    """x of the step whose first word is w0, as [1, 8 KW] f16 in _join8's order of the planes (xh: x_planes)."""
+    i = tl.multiple_of(w0, 16) + tl.arange(0, KW)
+    m = i < w_hi
+    x0 = tl.load(xh_ptr + i, mask=m, other=0.0)[None, :]
+    x1 = tl.load(xh_ptr + stride_xh + i, mask=m, other=0.0)[None, :]
+    x2 = tl.load(xh_ptr + 2 * stride_xh + i, mask=m, other=0.0)[None, :]
+    x3 = tl.load(xh_ptr + 3 * stride_xh + i, mask=m, other=0.0)[None, :]
+    x4 = tl.load(xh_ptr + 4 * stride_xh + i, mask=m, other=0.0)[None, :]
+    x5 = tl.load(xh_ptr + 5 * stride_xh + i, mask=m, other=0.0)[None, :]
+    x6 = tl.load(xh_ptr + 6 * stride_xh + i, mask=m, other=0.0)[None, :]
+    x7 = tl.load(xh_ptr + 7 * stride_xh + i, mask=m, other=0.0)[None, :]
+    return _join8(x0, x1, x2, x3, x4, x5, x6, x7)
+
+
+@triton.jit
+def _x_loads(xh_ptr, stride_xh, w0, w_hi, KW: tl.constexpr):
+    """The 8 x planes of a step, [KW, 16] f16 each (the B operands of 8 separate dots)."""
+    i = tl.multiple_of(w0, 16) + tl.arange(0, KW)
+    m = i < w_hi
+    x0 = tl.broadcast_to(tl.load(xh_ptr + i, mask=m, other=0.0)[:, None], (KW, 16))
+    x1 = tl.broadcast_to(tl.load(xh_ptr + stride_xh + i, mask=m, other=0.0)[:, None], (KW, 16))
+    x2 = tl.broadcast_to(tl.load(xh_ptr + 2 * stride_xh + i, mask=m, other=0.0)[:, None], (KW, 16))
+    x3 = tl.broadcast_to(tl.load(xh_ptr + 3 * stride_xh + i, mask=m, other=0.0)[:, None], (KW, 16))
+    x4 = tl.broadcast_to(tl.load(xh_ptr + 4 * stride_xh + i, mask=m, other=0.0)[:, None], (KW, 16))
+    x5 = tl.broadcast_to(tl.load(xh_ptr + 5 * stride_xh + i, mask=m, other=0.0)[:, None], (KW, 16))
+    x6 = tl.broadcast_to(tl.load(xh_ptr + 6 * stride_xh + i, mask=m, other=0.0)[:, None], (KW, 16))
+    x7 = tl.broadcast_to(tl.load(xh_ptr + 7 * stride_xh + i, mask=m, other=0.0)[:, None], (KW, 16))
+    return x0, x1, x2, x3, x4, x5, x6, x7
+
+
+@triton.jit
+def _mma_step8(acc, q, s, x0, x1, x2, x3, x4, x5, x6, x7, BLOCK_N: tl.constexpr, KW: tl.constexpr):
+    """_mma_step as 8 dots of K = KW (one per plane) instead of one joined dot."""
     sc = tl.reshape(tl.broadcast_to((s.to(tl.float16) * 128.0)[:, :, None], (BLOCK_N, KW // 2, 2)), (BLOCK_N, KW))
     p0, p1, p2, p3, p4, p5, p6, p7 = _decode(q, sc, BLOCK_N, KW)
-    acc = tl.dot(p0, _x_plane(xh_ptr, stride_xh, w0, w_hi, 0, KW), acc)
-    acc = tl.dot(p1, _x_plane(xh_ptr, stride_xh, w0, w_hi, 1, KW), acc)
-    acc = tl.dot(p2, _x_plane(xh_ptr, stride_xh, w0, w_hi, 2, KW), acc)
-    acc = tl.dot(p3, _x_plane(xh_ptr, stride_xh, w0, w_hi, 3, KW), acc)
-    acc = tl.dot(p4, _x_plane(xh_ptr, stride_xh, w0, w_hi, 4, KW), acc)
-    acc = tl.dot(p5, _x_plane(xh_ptr, stride_xh, w0, w_hi, 5, KW), acc)
-    acc = tl.dot(p6, _x_plane(xh_ptr, stride_xh, w0, w_hi, 6, KW), acc)
-    acc = tl.dot(p7, _x_plane(xh_ptr, stride_xh, w0, w_hi, 7, KW), acc)
+    acc = tl.dot(p0, x0, acc)
+    acc = tl.dot(p1, x1, acc)
+    acc = tl.dot(p2, x2, acc)
+    acc = tl.dot(p3, x3, acc)
+    acc = tl.dot(p4, x4, acc)
+    acc = tl.dot(p5, x5, acc)
+    acc = tl.dot(p6, x6, acc)
+    acc = tl.dot(p7, x7, acc)
     return acc
+
+
+@triton.jit
+def _mma_step(acc, q, s, xr, BLOCK_N: tl.constexpr, KW: tl.constexpr):
+    """acc [BN, 16] += W_step . x: q [BN, KW] words, s [BN, KW // 2] e4m3 group scales, xr [1, 8 KW] (_x_load).
+    The 8 decoded planes are joined along K into one [BN, 8 KW] A operand: one dot (one operand staging) a step."""
+    sc = tl.reshape(tl.broadcast_to((s.to(tl.float16) * 128.0)[:, :, None], (BLOCK_N, KW // 2, 2)), (BLOCK_N, KW))
+    p0, p1, p2, p3, p4, p5, p6, p7 = _decode(q, sc, BLOCK_N, KW)
+    a = _join8(p0, p1, p2, p3, p4, p5, p6, p7)
+    xb = tl.broadcast_to(tl.trans(xr), (8 * KW, 16))
+    return tl.dot(a, xb, acc)
 
 
 @triton.jit
@@ -179,7 +225,11 @@ def _tile_nvfp4_mma(w_ptr, stride_wn, s_ptr, stride_sn, stride_sk, gs_ptr, xh_pt
     q_next = tl.load(w_rows + ((k_lo >> 3) + offs_w)[None, :], mask=((k_lo >> 3) + offs_w < w_hi)[None, :], other=0)
     s_next = tl.load(s_ptr + (s_rows + ((k_lo >> 4) + offs_g)[None, :] * stride_sk),
                      mask=((k_lo >> 4) + offs_g < (k_hi >> 4))[None, :], other=0.0)
-    for it in range(n_steps):   # step i+1's words and scales load before step i's decode (PIPE or not)
+    if _JOIN:
+        x_next = _x_load(xh_ptr, stride_xh, k_lo >> 3, w_hi, KW)
+    else:
+        x0n, x1n, x2n, x3n, x4n, x5n, x6n, x7n = _x_loads(xh_ptr, stride_xh, k_lo >> 3, w_hi, KW)
+    for it in range(n_steps):   # step i+1's words, scales and x load before step i's decode (PIPE or not)
         w0 = (k_lo >> 3) + it * KW
         q = q_next
         s = s_next
@@ -187,7 +237,14 @@ def _tile_nvfp4_mma(w_ptr, stride_wn, s_ptr, stride_sn, stride_sk, gs_ptr, xh_pt
         gn = tl.multiple_of((w0 + KW) // 2 + offs_g, 8)
         q_next = tl.load(w_rows + wn[None, :], mask=(wn < w_hi)[None, :], other=0)
         s_next = tl.load(s_ptr + (s_rows + gn[None, :] * stride_sk), mask=(gn < (k_hi >> 4))[None, :], other=0.0)
-        acc = _mma_step(acc, q, s, xh_ptr, stride_xh, w0, w_hi, BLOCK_N, KW)
+        if _JOIN:
+            xr = x_next
+            x_next = _x_load(xh_ptr, stride_xh, w0 + KW, w_hi, KW)
+            acc = _mma_step(acc, q, s, xr, BLOCK_N, KW)
+        else:
+            x0, x1, x2, x3, x4, x5, x6, x7 = x0n, x1n, x2n, x3n, x4n, x5n, x6n, x7n
+            x0n, x1n, x2n, x3n, x4n, x5n, x6n, x7n = _x_loads(xh_ptr, stride_xh, w0 + KW, w_hi, KW)
+            acc = _mma_step8(acc, q, s, x0, x1, x2, x3, x4, x5, x6, x7, BLOCK_N, KW)
     y = tl.sum(tl.where((tl.arange(0, 16) == 0)[None, :], acc, 0.0), axis=1)     # every x column is the same
     # 2^13 = 2^14 (the code's f16) / 2^7 (the scale's) * 2^6 (x's); 1 / global scale per Linear
     return y * (8192.0 / tl.load(gs_ptr).to(tl.float32))
