@@ -100,9 +100,6 @@ def parse_args(argv=None):
     p.add_argument("--big-mb", type=int, default=256, help="weight MB of the one-launch GEMV per format")
     p.add_argument("--probe-gb", type=float, default=4.0, help="GB read by the bandwidth probe")
     p.add_argument("--sweep", action="store_true", help="also sweep launch shapes of the big GEMV per format")
-    p.add_argument("--nvfp4-mma", default="64x128:w2,128x128:w2,64x256:w2,32x256:w4",
-                   help="big section: also time the nvfp4 GEMV on tensor cores (kernels/fp4_mma.py) in these "
-                        "BNxBK:wWARPS shapes ('' for none)")
     p.add_argument("--rep-ms", type=int, default=40, help="do_bench measuring time per timing (ms)")
     p.add_argument("--no-eager", action="store_true", help="skip the eager (host launch included) timing")
     p.add_argument("--budget-s", type=float, default=210, help="wall-clock budget of the run (0: none)")
@@ -231,8 +228,7 @@ def bench_gemv(name, fmt, N, K, probe, rep_ms, *, fn="gemv", config=None, seed=0
     x, nw = _x(K), _f32(K)
     res = _x(N)
     b = torch.randn(total_rows, device=DEV) if bias else None
-    mma = config is not None and config.mma        # the nvfp4 mma tile reads f16 planes (made once, like x8)
-    x8 = prepare_x8(x, nw if fn in ("rmsnorm", "glu") else None, planes=mma) if fmt in FP4 else None
+    x8 = prepare_x8(x, nw if fn in ("rmsnorm", "glu") else None) if fmt in FP4 else None
     nw_kw = dict(norm_weight=nw) if fn in ("rmsnorm", "glu") and x8 is None else {}
     offs = [sum(parts[:i]) for i in range(len(parts))]
 
@@ -352,8 +348,7 @@ def probe_section(gb: float, rep_ms: int) -> dict:
     return dict(gb=gb, ms=round(ms, 3), gbps=round(gbps, 1))
 
 
-def big_section(formats, mb: float, probe: float, rep_ms: int, K: int = 8192, budget: Budget | None = None,
-                mma_configs=()) -> list:
+def big_section(formats, mb: float, probe: float, rep_ms: int, K: int = 8192, budget: Budget | None = None) -> list:
     print(f"big: one GEMV launch per format, >= {mb} MB of weights, K = {K}", flush=True)
     out = []
     for fmt in formats:
@@ -365,35 +360,17 @@ def big_section(formats, mb: float, probe: float, rep_ms: int, K: int = 8192, bu
         r = bench_gemv(f"gemv {fmt} {N}x{K}", fmt, N, K, probe, rep_ms)
         r["check_rel_err"] = check_rows(fmt, N, K)
         out.append(r)
-        for c in (mma_configs if fmt == "nvfp4" else ()):
-            if budget is not None and budget.out():
-                break
-            r = bench_gemv(f"gemv {fmt} mma {c.block_n}x{c.block_k} w{c.num_warps} {N}x{K}", fmt, N, K, probe, rep_ms,
-                           config=c)
-            r["config"] = dict(block_n=c.block_n, block_k=c.block_k, num_warps=c.num_warps, mma=True)
-            r["check_rel_err"] = check_rows(fmt, N, K, c)
-            out.append(r)
         if DEV == "cuda":
             torch.cuda.empty_cache()
     return out
 
 
-def parse_mma(text: str) -> list:
-    """'64x128:w2,...' -> nvfp4 mma TileConfigs."""
-    out = []
-    for c in filter(None, text.split(",")):
-        shape, _, w = c.partition(":w")
-        bn, bk = (int(v) for v in shape.split("x"))
-        out.append(TileConfig(bn, bk, int(w or 4), mma=True))
-    return out
-
-
-def check_rows(fmt, N, K, config=None) -> float:
+def check_rows(fmt, N, K) -> float:
     """Max error of the first rows vs the torch reference (cheap sanity: never benchmark garbage)."""
     n = min(N, 256)
     w = random_weight(fmt, N, K, seed=0, device=DEV).rows(0, n)
     x = _vec(K)
-    got = gemv(x, w, out=torch.empty(n, device=DEV), config=config)
+    got = gemv(x, w, out=torch.empty(n, device=DEV))
     want = gemv_ref(x, w, out_dtype=torch.float32)
     return float((got - want).abs().max() / want.abs().max())
 
@@ -597,8 +574,7 @@ def main(argv=None):
         probe = result["probe"]["gbps"]
         save()
     if "big" not in skip:
-        result["big"] = big_section(big_formats, args.big_mb, probe, args.rep_ms, budget=budget,
-                                    mma_configs=parse_mma(args.nvfp4_mma))
+        result["big"] = big_section(big_formats, args.big_mb, probe, args.rep_ms, budget=budget)
         save()
     if "models" not in skip:
         result["models"] = {}

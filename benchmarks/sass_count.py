@@ -15,7 +15,7 @@ driver of tests/kernels/test_compile_sm90.py: compile, never launch), finds the 
 
 It runs in a subprocess without TRITON_INTERPRET (kernels imported under the interpreter are wrappers).
 Usage: python benchmarks/sass_count.py [--formats nvfp4,mxfp4] [--configs 16x512,16x512:np,8x1024:w8] [--hist]
-  config syntax: BNxBK[:np (no prefetch)][:wN (num_warps)][:mma (nvfp4 on tensor cores)]; default: each format's DEFAULT_TILES entry.
+  config syntax: BNxBK[:np (no prefetch)][:wN (num_warps)]; default: each format's DEFAULT_TILES entry.
 """
 
 from __future__ import annotations
@@ -48,8 +48,6 @@ def parse_config(text: str, default):
             kw["prefetch"] = False
         elif p.startswith("w"):
             kw["num_warps"] = int(p[1:])
-        elif p == "mma":
-            kw["mma"] = True
         else:
             raise SystemExit(f"sass_count: bad config part {p!r} in {text!r}")
     return TileConfig(bn, bk, **kw)
@@ -93,12 +91,12 @@ def measure(fmt: str, cfg, K: int = 8192, N: int = 4096) -> dict:
 
     w = random_weight(fmt, N, K)
     fp4 = G.is_fp4(fmt)
-    x = torch.empty(8, K // 8, dtype=torch.float16 if cfg.mma else torch.float32) if fp4 else torch.empty(K, dtype=torch.bfloat16)
+    x = torch.empty(8, K // 8) if fp4 else torch.empty(K, dtype=torch.bfloat16)
     y = torch.empty(N, dtype=torch.bfloat16)
     part, cnt = torch.empty(4, N), torch.empty(N, dtype=torch.int32)
     k = G._gemv_kernel.warmup(x, x, *G.weight_args(w), y, y, y, part, cnt, N, K, K, 1e-6, K // 8,
                               FMT=G.FMT_ID[fmt], HAS_NW=False, HAS_BIAS=False, HAS_RES=False, SPLIT_K=1,
-                              BLOCK_X=1024, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PIPE=cfg.prefetch, MMA=cfg.mma,
+                              BLOCK_X=1024, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PIPE=cfg.prefetch,
                               num_warps=cfg.num_warps, num_stages=cfg.num_stages, grid=(1,))
     bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     with tempfile.TemporaryDirectory() as d:
@@ -117,7 +115,7 @@ def measure(fmt: str, cfg, K: int = 8192, N: int = 4096) -> dict:
     regs_warp = -(-regs * 32 // 256) * 256  # allocation granularity: 256 registers per warp
     ctas = min(65536 // (regs_warp * cfg.num_warps), 64 // cfg.num_warps, 32)
     return dict(fmt=fmt, config=f"{cfg.block_n}x{cfg.block_k}{'' if cfg.prefetch else ':np'}"
-                                f"{'' if cfg.num_warps == 4 else f':w{cfg.num_warps}'}{':mma' if cfg.mma else ''}",
+                                f"{'' if cfg.num_warps == 4 else f':w{cfg.num_warps}'}",
                 instr=len(body), bytes_per_thread=per_thread, instr_per_byte=round(len(body) / per_thread, 2),
                 alu_share=round(alu / max(len(body), 1), 2), regs=regs, ctas=ctas,
                 kb_in_flight=round(ctas * tile_bytes * (2 if cfg.prefetch else 1) / 1024, 1),

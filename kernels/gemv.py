@@ -31,7 +31,6 @@ import triton.language as tl
 
 from .tiles import (ACT_ID, FMT_ID, _glu, _rstd, _split_reduce, _store_out, _tile, _tile_bf16,  # noqa: F401
                     _tile_fp8, _tile_fp8_block, _tile_mxfp4, _tile_nvfp4)
-from .fp4_mma import X_SHIFT, _tile_nvfp4_mma, plane_offs, x_planes
 from .weights import FP8_BLOCK, WeightHandle, dequantize
 
 __all__ = [
@@ -51,7 +50,6 @@ class TileConfig:
     num_stages: int = 3
     split_k: int | None = None
     prefetch: bool = True  # software-pipeline the weight loads one K step deep (PIPE constexpr)
-    mma: bool = False      # nvfp4 only: dot products on tensor cores (fp4_mma.py); block_n >= 16, block_k >= 128
 
 
 # H200 defaults (132 SMs, ~4.5 TB/s, ~17 B/clk/SM: an SM issuing 128 thread-instructions per clock affords ~7.4 per
@@ -82,19 +80,14 @@ PROGRAMS_PER_SM = 4  # split-K / slot-split target: enough resident programs per
 # Kernels
 # ======================================================================================================================
 @triton.jit
-def _x8_kernel(x_ptr, nw_ptr, x8_ptr, K, eps, HAS_NW: tl.constexpr, BLOCK: tl.constexpr, BLOCK_X: tl.constexpr,
-               PLANES: tl.constexpr = False, X_SCALE: tl.constexpr = 1.0):
-    """grid (cdiv(K, BLOCK),): x8[e, j] = (x * rstd * nw)[8j + e], fp32 [8, K/8]; PLANES: the mma tile's f16
-    layout instead (fp4_mma.x_planes), times X_SCALE."""
+def _x8_kernel(x_ptr, nw_ptr, x8_ptr, K, eps, HAS_NW: tl.constexpr, BLOCK: tl.constexpr, BLOCK_X: tl.constexpr):
+    """grid (cdiv(K, BLOCK),): x8[e, j] = (x * rstd * nw)[8j + e], fp32 [8, K/8]."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < K
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_NW:
         x = x * _rstd(x_ptr, K, eps, BLOCK_X) * tl.load(nw_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    if PLANES:
-        tl.store(x8_ptr + plane_offs(offs, K // 8), (x * X_SCALE).to(tl.float16), mask=mask)
-    else:
-        tl.store(x8_ptr + (offs % 8) * (K // 8) + offs // 8, x, mask=mask)
+    tl.store(x8_ptr + (offs % 8) * (K // 8) + offs // 8, x, mask=mask)
 
 
 @triton.jit
@@ -104,20 +97,16 @@ def _gemv_kernel(
     N, K, k_per_split, eps, stride_x8,
     FMT: tl.constexpr, HAS_NW: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
     SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_X: tl.constexpr,
-    PIPE: tl.constexpr, MMA: tl.constexpr = False,
+    PIPE: tl.constexpr,
 ):
     """grid (cdiv(N, BLOCK_N), SPLIT_K): y[N] = (rstd *) W[N, K] @ (nw *) x[K] (+ bias) (+ residual).
-    fp4 formats: x_ptr is x8 (prepare_x8, norm applied there) and HAS_NW is False. MMA: nvfp4 on tensor cores."""
+    fp4 formats: x_ptr is x8 (prepare_x8, norm applied there) and HAS_NW is False."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
-    if MMA:
-        acc = _tile_nvfp4_mma(w_ptr, stride_wn, s_ptr, stride_sn, stride_sk, gs_ptr, x_ptr, stride_x8,
-                              pid_n * BLOCK_N, N, k_lo, k_hi, BLOCK_N, BLOCK_K, PIPE)
-    else:
-        acc = _tile(FMT, w_ptr, stride_wn, s_ptr, stride_sn, stride_sk, gs_ptr, x_ptr, nw_ptr, stride_x8,
-                    pid_n * BLOCK_N, N, k_lo, k_hi, HAS_NW, BLOCK_N, BLOCK_K, PIPE)
+    acc = _tile(FMT, w_ptr, stride_wn, s_ptr, stride_sn, stride_sk, gs_ptr, x_ptr, nw_ptr, stride_x8,
+                pid_n * BLOCK_N, N, k_lo, k_hi, HAS_NW, BLOCK_N, BLOCK_K, PIPE)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     if SPLIT_K == 1:
@@ -218,9 +207,6 @@ def resolve_config(w: WeightHandle, config: TileConfig | None, table: dict | Non
         raise ValueError(f"TileConfig {cfg}: block_n / block_k must be powers of two, block_k a multiple of {g}")
     if w.fmt == "fp8_block" and FP8_BLOCK % cfg.block_n:
         raise ValueError(f"TileConfig {cfg}: fp8_block needs block_n dividing {FP8_BLOCK} (one scale row per tile)")
-    if cfg.mma and (w.fmt != "nvfp4" or cfg.block_n < 16 or cfg.block_k < 128):
-        raise ValueError(f"TileConfig {cfg}: mma is for nvfp4 weights (got {w.fmt}) with block_n >= 16 and "
-                         f"block_k >= 128 (a tensor-core dot needs 16 in every dimension)")
     if config is None:
         cfg = dataclasses.replace(cfg, block_k=pick_block_k(w.in_features, cfg.block_k, w.fmt))
     return cfg
@@ -280,24 +266,22 @@ def is_fp4(fmt: str) -> bool:
 
 
 def prepare_x8(x: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
-               out: torch.Tensor | None = None, planes: bool = False) -> torch.Tensor:
+               out: torch.Tensor | None = None) -> torch.Tensor:
     """The fp4 kernels' input layout: fp32 [8, K/8], x8[e, j] = x[8j + e] (RMS-normalised with norm_weight when
     given). One small launch; callers that feed several fp4 GEMVs from one x (q/k/v, gate/up, all experts) make it
-    once and pass it as `x8=`. planes: the nvfp4 mma tile's input instead (f16 [8, K/8], fp4_mma.x_planes)."""
+    once and pass it as `x8=`."""
     K = x.shape[-1]
     if K % 8 or x.numel() != K:
         raise ValueError(f"prepare_x8: x shape {tuple(x.shape)}: need batch 1 and K % 8 == 0")
     check_vec(norm_weight, K, x.device, "norm_weight")
-    dt = torch.float16 if planes else torch.float32
     if out is None:
-        out = torch.empty((8, K // 8), dtype=dt, device=x.device)
-    elif out.shape != (8, K // 8) or out.dtype != dt or not out.is_contiguous():
-        raise ValueError(f"prepare_x8: out must be a contiguous {dt} [8, {K // 8}], got {out.dtype} {tuple(out.shape)}")
+        out = torch.empty((8, K // 8), dtype=torch.float32, device=x.device)
+    elif out.shape != (8, K // 8) or out.dtype != torch.float32 or not out.is_contiguous():
+        raise ValueError(f"prepare_x8: out must be a contiguous fp32 [8, {K // 8}], got {out.dtype} {tuple(out.shape)}")
     BLOCK = min(1024, triton.next_power_of_2(K))
     _x8_kernel[(triton.cdiv(K, BLOCK),)](x, norm_weight if norm_weight is not None else x, out, K, eps,
                                          HAS_NW=norm_weight is not None, BLOCK=BLOCK,
-                                         BLOCK_X=min(1024, triton.next_power_of_2(K)), PLANES=planes,
-                                         X_SCALE=X_SHIFT)
+                                         BLOCK_X=min(1024, triton.next_power_of_2(K)))
     return out
 
 
@@ -334,24 +318,14 @@ def gemv(x: torch.Tensor, w: WeightHandle, *, bias: torch.Tensor | None = None, 
     split, k_per_split = plan_split(n_tiles, K, cfg.block_k, cfg.split_k, w.device)
     part = torch.empty((split, N), dtype=torch.float32, device=x.device) if split > 1 else y
     cnt = counters(x.device, n_tiles) if split > 1 else y
-    if cfg.mma:   # the mma tile reads f16 planes: made here, converted from a caller's fp32 x8, or the caller's own
-        if x8 is None:
-            x8 = prepare_x8(x, norm_weight, eps, planes=True)
-        elif x8.dtype == torch.float32:
-            x8 = x_planes(x8)
-        elif x8.shape != (8, K // 8) or x8.dtype != torch.float16 or not x8.is_contiguous():
-            raise ValueError(f"x8: expected prepare_x8's fp32 [8, {K // 8}] or its f16 planes, got {x8.dtype} "
-                             f"{tuple(x8.shape)}")
-        x_in, nw_in, has_nw, stride_x8 = x8, x8, False, K // 8
-    else:
-        x_in, nw_in, has_nw, stride_x8 = input_args(x, w.fmt, norm_weight, eps, x8)
+    x_in, nw_in, has_nw, stride_x8 = input_args(x, w.fmt, norm_weight, eps, x8)
     _gemv_kernel[(n_tiles, split)](
         x_in, nw_in, *weight_args(w),
         bias if bias is not None else y, residual if residual is not None else y, y, part, cnt,
         N, K, k_per_split, eps, stride_x8,
         FMT=FMT_ID[w.fmt], HAS_NW=has_nw, HAS_BIAS=bias is not None, HAS_RES=residual is not None,
         SPLIT_K=split, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_X=min(1024, triton.next_power_of_2(K)),
-        PIPE=cfg.prefetch, MMA=cfg.mma, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        PIPE=cfg.prefetch, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return y
 

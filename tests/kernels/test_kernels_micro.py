@@ -60,11 +60,9 @@ def test_sections_run_on_tiny_shapes(monkeypatch):
             assert (r["attn_fmt"], r["ffn_fmt"]) == ("bf16", "mxfp4")
             assert [o["launches"] for o in r["ops"] if o["op"].startswith("q, k, v")] == []
             assert [o["launches"] for o in res["plans"]["fp8_block"]["ops"] if o["op"].startswith("q, k, v")] == [3]
-    big = km.big_section(["fp8", "mxfp4", "nvfp4"], 0.01, 1000.0, 1, K=256, mma_configs=km.parse_mma("16x128:w2"))
-    assert [r["fmt"] for r in big] == ["fp8", "mxfp4", "nvfp4", "nvfp4"]
-    assert all(r["check_rel_err"] < 1e-5 for r in big[:3])
-    assert big[3]["config"] == dict(block_n=16, block_k=128, num_warps=2, mma=True)
-    assert big[3]["check_rel_err"] < 2e-3                              # x enters the tensor cores as f16
+    big = km.big_section(["fp8", "mxfp4"], 0.01, 1000.0, 1, K=256)
+    assert [r["fmt"] for r in big] == ["fp8", "mxfp4"]
+    assert all(r["check_rel_err"] < 1e-5 for r in big)
 
 
 def test_budget_skips_instead_of_running(monkeypatch):
