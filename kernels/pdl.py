@@ -22,6 +22,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 PDL = os.environ.get("KIE_PDL", "1") != "0"
 _PDL = tl.constexpr(PDL and os.environ.get("TRITON_INTERPRET") != "1")
+_EARLY = tl.constexpr(os.environ.get("KIE_PDL_EARLY", "1") != "0")   # A/B: trigger at the start, or at exit
 
 
 @triton.jit
@@ -29,7 +30,8 @@ def pdl_begin():
     """Wait for the previous grid (complete, writes visible), then let the next one launch."""
     if _PDL:
         gdc_wait()
-        gdc_launch_dependents()
+        if _EARLY:
+            gdc_launch_dependents()
 
 
 def launch_kw() -> dict:
