@@ -1,0 +1,57 @@
+"""The PDL contract of kernels/pdl.py, checked on the source: a kernel launched with **launch_kw() may start before
+its predecessor has finished, so it must call pdl_begin() before touching memory. A launch site added without the
+wait (or a wait moved below a load) is a data race that only shows on the GPU, sometimes: this test fails first."""
+import ast
+from pathlib import Path
+
+import kie_moe.kernels as K
+
+SRC = Path(K.__file__).parent
+
+
+def _first_statement(fn: ast.FunctionDef) -> ast.stmt:
+    body = fn.body
+    if isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value,
+                                                                                                  str):
+        body = body[1:]                                              # the docstring
+    return body[0]
+
+
+def _pdl_launches(tree: ast.Module) -> set[str]:
+    """Names of kernels launched as NAME[grid](..., **launch_kw())."""
+    out = set()
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript)
+                and isinstance(node.func.value, ast.Name)
+                and any(k.arg is None and isinstance(k.value, ast.Call) and getattr(k.value.func, "id", "") == "launch_kw"
+                        for k in node.keywords)):
+            out.add(node.func.value.id)
+    return out
+
+
+def test_every_pdl_launch_waits_first():
+    checked = []
+    for path in sorted(SRC.rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        kernels = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
+        for name in sorted(_pdl_launches(tree)):
+            assert name in kernels, f"{path.name}: {name} is launched with launch_kw() but not defined there"
+            first = _first_statement(kernels[name])
+            ok = (isinstance(first, ast.Expr) and isinstance(first.value, ast.Call)
+                  and getattr(first.value.func, "id", "") == "pdl_begin")
+            assert ok, f"{path.name}:{first.lineno}: {name} is launched with PDL but does not call pdl_begin() first"
+            checked.append(name)
+    # the graph backend's decode kernels: GEMV / GLU / x8, router and experts, attention, RoPE + append, sampler
+    assert {"_gemv_kernel", "_glu_kernel", "_x8_kernel", "_router_kernel", "_expert_glu_kernel",
+            "_expert_down_kernel", "_gqa_split_kernel", "_gqa_combine_kernel", "_rope_append_kernel",
+            "_sample_tile_kernel", "_sample_final_kernel"} <= set(checked), checked
+
+
+def test_the_check_catches_a_missing_wait():
+    src = ("@triton.jit\ndef k(x):\n    '''doc'''\n    y = tl.load(x)\n    pdl_begin()\n\n"
+           "def launch(x):\n    k[(1,)](x, **launch_kw())\n")
+    tree = ast.parse(src)
+    assert _pdl_launches(tree) == {"k"}
+    first = _first_statement(tree.body[0])
+    assert not (isinstance(first, ast.Expr) and getattr(getattr(first, "value", None), "func", None) is not None
+                and getattr(first.value.func, "id", "") == "pdl_begin")
