@@ -184,8 +184,8 @@ def _gqa_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, sinks_ptr, out_p
                       stride_oph, stride_ops, stride_lh,
                       DH: tl.constexpr, REP: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr,
                       HAS_SINKS: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
-                      BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    pdl_begin()
+                      BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_begin(PDL)
     gqa_split_task(tl.program_id(0), tl.program_id(1), q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, sinks_ptr, out_ptr,
                    o_part_ptr, lse_part_ptr, max_len, window, qk_scale, stride_qh, stride_kt, stride_kh, stride_vt,
                    stride_vh, stride_oh, stride_oph, stride_ops, stride_lh,
@@ -197,8 +197,8 @@ def _gqa_combine_kernel(pos_ptr, sinks_ptr, out_ptr, o_part_ptr, lse_part_ptr, m
                         stride_oh, stride_oph, stride_ops, stride_lh,
                         DH: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr,
                         HAS_SINKS: tl.constexpr, SPLIT_BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
-                        BLOCK_D: tl.constexpr):
-    pdl_begin()
+                        BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_begin(PDL)
     gqa_combine_task(tl.program_id(0), pos_ptr, sinks_ptr, out_ptr, o_part_ptr, lse_part_ptr, max_len, window,
                      stride_oh, stride_oph, stride_ops, stride_lh,
                      DH, NUM_SPLITS, HAS_WINDOW, HAS_SINKS, SPLIT_BLOCK_N, BLOCK_S, BLOCK_D)
@@ -282,8 +282,8 @@ def mla_combine_up_task(head, v_tile, pos_ptr, kv_b_ptr, out_ptr, o_part_ptr, ls
 @triton.jit
 def _mla_absorb_kernel(q_ptr, kv_b_ptr, q_lat_ptr, stride_qh, stride_wb, stride_lh,
                        NOPE: tl.constexpr, V: tl.constexpr, R: tl.constexpr,
-                       BLOCK_NOPE: tl.constexpr, BLOCK_RT: tl.constexpr):
-    pdl_begin()
+                       BLOCK_NOPE: tl.constexpr, BLOCK_RT: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_begin(PDL)
     mla_absorb_task(tl.program_id(0), tl.program_id(1), q_ptr, kv_b_ptr, q_lat_ptr, stride_qh, stride_wb, stride_lh,
                     NOPE, V, R, BLOCK_NOPE, BLOCK_RT)
 
@@ -293,8 +293,8 @@ def _mla_split_kernel(q_lat_ptr, q_ptr, cache_ptr, pos_ptr, o_part_ptr, lse_part
                       qk_scale, stride_lh, stride_qh, stride_ct, stride_oph, stride_ops, stride_lseh,
                       NOPE: tl.constexpr, ROPE: tl.constexpr, R: tl.constexpr, NUM_SPLITS: tl.constexpr,
                       HAS_WINDOW: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_H: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr):
-    pdl_begin()
+                      BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_begin(PDL)
     mla_split_task(tl.program_id(0), tl.program_id(1), q_lat_ptr, q_ptr, cache_ptr, pos_ptr, o_part_ptr,
                    lse_part_ptr, n_heads, max_len, window, qk_scale, stride_lh, stride_qh, stride_ct, stride_oph,
                    stride_ops, stride_lseh, NOPE, ROPE, R, NUM_SPLITS, HAS_WINDOW, DOT_DTYPE, DOT_PREC,
@@ -306,8 +306,9 @@ def _mla_combine_up_kernel(pos_ptr, kv_b_ptr, out_ptr, o_part_ptr, lse_part_ptr,
                            stride_wb, stride_oh, stride_oph, stride_ops, stride_lseh,
                            NOPE: tl.constexpr, V: tl.constexpr, R: tl.constexpr, NUM_SPLITS: tl.constexpr,
                            HAS_WINDOW: tl.constexpr, SPLIT_BLOCK_N: tl.constexpr,
-                           BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr):
-    pdl_begin()
+                           BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr,
+                           PDL: tl.constexpr = False):
+    pdl_begin(PDL)
     mla_combine_up_task(tl.program_id(0), tl.program_id(1), pos_ptr, kv_b_ptr, out_ptr, o_part_ptr, lse_part_ptr,
                         max_len, window, stride_wb, stride_oh, stride_oph, stride_ops, stride_lseh,
                         NOPE, V, R, NUM_SPLITS, HAS_WINDOW, SPLIT_BLOCK_N, BLOCK_S, BLOCK_R, BLOCK_V)
@@ -393,13 +394,13 @@ def gqa_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, po
         o_part.stride(0), o_part.stride(1) if S > 1 else 0, lse_part.stride(0),
         DH=Dh, REP=rep, NUM_SPLITS=S, DOT_DTYPE=_dot_dtype(k_cache.dtype), DOT_PREC=_dot_prec(k_cache.dtype),
         BLOCK_R=max(16, triton.next_power_of_2(rep)),
-        BLOCK_N=block_n, BLOCK_D=BLOCK_D, num_warps=num_warps, **common, **launch_kw())
+        BLOCK_N=block_n, BLOCK_D=BLOCK_D, num_warps=num_warps, **common, **launch_kw(dev))
     if S > 1:
         _gqa_combine_kernel[(Hq,)](
             pos, sk, out, o_part, lse_part, max_len, int(window or 0),
             out.stride(0), o_part.stride(0), o_part.stride(1), lse_part.stride(0),
             DH=Dh, NUM_SPLITS=S, SPLIT_BLOCK_N=block_n, BLOCK_S=triton.next_power_of_2(S), BLOCK_D=BLOCK_D,
-            num_warps=1, **common, **launch_kw())
+            num_warps=1, **common, **launch_kw(dev))
     return out
 
 
@@ -440,20 +441,20 @@ def mla_decode(q: torch.Tensor, cache: torch.Tensor, kv_b: torch.Tensor, pos: to
     BLOCK_RT = min(BLOCK_R, 64)
     _mla_absorb_kernel[(H, triton.cdiv(r, BLOCK_RT))](
         q, kv_b, q_lat, q.stride(0), kv_b.stride(0), q_lat.stride(0),
-        NOPE=nope, V=V, R=r, BLOCK_NOPE=triton.next_power_of_2(nope), BLOCK_RT=BLOCK_RT, num_warps=4, **launch_kw())
+        NOPE=nope, V=V, R=r, BLOCK_NOPE=triton.next_power_of_2(nope), BLOCK_RT=BLOCK_RT, num_warps=4, **launch_kw(dev))
     _mla_split_kernel[(tiles, S)](
         q_lat, q, cache, pos, o_part, lse_part, H, max_len, int(window or 0), softmax_scale * LOG2E,
         q_lat.stride(0), q.stride(0), cache.stride(0), o_part.stride(0), o_part.stride(1), lse_part.stride(0),
         NOPE=nope, ROPE=rope, R=r, NUM_SPLITS=S, HAS_WINDOW=window is not None, DOT_DTYPE=_dot_dtype(cache.dtype),
         DOT_PREC=_dot_prec(cache.dtype),
         BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_R=BLOCK_R, BLOCK_P=max(16, triton.next_power_of_2(rope)),
-        num_warps=num_warps, **launch_kw())
+        num_warps=num_warps, **launch_kw(dev))
     BLOCK_V = min(64, triton.next_power_of_2(V))
     _mla_combine_up_kernel[(H, triton.cdiv(V, BLOCK_V))](
         pos, kv_b, out, o_part, lse_part, max_len, int(window or 0),
         kv_b.stride(0), out.stride(0), o_part.stride(0), o_part.stride(1), lse_part.stride(0),
         NOPE=nope, V=V, R=r, NUM_SPLITS=S, HAS_WINDOW=window is not None, SPLIT_BLOCK_N=block_n,
-        BLOCK_S=triton.next_power_of_2(S), BLOCK_R=BLOCK_R, BLOCK_V=BLOCK_V, num_warps=8, **launch_kw())
+        BLOCK_S=triton.next_power_of_2(S), BLOCK_R=BLOCK_R, BLOCK_V=BLOCK_V, num_warps=8, **launch_kw(dev))
     return out
 
 

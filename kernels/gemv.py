@@ -81,9 +81,10 @@ PROGRAMS_PER_SM = 4  # split-K / slot-split target: enough resident programs per
 # Kernels
 # ======================================================================================================================
 @triton.jit
-def _x8_kernel(x_ptr, nw_ptr, x8_ptr, K, eps, HAS_NW: tl.constexpr, BLOCK: tl.constexpr, BLOCK_X: tl.constexpr):
+def _x8_kernel(x_ptr, nw_ptr, x8_ptr, K, eps, HAS_NW: tl.constexpr, BLOCK: tl.constexpr, BLOCK_X: tl.constexpr,
+               PDL: tl.constexpr = False):
     """grid (cdiv(K, BLOCK),): x8[e, j] = (x * rstd * nw)[8j + e], fp32 [8, K/8]."""
-    pdl_begin()
+    pdl_begin(PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < K
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -99,11 +100,11 @@ def _gemv_kernel(
     N, K, k_per_split, eps, stride_x8,
     FMT: tl.constexpr, HAS_NW: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
     SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_X: tl.constexpr,
-    PIPE: tl.constexpr,
+    PIPE: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """grid (cdiv(N, BLOCK_N), SPLIT_K): y[N] = (rstd *) W[N, K] @ (nw *) x[K] (+ bias) (+ residual).
     fp4 formats: x_ptr is x8 (prepare_x8, norm applied there) and HAS_NW is False."""
-    pdl_begin()
+    pdl_begin(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     k_lo = pid_k * k_per_split
@@ -132,10 +133,10 @@ def _glu_kernel(
     bg_ptr, stride_bg, bu_ptr, stride_bu, y_ptr,
     N, K, eps, limit, alpha, stride_x8,
     FMT: tl.constexpr, HAS_NW: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_X: tl.constexpr, PIPE: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_X: tl.constexpr, PIPE: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """grid (cdiv(N, BLOCK_N),): y[N] = glu(Wg x + bg, Wu x + bu), x optionally RMS-normed in front."""
-    pdl_begin()
+    pdl_begin(PDL)
     pid_n = tl.program_id(0)
     n_start = pid_n * BLOCK_N
     g = _tile(FMT, wg_ptr, stride_wgn, sg_ptr, stride_sgn, stride_sgk, gsg_ptr, x_ptr, nw_ptr, stride_x8,
@@ -285,7 +286,7 @@ def prepare_x8(x: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: fl
     BLOCK = min(1024, triton.next_power_of_2(K))
     _x8_kernel[(triton.cdiv(K, BLOCK),)](x, norm_weight if norm_weight is not None else x, out, K, eps,
                                          HAS_NW=norm_weight is not None, BLOCK=BLOCK,
-                                         BLOCK_X=min(1024, triton.next_power_of_2(K)), **launch_kw())
+                                         BLOCK_X=min(1024, triton.next_power_of_2(K)), **launch_kw(x.device))
     return out
 
 
@@ -329,7 +330,7 @@ def gemv(x: torch.Tensor, w: WeightHandle, *, bias: torch.Tensor | None = None, 
         N, K, k_per_split, eps, stride_x8,
         FMT=FMT_ID[w.fmt], HAS_NW=has_nw, HAS_BIAS=bias is not None, HAS_RES=residual is not None,
         SPLIT_K=split, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_X=min(1024, triton.next_power_of_2(K)),
-        PIPE=cfg.prefetch, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_kw()
+        PIPE=cfg.prefetch, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_kw(x.device)
     )
     return y
 
@@ -371,7 +372,7 @@ def gemv_glu(x: torch.Tensor, w_gate: WeightHandle, w_up: WeightHandle, *, act: 
         N, K, eps, limit, alpha, stride_x8,
         FMT=FMT_ID[w_gate.fmt], HAS_NW=has_nw, HAS_BIAS=gate_bias is not None, ACT=ACT_ID[act],
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_X=min(1024, triton.next_power_of_2(K)),
-        PIPE=cfg.prefetch, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_kw()
+        PIPE=cfg.prefetch, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_kw(x.device)
     )
     return y
 

@@ -142,10 +142,11 @@ def _router_kernel(
     GROUP_TOP2: tl.constexpr, TOP_K: tl.constexpr, SPLIT_K: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_X: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_TOPK: tl.constexpr, PIPE: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """grid (cdiv(E, BLOCK_N), SPLIT_K): partial logits part[SPLIT_K, E]; the last program to finish selects.
     WRITE_X8: the programs also write the (normed) input in the x8 layout for fp4 experts, a chunk each."""
-    pdl_begin()
+    pdl_begin(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     if WRITE_X8:
@@ -224,7 +225,7 @@ def route(x: torch.Tensor, router_weight: torch.Tensor, cfg: RouterConfig, *, ro
         BLOCK_N=cfg_t.block_n, BLOCK_K=cfg_t.block_k, BLOCK_X=min(1024, triton.next_power_of_2(K)),
         BLOCK_G=triton.next_power_of_2(cfg.n_group), BLOCK_S=triton.next_power_of_2(group_size),
         BLOCK_TOPK=triton.next_power_of_2(cfg.top_k),
-        PIPE=cfg_t.prefetch, num_warps=cfg_t.num_warps, num_stages=cfg_t.num_stages, **launch_kw()
+        PIPE=cfg_t.prefetch, num_warps=cfg_t.num_warps, num_stages=cfg_t.num_stages, **launch_kw(dev)
     )
     return out
 
@@ -272,11 +273,11 @@ def _expert_glu_kernel(
     bg_ptr, stride_bge, stride_bgn, bu_ptr, stride_bue, stride_bun, h_ptr,
     I, K, eps, limit, alpha, stride_x8,
     FMT: tl.constexpr, HAS_NW: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, H_X8: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_X: tl.constexpr, PIPE: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_X: tl.constexpr, PIPE: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """grid (cdiv(I, BLOCK_N), TOP_K): h[slot, I] = glu(Wg[e] x + bg[e], Wu[e] x + bu[e]), e = ids[slot].
     H_X8: store each h[slot] in the x8 layout (an fp4 down projection reads it that way)."""
-    pdl_begin()
+    pdl_begin(PDL)
     pid_n = tl.program_id(0)
     slot = tl.program_id(1)
     e = tl.load(ids_ptr + slot).to(tl.int64)  # the only data-dependent address: which expert's rows to stream
@@ -310,11 +311,11 @@ def _expert_down_kernel(
     bd_ptr, stride_bde, res_ptr, y_ptr, part_ptr, cnt_ptr,
     N, I, slots_per_split,
     FMT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, TOP_K: tl.constexpr,
-    SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PIPE: tl.constexpr,
+    SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PIPE: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """grid (cdiv(N, BLOCK_N), SPLIT): y[N] = sum_slot wts[slot] * (Wd[e] h[slot] + bd[e]) (+ residual); the slots
     are split over SPLIT programs per row tile (reduced in slot order by the last one)."""
-    pdl_begin()
+    pdl_begin(PDL)
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     n_start = pid_n * BLOCK_N
@@ -408,7 +409,7 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gat
         FMT=FMT_ID[w_gate.fmt], HAS_NW=has_nw, HAS_BIAS=bg[0] is not None, ACT=ACT_ID[act],
         H_X8=is_fp4(w_down.fmt),
         BLOCK_N=cu.block_n, BLOCK_K=cu.block_k, BLOCK_X=min(1024, triton.next_power_of_2(H)),
-        PIPE=cu.prefetch, num_warps=cu.num_warps, num_stages=cu.num_stages, **launch_kw()
+        PIPE=cu.prefetch, num_warps=cu.num_warps, num_stages=cu.num_stages, **launch_kw(dev)
     )
 
     cd = resolve_config(w_down, config_down, DEFAULT_GLU_TILES)
@@ -425,7 +426,7 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gat
         H, I, per,
         FMT=FMT_ID[w_down.fmt], HAS_BIAS=bd[0] is not None, HAS_RES=residual is not None, TOP_K=top_k,
         SPLIT=split, BLOCK_N=cd.block_n, BLOCK_K=cd.block_k,
-        PIPE=cd.prefetch, num_warps=cd.num_warps, num_stages=cd.num_stages, **launch_kw()
+        PIPE=cd.prefetch, num_warps=cd.num_warps, num_stages=cd.num_stages, **launch_kw(dev)
     )
     return y
 

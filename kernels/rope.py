@@ -170,8 +170,9 @@ def _rope_append_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, 
                         stride_qh, stride_kh, stride_vh, stride_kct, stride_kch, stride_vct, stride_vch, stride_cos,
                         DH: tl.constexpr, ROT: tl.constexpr, PAIR: tl.constexpr, NORM: tl.constexpr,
                         CLIP: tl.constexpr, KV_PER_PROG: tl.constexpr, REP: tl.constexpr,
-                        BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_D: tl.constexpr):
-    pdl_begin()
+                        BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_D: tl.constexpr,
+                        PDL: tl.constexpr = False):
+    pdl_begin(PDL)
     rope_append_task(tl.program_id(0), q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, cos_ptr, sin_ptr,
                      q_norm_ptr, k_norm_ptr, n_q_heads, n_kv_heads, max_len, eps, clip,
                      stride_qh, stride_kh, stride_vh, stride_kct, stride_kch, stride_vct, stride_vch, stride_cos,
@@ -225,8 +226,8 @@ def _mla_rope_append_kernel(q_ptr, kv_ptr, cache_ptr, pos_ptr, cos_ptr, sin_ptr,
                             n_heads, max_len, eps, stride_qh, stride_ct, stride_cos,
                             NOPE: tl.constexpr, ROPE: tl.constexpr, R: tl.constexpr, PAIR: tl.constexpr,
                             HAS_NORM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_P: tl.constexpr,
-                            BLOCK_R: tl.constexpr):
-    pdl_begin()
+                            BLOCK_R: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_begin(PDL)
     mla_rope_append_task(tl.program_id(0), q_ptr, kv_ptr, cache_ptr, pos_ptr, cos_ptr, sin_ptr, kv_norm_ptr,
                          n_heads, max_len, eps, stride_qh, stride_ct, stride_cos,
                          NOPE, ROPE, R, PAIR, HAS_NORM, BLOCK_H, BLOCK_P, BLOCK_R)
@@ -324,7 +325,7 @@ def rope_append(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torc
         v_cache.stride(0), v_cache.stride(1), cos.stride(0),
         DH=Dh, ROT=2 * cos.shape[1], PAIR=_style_pair(style), NORM=norm, CLIP=clip_qkv is not None,
         KV_PER_PROG=kv_per_prog, REP=rep, BLOCK_HQ=block_hq, BLOCK_HK=triton.next_power_of_2(kv_per_prog),
-        BLOCK_D=block_d, num_warps=warps, **launch_kw())
+        BLOCK_D=block_d, num_warps=warps, **launch_kw(dev))
 
 
 def mla_rope_append(q: torch.Tensor, kv: torch.Tensor, cache: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor,
@@ -353,7 +354,7 @@ def mla_rope_append(q: torch.Tensor, kv: torch.Tensor, cache: torch.Tensor, pos:
         q, kv, cache, pos, cos, sin, kv_norm if kv_norm is not None else kv, H, cache.shape[0], float(eps),
         q.stride(0), cache.stride(0), cos.stride(0),
         NOPE=nope, ROPE=rope, R=r, PAIR=_style_pair(style), HAS_NORM=kv_norm is not None, BLOCK_H=block_h,
-        BLOCK_P=triton.next_power_of_2(rope), BLOCK_R=triton.next_power_of_2(r), num_warps=1, **launch_kw())
+        BLOCK_P=triton.next_power_of_2(rope), BLOCK_R=triton.next_power_of_2(r), num_warps=1, **launch_kw(dev))
 
 
 # ---- references (torch, same semantics as models/reference.py) --------------------------------------------------

@@ -188,8 +188,8 @@ def _filtered_draw(fallback, temp, top_p, top_k, ctr, n_draws_here, rng_ptr, par
 @triton.jit
 def _sample_tile_kernel(logits_ptr, V, params_ptr, rng_ptr, part_f_ptr, part_i_ptr, cand_ptr, gum_f_ptr, gum_i_ptr,
                         n_tiles, n_draws, FILTER: tl.constexpr, K_CAND: tl.constexpr, DRAWS: tl.constexpr,
-                        BLOCK_V: tl.constexpr):
-    pdl_begin()
+                        BLOCK_V: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_begin(PDL)
     sample_tile_task(tl.program_id(0), tl.program_id(1), logits_ptr, V, params_ptr, rng_ptr, part_f_ptr, part_i_ptr,
                      cand_ptr, gum_f_ptr, gum_i_ptr, n_tiles, n_draws, FILTER, K_CAND, DRAWS, BLOCK_V)
 
@@ -198,8 +198,8 @@ def _sample_tile_kernel(logits_ptr, V, params_ptr, rng_ptr, part_f_ptr, part_i_p
 def _sample_final_kernel(params_ptr, rng_ptr, part_f_ptr, part_i_ptr, cand_ptr, gum_f_ptr, gum_i_ptr, out_ptr,
                          ring_ptr, status_ptr, n_tiles, n_draws, ring_size, FILTER: tl.constexpr,
                          K_CAND: tl.constexpr, HAS_RING: tl.constexpr, ADVANCE: tl.constexpr, DRAWS: tl.constexpr,
-                         BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
-    pdl_begin()
+                         BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_begin(PDL)
     sample_final_task(tl.program_id(0), params_ptr, rng_ptr, part_f_ptr, part_i_ptr, cand_ptr, gum_f_ptr, gum_i_ptr,
                       out_ptr, ring_ptr, status_ptr, n_tiles, n_draws, ring_size, FILTER, K_CAND, HAS_RING, ADVANCE,
                       DRAWS, BLOCK_T, BLOCK_C)
@@ -275,13 +275,13 @@ class DeviceSampler:
         _sample_tile_kernel[(self.n_tiles, grid_d)](
             logits, self.V, self.params, self.rng, self.part_f, self.part_i, self.cand, self.gum_f, self.gum_i,
             self.n_tiles, D, FILTER=self.filter, K_CAND=self.k_cand, DRAWS=DR, BLOCK_V=self.block_v, num_warps=8,
-            **launch_kw())
+            **launch_kw(self.device))
         _sample_final_kernel[(grid_d,)](
             self.params, self.rng, self.part_f, self.part_i, self.cand, self.gum_f, self.gum_i, self.out, self.ring,
             self.status, self.n_tiles, D, max(self.ring_size, 1), FILTER=self.filter, K_CAND=self.k_cand,
             HAS_RING=self.ring_size > 0, ADVANCE=D == 1, DRAWS=DR, BLOCK_T=triton.next_power_of_2(self.n_tiles),
             BLOCK_C=triton.next_power_of_2(self.n_tiles * self.k_cand) if self.filter else 1, num_warps=8,
-            **launch_kw())
+            **launch_kw(self.device))
         return self.out
 
 

@@ -23,8 +23,8 @@ def _pdl_launches(tree: ast.Module) -> set[str]:
     for node in ast.walk(tree):
         if (isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript)
                 and isinstance(node.func.value, ast.Name)
-                and any(k.arg is None and isinstance(k.value, ast.Call) and getattr(k.value.func, "id", "") == "launch_kw"
-                        for k in node.keywords)):
+                and any(k.arg is None and isinstance(k.value, ast.Call)
+                        and getattr(k.value.func, "id", "") == "launch_kw" for k in node.keywords)):
             out.add(node.func.value.id)
     return out
 
@@ -38,8 +38,11 @@ def test_every_pdl_launch_waits_first():
             assert name in kernels, f"{path.name}: {name} is launched with launch_kw() but not defined there"
             first = _first_statement(kernels[name])
             ok = (isinstance(first, ast.Expr) and isinstance(first.value, ast.Call)
-                  and getattr(first.value.func, "id", "") == "pdl_begin")
-            assert ok, f"{path.name}:{first.lineno}: {name} is launched with PDL but does not call pdl_begin() first"
+                  and getattr(first.value.func, "id", "") == "pdl_begin"
+                  and [getattr(a, "id", None) for a in first.value.args] == ["PDL"])
+            assert ok, f"{path.name}:{first.lineno}: {name} is launched with PDL but does not call pdl_begin(PDL) first"
+            params = [a.arg for a in kernels[name].args.args]
+            assert "PDL" in params, f"{path.name}: {name} has no PDL constexpr for launch_kw to set"
             checked.append(name)
     # the graph backend's decode kernels: GEMV / GLU / x8, router and experts, attention, RoPE + append, sampler
     assert {"_gemv_kernel", "_glu_kernel", "_x8_kernel", "_router_kernel", "_expert_glu_kernel",
@@ -55,3 +58,20 @@ def test_the_check_catches_a_missing_wait():
     first = _first_statement(tree.body[0])
     assert not (isinstance(first, ast.Expr) and getattr(getattr(first, "value", None), "func", None) is not None
                 and getattr(first.value.func, "id", "") == "pdl_begin")
+
+
+def test_enabled_only_on_sm90_cuda(monkeypatch):
+    """griddepcontrol is sm_90 PTX: an A100 (8.0) or L40S (8.9) must get plain launches, and the kernels must not
+    even compile the wait there (PDL constexpr False)."""
+    import torch
+    from kie_moe.kernels import pdl
+    monkeypatch.setattr(pdl, "_INTERPRET", False)
+    monkeypatch.setattr(pdl, "_CAPABLE", {})
+    caps = {0: (9, 0), 1: (8, 0), 2: (8, 9), 3: (10, 0)}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i: caps[i])
+    got = {i: pdl.launch_kw(torch.device("cuda", i)) for i in caps}
+    assert got == {0: {"launch_pdl": True, "PDL": True}, 1: {"launch_pdl": False, "PDL": False},
+                   2: {"launch_pdl": False, "PDL": False}, 3: {"launch_pdl": True, "PDL": True}}
+    assert pdl.launch_kw(torch.device("cpu")) == {"launch_pdl": False, "PDL": False}
+    monkeypatch.setattr(pdl, "PDL", False)                           # KIE_PDL=0
+    assert pdl.launch_kw(torch.device("cuda", 0)) == {"launch_pdl": False, "PDL": False}
