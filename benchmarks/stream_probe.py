@@ -2,7 +2,10 @@
 the monokernel's own stream functions (kernels/monokernel/stream.py) in a tiny kernel, one task after another
 per program, each task's first tile loaded right before the call (as after a wait: no overlap between tasks).
 Beside them, `copy`: the same task bytes read by a plain tl.range loop of 16-byte vector loads (the ceiling of
-this structure: one program, one task at a time) and the read-bandwidth probe of the same process.
+this structure: one program, one task at a time) and the read-bandwidth probe of the same process. `tileglu`
+runs the same gate/up tasks through the graph backend's tile loop (kernels/tiles.py `_tile`: 3.6 SASS instructions
+per fp8 weight offline at 16 x 512 / 4 warps, where the monokernel's stream_glu loop body is ~7.7 with its
+once-per-row-chunk epilogue inside): the loop's cost at monokernel occupancy, against stream_glu's.
 
 It isolates the streaming loop's cost from everything else the monokernel does, so a tile shape / pipeline /
 x-layout choice can be measured in seconds instead of through whole decode steps. GPU only.
@@ -21,6 +24,7 @@ import triton.language as tl
 
 from kie_moe.kccl.sync import signal, wait
 from kie_moe.kernels.monokernel.stream import stream_gemv, stream_glu, tile
+from kie_moe.kernels.tiles import _glu, _rstd, _tile
 
 
 @triton.jit
@@ -55,6 +59,26 @@ def _gemv_probe(w, s_ptr, f_ptr, x_ptr, nw_ptr, y_ptr, n_iter, ROWS: tl.constexp
         w0, s0 = tile(w, s_ptr, K, r0, r0 + ROWS, 0, 1, FMT, BN, BK)
         stream_gemv(w, s_ptr, f_ptr, w0, s0, K, r0, r0 + ROWS, x_ptr, nw_ptr, 1e-6, f_ptr, y_ptr, y_ptr, 0,
                     f_ptr, y_ptr, 0, 1.0, 0, 0, True, False, False, False, FMT, BN, BK, XB, NS)
+
+
+@triton.jit
+def _tile_glu_probe(wg, wu, s_ptr, f_ptr, x_ptr, nw_ptr, h_ptr, n_iter, ROWS: tl.constexpr, K: tl.constexpr,
+                    FMT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PIPE: tl.constexpr):
+    """The same tasks through the graph backend's tile loop (kernels/tiles.py `_tile`, what `_glu_kernel` runs per
+    program) instead of the monokernel's stream_glu: per BN-row chunk the gate rows over all of K, then the up rows,
+    x read as a broadcast tile in the weights' layout, one reduction per chunk. fp8 rows' scales: f_ptr. Float and
+    fp8 formats (FMT 0 / 1)."""
+    pid = tl.program_id(0)
+    n_prog = tl.num_programs(0)
+    r = _rstd(x_ptr, K, 1e-6, 1024)
+    for it in range(n_iter):
+        r0 = (it * n_prog + pid) * ROWS
+        for c in range(0, ROWS, BN):
+            n0 = r0 + c
+            g = _tile(FMT, wg, K, f_ptr, 1, 0, f_ptr, x_ptr, nw_ptr, 0, n0, r0 + ROWS, 0, K, True, BN, BK, PIPE)
+            u = _tile(FMT, wu, K, f_ptr, 1, 0, f_ptr, x_ptr, nw_ptr, 0, n0, r0 + ROWS, 0, K, True, BN, BK, PIPE)
+            rows = n0 + tl.arange(0, BN)
+            tl.store(h_ptr + rows, _glu(g * r, u * r, 0.0, 0.0, 0), mask=rows < r0 + ROWS)
 
 
 @triton.jit
@@ -107,7 +131,7 @@ def run_point(kind: str, fmt: int, rows: int, k: int, bn: int, bk: int, xb: int,
         x = torch.randn(k, device=dev)
         nw = torch.ones(k, device=dev, dtype=torch.bfloat16)
         h = torch.empty(r_total, device=dev)
-        kern = _gemv_probe if kind == "gemv" else _glu_probe
+        kern = {"gemv": _gemv_probe, "tileglu": _tile_glu_probe}.get(kind, _glu_probe)
         extra, opts = (), dict(num_warps=warps)
         ctr = torch.zeros(2, dtype=torch.int32, device=dev)
         if kind == "phased":   # one task per program per phase, phases chained by a counter
@@ -116,7 +140,10 @@ def run_point(kind: str, fmt: int, rows: int, k: int, bn: int, bk: int, xb: int,
         def fn():
             if extra:
                 ctr.zero_()
-            kern[(n_prog,)](*mats, s, f, x, nw, h, n_iter, rows, k, fmt, bn, bk, xb, ns, *extra, **opts)
+            if kind == "tileglu":   # ns: the tile's PIPE (prefetch one K step); xb unused
+                kern[(n_prog,)](*mats, s, f, x, nw, h, n_iter, rows, k, fmt, bn, bk, bool(ns), **opts)
+            else:
+                kern[(n_prog,)](*mats, s, f, x, nw, h, n_iter, rows, k, fmt, bn, bk, xb, ns, *extra, **opts)
         nbytes = n_mats * r_total * per_row
     t0 = time.perf_counter()
     fn()
@@ -159,6 +186,12 @@ POINTS = [
     ("phased", 1, 48, 2048, 8, 1024, 0, 3, 8, 1), ("phased", 1, 24, 2048, 8, 1024, 0, 3, 4, 2),
     ("phased", 1, 12, 2048, 8, 1024, 0, 3, 4, 4), ("phased", 0, 48, 2048, 8, 1024, 0, 3, 8, 1),
     ("phased", 0, 24, 2048, 8, 1024, 0, 3, 4, 2),
+    # the graph backend's tile loop (tiles._tile) on the same tasks, at monokernel occupancy (1 x 8, 1 x 4, 2 x 4)
+    # and at the graph's (4 x 4); ns = PIPE
+    ("tileglu", 1, 48, 2048, 16, 512, 0, 0, 4, 1), ("tileglu", 1, 48, 2048, 16, 512, 0, 0, 8, 1),
+    ("tileglu", 1, 48, 2048, 16, 512, 0, 0, 4, 2), ("tileglu", 1, 48, 2048, 16, 512, 0, 0, 4, 4),
+    ("tileglu", 1, 48, 2048, 8, 512, 0, 0, 4, 1), ("tileglu", 0, 48, 2048, 8, 512, 0, 1, 4, 1),
+    ("tileglu", 0, 48, 2048, 8, 512, 0, 1, 4, 2),
 ]
 KEYS = ("kind", "fmt", "rows", "k", "bn", "bk", "xb", "ns", "warps", "per_sm")
 
