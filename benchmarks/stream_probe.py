@@ -208,6 +208,13 @@ def main(argv=None):
     print(f"probe {probe:.0f} GB/s ({probe / n_sms:.1f} per SM), {n_sms} SMs", flush=True)
     res = []
     pts = POINTS if a.only is None else [POINTS[int(i)] for i in a.only.split(",")]
+
+    def save():   # after every point: a run cut by its time limit keeps what it measured
+        if a.out:
+            import torch as _t
+            with open(a.out, "w") as fh:
+                json.dump(dict(probe_gbps=probe, n_sms=n_sms, device=_t.cuda.get_device_name(0), torch=_t.__version__,
+                               triton=triton.__version__, iters=a.iters, points=res), fh, indent=1)
     for p in pts:
         r = dict(zip(KEYS, p))
         try:
@@ -219,11 +226,7 @@ def main(argv=None):
         res.append(r)
         print(json.dumps({k: (round(v, 2) if isinstance(v, float) else v) for k, v in r.items() if k != "tb"}),
               flush=True)
-    if a.out:
-        import torch as _t
-        with open(a.out, "w") as fh:
-            json.dump(dict(probe_gbps=probe, n_sms=n_sms, device=_t.cuda.get_device_name(0), torch=_t.__version__,
-                           triton=triton.__version__, iters=a.iters, points=res), fh, indent=1)
+        save()
 
 
 if __name__ == "__main__":
