@@ -40,8 +40,8 @@ from kie_moe.kccl.sync import (clock64, flag_is_set, globaltimer, put_span, read
 from . import plan as P
 from .lane_ops import lane_final_mean, lane_final_reduce, lane_out_tile, lane_reduce, lane_sum, stream_lane_out
 from .mla import mla_absorb_task, mla_attention_task, mla_vup_task
-from .prefetch import prefetch_rows
-from .ops import attention_task, embed_row, pick_token, route, vec_dot_norm
+from .prefetch import l2_prefetch, prefetch_rows
+from .ops import attention_task, embed_row, kv_split_range, pick_token, route, vec_dot_norm
 from .stream import stream_expert_down, stream_gemv, stream_glu, tile
 
 # ctrl words (int32, device): written by the kernel, read by the host after the launch
@@ -340,11 +340,18 @@ def monokernel(
                             wa_ptr + tl.multiple_of(tl.load(lrow + P.LF_QKV_B), 64), qkv_ptr, qkv_ptr, 0, pv_ptr,
                             pi_ptr, 0, 1.0, 0, 0, True, HAS_QKV_BIAS, False, False, FMT_ATTN, BN_QKV, BLOCK_K, XB, NS)
         elif op == _OP_ATTN:
+            head = (layer * 2 * HKV + r0).to(tl.int64) * kv_tmax * DH  # cache [L, 2, HKV, T_max, DH]
+            KVB: tl.constexpr = kv_ptr.dtype.element_ty.primitive_bitwidth // 8
+            if (MLA == 0) & (DH * KVB % 16 == 0):   # this split's cached K and V rows (earlier steps wrote them)
+                # into L2 before the wait (bulk prefetch: 16-byte aligned rows)
+                kv_lo, kv_hi = kv_split_range(pos, tl.load(lrow + P.LF_WINDOW).to(tl.int32), n_splits, nr)
+                l2_prefetch(kv_ptr + head + kv_lo * DH, tl.maximum(kv_hi - kv_lo, 0) * DH, KVB, USE_ASM)
+                l2_prefetch(kv_ptr + head + HKV * kv_tmax * DH + kv_lo * DH, tl.maximum(kv_hi - kv_lo, 0) * DH, KVB,
+                            USE_ASM)
             t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
             st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE, tr, trace_on)
             if MLA == 0:   # (an MLA model never has these tasks: do not compile them)
                 if st == 0:
-                    head = (layer * 2 * HKV + r0).to(tl.int64) * kv_tmax * DH  # cache [L, 2, HKV, T_max, DH]
                     attention_task(r0, nr, n_splits, pos, tl.load(lrow + P.LF_WINDOW).to(tl.int32), qkv_ptr,
                                    kv_ptr + head, kv_ptr + head + HKV * kv_tmax * DH, cos_ptr, sin_ptr,
                                    wa_ptr + tl.load(lrow + P.LF_Q_NORM), wa_ptr + tl.load(lrow + P.LF_K_NORM),

@@ -149,6 +149,19 @@ def _kv_block(k_cache, v_cache, t0, hi, ia, ib, ic, h_mask, c_mask, offs_d, d_ma
 
 
 @triton.jit
+def kv_split_range(pos, window, n_splits, sp):
+    """[lo, hi): the cached positions split `sp` of `n_splits` reads at step `pos` (window > 0: only the last
+    `window` positions, the current one included, are visible); the current token itself is not in the range."""
+    start = 0
+    if window > 0:
+        start = tl.maximum(pos - window + 1, 0)
+    chunk = (pos - start + n_splits - 1) // n_splits
+    lo = start + sp * chunk
+    hi = tl.minimum(lo + chunk, pos)
+    return lo, hi
+
+
+@triton.jit
 def attention_task(g, sp, n_splits, pos, window, qkv_ptr, k_cache, v_cache, cos_ptr, sin_ptr,
                    qn_ptr, kn_ptr, ao_ptr, am_ptr, al_ptr, acnt_ptr, sink_ptr, eps, sm_scale, clip, tr, trace_on,
                    HQ: tl.constexpr, HKV: tl.constexpr, DH: tl.constexpr, ROT: tl.constexpr,
@@ -176,12 +189,7 @@ def attention_task(g, sp, n_splits, pos, window, qkv_ptr, k_cache, v_cache, cos_
     d_mask = offs_d < DH
     # cached keys visible from `pos`: [start, pos), this split's contiguous share. Their rows were written by
     # earlier steps: the first block's loads go out first and overlap the q / k loads below.
-    start = 0
-    if window > 0:
-        start = tl.maximum(pos - window + 1, 0)
-    chunk = (pos - start + n_splits - 1) // n_splits
-    lo = start + sp * chunk
-    hi = tl.minimum(lo + chunk, pos)
+    lo, hi = kv_split_range(pos, window, n_splits, sp)
     ta, tb, tc, vt = _kv_block(k_cache, v_cache, lo, hi, ia, ib, ic, h_mask, c_mask, offs_d, d_mask, DH, ROT,
                                BLOCK_T)
     cos = tl.load(cos_ptr + pos * half + tl.arange(0, BLOCK_H), mask=h_mask, other=0.0)
