@@ -340,20 +340,20 @@ def monokernel(
                             wa_ptr + tl.multiple_of(tl.load(lrow + P.LF_QKV_B), 64), qkv_ptr, qkv_ptr, 0, pv_ptr,
                             pi_ptr, 0, 1.0, 0, 0, True, HAS_QKV_BIAS, False, False, FMT_ATTN, BN_QKV, BLOCK_K, XB, NS)
         elif op == _OP_ATTN:
-            head = (layer * 2 * HKV + r0).to(tl.int64) * kv_tmax * DH  # cache [L, 2, HKV, T_max, DH]
+            k_head = kv_ptr + (layer * 2 * HKV + r0).to(tl.int64) * kv_tmax * DH  # cache [L, 2, HKV, T_max, DH]
+            v_head = k_head + HKV * kv_tmax * DH
+            kv_lo, kv_hi = kv_split_range(pos, tl.load(lrow + P.LF_WINDOW).to(tl.int32), n_splits, nr)
             KVB: tl.constexpr = kv_ptr.dtype.element_ty.primitive_bitwidth // 8
             if (MLA == 0) & (DH * KVB % 16 == 0):   # this split's cached K and V rows (earlier steps wrote them)
                 # into L2 before the wait (bulk prefetch: 16-byte aligned rows)
-                kv_lo, kv_hi = kv_split_range(pos, tl.load(lrow + P.LF_WINDOW).to(tl.int32), n_splits, nr)
-                l2_prefetch(kv_ptr + head + kv_lo * DH, tl.maximum(kv_hi - kv_lo, 0) * DH, KVB, USE_ASM)
-                l2_prefetch(kv_ptr + head + HKV * kv_tmax * DH + kv_lo * DH, tl.maximum(kv_hi - kv_lo, 0) * DH, KVB,
-                            USE_ASM)
+                n_kv = tl.maximum(kv_hi - kv_lo, 0) * DH
+                l2_prefetch(k_head + kv_lo * DH, n_kv, KVB, USE_ASM)
+                l2_prefetch(v_head + kv_lo * DH, n_kv, KVB, USE_ASM)
             t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
             st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE, tr, trace_on)
             if MLA == 0:   # (an MLA model never has these tasks: do not compile them)
                 if st == 0:
-                    attention_task(r0, nr, n_splits, pos, tl.load(lrow + P.LF_WINDOW).to(tl.int32), qkv_ptr,
-                                   kv_ptr + head, kv_ptr + head + HKV * kv_tmax * DH, cos_ptr, sin_ptr,
+                    attention_task(r0, nr, n_splits, pos, kv_lo, kv_hi, qkv_ptr, k_head, v_head, cos_ptr, sin_ptr,
                                    wa_ptr + tl.load(lrow + P.LF_Q_NORM), wa_ptr + tl.load(lrow + P.LF_K_NORM),
                                    ao_ptr, am_ptr, al_ptr, acnt_ptr + layer * HKV + r0,
                                    wa_ptr + tl.load(lrow + P.LF_SINKS), eps, sm_scale, clip, tr, trace_on, HQ, HKV,

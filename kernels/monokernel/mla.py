@@ -18,7 +18,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .ops import rope_index
+from .ops import kv_split_range, rope_index
 
 
 @triton.jit
@@ -88,10 +88,7 @@ def mla_attention_task(h0, nh, sp, n_splits, pos, qlat_ptr, qpe_ptr, cache_ptr, 
                  cache_modifier=".cg").to(cache_ptr.dtype.element_ty)
     qp = tl.load(qpe_ptr + heads[:, None] * ROT + cd[None, :], mask=hm[:, None] & cdm[None, :], other=0.0,
                  cache_modifier=".cg").to(cache_ptr.dtype.element_ty)
-    n = pos + 1
-    chunk = (n + n_splits - 1) // n_splits
-    lo = sp * chunk
-    hi = tl.minimum(lo + chunk, n)
+    lo, hi = kv_split_range(pos + 1, 0, n_splits, sp)     # the current token is in the latent cache already
     m_i = tl.full((BLOCK_HG,), -1e30, dtype=tl.float32)
     l_i = tl.zeros((BLOCK_HG,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_HG, BLOCK_RKV), dtype=tl.float32)

@@ -162,15 +162,16 @@ def kv_split_range(pos, window, n_splits, sp):
 
 
 @triton.jit
-def attention_task(g, sp, n_splits, pos, window, qkv_ptr, k_cache, v_cache, cos_ptr, sin_ptr,
+def attention_task(g, sp, n_splits, pos, lo, hi, qkv_ptr, k_cache, v_cache, cos_ptr, sin_ptr,
                    qn_ptr, kn_ptr, ao_ptr, am_ptr, al_ptr, acnt_ptr, sink_ptr, eps, sm_scale, clip, tr, trace_on,
                    HQ: tl.constexpr, HKV: tl.constexpr, DH: tl.constexpr, ROT: tl.constexpr,
                    ROPE_PAIR: tl.constexpr, QK_NORM: tl.constexpr, HAS_CLIP: tl.constexpr, HAS_SINKS: tl.constexpr,
                    BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_T: tl.constexpr, BLOCK_X: tl.constexpr, BLOCK_QG: tl.constexpr, NT: tl.constexpr,
                    STAMP: tl.constexpr = False):
-    """One kv head `g`, split `sp` of `n_splits`: its REP query heads against cached keys of this split's share of
-    the visible window [start, pos); split 0 also takes the current token (and appends its k, v to the cache at
+    """One kv head `g`, split `sp` of `n_splits`: its REP query heads against cached keys [lo, hi), this split's
+    share of the visible window (kv_split_range, computed once by the caller, which also prefetched those rows);
+    split 0 also takes the current token (and appends its k, v to the cache at
     `pos`). Writes unnormalised partials: m [REP], l [REP], o [REP, DH] at split `sp`; the last of the head's
     splits to finish (acnt_ptr: this layer's and head's counter, zeroed per launch, + n_splits per step) combines
     them into split 0's row of ao, so the o_proj reads a plain vector. k_cache / v_cache: this layer's and head's
@@ -187,9 +188,8 @@ def attention_task(g, sp, n_splits, pos, window, qkv_ptr, k_cache, v_cache, cos_
     c_mask = ic < DH
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < DH
-    # cached keys visible from `pos`: [start, pos), this split's contiguous share. Their rows were written by
-    # earlier steps: the first block's loads go out first and overlap the q / k loads below.
-    lo, hi = kv_split_range(pos, window, n_splits, sp)
+    # cached keys [lo, hi) were written by earlier steps: the first block's loads go out first and overlap the
+    # q / k loads below.
     ta, tb, tc, vt = _kv_block(k_cache, v_cache, lo, hi, ia, ib, ic, h_mask, c_mask, offs_d, d_mask, DH, ROT,
                                BLOCK_T)
     cos = tl.load(cos_ptr + pos * half + tl.arange(0, BLOCK_H), mask=h_mask, other=0.0)

@@ -29,6 +29,14 @@ def _pdl_launches(tree: ast.Module) -> set[str]:
     return out
 
 
+def _waits_first(fn: ast.FunctionDef) -> bool:
+    """fn's first statement (after its docstring) is pdl_begin(PDL)."""
+    first = _first_statement(fn)
+    return (isinstance(first, ast.Expr) and isinstance(first.value, ast.Call)
+            and getattr(first.value.func, "id", "") == "pdl_begin"
+            and [getattr(a, "id", None) for a in first.value.args] == ["PDL"])
+
+
 def test_every_pdl_launch_waits_first():
     checked = []
     for path in sorted(SRC.rglob("*.py")):
@@ -36,11 +44,8 @@ def test_every_pdl_launch_waits_first():
         kernels = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
         for name in sorted(_pdl_launches(tree)):
             assert name in kernels, f"{path.name}: {name} is launched with launch_kw() but not defined there"
-            first = _first_statement(kernels[name])
-            ok = (isinstance(first, ast.Expr) and isinstance(first.value, ast.Call)
-                  and getattr(first.value.func, "id", "") == "pdl_begin"
-                  and [getattr(a, "id", None) for a in first.value.args] == ["PDL"])
-            assert ok, f"{path.name}:{first.lineno}: {name} is launched with PDL but does not call pdl_begin(PDL) first"
+            assert _waits_first(kernels[name]), \
+                f"{path.name}:{kernels[name].lineno}: {name} is launched with PDL but does not wait first (pdl_begin)"
             params = [a.arg for a in kernels[name].args.args]
             assert "PDL" in params, f"{path.name}: {name} has no PDL constexpr for launch_kw to set"
             checked.append(name)
@@ -51,13 +56,14 @@ def test_every_pdl_launch_waits_first():
 
 
 def test_the_check_catches_a_missing_wait():
-    src = ("@triton.jit\ndef k(x):\n    '''doc'''\n    y = tl.load(x)\n    pdl_begin()\n\n"
-           "def launch(x):\n    k[(1,)](x, **launch_kw())\n")
-    tree = ast.parse(src)
+    """The predicate the contract test uses: a wait after a load, or one without the PDL constexpr, fails."""
+    late = ('@triton.jit\ndef k(x, PDL: tl.constexpr = False):\n    """doc"""\n    y = tl.load(x)\n'
+            '    pdl_begin(PDL)\n\ndef launch(x):\n    k[(1,)](x, **launch_kw(x.device))\n')
+    tree = ast.parse(late)
     assert _pdl_launches(tree) == {"k"}
-    first = _first_statement(tree.body[0])
-    assert not (isinstance(first, ast.Expr) and getattr(getattr(first, "value", None), "func", None) is not None
-                and getattr(first.value.func, "id", "") == "pdl_begin")
+    assert not _waits_first(tree.body[0])
+    assert not _waits_first(ast.parse("def k(x):\n    pdl_begin()\n").body[0])
+    assert _waits_first(ast.parse('def k(x, PDL):\n    """doc"""\n    pdl_begin(PDL)\n    y = 1\n').body[0])
 
 
 def test_enabled_only_on_sm90_cuda(monkeypatch):
