@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from kie_moe.kccl.sync import signal, wait
+from kie_moe.kernels.monokernel.prefetch import prefetch_rows
 from kie_moe.kernels.monokernel.stream import stream_gemv, stream_glu, tile
 from kie_moe.kernels.tiles import _glu, _rstd, _tile
 
@@ -30,14 +31,29 @@ from kie_moe.kernels.tiles import _glu, _rstd, _tile
 @triton.jit
 def _glu_probe(wg, wu, s_ptr, f_ptr, x_ptr, nw_ptr, h_ptr, n_iter, ROWS: tl.constexpr, K: tl.constexpr,
                FMT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, XB: tl.constexpr, NS: tl.constexpr,
-               ctr_ptr=None, PHASED: tl.constexpr = False, USE_ASM: tl.constexpr = False, NT: tl.constexpr = 256):
+               ctr_ptr=None, PHASED: tl.constexpr = False, USE_ASM: tl.constexpr = False, NT: tl.constexpr = 256,
+               HOT: tl.constexpr = False, PF: tl.constexpr = False):
     """Task (it, pid): rows [task * ROWS, +ROWS) of a gate / up pair (an expert's slice: expert_gate_up).
     PHASED: iteration `it` is a phase, as in the monokernel: a program loads its task's first tiles, waits until
-    every program finished phase it - 1 (kccl.sync on one counter), streams, signals."""
+    every program finished phase it - 1 (kccl.sync on one counter), streams, signals.
+    HOT: every iteration re-reads the program's first task (L2-resident after the first: the loop's own rate
+    when its weights come from L2). PF: the next task's rows are bulk-prefetched into L2 before this task runs
+    (the monokernel's prefetch-before-wait, one task ahead)."""
     pid = tl.program_id(0)
     n_prog = tl.num_programs(0)
+    nr = pid * 0 + ROWS   # a tensor row count, as the monokernel's
+    if PF:
+        prefetch_rows(wg, pid * ROWS, nr, K, FMT, True)
+        prefetch_rows(wu, pid * ROWS, nr, K, FMT, True)
     for it in range(n_iter):
-        r0 = (it * n_prog + pid) * ROWS
+        if HOT:
+            r0 = pid * ROWS
+        else:
+            r0 = (it * n_prog + pid) * ROWS
+        if PF:
+            if it + 1 < n_iter:
+                prefetch_rows(wg, r0 + n_prog * ROWS, nr, K, FMT, True)
+                prefetch_rows(wu, r0 + n_prog * ROWS, nr, K, FMT, True)
         g0, gs0 = tile(wg, s_ptr, K, r0, r0 + ROWS, 0, 1, FMT, BN, BK)
         u0, us0 = tile(wu, s_ptr, K, r0, r0 + ROWS, 0, 1, FMT, BN, BK)
         if PHASED:
@@ -63,7 +79,8 @@ def _gemv_probe(w, s_ptr, f_ptr, x_ptr, nw_ptr, y_ptr, n_iter, ROWS: tl.constexp
 
 @triton.jit
 def _tile_glu_probe(wg, wu, s_ptr, f_ptr, x_ptr, nw_ptr, h_ptr, n_iter, ROWS: tl.constexpr, K: tl.constexpr,
-                    FMT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PIPE: tl.constexpr):
+                    FMT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PIPE: tl.constexpr,
+                    HOT: tl.constexpr = False):
     """The same tasks through the graph backend's tile loop (kernels/tiles.py `_tile`, what `_glu_kernel` runs per
     program) instead of the monokernel's stream_glu: per BN-row chunk the gate rows over all of K, then the up rows,
     x read as a broadcast tile in the weights' layout, one reduction per chunk. fp8 rows' scales: f_ptr. Float and
@@ -72,7 +89,10 @@ def _tile_glu_probe(wg, wu, s_ptr, f_ptr, x_ptr, nw_ptr, h_ptr, n_iter, ROWS: tl
     n_prog = tl.num_programs(0)
     r = _rstd(x_ptr, K, 1e-6, 1024)
     for it in range(n_iter):
-        r0 = (it * n_prog + pid) * ROWS
+        if HOT:   # as _glu_probe's HOT
+            r0 = pid * ROWS
+        else:
+            r0 = (it * n_prog + pid) * ROWS
         for c in range(0, ROWS, BN):
             n0 = r0 + c
             g = _tile(FMT, wg, K, f_ptr, 1, 0, f_ptr, x_ptr, nw_ptr, 0, n0, r0 + ROWS, 0, K, True, BN, BK, PIPE)
@@ -82,13 +102,17 @@ def _tile_glu_probe(wg, wu, s_ptr, f_ptr, x_ptr, nw_ptr, h_ptr, n_iter, ROWS: tl
 
 
 @triton.jit
-def _copy_probe(w, out_ptr, n_iter, TASK: tl.constexpr, BLOCK: tl.constexpr, NS: tl.constexpr):
+def _copy_probe(w, out_ptr, n_iter, TASK: tl.constexpr, BLOCK: tl.constexpr, NS: tl.constexpr,
+                HOT: tl.constexpr = False):
     """Task (it, pid): TASK int32 words read in [BLOCK] steps through a pipelined loop, summed (kept alive)."""
     pid = tl.program_id(0)
     n_prog = tl.num_programs(0)
     acc = tl.zeros((BLOCK,), dtype=tl.int32)
     for it in range(n_iter):
-        base = (it * n_prog + pid).to(tl.int64) * TASK
+        if HOT:
+            base = pid.to(tl.int64) * TASK
+        else:
+            base = (it * n_prog + pid).to(tl.int64) * TASK
         for k in tl.range(0, TASK, BLOCK, num_stages=NS):
             acc += tl.load(w + base + k + tl.arange(0, BLOCK))
     tl.store(out_ptr + pid * BLOCK + tl.arange(0, BLOCK), acc)
@@ -104,13 +128,17 @@ def run_point(kind: str, fmt: int, rows: int, k: int, bn: int, bk: int, xb: int,
     import torch
     import triton.testing as tt
     dev = "cuda"
+    # "-hot": every iteration re-reads the program's first task (from L2); "-pf": the next task is bulk-prefetched
+    # into L2 before the current one runs (glu only). gbps then counts bytes the loop consumed, not HBM traffic.
+    kind, _, mode = kind.partition("-")
+    hot, pf = mode == "hot", mode == "pf"
     n_prog = n_sms * per_sm
     r_total = n_prog * n_iter * rows
     if kind == "copy":
         words = rows * k // 4   # rows x k bytes per task, as int32 words
         w = torch.randint(0, 100, (n_prog * n_iter * words,), dtype=torch.int32, device=dev)
         out = torch.empty(n_prog * bk, dtype=torch.int32, device=dev)
-        fn = lambda: _copy_probe[(n_prog,)](w, out, n_iter, words, bk // 4, ns, num_warps=warps)  # noqa: E731
+        fn = lambda: _copy_probe[(n_prog,)](w, out, n_iter, words, bk // 4, ns, hot, num_warps=warps)  # noqa: E731
         nbytes = w.numel() * 4
     else:
         n_mats = 1 if kind == "gemv" else 2
@@ -136,12 +164,14 @@ def run_point(kind: str, fmt: int, rows: int, k: int, bn: int, bk: int, xb: int,
         ctr = torch.zeros(2, dtype=torch.int32, device=dev)
         if kind == "phased":   # one task per program per phase, phases chained by a counter
             extra, opts["launch_cooperative_grid"] = (ctr, True, True, 32 * warps), True
+        elif hot or pf:
+            extra = (ctr, False, False, 32 * warps, hot, pf)
 
         def fn():
             if extra:
                 ctr.zero_()
             if kind == "tileglu":   # ns: the tile's PIPE (prefetch one K step); xb unused
-                kern[(n_prog,)](*mats, s, f, x, nw, h, n_iter, rows, k, fmt, bn, bk, bool(ns), **opts)
+                kern[(n_prog,)](*mats, s, f, x, nw, h, n_iter, rows, k, fmt, bn, bk, bool(ns), hot, **opts)
             else:
                 kern[(n_prog,)](*mats, s, f, x, nw, h, n_iter, rows, k, fmt, bn, bk, xb, ns, *extra, **opts)
         nbytes = n_mats * r_total * per_row
@@ -192,6 +222,16 @@ POINTS = [
     ("tileglu", 1, 48, 2048, 16, 512, 0, 0, 4, 2), ("tileglu", 1, 48, 2048, 16, 512, 0, 0, 4, 4),
     ("tileglu", 1, 48, 2048, 8, 512, 0, 0, 4, 1), ("tileglu", 0, 48, 2048, 8, 512, 0, 1, 4, 1),
     ("tileglu", 0, 48, 2048, 8, 512, 0, 1, 4, 2),
+    # session 7: the same loops with their weights in L2 (-hot) or bulk-prefetched one task ahead (-pf): is the
+    # monokernel's loop slow because of HBM latency (then prefetch fixes it) or in itself (then -hot is slow too)?
+    ("copy-hot", 1, 96, 2048, 0, 16384, 0, 3, 8, 1),
+    ("glu-hot", 1, 48, 2048, 8, 1024, 0, 3, 8, 1), ("glu-hot", 1, 48, 2048, 16, 512, 1, 0, 8, 1),
+    ("glu-hot", 1, 48, 2048, 16, 1024, 0, 3, 8, 1), ("glu-hot", 0, 48, 2048, 8, 1024, 0, 3, 8, 1),
+    ("glu-hot", 1, 48, 2048, 8, 1024, 0, 3, 4, 4),
+    ("tileglu-hot", 1, 48, 2048, 16, 512, 0, 0, 4, 1), ("tileglu-hot", 1, 48, 2048, 16, 512, 0, 0, 8, 1),
+    ("tileglu-hot", 1, 48, 2048, 16, 512, 0, 1, 8, 1),
+    ("glu-pf", 1, 48, 2048, 8, 1024, 0, 3, 8, 1), ("glu-pf", 1, 48, 2048, 16, 512, 1, 0, 8, 1),
+    ("glu-pf", 0, 48, 2048, 8, 1024, 0, 3, 8, 1),
 ]
 KEYS = ("kind", "fmt", "rows", "k", "bn", "bk", "xb", "ns", "warps", "per_sm")
 
