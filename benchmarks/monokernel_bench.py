@@ -154,6 +154,8 @@ def main(argv=None):
     ap.add_argument("--max-task-kb", type=int, default=None,
                     help="largest task in KB (more tasks per phase below; default: the plan's: 128, 512 for lanes and "
                          "fp4)")
+    ap.add_argument("--x-bcast", action="store_true", help="x as a broadcast tile in the weights' layout (XB 1: "
+                    "no per-step layout conversion or barrier; needs BK x BN fp32 registers)")
     ap.add_argument("--trace", type=int, default=0, metavar="STEPS",
                     help="also run STEPS time-stamped decode steps and print where a step's time goes per op "
                          "(critical path, wait / work per task: kernels/monokernel/trace.py)")
@@ -169,7 +171,8 @@ def main(argv=None):
     print(json.dumps(res), flush=True)
     kw = dict(new_tokens=a.new_tokens, prompt_len=a.prompt_len, reps=a.reps, layers=a.layers, trace_steps=a.trace,
               programs_per_sm=a.programs_per_sm, maxnreg=a.maxnreg, num_warps=a.num_warps, num_stages=a.num_stages,
-              block_k=a.block_k, block_t=a.block_t, tile_elems=a.tile_elems, max_task_kb=a.max_task_kb)
+              block_k=a.block_k, block_t=a.block_t, tile_elems=a.tile_elems, max_task_kb=a.max_task_kb,
+              x_bcast=a.x_bcast)
     archs = [x for x in a.archs.split(",") if x]
     fmts = [f for f in a.formats.split(",") if f]
     # the breakdown (two more compiles) for the first format only: the gpu-check stage has 300 s
