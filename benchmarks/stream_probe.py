@@ -32,7 +32,7 @@ from kie_moe.kernels.tiles import _glu, _rstd, _tile
 def _glu_probe(wg, wu, s_ptr, f_ptr, x_ptr, nw_ptr, h_ptr, n_iter, ROWS: tl.constexpr, K: tl.constexpr,
                FMT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, XB: tl.constexpr, NS: tl.constexpr,
                ctr_ptr=None, PHASED: tl.constexpr = False, USE_ASM: tl.constexpr = False, NT: tl.constexpr = 256,
-               HOT: tl.constexpr = False, PF: tl.constexpr = False, AHEAD: tl.constexpr = 1):
+               HOT: tl.constexpr = False, PF: tl.constexpr = False):
     """Task (it, pid): rows [task * ROWS, +ROWS) of a gate / up pair (an expert's slice: expert_gate_up).
     PHASED: iteration `it` is a phase, as in the monokernel: a program loads its task's first tiles, waits until
     every program finished phase it - 1 (kccl.sync on one counter), streams, signals.
@@ -59,7 +59,7 @@ def _glu_probe(wg, wu, s_ptr, f_ptr, x_ptr, nw_ptr, h_ptr, n_iter, ROWS: tl.cons
         if PHASED:
             wait(ctr_ptr, it * n_prog, ctr_ptr + 1, 2_000_000_000, USE_ASM, False, NT)
         stream_glu(wg, wu, s_ptr, s_ptr, f_ptr, f_ptr, g0, u0, gs0, us0, K, r0, r0 + ROWS, x_ptr, nw_ptr, 1e-6,
-                   f_ptr, f_ptr, h_ptr, 0.0, 0.0, False, 0, FMT, BN, BK, XB, NS, AHEAD)
+                   f_ptr, f_ptr, h_ptr, 0.0, 0.0, False, 0, FMT, BN, BK, XB, NS)
         if PHASED:
             signal(ctr_ptr, 1, USE_ASM)
 
@@ -130,9 +130,8 @@ def run_point(kind: str, fmt: int, rows: int, k: int, bn: int, bk: int, xb: int,
     dev = "cuda"
     # "-hot": every iteration re-reads the program's first task (from L2); "-pf": the next task is bulk-prefetched
     # into L2 before the current one runs (glu only). gbps then counts bytes the loop consumed, not HBM traffic.
-    # "-a2": stream_glu with AHEAD 2 (two tiles in flight beyond the current one)
-    kind, *modes = kind.split("-")
-    hot, pf, ahead = "hot" in modes, "pf" in modes, 2 if "a2" in modes else 1
+    kind, _, mode = kind.partition("-")
+    hot, pf = mode == "hot", mode == "pf"
     n_prog = n_sms * per_sm
     r_total = n_prog * n_iter * rows
     if kind == "copy":
@@ -165,8 +164,8 @@ def run_point(kind: str, fmt: int, rows: int, k: int, bn: int, bk: int, xb: int,
         ctr = torch.zeros(2, dtype=torch.int32, device=dev)
         if kind == "phased":   # one task per program per phase, phases chained by a counter
             extra, opts["launch_cooperative_grid"] = (ctr, True, True, 32 * warps), True
-        elif hot or pf or ahead > 1:
-            extra = (ctr, False, False, 32 * warps, hot, pf, ahead)
+        elif hot or pf:
+            extra = (ctr, False, False, 32 * warps, hot, pf)
 
         def fn():
             if extra:
@@ -233,12 +232,7 @@ POINTS = [
     ("tileglu-hot", 1, 48, 2048, 16, 512, 0, 1, 8, 1),
     ("glu-pf", 1, 48, 2048, 8, 1024, 0, 3, 8, 1), ("glu-pf", 1, 48, 2048, 16, 512, 1, 0, 8, 1),
     ("glu-pf", 0, 48, 2048, 8, 1024, 0, 3, 8, 1),
-    # two tiles in flight beyond the current one (register pipeline AHEAD 2), from L2 and from HBM
-    ("glu-hot-a2", 1, 48, 2048, 8, 1024, 0, 0, 8, 1), ("glu-hot-a2", 1, 48, 2048, 16, 512, 1, 0, 8, 1),
-    ("glu-hot-a2", 1, 48, 2048, 8, 512, 1, 0, 8, 1), ("glu-hot", 1, 48, 2048, 8, 512, 1, 0, 8, 1),
-    ("glu-a2", 1, 48, 2048, 8, 1024, 0, 0, 8, 1), ("glu-a2", 1, 48, 2048, 16, 512, 1, 0, 8, 1),
-    ("glu-a2", 1, 48, 2048, 8, 512, 1, 0, 8, 1), ("glu", 1, 48, 2048, 8, 512, 1, 0, 8, 1),
-    ("glu-hot-a2", 0, 48, 2048, 8, 1024, 0, 0, 8, 1), ("glu-a2", 0, 48, 2048, 8, 1024, 0, 0, 8, 1),
+    ("glu-hot", 1, 48, 2048, 8, 512, 1, 0, 8, 1), ("glu", 1, 48, 2048, 8, 512, 1, 0, 8, 1),
 ]
 KEYS = ("kind", "fmt", "rows", "k", "bn", "bk", "xb", "ns", "warps", "per_sm")
 

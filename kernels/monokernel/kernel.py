@@ -40,7 +40,7 @@ from kie_moe.kccl.sync import (clock64, flag_is_set, globaltimer, put_span, read
 from . import plan as P
 from .lane_ops import lane_final_mean, lane_final_reduce, lane_out_tile, lane_reduce, lane_sum, stream_lane_out
 from .mla import mla_absorb_task, mla_attention_task, mla_vup_task
-from .prefetch import l2_prefetch, prefetch_rows
+from .prefetch import prefetch_rows
 from .ops import attention_task, embed_row, kv_split_range, pick_token, route, vec_dot_norm
 from .stream import stream_expert_down, stream_gemv, stream_glu, tile
 
@@ -343,12 +343,6 @@ def monokernel(
             k_head = kv_ptr + (layer * 2 * HKV + r0).to(tl.int64) * kv_tmax * DH  # cache [L, 2, HKV, T_max, DH]
             v_head = k_head + HKV * kv_tmax * DH
             kv_lo, kv_hi = kv_split_range(pos, tl.load(lrow + P.LF_WINDOW).to(tl.int32), n_splits, nr)
-            KVB: tl.constexpr = kv_ptr.dtype.element_ty.primitive_bitwidth // 8
-            if (MLA == 0) & (DH * KVB % 16 == 0):   # this split's cached K and V rows (earlier steps wrote them)
-                # into L2 before the wait (bulk prefetch: 16-byte aligned rows)
-                n_kv = tl.maximum(kv_hi - kv_lo, 0) * DH
-                l2_prefetch(k_head + kv_lo * DH, n_kv, KVB, USE_ASM)
-                l2_prefetch(v_head + kv_lo * DH, n_kv, KVB, USE_ASM)
             t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
             st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE, tr, trace_on)
             if MLA == 0:   # (an MLA model never has these tasks: do not compile them)

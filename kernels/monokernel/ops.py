@@ -170,7 +170,7 @@ def attention_task(g, sp, n_splits, pos, lo, hi, qkv_ptr, k_cache, v_cache, cos_
                    BLOCK_T: tl.constexpr, BLOCK_X: tl.constexpr, BLOCK_QG: tl.constexpr, NT: tl.constexpr,
                    STAMP: tl.constexpr = False):
     """One kv head `g`, split `sp` of `n_splits`: its REP query heads against cached keys [lo, hi), this split's
-    share of the visible window (kv_split_range, computed once by the caller, which also prefetched those rows);
+    share of the visible window (kv_split_range, computed once by the caller);
     split 0 also takes the current token (and appends its k, v to the cache at
     `pos`). Writes unnormalised partials: m [REP], l [REP], o [REP, DH] at split `sp`; the last of the head's
     splits to finish (acnt_ptr: this layer's and head's counter, zeroed per launch, + n_splits per step) combines

@@ -162,10 +162,9 @@ def stream_gemv(w_ptr, s_ptr, f_ptr, w_first, s_first, K: tl.constexpr, row0, r_
 def stream_glu(wg_ptr, wu_ptr, sg_ptr, su_ptr, fg_ptr, fu_ptr, g_first, u_first, sg_first, su_first,
                K: tl.constexpr, row0, r_end, x_ptr, nw_ptr, eps, bg_ptr, bu_ptr, h_ptr, limit, alpha,
                HAS_BIAS: tl.constexpr, ACT: tl.constexpr, FMT: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_K: tl.constexpr, XB: tl.constexpr, NS: tl.constexpr = 0, AHEAD: tl.constexpr = 1):
+               BLOCK_K: tl.constexpr, XB: tl.constexpr, NS: tl.constexpr = 0):
     """h[r] = glu(Wg[r] . xn (+ bg[r]), Wu[r] . xn (+ bu[r])), xn = RMSNorm(x; nw): gate and up rows of a tile
-    stream side by side and share each x chunk. AHEAD (NS 0): tiles in flight in registers beyond the current one
-    (2: tile i + 2 is issued during tile i, twice the bytes in flight per program, 2x the weight registers)."""
+    stream side by side and share each x chunk."""
     NK: tl.constexpr = (K + BLOCK_K - 1) // BLOCK_K + (K == 0)
     VEC: tl.constexpr = min(BLOCK_K, 128 // wg_ptr.dtype.element_ty.primitive_bitwidth)
     offs_n = tl.arange(0, BLOCK_N)
@@ -179,16 +178,10 @@ def stream_glu(wg_ptr, wu_ptr, sg_ptr, su_ptr, fg_ptr, fu_ptr, g_first, u_first,
     u_cur = u_first
     sg_cur = sg_first
     su_cur = su_first
-    if AHEAD == 2:
-        g_n1, sg_n1 = tile(wg_ptr, sg_ptr, K, row0, r_end, 1, n, FMT, BLOCK_N, BLOCK_K)
-        u_n1, su_n1 = tile(wu_ptr, su_ptr, K, row0, r_end, 1, n, FMT, BLOCK_N, BLOCK_K)
     for i in tl.range(0, n, num_stages=max(NS, 1)):
         if NS > 0:
             g_cur, sg_cur = tile(wg_ptr, sg_ptr, K, row0, r_end, i, n, FMT, BLOCK_N, BLOCK_K)
             u_cur, su_cur = tile(wu_ptr, su_ptr, K, row0, r_end, i, n, FMT, BLOCK_N, BLOCK_K)
-        elif AHEAD == 2:
-            g_nxt, sg_nxt = tile(wg_ptr, sg_ptr, K, row0, r_end, i + 2, n, FMT, BLOCK_N, BLOCK_K)
-            u_nxt, su_nxt = tile(wu_ptr, su_ptr, K, row0, r_end, i + 2, n, FMT, BLOCK_N, BLOCK_K)
         else:
             g_nxt, sg_nxt = tile(wg_ptr, sg_ptr, K, row0, r_end, i + 1, n, FMT, BLOCK_N, BLOCK_K)
             u_nxt, su_nxt = tile(wu_ptr, su_ptr, K, row0, r_end, i + 1, n, FMT, BLOCK_N, BLOCK_K)
@@ -220,14 +213,10 @@ def stream_glu(wg_ptr, wu_ptr, sg_ptr, su_ptr, fg_ptr, fu_ptr, g_first, u_first,
             acc_g = qzeros(FMT, BLOCK_N, BLOCK_K, VEC, XB)
             acc_u = qzeros(FMT, BLOCK_N, BLOCK_K, VEC, XB)
         if NS == 0:
-            if AHEAD == 2:
-                g_cur, u_cur, sg_cur, su_cur = g_n1, u_n1, sg_n1, su_n1
-                g_n1, u_n1, sg_n1, su_n1 = g_nxt, u_nxt, sg_nxt, su_nxt
-            else:
-                g_cur = g_nxt
-                u_cur = u_nxt
-                sg_cur = sg_nxt
-                su_cur = su_nxt
+            g_cur = g_nxt
+            u_cur = u_nxt
+            sg_cur = sg_nxt
+            su_cur = su_nxt
 
 
 @triton.jit
