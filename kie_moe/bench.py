@@ -127,7 +127,9 @@ def bench_row(src: Source, backend: str, device: torch.device, probe: dict, *, p
               context_fill: str = "auto", seed: int = 0, be=None) -> dict:
     """One measured row. `be`: an already built backend (preview's fallback); else `backend` is built here."""
     spec = src.model.spec
-    name = pick_backend(backend, device, src.scheme) if be is None else be.name
+    # "auto" is resolved when the backend is built (engine.make_backend: a backend that does not support this
+    # model hands over to the next one, and says so in the row's backend_note)
+    name = backend if be is None else be.name
     n_prompt = context_len if context_len else prompt_len
     if n_prompt < 1:
         raise InputError(f"--prompt-len / --context-len must be at least 1, got {n_prompt}")
@@ -149,12 +151,13 @@ def bench_row(src: Source, backend: str, device: torch.device, probe: dict, *, p
 
     wdt, kvdt = working_dtypes(be)
     streams = be.name in STREAMS_CODES or bool(getattr(be, "streams_quantized", False))
-    note = ""
+    note = getattr(be, "auto_note", "")
     scheme_of = src.scheme_of
     if src.scheme != "bf16" and not streams:
         scheme_of = lambda n: "bf16"          # noqa: E731  (dequantized at load: float bytes are what it reads)
-        note = (f"{be.name} dequantizes {src.scheme} weights to {str(wdt).replace('torch.', '')} at load: "
-                f"{src.scheme} quality, float bytes")
+        note = (note + "; " if note else "") + (
+            f"{be.name} dequantizes {src.scheme} weights to {str(wdt).replace('torch.', '')} at load: "
+            f"{src.scheme} quality, float bytes")
     b = R.weight_bytes(spec, scheme_of, wdt.itemsize)
     b.kv = R.kv_bytes_mean(spec, n_prompt, new_tokens - 1, kvdt.itemsize)
     total = b.total

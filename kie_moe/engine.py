@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Iterator
@@ -72,11 +73,34 @@ def _importable(name: str) -> bool:
 
 
 def make_backend(name: str, model, device: torch.device):
-    if name == "auto":
-        for cand in AUTO_ORDER[device.type]:
-            if _importable(cand):
-                name = cand
-                break
+    """Build backend `name` for `model`. "auto" takes AUTO_ORDER's first importable backend that supports the
+    model: a backend that raises NotImplementedError while it builds (the monokernel planner's "not supported
+    yet", e.g. one Linear kind mixing float and quantized weights) hands over to the next one, with a warning on
+    stderr and the reason kept on the backend (`auto_note`), as a user of --backend auto would expect."""
+    if name != "auto":
+        return _build(name, model, device)
+    cands = [c for c in AUTO_ORDER[device.type] if _importable(c)]
+    skipped = []
+    for i, cand in enumerate(cands):
+        try:
+            be = _build(cand, model, device)
+        except NotImplementedError as e:
+            if i == len(cands) - 1:
+                raise
+            skipped.append(f"{cand}: {e}")
+            print(f"kie: backend auto: {cand} does not support this model ({e}); trying {cands[i + 1]}",
+                  file=sys.stderr, flush=True)
+            continue
+        if skipped:
+            try:
+                be.auto_note = "auto skipped " + "; ".join(skipped)
+            except AttributeError:   # a backend with __slots__: the warning above is all there is
+                pass
+        return be
+    raise InputError(f"backend auto: no backend is available for device {device.type}")
+
+
+def _build(name: str, model, device: torch.device):
     if name not in BACKENDS:
         raise InputError(f"unknown backend {name!r} (choose from auto, {', '.join(BACKENDS)})")
     if not _importable(name):

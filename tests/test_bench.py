@@ -326,3 +326,25 @@ def test_a_git_archive_export_names_its_commit(tmp_path):
     assert R.archive_commit(str(tmp_path / "x" / "kie_moe")) == head.stdout.strip()[:12]
     assert R.archive_commit(os.path.dirname(R.__file__)) is None          # a checkout: rev-parse answers instead
     assert R.archive_commit(str(tmp_path)) is None                        # no file at all
+
+
+def test_auto_backend_moves_past_a_model_the_monokernel_does_not_support(monkeypatch, capsys):
+    # tiny qwen3-30b-a3b in nvfp4: the experts' down_proj (in = 24, not a multiple of 16) stays float, so the
+    # expert Linears mix formats, which the monokernel planner refuses (the embedded demo model's fp8-block
+    # conversion on the H200 hit this). --backend monokernel says so; auto takes the next backend and says why.
+    from kie_moe import engine
+    from kie_moe.synthetic import open_model
+    cpu = torch.device("cpu")
+    monkeypatch.setitem(engine.AUTO_ORDER, "cpu", ("monokernel", "reference"))   # the CUDA order, runnable here
+    src = open_model("qwen3-30b-a3b", cpu, scheme="nvfp4", tiny=True)
+    with pytest.raises(NotImplementedError, match="mix formats"):
+        engine.make_backend("monokernel", src.model, cpu)
+    be = engine.make_backend("auto", src.model, cpu)
+    assert be.name == "reference"
+    assert be.auto_note.startswith("auto skipped monokernel: ") and "mix formats" in be.auto_note
+    assert "backend auto: monokernel does not support this model" in capsys.readouterr().err
+    row = B.bench_row(src, "auto", cpu, {"gbps": 1.0}, prompt_len=4, new_tokens=3, runs=1)
+    assert row["backend"] == "reference" and row["backend_note"].startswith("auto skipped monokernel")
+    # a model it supports still gets the monokernel first
+    ok = open_model("qwen3-30b-a3b", cpu, tiny=True)
+    assert engine.make_backend("auto", ok.model, cpu).name == "monokernel"
