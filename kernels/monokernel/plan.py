@@ -765,6 +765,29 @@ def build_tasks(plan: Plan, n_splits: int = 1) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.int32)
 
 
+def split_tasks(base: torch.Tensor, n_splits: int) -> torch.Tensor:
+    """build_tasks(plan, n_splits) from build_tasks(plan, 1), without the Python builder: it takes ~0.2 s for
+    qwen3's 37 K tasks and ran at the first launch of every new attention split count (a request that reaches a
+    longer context paid it in its latency). Every attention task (OP_ATTN: split in F_NROWS; OP_MLA_ATTN: split in
+    F_AUX) becomes n_splits copies, splits 0..n_splits-1 in place, and the tasks that wait on a layer's attention
+    counter (o_proj; MLA's v-up) need n_splits times its signals. Dense, MoE, MLA and tensor-parallel tables; the
+    Laneformer's (lanes.py) are built by its own builder. tests/monokernel/test_plan.py: equal to build_tasks."""
+    if n_splits == 1:
+        return base
+    op = base[:, F_OP]
+    rep = torch.where((op == OP_ATTN) | (op == OP_MLA_ATTN), n_splits, 1)
+    t = base.repeat_interleave(rep, dim=0)
+    first = (torch.cumsum(rep, 0) - rep).repeat_interleave(rep)     # row of each copy's first copy
+    k = (torch.arange(t.shape[0]) - first).to(t.dtype)              # split index of each copy
+    op = t[:, F_OP]
+    t[:, F_NROWS] = torch.where(op == OP_ATTN, k, t[:, F_NROWS])
+    t[:, F_AUX] = torch.where(op == OP_MLA_ATTN, k, t[:, F_AUX])
+    on_attn = ((op == OP_O) | (op == OP_VUP)) & (t[:, F_WAIT] % NC == _C_ATTN)
+    for f in (F_WCNT, F_WBASE):
+        t[:, f] = torch.where(on_attn, t[:, f] * n_splits, t[:, f])
+    return t
+
+
 def describe_task(tasks: torch.Tensor, i: int) -> str:
     """'o_proj layer 3 rows 16..31' -- for watchdog errors."""
     op, layer, r0, n, aux = (int(v) for v in tasks[i, :5])

@@ -114,6 +114,7 @@ class MonokernelBackend:
         self.n_splits_override: int | None = None   # tests: force attention splits
         self._plant: tuple[int, int] | None = None  # tests: (task row, extra count) for the next launch only
         self._tasks: dict[int, torch.Tensor] = {}
+        self._tasks1_host: torch.Tensor | None = None   # the one-split table, host copy: split_tasks' template
         self._prefill_decoder = None
         self._prefiller = None
         self.kv_tmax = 0
@@ -182,8 +183,17 @@ class MonokernelBackend:
 
     def tasks(self, n_splits: int) -> torch.Tensor:
         if n_splits not in self._tasks:
-            self._tasks[n_splits] = P.build_tasks(self.plan, n_splits).to(self.device)
+            if self.dims.LANES:
+                t = P.build_tasks(self.plan, n_splits)
+            else:   # the one-split table with its attention tasks copied (milliseconds, not the builder's ~0.2 s)
+                t = P.split_tasks(self._host_tasks1(), n_splits)
+            self._tasks[n_splits] = t.to(self.device)
         return self._tasks[n_splits]
+
+    def _host_tasks1(self) -> torch.Tensor:
+        if self._tasks1_host is None:
+            self._tasks1_host = P.build_tasks(self.plan, 1)
+        return self._tasks1_host
 
     def pick_splits(self, n_ctx: int) -> int:
         """Attention splits for a context: ~32 KB of K+V per split task, at most one wave of programs."""

@@ -76,3 +76,25 @@ def test_gpu_launch_shape_fits_an_sm(arch, want):
 def test_launch_maxnreg():
     assert P.launch_maxnreg(1, 8) is None and P.launch_maxnreg(2, 4) is None   # ptxas' 255 fits
     assert P.launch_maxnreg(4, 4) == 128 and P.launch_maxnreg(2, 8) == 128 and P.launch_maxnreg(3, 4) == 168
+
+
+@pytest.mark.parametrize("case", ["llama", "qwen3", "qwen3_moe_mixed", "qwen2_moe", "gpt_oss", "mixtral_window",
+                                  "deepseek_v2", "deepseek_v3"])
+def test_split_tasks_equals_the_builder(case):
+    # the runtime derives every split count's table from the one-split table (plan.split_tasks): it must be the
+    # table build_tasks makes for that count, row for row, dense / MoE / MLA alike
+    plan = P.build_plan(tiny_spec(case), None, "cpu", n_sms=5, random_seed=0)
+    base = P.build_tasks(plan, 1)
+    assert P.split_tasks(base, 1) is base
+    for n in (2, 3, 7):
+        assert torch.equal(P.split_tasks(base, n), P.build_tasks(plan, n)), n
+
+
+def test_split_tasks_equals_the_builder_tensor_parallel(tiny_model):
+    from kie_moe.kernels.monokernel.shard import shard
+    m = tiny_model("qwen3_moe_mixed")
+    rspec, store = shard(m.spec, m.weights, 1, 2)
+    plan = P.build_plan(rspec, store, "cpu", tp=(1, 2), n_sms=3)
+    base = P.build_tasks(plan, 1)
+    for n in (2, 5):
+        assert torch.equal(P.split_tasks(base, n), P.build_tasks(plan, n)), n
