@@ -436,7 +436,8 @@ def detect_formats(spec: ModelSpec, names, quantized) -> dict:
     for k, schemes in by_kind.items():
         if len(schemes) > 1:
             raise NotImplementedError(f"monokernel: {k} Linears mix formats {sorted(map(str, schemes))}; one "
-                                      "format per kind (attention / dense MLP / experts) is supported")
+                                      "format per kind (attention / dense MLP / experts) is supported (the graph "
+                                      "backend takes this model: --backend graph, or auto, which moves on to it)")
         sch = next(iter(schemes))
         out[k] = 0 if sch is None else FMT_ID[sch]
     quant = {f for f in out.values() if f}
