@@ -58,17 +58,6 @@ def prompt_ids(vocab: int, n: int, seed: int = 0) -> list[int]:
     return torch.randint(0, vocab, (n,), generator=g).tolist()
 
 
-def pick_backend(name: str, device: torch.device, scheme: str) -> str:
-    """auto: the engine's order, except that a quantized scheme on CUDA goes to the backend that streams codes."""
-    if name != "auto":
-        return name
-    from kie_moe.engine import AUTO_ORDER, _importable
-    order = AUTO_ORDER[device.type]
-    if device.type == "cuda" and scheme != "bf16":
-        order = tuple(sorted(order, key=lambda b: b not in STREAMS_CODES))
-    return next((b for b in order if _importable(b)), "reference")
-
-
 def build_backend(name: str, model, device: torch.device):
     from kie_moe.engine import make_backend
     try:

@@ -92,10 +92,7 @@ def make_backend(name: str, model, device: torch.device):
                   file=sys.stderr, flush=True)
             continue
         if skipped:
-            try:
-                be.auto_note = "auto skipped " + "; ".join(skipped)
-            except AttributeError:   # a backend with __slots__: the warning above is all there is
-                pass
+            be.auto_note = "auto skipped " + "; ".join(skipped)
         return be
     raise InputError(f"backend auto: no backend is available for device {device.type}")
 

@@ -242,12 +242,11 @@ def run(model: str, schemes: list[str], out_dir: str, *, text: str | None = None
     ref = window_logits(base.model, windows, dev, lazy, qdtype)
     bar.update()
     convert = converter() if ckpt else None
-    # the label: what auto prefers when any scheme is quantized; each row records the backend that ran it (auto
-    # moves to the next backend for a scheme the preferred one does not support, e.g. mixed formats in one kind)
-    label = B.pick_backend(backend, dev, next((s for s in schemes if s != "bf16"), "bf16"))
+    # each row records the backend that ran it (auto moves to the next backend for a scheme the preferred one does
+    # not support, e.g. mixed formats in one kind); the title names them, or the request until a row has run
     res.update(quality_data=data_label, quality_dtype=str(qdtype).removeprefix("torch."),
                converter="kie convert" if convert else ("in-memory quantization (kie convert is not in this build)" if ckpt else "in-memory quantization"),
-               backend=label, rows=[])
+               backend=backend, rows=[])
 
     for scheme in schemes:
         row = {"scheme": scheme}
@@ -281,7 +280,7 @@ def run(model: str, schemes: list[str], out_dir: str, *, text: str | None = None
             bar.write(f"kie sweep: {scheme}: {row['error']}", file=sys.stderr)
         res["rows"].append(row)
         ran = list(dict.fromkeys(r["backend"] for r in res["rows"] if r.get("backend")))
-        res["backend"] = " + ".join(ran) if ran else label     # the title names every backend a row ran on
+        res["backend"] = " + ".join(ran) if ran else backend
         # every row on disk as soon as it is measured: a sweep cut short (time limit, OOM) keeps what it has
         res["plot"] = plot(res, os.path.join(out_dir, PLOT_FILE))
         write_outputs(res, out_dir)
