@@ -18,7 +18,8 @@ the row records the signal and the log tail, and the run goes on). Per shape:
   order of --compile-modes (reduce-overhead, then default, then max-autotune-no-cudagraphs) until one child
   succeeds; the row says which mode produced the number and what happened to the ones before it.
 - hf static (not by default): the same StaticCache without compile (generate(disable_compile=True)).
-- ours (--ours graph): `kie bench ARCH --backend graph` (kie_moe.bench.run, bf16, same prompt and token counts).
+- ours (--ours graph): `kie bench ARCH --backend graph` (kie_moe.bench.run, bf16, same prompt and token counts);
+  --ours-schemes bf16,fp8 adds a row per scheme (the peers stay bf16).
 
 Timing, identical for peers and ours: one warm-up generation of the same shape, then --runs timed generations;
 tok/s = (tokens - 1) / (time of the last token - time of the first token), median (the first token is the
@@ -28,7 +29,8 @@ end-to-end tok/s (new tokens / whole call, the metric of DESIGN.md §6's earlier
 JSON: {"schema": "kie-peers/1", "meta": {...}, "rows": [...], "ratios": [...]}, written after every child. A row:
 arch, peer ("hf-transformers" | "kie"), mode (eager | static | compile | graph), compile_mode, tok_per_s,
 e2e_tok_per_s, ttft_s, runs, error / signal / log_tail, attempts (compile fallbacks). "ratios" joins each peer row
-with our graph backend's bf16 row of the same shape (this run's, else one from --join files): ours / peer.
+with our graph backend's row of the same shape in each scheme (bf16 always; this run's, else one from --join
+files): ours / peer.
 HF has no Laneformer model class (a custom family, dense/): its peer rows say so instead of a number.
 """
 from __future__ import annotations
@@ -171,11 +173,11 @@ def hf_peer(arch: str, mode: str, compile_mode: str | None, prompt_len: int, new
     return row
 
 
-def ours_row(arch: str, backend: str, prompt_len: int, new_tokens: int, runs: int) -> dict:
-    """Our backend through `kie bench` (kie_moe.bench.run): bf16 synthetic weights built on the device."""
+def ours_row(arch: str, backend: str, prompt_len: int, new_tokens: int, runs: int, scheme: str = "bf16") -> dict:
+    """Our backend through `kie bench` (kie_moe.bench.run): synthetic weights built on the device, in `scheme`."""
     from kie_moe.bench import run
-    res = run(arch, backend=backend, device="cuda", scheme="bf16", prompt_len=prompt_len, new_tokens=new_tokens,
-              runs=runs, argv=["bench", arch, "--backend", backend])
+    res = run(arch, backend=backend, device="cuda", scheme=scheme, prompt_len=prompt_len, new_tokens=new_tokens,
+              runs=runs, argv=["bench", arch, "--backend", backend, "--scheme", scheme])
     r = res["rows"][0]
     keep = ("tok_per_s", "tok_per_s_runs", "spread_pct", "ttft_s", "bytes_per_token", "achieved_gbps",
             "pct_roofline", "read_probe_gbps", "backend_note")
@@ -195,7 +197,8 @@ def child_main(spec: dict, result_path: str) -> int:
                           spec["new_tokens"], spec["runs"], spec.get("layers"), spec.get("device", "cuda"),
                           spec.get("tiny", False))
         else:
-            out = ours_row(spec["arch"], spec["backend"], spec["prompt_len"], spec["new_tokens"], spec["runs"])
+            out = ours_row(spec["arch"], spec["backend"], spec["prompt_len"], spec["new_tokens"], spec["runs"],
+                           spec.get("scheme", "bf16"))
     except BaseException as e:               # noqa: BLE001 -- the parent records whatever went wrong
         out = {"error": f"{type(e).__name__}: {e}"[:1500], "trace": traceback.format_exc()[-3000:]}
     tmp = result_path + ".tmp"
@@ -355,8 +358,10 @@ class Runner:
             if a.ours != "none" and a.layers:
                 print("--layers cuts the peers only: no 'ours' row (a ratio against a full model would be wrong)")
             elif a.ours != "none":
-                spec = dict(base, kind="ours", arch=arch, backend=a.ours)
-                self.add(dict(arch=arch, peer="kie", mode=a.ours, **self.child(spec, f"{arch}-kie-{a.ours}")))
+                for scheme in [s for s in a.ours_schemes.split(",") if s]:
+                    spec = dict(base, kind="ours", arch=arch, backend=a.ours, scheme=scheme)
+                    tag = f"{arch}-kie-{a.ours}" + ("" if scheme == "bf16" else f"-{scheme}")
+                    self.add(dict(arch=arch, peer="kie", mode=a.ours, scheme=scheme, **self.child(spec, tag)))
         extra = load_ours(a.join) if a.join else []
         self.res["ratios"] = ratios(self.res["rows"], extra)
         self.res["meta"]["seconds"] = round(time.time() - self.t0, 1)
@@ -383,11 +388,14 @@ def load_ours(paths: list[str]) -> list[dict]:
             if not isinstance(r, dict) or not r.get("tok_per_s"):
                 continue
             if r.get("peer") == "kie":
-                out.append(dict(arch=r["arch"], backend=r.get("mode"), tok_per_s=r["tok_per_s"], source=p))
+                out.append(dict(arch=r["arch"], backend=r.get("mode"), scheme=r.get("scheme", "bf16"),
+                                tok_per_s=r["tok_per_s"], source=p))
             elif "fmt" in r and r.get("fmt") == "bf16":
-                out.append(dict(arch=r["arch"], backend=r.get("backend"), tok_per_s=r["tok_per_s"], source=p))
+                out.append(dict(arch=r["arch"], backend=r.get("backend"), scheme="bf16", tok_per_s=r["tok_per_s"],
+                                source=p))
             elif r.get("scheme") == "bf16" and "model" in r and not r.get("context_len"):
-                out.append(dict(arch=r["model"], backend=r.get("backend"), tok_per_s=r["tok_per_s"], source=p))
+                out.append(dict(arch=r["model"], backend=r.get("backend"), scheme="bf16", tok_per_s=r["tok_per_s"],
+                                source=p))
     return out
 
 
@@ -407,28 +415,32 @@ def load_peers(paths: list[str]) -> list[dict]:
 
 
 def ratios(rows: list[dict], extra_ours: list[dict], backend: str = "graph") -> list[dict]:
-    """Each peer row x our `backend` bf16 row of the same arch (this run's first, else extra_ours)."""
-    ours = {}
+    """Each peer row x our `backend` row of the same arch in every scheme measured (this run's first, else
+    extra_ours): bf16 always (its absence is said), then each other scheme of this run (issue 5's fp8 target is
+    ours in fp8 over the bf16 peer)."""
+    ours = {}                                 # (arch, scheme) -> (tok/s, source)
     for r in rows:
         if r.get("peer") == "kie" and r.get("mode") == backend and r.get("tok_per_s"):
-            ours.setdefault(r["arch"], (r["tok_per_s"], "same run"))
+            ours.setdefault((r["arch"], r.get("scheme", "bf16")), (r["tok_per_s"], "same run"))
     for r in extra_ours:
         if r.get("backend") == backend:
-            ours.setdefault(r["arch"], (r["tok_per_s"], r["source"]))
+            ours.setdefault((r["arch"], r.get("scheme", "bf16")), (r["tok_per_s"], r["source"]))
     out = []
     for r in rows:
         if not str(r.get("peer", "")).startswith("hf-transformers"):
             continue
-        o = ours.get(r["arch"])
-        x = dict(arch=r["arch"], peer_mode=r.get("mode"), compile_mode=r.get("compile_mode"),
-                 peer_tok_per_s=r.get("tok_per_s"), ours_backend=backend,
-                 ours_tok_per_s=o[0] if o else None, ours_source=o[1] if o else None)
-        if r.get("tok_per_s") and o:
-            x["ours_over_peer"] = o[0] / r["tok_per_s"]
-        else:
-            x["why_no_ratio"] = (r.get("skipped") or r.get("error") or "") if not r.get("tok_per_s") else \
-                f"no {backend} bf16 row for {r['arch']}"
-        out.append(x)
+        schemes = ["bf16"] + sorted({s for a, s in ours if a == r["arch"] and s != "bf16"})
+        for scheme in schemes:
+            o = ours.get((r["arch"], scheme))
+            x = dict(arch=r["arch"], peer_mode=r.get("mode"), compile_mode=r.get("compile_mode"),
+                     peer_tok_per_s=r.get("tok_per_s"), ours_backend=backend, ours_scheme=scheme,
+                     ours_tok_per_s=o[0] if o else None, ours_source=o[1] if o else None)
+            if r.get("tok_per_s") and o:
+                x["ours_over_peer"] = o[0] / r["tok_per_s"]
+            else:
+                x["why_no_ratio"] = (r.get("skipped") or r.get("error") or "") if not r.get("tok_per_s") else \
+                    f"no {backend} {scheme} row for {r['arch']}"
+            out.append(x)
     return out
 
 
@@ -446,14 +458,15 @@ def table(rows: list[dict], rats: list[dict]) -> str:
                 + ("; " + note if note else "")
         lines.append(f"| {r.get('arch')} | {r.get('peer')} | {mode} | {tps} | {ttft} | {e2e} | "
                      f"{note[:160].replace('|', '/').replace(chr(10), ' ')} |")
-    lines += ["", "| shape | peer mode | peer tok/s | ours (graph bf16) tok/s | ours / peer | ours from |",
-              "| --- | --- | --- | --- | --- | --- |"]
+    lines += ["", "| shape | peer mode | peer tok/s | ours | ours tok/s | ours / peer | ours from |",
+              "| --- | --- | --- | --- | --- | --- | --- |"]
     for x in rats:
         mode = (x["peer_mode"] or "") + (f" ({x['compile_mode']})" if x.get("compile_mode") else "")
         peer = f"{x['peer_tok_per_s']:.1f}" if x.get("peer_tok_per_s") else "-"
         ours = f"{x['ours_tok_per_s']:.1f}" if x.get("ours_tok_per_s") else "-"
         ratio = f"{x['ours_over_peer']:.2f}x" if x.get("ours_over_peer") else (x.get("why_no_ratio") or "")[:80]
-        lines.append(f"| {x['arch']} | {mode} | {peer} | {ours} | {ratio} | {x.get('ours_source') or ''} |")
+        what = f"{x.get('ours_backend', 'graph')} {x.get('ours_scheme', 'bf16')}"
+        lines.append(f"| {x['arch']} | {mode} | {peer} | {what} | {ours} | {ratio} | {x.get('ours_source') or ''} |")
     return "\n".join(lines)
 
 
@@ -482,6 +495,9 @@ def parse_args(argv=None):
     ap.add_argument("--compile-modes", default=",".join(COMPILE_MODES),
                     help="torch.compile modes to try in order until one works (default: %(default)s)")
     ap.add_argument("--ours", default="graph", help="our backend measured beside the peers (graph | monokernel | none)")
+    ap.add_argument("--ours-schemes", default="bf16",
+                    help="comma list of schemes our backend runs in (bf16 first; e.g. bf16,fp8 for issue 5's fp8 "
+                         "target, which compares ours in fp8 with the bf16 peer)")
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--runs", type=int, default=3)

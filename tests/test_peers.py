@@ -52,6 +52,29 @@ def test_compile_fallback_skip_and_ratio(peers, tmp_path):
     assert "ours_over_peer" not in rat[("laneformer-2b", "eager")]
 
 
+def test_ours_in_each_scheme_against_the_bf16_peer(peers, tmp_path):
+    def spawn(spec, timeout, log):
+        if spec["kind"] == "ours":
+            return {"ok": True, "tok_per_s": {"bf16": 300.0, "fp8": 400.0}[spec["scheme"]]}
+        return {"ok": True, "tok_per_s": 100.0}
+
+    out = tmp_path / "peers.json"
+    a = peers.parse_args(["--arch", "qwen3-30b-a3b", "--modes", "compile", "--ours-schemes", "bf16,fp8",
+                          "--out", str(out)])
+    peers.Runner(a, spawn).run()
+    res = json.loads(out.read_text())
+    assert [(r["peer"], r.get("scheme")) for r in res["rows"]] == \
+        [("hf-transformers", None), ("kie", "bf16"), ("kie", "fp8")]
+    rat = {x["ours_scheme"]: x for x in res["ratios"]}
+    assert rat["bf16"]["ours_over_peer"] == pytest.approx(3.0) and rat["fp8"]["ours_over_peer"] == pytest.approx(4.0)
+    assert rat["fp8"]["ours_source"] == "same run"
+    # the join reads the schemes back from the file
+    j = tmp_path / "join.json"
+    assert peers.main(["--join", str(out), "--out", str(j)]) == 0
+    assert {x["ours_scheme"]: x["ours_over_peer"] for x in json.loads(j.read_text())["ratios"]} == \
+        pytest.approx({"bf16": 3.0, "fp8": 4.0})
+
+
 def test_join_old_peers_with_graph_json(peers, tmp_path, capsys):
     old = [{"peer": "hf-transformers-compile", "arch": "llama-3.2-1b", "tok_per_s": 387.0},
            {"peer": "hf-transformers-eager", "arch": "qwen3-30b-a3b", "error": "boom"}]
