@@ -15,6 +15,9 @@ Measures, on one GPU:
           laneformer-2b rows are one lane's launches (one device of the 8-way lane-parallel layout: 4 q / 2 kv
           heads, 864 FFN rows of 4096); "all lanes on one device" multiplies its layer by 8.
   sweep   (--sweep) launch shapes of the big GEMV per format, to pick DEFAULT_TILES.
+  layer-sweep (--layer-sweep MODEL:FMT, e.g. qwen3-30b-a3b:fp8) launch shapes of that layer's q/k/v, o_proj, router,
+          expert gate/up and expert down launches at their real sizes: the small launches where the big GEMV's
+          defaults leave too few programs per SM (graph-timed like `models`, each row names its TileConfig / split).
 
 Two timings per launch (DESIGN.md §6):
   us        the launch captured N times back to back in a CUDA graph (the graph backend's path, launch overhead
@@ -100,6 +103,8 @@ def parse_args(argv=None):
     p.add_argument("--big-mb", type=int, default=256, help="weight MB of the one-launch GEMV per format")
     p.add_argument("--probe-gb", type=float, default=4.0, help="GB read by the bandwidth probe")
     p.add_argument("--sweep", action="store_true", help="also sweep launch shapes of the big GEMV per format")
+    p.add_argument("--layer-sweep", default=None, metavar="MODEL:FMT",
+                   help="sweep the launch shapes of one layer's launches (e.g. qwen3-30b-a3b:fp8)")
     p.add_argument("--rep-ms", type=int, default=40, help="do_bench measuring time per timing (ms)")
     p.add_argument("--no-eager", action="store_true", help="skip the eager (host launch included) timing")
     p.add_argument("--budget-s", type=float, default=210, help="wall-clock budget of the run (0: none)")
@@ -260,16 +265,18 @@ def bench_x8(name, K, probe, rep_ms, norm: bool):
     return row(name, us, K * (2 + 4), probe, us_e, fn="prepare_x8", shape=[K])
 
 
-def bench_router(name, E, H, cfg, probe, rep_ms, *, with_x8=False, bias=False):
+def bench_router(name, E, H, cfg, probe, rep_ms, *, with_x8=False, bias=False, config=None):
     ws = [(torch.randn(E, H, device=DEV) * 0.05).to(torch.bfloat16) for _ in range(n_copies(E * H * 2))]
     x, nw = _x(H), _f32(H)
     b = torch.randn(E, device=DEV) if bias else None
     x8 = torch.empty(8, H // 8, device=DEV) if with_x8 else None
-    us, us_e = timed(lambda i: route(x, ws[i], cfg, norm_weight=nw, router_bias=b, x8_out=x8), len(ws), rep_ms)
+    us, us_e = timed(lambda i: route(x, ws[i], cfg, norm_weight=nw, router_bias=b, x8_out=x8, config=config),
+                     len(ws), rep_ms)
     return row(name, us, E * H * 2, probe, us_e, fn="route", shape=[E, H])
 
 
-def bench_experts(name, fmt, m, H, probe, rep_ms):
+def bench_experts(name, fmt, m, H, probe, rep_ms, **tiles):
+    """Both launches of moe_experts over random distinct expert sets; tiles: config_up / config_down / split."""
     E, k, I = m["experts"], m["top_k"], m["inter"]
     if m.get("interleaved") and fmt != "fp8_block":  # block scales cannot follow every other row: same bytes apart
         gate_up = random_weight(fmt, 2 * I, H, experts=E, seed=1, device=DEV, std=0.02)
@@ -292,7 +299,8 @@ def bench_experts(name, fmt, m, H, probe, rep_ms):
     x8 = prepare_x8(x, nw) if fmt in FP4 else None  # in a model: written by route(x8_out=)
 
     def call(i):
-        return moe_experts(x, ids[i], wts[i], wg, wu, wd, act=m["act"], norm_weight=nw, x8=x8, residual=x, **bias)
+        return moe_experts(x, ids[i], wts[i], wg, wu, wd, act=m["act"], norm_weight=nw, x8=x8, residual=x, **bias,
+                           **tiles)
 
     us, us_e = timed(call, n_sets, rep_ms)
     del wg, wu, wd
@@ -532,6 +540,79 @@ def sweep_section(formats, mb: float, probe: float, rep_ms: int, K: int = 8192) 
     return out
 
 
+def _layer_sweep_grid(fmt: str) -> dict:
+    """op -> [(label, kwargs)]: the launch shapes tried per op (block_n x block_k x warps x split / prefetch)."""
+    pf = DEFAULT_TILES[fmt].prefetch
+    gemv_grid = [("default", {})] + [
+        (f"bn={bn} bk={bk} w=4 split={sp}", dict(config=TileConfig(bn, bk, 4, split_k=sp, prefetch=pf)))
+        for bn in (4, 8, 16) for bk in (256, 512, 1024) for sp in (None, 2)]
+    router_grid = [("default", {})] + [
+        (f"bn={bn} bk={bk} w={w}", dict(config=TileConfig(bn, bk, w)))
+        for bn in (4, 8, 16) for bk in (256, 512) for w in (2, 4)]
+    up_grid = [("default", {})] + [
+        (f"up bn={bn} bk={bk} w={w} pf={int(p)}", dict(config_up=TileConfig(bn, bk, w, prefetch=p)))
+        for bn in (2, 4, 8) for bk in (512, 1024) for w in (2, 4) for p in (False, True)]
+    down_grid = [(f"down bn={bn} bk=256 w={w} split={sp}",
+                  dict(config_down=TileConfig(bn, 256, w, prefetch=pf), split=sp))
+                 for bn in (4, 8, 16) for w in (2, 4) for sp in (None, 1, 2, 4, 8)]
+    return dict(qkv=gemv_grid, o=gemv_grid, router=router_grid, up=up_grid, down=down_grid)
+
+
+def layer_sweep_section(target: str, probe: float, rep_ms: int, budget: Budget) -> dict:
+    """--layer-sweep MODEL:FMT: every launch shape of _layer_sweep_grid for that layer's launches (the expert rows
+    time both expert launches: the gate/up grid with the default down, the down grid with the default gate/up)."""
+    name, _, fmt = target.partition(":")
+    if name not in MODELS or fmt not in FORMATS:
+        raise SystemExit(f"kernels_micro: --layer-sweep {target!r}: expected MODEL:FMT with MODEL in {list(MODELS)}, "
+                         f"FMT in {FORMATS}")
+    spec = MODELS[name]
+    H, hd, hq, hk = spec["hidden"], spec["head_dim"], spec["q_heads"], spec["kv_heads"]
+    fused = fmt in ("bf16", "fp8")
+    qkv = [hq * hd, hk * hd, hk * hd]
+    grid = _layer_sweep_grid(fmt)
+    ops = {}
+    if "moe" in spec:                            # the expert launches first: most of a MoE layer's time
+        m = spec["moe"]
+        ops["up"] = ops["down"] = lambda lab, kw: bench_experts(f"experts {lab}", fmt, m, H, probe, rep_ms, **kw)
+    ops.update({
+        "qkv": lambda lab, kw: bench_gemv(f"qkv {lab}", fmt, sum(qkv), H, probe, rep_ms, fn="rmsnorm",
+                                          bias=bool(spec.get("qkv_bias")), rows=None if fused else qkv, eager=False,
+                                          **kw),
+        "o": lambda lab, kw: bench_gemv(f"o_proj {lab}", fmt, H, hq * hd, probe, rep_ms, residual=True, eager=False,
+                                        **kw),
+    })
+    if "moe" in spec:
+        rcfg = RouterConfig(top_k=m["top_k"], scoring=m["router"])
+        ops["router"] = lambda lab, kw: bench_router(f"router {lab}", m["experts"], H, rcfg, probe, rep_ms,
+                                                     with_x8=fmt in FP4, bias=m.get("bias", False), **kw)
+    res = dict(model=name, fmt=fmt, ops={})
+    for op, fn in ops.items():
+        rows = res["ops"][op] = []
+        print(f"layer sweep {name} {fmt} {op}", flush=True)
+        for lab, kw in grid[op]:
+            if budget.out():
+                rows.append(dict(op=f"{op} {lab}", skipped="time budget"))
+                continue
+            try:
+                r = fn(lab, kw)
+            except Exception as e:  # a shape that does not compile (registers, block_k < a group) is a result too
+                r = dict(op=f"{op} {lab}", error=f"{type(e).__name__}: {e}"[:300])
+                print(f"  {op} {lab}: {r['error'][:120]}", flush=True)
+            r["tiles"] = lab
+            rows.append(r)
+            if DEV == "cuda":
+                torch.cuda.empty_cache()
+        ok = [r for r in rows if "us" in r]
+        if ok:
+            best = min(ok, key=lambda r: r["us"])
+            dflt = next((r for r in ok if r["tiles"] == "default"), None)
+            res.setdefault("best", {})[op] = dict(tiles=best["tiles"], us=best["us"],
+                                                  default_us=dflt["us"] if dflt else None)
+            print(f"  best {op}: {best['tiles']} {best['us']:.2f} us"
+                  + (f" (default {dflt['us']:.2f} us)" if dflt else ""), flush=True)
+    return res
+
+
 def main(argv=None):
     global EAGER
     args = parse_args(argv)
@@ -585,6 +666,9 @@ def main(argv=None):
             save()
     if args.sweep:
         result["sweep"] = sweep_section(big_formats, args.big_mb, probe, args.rep_ms)
+        save()
+    if args.layer_sweep:
+        result["layer_sweep"] = layer_sweep_section(args.layer_sweep, probe, args.rep_ms, budget)
         save()
     result["meta"]["seconds"] = round(time.time() - t0, 1)
     result["meta"]["budget_exhausted"] = budget.out()

@@ -75,3 +75,29 @@ def test_budget_skips_instead_of_running(monkeypatch):
     assert all(o.get("skipped") == "time budget" for o in r["ops"]) and r["sums"] == {} and r["missing"]
     assert km.big_section(["fp8"], 0.01, 1000.0, 1, K=256, budget=spent) == [
         dict(op="gemv fp8", skipped="time budget")]
+
+
+@needs_device
+@pytest.mark.skipif(DEV != "cpu", reason="the CPU plumbing run; on the GPU run the script itself")
+def test_layer_sweep_times_each_launch_shape_and_records_failures(monkeypatch):
+    km = _load()
+    monkeypatch.setattr(km, "DEV", "cpu")
+    monkeypatch.setattr(km, "L2_BYTES", 0)
+    tiny = dict(hidden=64, q_heads=2, kv_heads=1, head_dim=32, layers=2, vocab=96, qk_norm="head",
+                moe=dict(experts=4, top_k=2, inter=32, act="silu", router="softmax"))
+    monkeypatch.setitem(km.MODELS, "tiny-moe", tiny)
+    full = km._layer_sweep_grid("fp8")
+    assert {op: len(g) for op, g in full.items()} == dict(qkv=19, o=19, router=13, up=25, down=30)
+    bad = ("bn=8 bk=300", dict(config=km.TileConfig(8, 300)))       # block_k not a power of two: an error row
+    grid = {op: g[:2] for op, g in full.items()}
+    grid["o"] = grid["o"] + [bad]
+    monkeypatch.setattr(km, "_layer_sweep_grid", lambda fmt: grid)
+    res = km.layer_sweep_section("tiny-moe:fp8", 1000.0, 1, km.Budget(None))
+    assert list(res["ops"]) == ["up", "down", "qkv", "o", "router"]
+    for op, rows in res["ops"].items():
+        assert [r["tiles"] for r in rows] == [lab for lab, _ in grid[op]]
+        assert all("us" in r for r in rows if r["tiles"] != "bn=8 bk=300"), rows
+    assert "powers of two" in res["ops"]["o"][-1]["error"]
+    assert res["best"]["qkv"]["default_us"] is not None
+    with pytest.raises(SystemExit):
+        km.layer_sweep_section("tiny-moe:fp9", 1000.0, 1, km.Budget(None))
