@@ -105,6 +105,8 @@ def parse_args(argv=None):
     p.add_argument("--sweep", action="store_true", help="also sweep launch shapes of the big GEMV per format")
     p.add_argument("--layer-sweep", default=None, metavar="MODEL:FMT",
                    help="sweep the launch shapes of one layer's launches (e.g. qwen3-30b-a3b:fp8)")
+    p.add_argument("--layer-ops", default=None, help="comma list of the layer sweep's ops to run (default: all of "
+                   "up, down, qkv, o, router)")
     p.add_argument("--rep-ms", type=int, default=40, help="do_bench measuring time per timing (ms)")
     p.add_argument("--no-eager", action="store_true", help="skip the eager (host launch included) timing")
     p.add_argument("--budget-s", type=float, default=210, help="wall-clock budget of the run (0: none)")
@@ -554,11 +556,11 @@ def _layer_sweep_grid(fmt: str) -> dict:
         for bn in (2, 4, 8) for bk in (512, 1024) for w in (2, 4) for p in (False, True)]
     down_grid = [(f"down bn={bn} bk=256 w={w} split={sp}",
                   dict(config_down=TileConfig(bn, 256, w, prefetch=pf), split=sp))
-                 for bn in (4, 8, 16) for w in (2, 4) for sp in (None, 1, 2, 4, 8)]
+                 for bn in (4, 8, 16) for w in (2, 4) for sp in (None, 1, 2, 3, 4, 8)]
     return dict(qkv=gemv_grid, o=gemv_grid, router=router_grid, up=up_grid, down=down_grid)
 
 
-def layer_sweep_section(target: str, probe: float, rep_ms: int, budget: Budget) -> dict:
+def layer_sweep_section(target: str, probe: float, rep_ms: int, budget: Budget, only: list | None = None) -> dict:
     """--layer-sweep MODEL:FMT: every launch shape of _layer_sweep_grid for that layer's launches (the expert rows
     time both expert launches: the gate/up grid with the default down, the down grid with the default gate/up)."""
     name, _, fmt = target.partition(":")
@@ -587,6 +589,8 @@ def layer_sweep_section(target: str, probe: float, rep_ms: int, budget: Budget) 
                                                      with_x8=fmt in FP4, bias=m.get("bias", False), **kw)
     res = dict(model=name, fmt=fmt, ops={})
     for op, fn in ops.items():
+        if only and op not in only:
+            continue
         rows = res["ops"][op] = []
         print(f"layer sweep {name} {fmt} {op}", flush=True)
         for lab, kw in grid[op]:
@@ -668,7 +672,8 @@ def main(argv=None):
         result["sweep"] = sweep_section(big_formats, args.big_mb, probe, args.rep_ms)
         save()
     if args.layer_sweep:
-        result["layer_sweep"] = layer_sweep_section(args.layer_sweep, probe, args.rep_ms, budget)
+        result["layer_sweep"] = layer_sweep_section(args.layer_sweep, probe, args.rep_ms, budget,
+                                                    [o for o in (args.layer_ops or "").split(",") if o])
         save()
     result["meta"]["seconds"] = round(time.time() - t0, 1)
     result["meta"]["budget_exhausted"] = budget.out()

@@ -17,8 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .gemv import (DEFAULT_GLU_TILES, TileConfig, auto_split, check_vec, check_x, counters, glu_ref, input_args,
-                   is_fp4, make_out, plan_split, resolve_config, weight_args)
+from .gemv import (DEFAULT_GLU_TILES, TileConfig, check_vec, check_x, counters, glu_ref, input_args, is_fp4,
+                   make_out, num_sms, plan_split, resolve_config, weight_args)
 from .pdl import launch_kw, pdl_begin
 from .tiles import ACT_ID, FMT_ID, _glu, _rstd, _split_reduce, _store_out, _tile, _tile_bf16
 from .weights import WeightHandle, dequantize
@@ -26,6 +26,14 @@ from .weights import WeightHandle, dequantize
 __all__ = ["RouterConfig", "Routing", "route", "route_ref", "moe_experts", "moe_experts_ref"]
 
 SCORE_ID = {"softmax": 0, "sigmoid": 1, "softmax_topk": 2}
+
+# Expert launches are small (qwen3-30b-a3b fp8: 25 MB of gate/up and 12.6 MB of down rows per token and layer), so
+# their time is mostly per-program latency, not bytes. `kernels_micro.py --layer-sweep qwen3-30b-a3b:fp8` on the
+# H200 (results/2026-12-03-h200-s8-layer-sweep-qwen3-fp8.json, both launches timed together): fp8 tiles with 2
+# warps instead of 4 took the gate/up + down pair from 24.1 to 22.1 us; the down launch with one slot per program
+# (expert_down_split) from 24.1 to 20.3-20.8 us.
+DEFAULT_EXPERT_TILES = {**DEFAULT_GLU_TILES, "fp8": TileConfig(8, 512, num_warps=2, prefetch=False)}
+EXPERT_DOWN_PROGRAMS_PER_SM = 16
 
 
 @dataclass(frozen=True)
@@ -338,6 +346,13 @@ def _expert_down_kernel(
             _store_out(acc, offs_n, n_mask, y_ptr, y_ptr, res_ptr, False, HAS_RES)
 
 
+def expert_down_split(n_tiles: int, top_k: int, device: torch.device) -> int:
+    """Programs per row tile of the expert down launch (each sums top_k / split slots; the last one reduces): as
+    many as fit EXPERT_DOWN_PROGRAMS_PER_SM programs per SM, up to one slot per program. qwen3-30b-a3b (256 row
+    tiles, top-8): 8; gpt-oss-120b (360, top-4): 4; DeepSeek-V3 (896, top-8): 2."""
+    return max(1, min(top_k, EXPERT_DOWN_PROGRAMS_PER_SM * num_sms(device) // max(n_tiles, 1)))
+
+
 def _expert_args(w: WeightHandle) -> tuple:
     """weight_args + the expert-axis strides (w, scale, global scale)."""
     st = lambda t: t.stride(0) if t is not None and t.dim() >= 1 else 0  # noqa: E731
@@ -400,7 +415,7 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gat
     y = make_out(x, H, out)
     h = torch.empty((top_k, I), dtype=torch.float32, device=dev)  # fp32: no rounding between the two GEMVs
 
-    cu = resolve_config(w_gate, config_up, DEFAULT_GLU_TILES)
+    cu = resolve_config(w_gate, config_up, DEFAULT_EXPERT_TILES)
     x_in, nw_in, has_nw, stride_x8 = input_args(x, w_gate.fmt, norm_weight, eps, x8)
     _expert_glu_kernel[(triton.cdiv(I, cu.block_n), top_k)](
         x_in, nw_in, ids, *_expert_args(w_gate), *_expert_args(w_up),
@@ -412,10 +427,10 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gat
         PIPE=cu.prefetch, num_warps=cu.num_warps, num_stages=cu.num_stages, **launch_kw(dev)
     )
 
-    cd = resolve_config(w_down, config_down, DEFAULT_GLU_TILES)
+    cd = resolve_config(w_down, config_down, DEFAULT_EXPERT_TILES)
     n_tiles = triton.cdiv(H, cd.block_n)
-    if split is None:  # few row tiles (small H): spread the slots over more programs
-        split = auto_split(n_tiles, top_k, dev)
+    if split is None:
+        split = expert_down_split(n_tiles, top_k, dev)
     split = max(1, min(split, top_k))
     per = triton.cdiv(top_k, split)
     split = triton.cdiv(top_k, per)

@@ -87,7 +87,7 @@ def test_layer_sweep_times_each_launch_shape_and_records_failures(monkeypatch):
                 moe=dict(experts=4, top_k=2, inter=32, act="silu", router="softmax"))
     monkeypatch.setitem(km.MODELS, "tiny-moe", tiny)
     full = km._layer_sweep_grid("fp8")
-    assert {op: len(g) for op, g in full.items()} == dict(qkv=19, o=19, router=13, up=25, down=30)
+    assert {op: len(g) for op, g in full.items()} == dict(qkv=19, o=19, router=13, up=25, down=36)
     bad = ("bn=8 bk=300", dict(config=km.TileConfig(8, 300)))       # block_k not a power of two: an error row
     grid = {op: g[:2] for op, g in full.items()}
     grid["o"] = grid["o"] + [bad]
@@ -99,5 +99,7 @@ def test_layer_sweep_times_each_launch_shape_and_records_failures(monkeypatch):
         assert all("us" in r for r in rows if r["tiles"] != "bn=8 bk=300"), rows
     assert "powers of two" in res["ops"]["o"][-1]["error"]
     assert res["best"]["qkv"]["default_us"] is not None
+    only = km.layer_sweep_section("tiny-moe:fp8", 1000.0, 1, km.Budget(None), only=["down"])
+    assert list(only["ops"]) == ["down"]
     with pytest.raises(SystemExit):
         km.layer_sweep_section("tiny-moe:fp9", 1000.0, 1, km.Budget(None))

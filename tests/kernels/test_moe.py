@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+import triton
 
 from kie_moe.kernels.gemv import TileConfig
 from kie_moe.kernels.moe import RouterConfig, moe_experts, moe_experts_ref, route, route_ref
@@ -109,6 +110,30 @@ def test_moe_experts_default_configs_bf16_out():
     y = moe_experts(x, ids, wts, wg, wu, wd)
     assert y.shape == (1, H) and y.dtype == torch.bfloat16
     assert_close(y, moe_experts_ref(x, ids, wts, wg, wu, wd, out_dtype=torch.float32), rel=8e-3, what="auto")
+
+
+def test_expert_down_split_spreads_slots_up_to_one_per_program(monkeypatch):
+    import kie_moe.kernels.moe as M
+    monkeypatch.setattr(M, "num_sms", lambda dev: 132)
+    dev = torch.device("cpu")
+    # qwen3-30b-a3b (2048 / 8 rows, top-8), gpt-oss-120b (2880 / 8, top-4), DeepSeek-V3 (7168 / 8, top-8), huge H
+    assert [M.expert_down_split(n, k, dev) for n, k in ((256, 8), (360, 4), (896, 8), (5000, 8), (1, 1))] == \
+        [8, 4, 2, 1, 1]
+
+
+def test_moe_experts_default_split_on_a_many_sm_device(monkeypatch):
+    """The default down launch as on an H200 (one slot per program here: 2 programs per row tile, the last one
+    reduces in slot order) gives the reference's result; on CPU num_sms is 1, so this is the path only a GPU takes."""
+    import kie_moe.kernels.moe as M
+    monkeypatch.setattr(M, "num_sms", lambda dev: 132)
+    E, I, H = 6, 37, 160
+    wg, wu, wd = _experts("fp8", E, I, H, seed=22)
+    x, res = _t(H, seed=23), _t(H, seed=24)
+    ids = torch.tensor([5, 0], dtype=torch.int32, device=DEV)
+    wts = torch.tensor([0.6, 0.4], device=DEV)
+    assert M.expert_down_split(triton.cdiv(H, M.DEFAULT_EXPERT_TILES["fp8"].block_n), 2, x.device) == 2
+    y = moe_experts(x, ids, wts, wg, wu, wd, residual=res, out=torch.empty(H, device=DEV))
+    assert_close(y, moe_experts_ref(x, ids, wts, wg, wu, wd, residual=res, out_dtype=torch.float32), what="split")
 
 
 @pytest.mark.parametrize("fmt", ["mxfp4", "bf16"])
