@@ -52,6 +52,23 @@ def test_route(name, split):
     assert_close(got.logits, want.logits, what=f"{name} logits")
 
 
+@pytest.mark.parametrize("scoring", ["softmax", "softmax_topk", "sigmoid"])
+def test_route_ties_go_to_the_lower_id(scoring):
+    """The documented order (torch.topk, the reference, leaves ties unspecified): equal scores rank by expert id,
+    both among all experts (x = 0: every logit 0) and at the k-th place (experts 3 and 6 tie for the last slot)."""
+    E, H, k = 12, 32, 4
+    cfg = RouterConfig(top_k=k, scoring=scoring)
+    w = torch.zeros(E, H, dtype=torch.bfloat16, device=DEV)
+    assert route(torch.zeros(H, dtype=torch.bfloat16, device=DEV), w, cfg).ids.tolist() == [0, 1, 2, 3]
+    x = torch.zeros(H, dtype=torch.bfloat16, device=DEV)
+    x[0] = 1
+    for e, v in ((9, 4.0), (1, 3.0), (6, 2.0), (3, 2.0), (0, 1.0)):
+        w[e, 0] = v
+    r = route(x, w, cfg)
+    assert r.ids.tolist() == [9, 1, 3, 6]
+    assert_close(r.weights, route_ref(x, w, cfg).weights, what=f"{scoring} weights")
+
+
 def test_route_groups_exclude_best_expert():
     """Group-limited top-k must skip a strong expert whose group loses (checks the mask, not just agreement)."""
     E, H = 16, 32
