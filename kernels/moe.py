@@ -77,10 +77,7 @@ def _route_select(part_ptr, b_ptr, corr_ptr, logits_ptr, ids_ptr, wts_ptr, rstd,
                   GROUP_TOP2: tl.constexpr, TOP_K: tl.constexpr, SPLIT_K: tl.constexpr,
                   BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_TOPK: tl.constexpr):
     """Scores + (group-limited) top-k over all E experts, held as [BLOCK_G groups, BLOCK_S experts per group].
-    Ties go to the lower id. One group (Qwen3-MoE, Mixtral, OLMoE, gpt-oss): each expert's rank = how many experts
-    beat it, one [E, E] comparison and one reduction (TOP_K rounds of max / argmin / sum were ~3 reductions with
-    barriers each, on the one program that runs this after every other program's partial logits). Groups: TOP_K
-    rounds of (max, lowest index attaining it, mask out)."""
+    Top-k is TOP_K rounds of (max, lowest index attaining it, mask out): no sort, ties go to the lower id."""
     NEG: tl.constexpr = float("-inf")
     offs_g = tl.arange(0, BLOCK_G)
     offs_s = tl.arange(0, BLOCK_S)
@@ -123,41 +120,25 @@ def _route_select(part_ptr, b_ptr, corr_ptr, logits_ptr, ids_ptr, wts_ptr, rstd,
             gscore = tl.where(offs_g == gi, NEG, gscore)
         choice = tl.where(keep[:, None], choice, NEG)  # -inf, not 0: a biased choice can be negative
 
-    if N_GROUP == 1:
-        c = tl.reshape(choice, (BLOCK_S,))
-        sc = tl.reshape(score, (BLOCK_S,))
-        beats = (c[None, :] > c[:, None]) | ((c[None, :] == c[:, None]) & (offs_s[None, :] < offs_s[:, None]))
-        rank = tl.sum(beats.to(tl.int32), axis=1)                  # [BLOCK_S]: 0 = best; padding ranks last
-        sel = (rank < TOP_K) & (offs_s < GROUP_SIZE)
-        if SCORE == 2:
-            p = tl.where(sel, tl.exp(sc - tl.max(tl.where(sel, sc, NEG), axis=0)), 0.0)
-            w = p / tl.sum(p, axis=0)
-        elif NORM_TOPK:
-            w = sc / (tl.sum(tl.where(sel, sc, 0.0), axis=0) + 1e-20)
-        else:
-            w = sc
-        tl.store(ids_ptr + rank, offs_s, mask=sel)
-        tl.store(wts_ptr + rank, w * scaling, mask=sel)
-    else:
-        offs_t = tl.arange(0, BLOCK_TOPK)
-        ids = tl.zeros((BLOCK_TOPK,), dtype=tl.int32)
-        wts = tl.zeros((BLOCK_TOPK,), dtype=tl.float32)
-        for j in tl.static_range(TOP_K):
-            m = tl.max(tl.max(choice, axis=1), axis=0)
-            i = tl.min(tl.min(tl.where(choice == m, e_idx, BLOCK_G * BLOCK_S), axis=1), axis=0)
-            sel = e_idx == i
-            wv = tl.sum(tl.sum(tl.where(sel, score, 0.0), axis=1), axis=0)
-            ids = tl.where(offs_t == j, i, ids)
-            wts = tl.where(offs_t == j, wv, wts)
-            choice = tl.where(sel, NEG, choice)
-        t_mask = offs_t < TOP_K
-        if SCORE == 2:
-            p = tl.where(t_mask, tl.exp(wts - tl.max(tl.where(t_mask, wts, NEG), axis=0)), 0.0)
-            wts = p / tl.sum(p, axis=0)
-        elif NORM_TOPK:
-            wts = wts / (tl.sum(tl.where(t_mask, wts, 0.0), axis=0) + 1e-20)
-        tl.store(ids_ptr + offs_t, ids, mask=t_mask)
-        tl.store(wts_ptr + offs_t, wts * scaling, mask=t_mask)
+    offs_t = tl.arange(0, BLOCK_TOPK)
+    ids = tl.zeros((BLOCK_TOPK,), dtype=tl.int32)
+    wts = tl.zeros((BLOCK_TOPK,), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        m = tl.max(tl.max(choice, axis=1), axis=0)
+        i = tl.min(tl.min(tl.where(choice == m, e_idx, BLOCK_G * BLOCK_S), axis=1), axis=0)
+        sel = e_idx == i
+        wv = tl.sum(tl.sum(tl.where(sel, score, 0.0), axis=1), axis=0)
+        ids = tl.where(offs_t == j, i, ids)
+        wts = tl.where(offs_t == j, wv, wts)
+        choice = tl.where(sel, NEG, choice)
+    t_mask = offs_t < TOP_K
+    if SCORE == 2:
+        p = tl.where(t_mask, tl.exp(wts - tl.max(tl.where(t_mask, wts, NEG), axis=0)), 0.0)
+        wts = p / tl.sum(p, axis=0)
+    elif NORM_TOPK:
+        wts = wts / (tl.sum(tl.where(t_mask, wts, 0.0), axis=0) + 1e-20)
+    tl.store(ids_ptr + offs_t, ids, mask=t_mask)
+    tl.store(wts_ptr + offs_t, wts * scaling, mask=t_mask)
 
 
 @triton.jit

@@ -86,6 +86,9 @@ def _compile_all() -> list[dict]:
         ids = torch.empty(4, dtype=torch.int32)
         h = torch.empty(4, I)
         b2 = torch.empty(E, I, dtype=torch.bfloat16)
+        ecfg = M.DEFAULT_EXPERT_TILES[fmt]      # the routed-expert launches' own defaults (fp8: 2 warps)
+        gl = dict(BLOCK_N=ecfg.block_n, BLOCK_K=ecfg.block_k, PIPE=ecfg.prefetch, num_warps=ecfg.num_warps,
+                  num_stages=ecfg.num_stages, grid=(1,))
         k = M._expert_glu_kernel.warmup(xin, xin, ids, *M._expert_args(wg), *M._expert_args(wg), b2, I, 1, b2, I, 1, h,
                                         I, H, 1e-6, 7.0, 1.702, H // 8, FMT=fid, HAS_NW=not fp4, HAS_BIAS=True,
                                         ACT=0, H_X8=fp4, BLOCK_X=1024, **gl)
