@@ -116,6 +116,36 @@ def _teacher_forced(ref, prompt, tokens):
     return torch.stack(out).cpu()
 
 
+@torch.no_grad()
+def _router_margins(ref, prompt, tokens) -> list:
+    """Per step of the teacher-forced fp32 run: the smallest top-k boundary margin over the MoE layers (router
+    logits of the k-th minus the (k+1)-th expert; None for a dense model): how close the reference itself is to
+    picking another expert. A diagnostic printed beside each unexplained disagreement (a flip upstream of the
+    logits shows as a small margin); not part of the acceptance rule."""
+    import kie_moe.models.reference as R
+    seen = []
+    orig = R.route
+
+    def spy(moe, logits, score_bias):
+        k = moe.top_k
+        if logits.shape[-1] > k:
+            v = torch.sort(logits.float(), dim=-1, descending=True).values
+            seen.append(float((v[..., k - 1] - v[..., k]).min()))
+        return orig(moe, logits, score_bias)
+
+    out = []
+    R.route = spy
+    try:
+        ref.reset()
+        for ids in [prompt] + [[t] for t in tokens[:-1]]:
+            seen.clear()
+            ref.forward(torch.tensor(ids))
+            out.append(min(seen) if seen else None)
+    finally:
+        R.route = orig
+    return out
+
+
 def run_parity(model, device, steps: int = STEPS, prompt=PROMPT, backend_dtype=torch.bfloat16) -> dict:
     """Graph backend tokens vs the fp32 reference -> report dict (see the module docstring). Raises InputError
     when the graph backend refuses the family."""
@@ -128,6 +158,7 @@ def run_parity(model, device, steps: int = STEPS, prompt=PROMPT, backend_dtype=t
     ref = reference_decoder(model, device, torch.float32)
     want, margins = _free_running(ref, prompt, steps)
     tf = _teacher_forced(ref, prompt, got)
+    margins_r = _router_margins(ref, prompt, got) if off_any(got, tf) else [None] * len(got)
     del ref
     first = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
     best = tf.argmax(-1)
@@ -144,7 +175,7 @@ def run_parity(model, device, steps: int = STEPS, prompt=PROMPT, backend_dtype=t
             if backend_dtype != torch.float32 and gaps[s] <= low_err[s] else None)
         dis.append(dict(step=s, got=got[s], argmax=int(best[s]), gap=round(gaps[s], 5),
                         low_precision_ref_err=round(low_err[s], 5), low_precision_ref_token=int(low[s].argmax()),
-                        accepted_as=why))
+                        router_margin=None if margins_r[s] is None else round(margins_r[s], 5), accepted_as=why))
     return dict(
         dtype=str(backend_dtype).replace("torch.", ""), steps=steps, equal=got == want, first_divergence=first,
         margin_at_divergence=None if first is None else margins[first], disagreements=dis,
@@ -155,11 +186,17 @@ def run_parity(model, device, steps: int = STEPS, prompt=PROMPT, backend_dtype=t
         low_precision_ref_err_max=max(low_err), logit_std=float(tf.std(-1).mean()), got=got, want=want)
 
 
+def off_any(got, tf) -> bool:
+    return any(int(t) != g for t, g in zip(tf.argmax(-1).tolist(), got))
+
+
 def _report(case: str, r: dict) -> str:
     head = "equal" if r["equal"] else (f"diverges at step {r['first_divergence']} (fp32 top-2 margin there "
                                        f"{r['margin_at_divergence']:.4f})")
     why = "; ".join(f"step {d['step']}: gap {d['gap']:.4f}, {r['dtype']} reference "
-                    f"err {d['low_precision_ref_err']:.4f} -> {d['accepted_as'] or 'NOT EXPLAINED'}"
+                    f"err {d['low_precision_ref_err']:.4f}"
+                    + (f", router margin {d['router_margin']:.4f}" if d.get("router_margin") is not None else "")
+                    + f" -> {d['accepted_as'] or 'NOT EXPLAINED'}"
                     for d in r["disagreements"])
     line = (f"[graph parity {r['dtype']}] {case}: {head}; {len(r['disagreements'])} teacher-forced disagreements"
             + (f" ({why})" if why else "") + f"; min margin {r['min_margin']:.4f}; last-step logit err "
@@ -222,4 +259,5 @@ def test_parity_report_on_cpu(tmp_path):
     _report("hf:olmoe (cpu)", r)
     assert r["first_divergence"] == 4 and r["margin_at_divergence"] < r["tie"]
     assert [(d["step"], d["accepted_as"]) for d in r["disagreements"]] == [(4, "near tie")]
+    assert isinstance(r["disagreements"][0]["router_margin"], float)   # OLMoE routes: the diagnostic has a value
     check(r)
