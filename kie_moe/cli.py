@@ -83,7 +83,7 @@ def cmd_convert(a) -> int:
     from tqdm import tqdm
     from kie_moe.models.quantizable import convert_checkpoint
     rep = convert_checkpoint(a.src, a.dst, a.scheme, force=a.force, experts_only=a.experts_only, ignore=a.ignore,
-                             quantize_lm_head=a.quantize_lm_head, progress=not a.quiet,
+                             quantize_lm_head=a.quantize_lm_head, progress=not a.quiet, observer=a.observer,
                              on_warning=lambda m: tqdm.write(f"kie convert: warning: {m}", file=sys.stderr))
     print(rep.dst)
     print(f"[{rep.scheme}: {len(rep.quantized)} weights quantized ({len(rep.repacked)} re-packed as stored), "
@@ -216,6 +216,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--ignore", nargs="+", action="extend", default=[], metavar="REGEX",
                    help="keep modules whose name matches REGEX in float (re.match, anchored at the end)")
     c.add_argument("--quantize-lm-head", action="store_true", help="quantize lm_head too")
+    c.add_argument("--observer", default="minmax", choices=["minmax", "mse"],
+                   help="how nvfp4 / mxfp4 pick each group's scale: minmax (amax -> the largest code; "
+                        "compressed-tensors' default) or mse (the candidate scale with the least squared error, as "
+                        "llm-compressor's MSE observer; slower to convert, same format)")
     c.add_argument("--quiet", action="store_true", help="no progress bar")
     c.set_defaults(fn=cmd_convert)
 
@@ -310,6 +314,8 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--cache", default=None, metavar="DIR",
                    help="converted checkpoints, reused across runs (default: OUT/checkpoints)")
     w.add_argument("--tiny", action="store_true", help="a preset's tiny variant (tests, CPU)")
+    w.add_argument("--observer", default="minmax", choices=["minmax", "mse"],
+                   help="how the nvfp4 / mxfp4 conversions pick their scales (kie convert --observer)")
     w.add_argument("--window", type=int, default=256, help="scored tokens per teacher-forced window (default 256)")
     w.add_argument("--max-tokens", type=int, default=None,
                    help="tokens scored per scheme, in windows spread over the whole text (default 8192, kie demo's "

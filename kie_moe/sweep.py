@@ -170,17 +170,20 @@ def converter():
     return convert_checkpoint
 
 
-def _stamp(src: str, scheme: str) -> dict:
+def _stamp(src: str, scheme: str, observer: str = "minmax") -> dict:
     cfg = os.path.join(src, "config.json")
-    return {"source": os.path.abspath(src), "scheme": scheme, "source_config_mtime": os.path.getmtime(cfg)}
+    out = {"source": os.path.abspath(src), "scheme": scheme, "source_config_mtime": os.path.getmtime(cfg)}
+    if observer != "minmax":        # stamps written before observers existed stay valid for minmax
+        out["observer"] = observer
+    return out
 
 
-def scheme_checkpoint(src: str, scheme: str, cache_dir: str, convert) -> tuple[str, str]:
+def scheme_checkpoint(src: str, scheme: str, cache_dir: str, convert, observer: str = "minmax") -> tuple[str, str]:
     """-> (directory of `src` in `scheme`, "converted" | "cached"). A cached conversion is reused only when its
-    stamp names the same source, scheme and source config.json mtime; otherwise it is converted again."""
+    stamp names the same source, scheme, observer and source config.json mtime; otherwise it is converted again."""
     dst = os.path.join(cache_dir, scheme)
     stamp_path = os.path.join(dst, _STAMP)
-    want = _stamp(src, scheme)
+    want = _stamp(src, scheme, observer)
     if os.path.exists(os.path.join(dst, "config.json")) and os.path.exists(stamp_path):
         try:
             with open(stamp_path) as f:
@@ -188,7 +191,8 @@ def scheme_checkpoint(src: str, scheme: str, cache_dir: str, convert) -> tuple[s
                     return dst, "cached"
         except ValueError:
             pass
-    convert(src, dst, scheme, force=os.path.exists(dst), progress=False, on_warning=lambda m: None)
+    kw = {"observer": observer} if observer != "minmax" else {}
+    convert(src, dst, scheme, force=os.path.exists(dst), progress=False, on_warning=lambda m: None, **kw)
     with open(stamp_path, "w") as f:
         json.dump(want, f)
     return dst, "converted"
@@ -211,7 +215,8 @@ def run(model: str, schemes: list[str], out_dir: str, *, text: str | None = None
         device: str | None = None, tiny: bool = False, window: int = H.DEFAULT_WINDOW_LEN,
         max_tokens: int | None = None,
         prompt_len: int = 32, new_tokens: int = 64, runs: int = 3, probe_bytes: int | None = None,
-        cache_dir: str | None = None, progress: bool = True, argv: list[str] | None = None) -> dict:
+        cache_dir: str | None = None, progress: bool = True, argv: list[str] | None = None,
+        observer: str = "minmax") -> dict:
     from tqdm.auto import tqdm
     from kie_moe.engine import resolve_device
 
@@ -221,6 +226,9 @@ def run(model: str, schemes: list[str], out_dir: str, *, text: str | None = None
     os.makedirs(out_dir, exist_ok=True)
     model = resolve_model(model)
     ckpt = is_checkpoint_dir(model)
+    if observer != "minmax" and not ckpt:
+        raise InputError(f"--observer {observer}: needs a checkpoint (kie convert chooses the scales); {model} is "
+                         f"quantized in memory, with minmax scales")
     bar = tqdm(total=2 * len(schemes) + 2, desc="kie sweep", file=sys.stderr, disable=not progress, leave=False)
     bar.set_postfix_str("read probe")
     res = {"schema": SCHEMA, "model": model, "env": R.environment(dev, argv),
@@ -246,7 +254,7 @@ def run(model: str, schemes: list[str], out_dir: str, *, text: str | None = None
     # not support, e.g. mixed formats in one kind); the title names them, or the request until a row has run
     res.update(quality_data=data_label, quality_dtype=str(qdtype).removeprefix("torch."),
                converter="kie convert" if convert else ("in-memory quantization (kie convert is not in this build)" if ckpt else "in-memory quantization"),
-               backend=backend, rows=[])
+               backend=backend, observer=observer, rows=[])
 
     for scheme in schemes:
         row = {"scheme": scheme}
@@ -255,7 +263,8 @@ def run(model: str, schemes: list[str], out_dir: str, *, text: str | None = None
             if scheme == "bf16":
                 src, origin = base, "bf16 source"
             elif ckpt and convert is not None:
-                d, how = scheme_checkpoint(model, scheme, cache_dir or os.path.join(out_dir, "checkpoints"), convert)
+                d, how = scheme_checkpoint(model, scheme, cache_dir or os.path.join(out_dir, "checkpoints"), convert,
+                                           observer if scheme in ("nvfp4", "mxfp4") else "minmax")
                 src, origin = open_model(d, dev), f"{how}: {d}"      # its config.json says which modules are quantized
             else:
                 src, origin = B.with_scheme(base, scheme), "quantized in memory"
@@ -344,7 +353,8 @@ def md_table(res: dict) -> str:
              + f"; torch {env.get('torch')}, triton {env.get('triton')}; commit {env.get('git_commit')}", "",
              f"Command: `{env.get('command')}`", "",
              f"Read ceiling {res['read_probe']['gbps']:.0f} GB/s ({res['read_probe']['method']}). "
-             f"Quality data: {res['quality_data']}; {res.get('quality_dtype', 'float32')} activations. Schemes from: {res['converter']}.", "",
+             f"Quality data: {res['quality_data']}; {res.get('quality_dtype', 'float32')} activations. Schemes from: {res['converter']}"
+             + (f" (fp4 scales: {res['observer']} observer)" if res.get("observer", "minmax") != "minmax" else "") + ".", "",
              "| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for r in res["rows"]:
         if "error" in r:
@@ -379,7 +389,7 @@ def cmd_sweep(a) -> int:
     res = run(a.model, schemes, a.out, text=a.text, backend=a.backend, device=a.device, tiny=a.tiny,
               window=a.window, max_tokens=a.max_tokens, prompt_len=a.prompt_len, new_tokens=a.new_tokens,
               runs=a.runs, probe_bytes=a.probe_mb << 20 if a.probe_mb else None, cache_dir=a.cache,
-              progress=not a.quiet,
+              progress=not a.quiet, observer=a.observer,
               argv=getattr(a, "argv", None))
     print(md_table(res))
     print(f"[wrote {os.path.join(a.out, 'results.md')}, results.csv, results.json, {PLOT_FILE}]", file=sys.stderr)

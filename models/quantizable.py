@@ -162,17 +162,18 @@ def _covers(members, shape) -> bool:
 
 def convert_checkpoint(src: str, dst: str, scheme: str, *, force: bool = False, experts_only: bool = False,
                        ignore: Sequence[str] = (), quantize_lm_head: bool = False, progress: bool = True,
-                       on_warning: Callable[[str], None] | None = None):
+                       on_warning: Callable[[str], None] | None = None, observer: str = "minmax"):
     """`kie convert`: plan the Linear targets of the checkpoint at `src` from its family adapter and write the
-    quantized checkpoint to `dst` (quant.convert.convert does the writing). -> quant.convert.ConvertReport."""
+    quantized checkpoint to `dst` (quant.convert.convert does the writing). observer: how the fp4 schemes pick
+    their scales (quant.schemes.with_observer). -> quant.convert.ConvertReport."""
     from kie_moe.quant.convert import QuantizationWarning, check_destination, convert
-    from kie_moe.quant.schemes import get_scheme
+    from kie_moe.quant.schemes import with_observer
     from .errors import InputError
 
     try:
-        get_scheme(scheme)  # before touching any file
+        scheme = with_observer(scheme, observer)  # before touching any file
     except ValueError as e:
-        raise InputError(str(e)) from None
+        raise InputError(f"kie convert: {e}") from None
     cfg = read_config(src)
     check_destination(src, dst, force)
     path = os.path.join(src, "config.json")

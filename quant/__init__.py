@@ -30,10 +30,12 @@ from .schemes import (
     NotQuantizable,
     QuantizedTensor,
     Scheme,
+    OBSERVERS,
     get_scheme,
     nvfp4_global_scale,
     quantize,
     shared_global_scale,
+    with_observer,
 )
 
 __all__ = [
@@ -42,6 +44,8 @@ __all__ = [
     "QuantizedTensor",
     "Scheme",
     "get_scheme",
+    "with_observer",
+    "OBSERVERS",
     "quantize",
     "nvfp4_global_scale",
     "shared_global_scale",

@@ -62,6 +62,8 @@ def ct_scheme(scheme: "str | Scheme", targets: Sequence[str] = ("Linear",)) -> Q
     sch = get_scheme(scheme)
     qs = preset_name_to_scheme(sch.preset, list(targets))
     qs.format = CompressionFormat(sch.format)
+    if getattr(sch, "observer", "minmax") != "minmax":  # how the scales were chosen (readers need not know)
+        qs.weights.observer = sch.observer
     return qs
 
 

@@ -13,6 +13,7 @@ Weights are [out, in] or stacked experts [E, out, in]; a stacked weight is quant
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
@@ -41,6 +42,8 @@ __all__ = [
     "MxFp4Scheme",
     "SCHEMES",
     "get_scheme",
+    "with_observer",
+    "OBSERVERS",
     "QuantizedTensor",
     "quantize",
     "nvfp4_global_scale",
@@ -52,6 +55,9 @@ __all__ = [
 _F32_EPS = torch.finfo(torch.float32).eps
 _E4M3_SCALE_EPS = 0.125
 _NVFP4_GLOBAL_NUMERATOR = E4M3_MAX * E2M1_MAX  # 2688: maps the tensor amax to e4m3 max x e2m1 max
+# observer "mse": the nvfp4 group scale candidates below the minmax one (factors before e4m3 rounding)
+_MSE_SHRINK = (0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.65, 0.6)
+OBSERVERS = ("minmax", "mse")
 
 
 class NotQuantizable(ValueError):
@@ -168,9 +174,16 @@ class Fp8BlockScheme(Scheme):
 
 @dataclass(frozen=True)
 class _Fp4Scheme(Scheme):
-    """Shared by nvfp4 / mxfp4: e2m1 codes packed two per byte along ``in`` (element 2k low nibble)."""
+    """Shared by nvfp4 / mxfp4: e2m1 codes packed two per byte along ``in`` (element 2k low nibble).
+
+    observer "minmax" (compressed-tensors' default): each group's scale maps its amax to e2m1's 6. "mse" (as
+    llm-compressor's MSE observer): each group takes, of a few candidate scales at and below that one, the one
+    whose codes reconstruct the group with the least squared error (a smaller scale clips the group's largest
+    value to gain resolution for the rest; e2m1 has 8 magnitudes, so that trade often pays). Only the scale
+    values differ: the layout, and every reader, stay the same."""
 
     group_size: int = 16
+    observer: str = "minmax"
 
     def check(self, shape, name="weight"):
         super().check(shape, name)
@@ -186,6 +199,22 @@ class _Fp4Scheme(Scheme):
 
     def _codes(self, t: Mapping[str, torch.Tensor], shape) -> torch.Tensor:
         return self._groups(decode_e2m1(unpack_nibbles(t["weight_packed"])))  # [.., out, G, g] float32
+
+    @staticmethod
+    def _pick(wg: torch.Tensor, candidates) -> torch.Tensor:
+        """Index (int64 [.., out, G]) of the candidate effective scale (each float32 [.., out, G]) with the least
+        squared reconstruction error of the group wg [.., out, G, g]; ties keep the earlier candidate."""
+        best_err = best = None
+        for i, eff in enumerate(candidates):
+            e = eff[..., None]
+            err = (decode_e2m1(encode_e2m1(wg / e)) * e - wg).square().sum(-1)
+            if best is None:
+                best_err, best = err, torch.zeros_like(err, dtype=torch.int64)
+            else:
+                better = err < best_err
+                best_err = torch.where(better, err, best_err)
+                best = torch.where(better, i, best)
+        return best
 
 
 @dataclass(frozen=True)
@@ -213,6 +242,11 @@ class NvFp4Scheme(_Fp4Scheme):
         # Same operation order as calculate_qparams: global * (amax / 6), clamp + round to e4m3, 0 -> eps.
         s = encode_e4m3(g * (amax / E2M1_MAX)).float()
         s = torch.where(s == 0, _E4M3_SCALE_EPS, s)
+        if self.observer == "mse":  # candidates: the minmax scale (first: it wins ties), then shrunk ones
+            cands = [s] + [torch.where(c == 0, _E4M3_SCALE_EPS, c) for c in
+                           (encode_e4m3(s * f).float() for f in _MSE_SHRINK)]
+            pick = self._pick(wg, [c / g for c in cands])
+            s = torch.gather(torch.stack(cands, -1), -1, pick[..., None]).squeeze(-1)
         eff = s / g  # compressed-tensors divides by (scale / global), not multiplies by global / scale
         codes = encode_e2m1(wg / eff[..., None]).reshape(w.shape)
         return {
@@ -250,6 +284,10 @@ class MxFp4Scheme(_Fp4Scheme):
         e = e8m0_from_amax(wg.abs().amax(dim=-1))  # [.., out, G] int32
         if bool((e == 255).any()):
             raise NotQuantizable(name, self.name, "a group amax >= 1.75 * 2^127 has no finite E8M0 scale")
+        if self.observer == "mse":  # the minmax exponent (first: it wins ties) or one below it
+            lower = torch.clamp(e - 1, min=0)
+            pick = self._pick(wg, [decode_e8m0(e.to(torch.uint8)), decode_e8m0(lower.to(torch.uint8))])
+            e = torch.where(pick == 1, lower, e)
         e = e.to(torch.uint8)
         codes = encode_e2m1(wg / decode_e8m0(e)[..., None]).reshape(w.shape)
         return {"weight_packed": pack_nibbles(codes), "weight_scale": e}
@@ -266,6 +304,19 @@ NVFP4 = NvFp4Scheme(
 MXFP4 = MxFp4Scheme("mxfp4", "MXFP4A16", "mxfp4-pack-quantized", ("weight_packed", "weight_scale"))
 
 SCHEMES: dict[str, Scheme] = {s.name: s for s in (FP8, FP8_BLOCK, NVFP4, MXFP4)}
+
+
+def with_observer(scheme: "str | Scheme", observer: str) -> Scheme:
+    """The scheme with its scales chosen by `observer` ("minmax" | "mse"; mse: fp4 schemes only)."""
+    sch = get_scheme(scheme)
+    if observer not in OBSERVERS:
+        raise ValueError(f"unknown observer {observer!r}; expected one of {', '.join(OBSERVERS)}")
+    if not isinstance(sch, _Fp4Scheme):
+        if observer != "minmax":
+            raise ValueError(f"observer {observer!r} applies to the fp4 schemes (nvfp4, mxfp4), not {sch.name}: "
+                             "an fp8 row or block scale already keeps every value's relative precision")
+        return sch
+    return dataclasses.replace(sch, observer=observer)
 
 
 def get_scheme(name: "str | Scheme") -> Scheme:

@@ -162,3 +162,26 @@ def test_bad_arguments(ckpt, tmp_path, capsys):
     assert "a preset ARCH has random weights and no tokenizer" in capsys.readouterr().err
     assert main(["sweep", ckpt, "--text", str(tmp_path / "missing.txt"), "--out", str(tmp_path), *FAST]) == 2
     assert "missing.txt: cannot read it" in capsys.readouterr().err
+
+
+def test_mse_observer_sweep_converts_again_and_says_so(ckpt, text_file, tmp_path, capsys):
+    """--observer mse: the fp4 rows come from conversions with MSE-chosen scales (a cached minmax conversion is not
+    reused: the stamp names the observer), the table and the checkpoint's config say so; a synthetic ARCH
+    (quantized in memory) refuses it."""
+    if S.converter() is None:
+        pytest.skip("kie convert is not in this build")
+    cache = str(tmp_path / "cache")
+    common = ["--text", text_file, "--cache", cache, *FAST]
+    assert main(["sweep", ckpt, "--schemes", "bf16,nvfp4", "--out", str(tmp_path / "mm"), *common]) == 0
+    assert main(["sweep", ckpt, "--schemes", "bf16,nvfp4", "--out", str(tmp_path / "mse"), "--observer", "mse",
+                 *common]) == 0
+    mm, ms = (json.load(open(tmp_path / d / "results.json")) for d in ("mm", "mse"))
+    assert ms["observer"] == "mse" and mm["observer"] == "minmax"
+    assert ms["rows"][1]["model_source"].startswith("converted: ")          # not the cached minmax one
+    assert "(fp4 scales: mse observer)" in (tmp_path / "mse" / "results.md").read_text()
+    cfg = json.load(open(os.path.join(cache, "nvfp4", "config.json")))
+    assert cfg["quantization_config"]["config_groups"]["group_0"]["weights"]["observer"] == "mse"
+    capsys.readouterr()
+    assert main(["sweep", "qwen3-30b-a3b", "--tiny", "--schemes", "bf16,nvfp4", "--out", str(tmp_path / "syn"),
+                 "--observer", "mse", *FAST]) == 2
+    assert "needs a checkpoint" in capsys.readouterr().err

@@ -478,3 +478,34 @@ def test_inf_in_a_fused_v5_expert_is_named(tiny, tmp_path):
     with pytest.raises(CheckpointError, match=rf"{name}\[expert 3\].*Inf"):
         convert_checkpoint(fused, str(tmp_path / "dst"), "mxfp4", progress=False, on_warning=lambda m: None)
     assert not os.path.exists(tmp_path / "dst")
+
+
+def test_cli_convert_mse_observer(tiny, converted, tmp_path, capsys):
+    """`kie convert --observer mse`: the same layout as minmax (compressed-tensors' dequantizer reads it, config.json
+    says how the scales were chosen), scales that differ, and every quantized weight closer to the source."""
+    case = "qwen3_moe_norm"
+    src, dst = tiny(case), str(tmp_path / "mse")
+    rc, out, err = run_cli(capsys, ["convert", src, dst, "--scheme", "nvfp4", "--observer", "mse", "--quiet"])
+    assert rc == 0, err
+    group = read_config(dst)["quantization_config"]["config_groups"]["group_0"]
+    assert group["weights"]["observer"] == "mse"
+    mm_dst = converted(case, "nvfp4")[0]
+    assert read_config(mm_dst)["quantization_config"]["config_groups"]["group_0"]["weights"].get("observer") is None
+    written = all_tensors(dst)
+    ct_out = CompressedTensorsDequantizer(dst, dtype=torch.float32).validate(dict(written))
+    source, qs, qm = all_tensors(src), qsource(dst), qsource(mm_dst)
+    differ = 0
+    for name in qs.shapes():
+        if not qs.is_quantized(name):
+            continue
+        q, m = qs.read_quantized(name), qm.read_quantized(name)
+        if name in ct_out and len(q.shape) == 2:
+            assert torch.equal(ct_out[name], q.dequantize(torch.bfloat16).float()), name
+        w = source[name].float() if name in source else m.dequantize(torch.float32)
+        if name in source:
+            assert float((q.dequantize(torch.float32) - w).square().sum()) <= \
+                float((m.dequantize(torch.float32) - w).square().sum()), name
+        differ += not torch.equal(q.tensors["weight_scale"], m.tensors["weight_scale"])
+    assert differ > 0
+    rc, out, err = run_cli(capsys, ["convert", src, str(tmp_path / "x"), "--scheme", "fp8", "--observer", "mse"])
+    assert rc != 0 and "fp4 schemes" in err
