@@ -40,9 +40,9 @@ import triton.language as tl
 
 from ..models.reference import ReferenceDecoder
 from .pdl import launch_kw, pdl_begin
-from .rope import cast_to
+from .rope import NORM_FULL, _norm_rope_rows, _style_pair, cast_to, check_rope_args, round_to
 
-__all__ = ["gqa_decode", "mla_decode", "gqa_decode_ref", "mla_decode_ref", "default_num_splits",
+__all__ = ["gqa_decode", "rope_gqa_decode", "mla_decode", "gqa_decode_ref", "mla_decode_ref", "default_num_splits",
            "gqa_split_task", "gqa_combine_task", "mla_absorb_task", "mla_split_task", "mla_combine_up_task"]
 
 LOG2E = 1.4426950408889634
@@ -127,13 +127,29 @@ def gqa_split_task(kv_head, split, q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, sin
     start = lo + split * chunk
     end = tl.minimum(start + chunk, length)
     offs_r = tl.arange(0, BLOCK_R)
+    offs_d = tl.arange(0, BLOCK_D)
+    heads = kv_head * REP + offs_r
+    q = tl.load(q_ptr + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=(offs_r < REP)[:, None] & (offs_d < DH)[None, :], other=0.0).to(DOT_DTYPE)  # [BLOCK_R, BLOCK_D]
+    _gqa_attend(q, kv_head, split, start, end, k_cache_ptr, v_cache_ptr, sinks_ptr, out_ptr, o_part_ptr,
+                lse_part_ptr, qk_scale, stride_kt, stride_kh, stride_vt, stride_vh, stride_oh, stride_oph, stride_ops,
+                stride_lh, DH, REP, NUM_SPLITS, HAS_SINKS, DOT_DTYPE, DOT_PREC, BLOCK_R, BLOCK_N, BLOCK_D)
+
+
+@triton.jit
+def _gqa_attend(q, kv_head, split, start, end, k_cache_ptr, v_cache_ptr, sinks_ptr, out_ptr, o_part_ptr,
+                lse_part_ptr, qk_scale, stride_kt, stride_kh, stride_vt, stride_vh, stride_oh, stride_oph, stride_ops,
+                stride_lh, DH: tl.constexpr, REP: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_SINKS: tl.constexpr,
+                DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_D: tl.constexpr):
+    """q [BLOCK_R, BLOCK_D] (DOT_DTYPE, the REP heads of kv_head) over keys [start, end) -> out or the split's
+    partial (see gqa_split_task)."""
+    offs_r = tl.arange(0, BLOCK_R)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     heads = kv_head * REP + offs_r
     mask_r = offs_r < REP
     mask_d = offs_d < DH
-    q = tl.load(q_ptr + heads[:, None] * stride_qh + offs_d[None, :], mask=mask_r[:, None] & mask_d[None, :],
-                other=0.0).to(DOT_DTYPE)                                                  # [BLOCK_R, BLOCK_D]
     m_i = tl.full([BLOCK_R], -float("inf"), tl.float32)
     l_i = tl.zeros([BLOCK_R], tl.float32)
     acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
@@ -160,6 +176,48 @@ def gqa_split_task(kv_head, split, q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, sin
     else:
         _store_partial(o_part_ptr, lse_part_ptr, heads, split, offs_d, m_i, l_i, acc, mask_r, mask_d,
                        stride_oph, stride_ops, stride_lh)
+
+
+@triton.jit
+def rope_gqa_split_task(kv_head, split, q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, cos_ptr, sin_ptr,
+                        q_norm_ptr, k_norm_ptr, sinks_ptr, out_ptr, o_part_ptr, lse_part_ptr, max_len, window,
+                        qk_scale, eps, clip, stride_qh, stride_kh, stride_vh, stride_kt, stride_kch, stride_vt,
+                        stride_vch, stride_cos, stride_oh, stride_oph, stride_ops, stride_lh,
+                        DH: tl.constexpr, ROT: tl.constexpr, PAIR: tl.constexpr, NORM: tl.constexpr,
+                        CLIP: tl.constexpr, REP: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                        HAS_SINKS: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
+                        BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """kernels/rope.py's rope_append_task and gqa_split_task in one program (one launch less per layer): the
+    program whose key range holds `pos` norms + rotates k of `kv_head` and appends k, v at cache[pos] before it
+    reads the range (the other splits never read row pos); every program norms + rotates its own REP q heads
+    in registers (q is not written back). Same rounding as the two launches (q, k rounded to q's dtype).
+    q [Hq, DH], k / v [Hkv, DH] raw; NORM none or per head (a full-projection norm needs every head: unfused)."""
+    pos = tl.load(pos_ptr)
+    DTYPE: tl.constexpr = q_ptr.dtype.element_ty
+    row = tl.minimum(pos, max_len - 1)
+    cos_row = cos_ptr + row * stride_cos
+    sin_row = sin_ptr + row * stride_cos
+    lo, length, chunk, n_active = _split_geometry(pos_ptr, max_len, window, HAS_WINDOW, NUM_SPLITS, BLOCK_N)
+    start = lo + split * chunk
+    end = tl.minimum(start + chunk, length)
+    if (pos >= start) & (pos < end):      # end <= length <= max_len: row pos is inside the cache
+        k, offs_h, offs_d, mask = _norm_rope_rows(k_ptr, kv_head, 1, stride_kh, k_norm_ptr, cos_row, sin_row, eps,
+                                                  clip, DH, ROT, PAIR, NORM, CLIP, DTYPE, 1, BLOCK_D)
+        tl.store(k_cache_ptr + pos * stride_kt + offs_h[:, None] * stride_kch + offs_d[None, :],
+                 cast_to(cast_to(k, DTYPE), k_cache_ptr.dtype.element_ty), mask=mask)
+        v = tl.load(v_ptr + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
+        if CLIP:
+            v = round_to(tl.minimum(tl.maximum(v, -clip), clip), DTYPE)
+        tl.store(v_cache_ptr + pos * stride_vt + offs_h[:, None] * stride_vch + offs_d[None, :],
+                 cast_to(v, v_cache_ptr.dtype.element_ty), mask=mask)
+        tl.debug_barrier()                # the row is in the cache before any thread of this program reads it
+    q, _, _, _ = _norm_rope_rows(q_ptr, kv_head * REP, REP, stride_qh, q_norm_ptr, cos_row, sin_row, eps, clip,
+                                 DH, ROT, PAIR, NORM, CLIP, DTYPE, BLOCK_R, BLOCK_D)
+    q = cast_to(q, DTYPE).to(DOT_DTYPE)
+    _gqa_attend(q, kv_head, split, start, end, k_cache_ptr, v_cache_ptr, sinks_ptr, out_ptr, o_part_ptr,
+                lse_part_ptr, qk_scale, stride_kt, stride_kch, stride_vt, stride_vch, stride_oh, stride_oph,
+                stride_ops, stride_lh, DH, REP, NUM_SPLITS, HAS_SINKS, DOT_DTYPE, DOT_PREC, BLOCK_R, BLOCK_N,
+                BLOCK_D)
 
 
 @triton.jit
@@ -190,6 +248,25 @@ def _gqa_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, sinks_ptr, out_p
                    o_part_ptr, lse_part_ptr, max_len, window, qk_scale, stride_qh, stride_kt, stride_kh, stride_vt,
                    stride_vh, stride_oh, stride_oph, stride_ops, stride_lh,
                    DH, REP, NUM_SPLITS, HAS_WINDOW, HAS_SINKS, DOT_DTYPE, DOT_PREC, BLOCK_R, BLOCK_N, BLOCK_D)
+
+
+@triton.jit
+def _rope_gqa_split_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, cos_ptr, sin_ptr, q_norm_ptr,
+                           k_norm_ptr, sinks_ptr, out_ptr, o_part_ptr, lse_part_ptr, max_len, window, qk_scale, eps,
+                           clip, stride_qh, stride_kh, stride_vh, stride_kt, stride_kch, stride_vt, stride_vch,
+                           stride_cos, stride_oh, stride_oph, stride_ops, stride_lh,
+                           DH: tl.constexpr, ROT: tl.constexpr, PAIR: tl.constexpr, NORM: tl.constexpr,
+                           CLIP: tl.constexpr, REP: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                           HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                           DOT_PREC: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+                           BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_begin(PDL)
+    rope_gqa_split_task(tl.program_id(0), tl.program_id(1), q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, pos_ptr,
+                        cos_ptr, sin_ptr, q_norm_ptr, k_norm_ptr, sinks_ptr, out_ptr, o_part_ptr, lse_part_ptr,
+                        max_len, window, qk_scale, eps, clip, stride_qh, stride_kh, stride_vh, stride_kt, stride_kch,
+                        stride_vt, stride_vch, stride_cos, stride_oh, stride_oph, stride_ops, stride_lh,
+                        DH, ROT, PAIR, NORM, CLIP, REP, NUM_SPLITS, HAS_WINDOW, HAS_SINKS, DOT_DTYPE, DOT_PREC,
+                        BLOCK_R, BLOCK_N, BLOCK_D)
 
 
 @triton.jit
@@ -354,6 +431,30 @@ def gqa_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, po
 
     window: sliding window (key j visible iff pos - window < j <= pos); sinks [Hq] (gpt-oss). Launches only.
     """
+    return _gqa(q, k_cache, v_cache, pos, softmax_scale, window, sinks, num_splits, out, block_n, num_warps)
+
+
+def rope_gqa_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, softmax_scale: float,
+                    style: str = "half", qk_norm: str | None = None, q_norm: torch.Tensor | None = None,
+                    k_norm: torch.Tensor | None = None, eps: float = 1e-6, clip_qkv: float | None = None,
+                    window: int | None = None, sinks: torch.Tensor | None = None, num_splits: int | None = None,
+                    out: torch.Tensor | None = None, block_n: int = 64, num_warps: int = 4) -> torch.Tensor:
+    """rope_append(q, k, v -> cache[pos]) then gqa_decode, as one split launch (+ the combine when split): the
+    same outputs and cache rows, q and k left unrotated in their buffers. Arguments as the two functions';
+    qk_norm "full" (OLMoE) is refused: it needs every head in one program (use the two launches)."""
+    norm = check_rope_args(q, k, v, k_cache, v_cache, pos, cos, sin, qk_norm, q_norm, k_norm)
+    if norm == NORM_FULL:
+        raise ValueError("rope_gqa_decode: qk_norm 'full' normalises over all heads at once; use rope_append + "
+                         "gqa_decode")
+    fused = dict(k=k, v=v, cos=cos, sin=sin, q_norm=q_norm if norm else q, k_norm=k_norm if norm else k,
+                 eps=float(eps), clip=float(clip_qkv or 0.0), ROT=2 * cos.shape[1], PAIR=_style_pair(style),
+                 NORM=norm, CLIP=clip_qkv is not None)
+    return _gqa(q, k_cache, v_cache, pos, softmax_scale, window, sinks, num_splits, out, block_n, num_warps, fused)
+
+
+def _gqa(q, k_cache, v_cache, pos, softmax_scale, window, sinks, num_splits, out, block_n, num_warps, fused=None):
+    """gqa_decode's checks and launches; `fused` (rope_gqa_decode): the split launch norms, rotates and appends."""
     if q.dim() != 2 or k_cache.dim() != 3:
         raise ValueError(f"q must be [Hq, Dh] and k_cache [max_len, Hkv, Dh], got {tuple(q.shape)}, "
                          f"{tuple(k_cache.shape)}")
@@ -388,13 +489,22 @@ def gqa_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, po
         o_part = lse_part = out                     # unused
     sk = sinks if sinks is not None else q
     common = dict(HAS_WINDOW=window is not None, HAS_SINKS=sinks is not None)
-    _gqa_split_kernel[(Hkv, S)](
-        q, k_cache, v_cache, pos, sk, out, o_part, lse_part, max_len, int(window or 0), softmax_scale * LOG2E,
-        q.stride(0), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), out.stride(0),
-        o_part.stride(0), o_part.stride(1) if S > 1 else 0, lse_part.stride(0),
-        DH=Dh, REP=rep, NUM_SPLITS=S, DOT_DTYPE=_dot_dtype(k_cache.dtype), DOT_PREC=_dot_prec(k_cache.dtype),
-        BLOCK_R=max(16, triton.next_power_of_2(rep)),
-        BLOCK_N=block_n, BLOCK_D=BLOCK_D, num_warps=num_warps, **common, **launch_kw(dev))
+    tiles = dict(DH=Dh, REP=rep, NUM_SPLITS=S, DOT_DTYPE=_dot_dtype(k_cache.dtype), DOT_PREC=_dot_prec(k_cache.dtype),
+                 BLOCK_R=max(16, triton.next_power_of_2(rep)), BLOCK_N=block_n, BLOCK_D=BLOCK_D, num_warps=num_warps)
+    part_strides = (out.stride(0), o_part.stride(0), o_part.stride(1) if S > 1 else 0, lse_part.stride(0))
+    if fused is None:
+        _gqa_split_kernel[(Hkv, S)](
+            q, k_cache, v_cache, pos, sk, out, o_part, lse_part, max_len, int(window or 0), softmax_scale * LOG2E,
+            q.stride(0), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), *part_strides,
+            **tiles, **common, **launch_kw(dev))
+    else:
+        f = fused
+        _rope_gqa_split_kernel[(Hkv, S)](
+            q, f["k"], f["v"], k_cache, v_cache, pos, f["cos"], f["sin"], f["q_norm"], f["k_norm"], sk, out, o_part,
+            lse_part, max_len, int(window or 0), softmax_scale * LOG2E, f["eps"], f["clip"],
+            q.stride(0), f["k"].stride(0), f["v"].stride(0), k_cache.stride(0), k_cache.stride(1),
+            v_cache.stride(0), v_cache.stride(1), f["cos"].stride(0), *part_strides,
+            ROT=f["ROT"], PAIR=f["PAIR"], NORM=f["NORM"], CLIP=f["CLIP"], **tiles, **common, **launch_kw(dev))
     if S > 1:
         _gqa_combine_kernel[(Hq,)](
             pos, sk, out, o_part, lse_part, max_len, int(window or 0),

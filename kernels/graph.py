@@ -7,6 +7,8 @@ Per step (position and token live on the device, so the graph replays unchanged)
     per layer:  q, k, v = rmsnorm_gemv(x, attn_norm, W_q|W_k|W_v)         (biases fused)
                 rope_append(q, k, v -> cache[pos])                        (q/k norm, RoPE, clip fused)
                 o = gqa_decode(q, cache, pos)          or the MLA path (absorbed decode)
+                (KIE_FUSED_ROPE_ATTN=1: the two as one launch, attention.rope_gqa_decode; experimental, off until
+                 timed on a GPU: benchmarks/NOTES.md session 8)
                 x = W_o o + x
                 x = moe_experts(route(x), ...) + x     or dense gemv_glu + gemv, + shared expert
     logits = rmsnorm_gemv(x, final_norm, lm_head);  token = sample(logits);  pos += 1
@@ -23,13 +25,17 @@ from kie_moe.models.errors import InputError
 from kie_moe.models.reference import ReferenceDecoder
 from kie_moe.models.spec import canonical
 
-from .attention import gqa_decode, mla_decode
+from .attention import gqa_decode, mla_decode, rope_gqa_decode
 from .gemv import gemv, gemv_glu
 from .moe import RouterConfig, Routing, moe_experts, route
 from .prefill import Prefill
 from .rope import mla_rope_append, rope_append, rope_tables
 from .sampling import DeviceSampler
 from .weights import WeightHandle, dequantize, stored_codes
+
+# RoPE + KV append + decode attention as one launch per layer (attention.rope_gqa_decode; not for OLMoE's
+# full-projection q/k norm). Off by default until timed on a GPU; read when a backend builds its step.
+FUSED_ROPE_ATTN = os.environ.get("KIE_FUSED_ROPE_ATTN", "0") == "1"
 
 
 class HandleStore:
@@ -226,10 +232,14 @@ class GraphBackend:
                 v = gemv(x, L["v"], bias=L["v_bias"], norm_weight=L["attn_norm"], eps=eps)
             q, k, v = q.view(a.num_heads, a.head_dim), k.view(a.num_kv_heads, a.head_dim), v.view(a.num_kv_heads, a.head_dim)
             kc, vc = self.caches[i]
-            rope_append(q, k, v, kc, vc, self.pos, self.cos, self.sin, style=a.rope.style, qk_norm=a.qk_norm,
-                        q_norm=L["q_norm"], k_norm=L["k_norm"], eps=eps, clip_qkv=a.clip_qkv)
-            o = gqa_decode(q, kc, vc, self.pos, softmax_scale=a.softmax_scale, window=L["spec"].sliding_window,
-                           sinks=L["sinks"])
+            rope_kw = dict(style=a.rope.style, qk_norm=a.qk_norm, q_norm=L["q_norm"], k_norm=L["k_norm"], eps=eps,
+                           clip_qkv=a.clip_qkv)
+            attn_kw = dict(softmax_scale=a.softmax_scale, window=L["spec"].sliding_window, sinks=L["sinks"])
+            if FUSED_ROPE_ATTN and a.qk_norm != "full":
+                o = rope_gqa_decode(q, k, v, kc, vc, self.pos, self.cos, self.sin, **rope_kw, **attn_kw)
+            else:
+                rope_append(q, k, v, kc, vc, self.pos, self.cos, self.sin, **rope_kw)
+                o = gqa_decode(q, kc, vc, self.pos, **attn_kw)
         else:
             if "q_a" in L:
                 qa = gemv(x, L["q_a"], norm_weight=L["attn_norm"], eps=eps)

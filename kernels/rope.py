@@ -31,7 +31,7 @@ from ..models.spec import RopeSpec
 from .pdl import launch_kw, pdl_begin
 
 __all__ = ["rope_tables", "rope_append", "mla_rope_append", "rope_append_task", "mla_rope_append_task",
-           "rope_append_ref", "mla_rope_append_ref", "round_to", "cast_to", "NORM_NONE", "NORM_HEAD", "NORM_FULL"]
+           "rope_append_ref", "mla_rope_append_ref", "round_to", "cast_to", "check_rope_args", "NORM_NONE", "NORM_HEAD", "NORM_FULL"]
 
 NORM_NONE, NORM_HEAD, NORM_FULL = 0, 1, 2
 _NORM_CODES = {None: NORM_NONE, "head": NORM_HEAD, "full": NORM_FULL}
@@ -282,6 +282,30 @@ def rope_append(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torc
     qk_norm: None | "head" (q_norm / k_norm [Dh], Qwen3) | "full" (q_norm [Hq*Dh], k_norm [Hkv*Dh], OLMoE; runs
     as one program). clip_qkv clamps q, k, v (OLMoE) after a full norm, as the reference does. Launches only.
     """
+    norm = check_rope_args(q, k, v, k_cache, v_cache, pos, cos, sin, qk_norm, q_norm, k_norm)
+    Hq, Dh = q.shape
+    Hkv = k.shape[0]
+    dev = q.device
+    if norm == NORM_FULL:
+        kv_per_prog = Hkv
+    kv_per_prog = max(1, min(kv_per_prog, Hkv))
+    rep = Hq // Hkv
+    grid = (triton.cdiv(Hkv, kv_per_prog),)
+    block_hq, block_d = triton.next_power_of_2(kv_per_prog * rep), triton.next_power_of_2(Dh)
+    # ~16 elements per thread and array: the row + partner + weight copies of a full-norm program spill otherwise
+    warps = max(1, min(8, block_hq * block_d // 512))
+    _rope_append_kernel[grid](
+        q, k, v, k_cache, v_cache, pos, cos, sin, q_norm if norm else q, k_norm if norm else k,
+        Hq, Hkv, k_cache.shape[0], float(eps), float(clip_qkv or 0.0),
+        q.stride(0), k.stride(0), v.stride(0), k_cache.stride(0), k_cache.stride(1),
+        v_cache.stride(0), v_cache.stride(1), cos.stride(0),
+        DH=Dh, ROT=2 * cos.shape[1], PAIR=_style_pair(style), NORM=norm, CLIP=clip_qkv is not None,
+        KV_PER_PROG=kv_per_prog, REP=rep, BLOCK_HQ=block_hq, BLOCK_HK=triton.next_power_of_2(kv_per_prog),
+        BLOCK_D=block_d, num_warps=warps, **launch_kw(dev))
+
+
+def check_rope_args(q, k, v, k_cache, v_cache, pos, cos, sin, qk_norm, q_norm, k_norm) -> int:
+    """rope_append's (and attention.rope_gqa_decode's) argument checks -> the NORM code."""
     if q.dim() != 2 or k.dim() != 2:
         raise ValueError(f"q must be [Hq, Dh] and k [Hkv, Dh], got q {tuple(q.shape)}, k {tuple(k.shape)}")
     Hq, Dh = q.shape
@@ -310,22 +334,7 @@ def rope_append(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torc
             if w is None or tuple(w.shape) != want or not w.is_contiguous() or w.device != dev:
                 raise ValueError(f"{name}: qk_norm={qk_norm!r} needs a contiguous {want} weight on {dev}, "
                                  f"got {None if w is None else tuple(w.shape)}")
-    if norm == NORM_FULL:
-        kv_per_prog = Hkv
-    kv_per_prog = max(1, min(kv_per_prog, Hkv))
-    rep = Hq // Hkv
-    grid = (triton.cdiv(Hkv, kv_per_prog),)
-    block_hq, block_d = triton.next_power_of_2(kv_per_prog * rep), triton.next_power_of_2(Dh)
-    # ~16 elements per thread and array: the row + partner + weight copies of a full-norm program spill otherwise
-    warps = max(1, min(8, block_hq * block_d // 512))
-    _rope_append_kernel[grid](
-        q, k, v, k_cache, v_cache, pos, cos, sin, q_norm if norm else q, k_norm if norm else k,
-        Hq, Hkv, k_cache.shape[0], float(eps), float(clip_qkv or 0.0),
-        q.stride(0), k.stride(0), v.stride(0), k_cache.stride(0), k_cache.stride(1),
-        v_cache.stride(0), v_cache.stride(1), cos.stride(0),
-        DH=Dh, ROT=2 * cos.shape[1], PAIR=_style_pair(style), NORM=norm, CLIP=clip_qkv is not None,
-        KV_PER_PROG=kv_per_prog, REP=rep, BLOCK_HQ=block_hq, BLOCK_HK=triton.next_power_of_2(kv_per_prog),
-        BLOCK_D=block_d, num_warps=warps, **launch_kw(dev))
+    return norm
 
 
 def mla_rope_append(q: torch.Tensor, kv: torch.Tensor, cache: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor,

@@ -112,6 +112,20 @@ def _compile_all() -> list[dict]:
         record(f"router[score={score},groups={groups}]", k)
     k = G._x8_kernel.warmup(x, x, torch.empty(8, H // 8), H, 1e-6, HAS_NW=True, BLOCK=1024, BLOCK_X=1024, grid=(1,))
     record("x8", k)
+    # RoPE + KV append + decode attention in one launch (qwen3-30b-a3b: 32 q / 4 kv heads of 128, per-head norm)
+    from kie_moe.kernels import attention as A
+    qh, kh, dh = torch.empty(32, 128, dtype=torch.bfloat16), torch.empty(4, 128, dtype=torch.bfloat16), 128
+    kc = torch.empty(256, 4, dh, dtype=torch.bfloat16)
+    cs = torch.empty(256, 64)
+    nw = torch.empty(dh, dtype=torch.bfloat16)
+    po = torch.empty(32, 2, dh)
+    k = A._rope_gqa_split_kernel.warmup(qh, kh, kh, kc, kc, cnt, cs, cs, nw, nw, cs, qh, po, cs, 256, 0, 0.1, 1e-6,
+                                        0.0, dh, dh, dh, 4 * dh, dh, 4 * dh, dh, 64, dh, 2 * dh, dh, 2,
+                                        DH=dh, ROT=dh, PAIR=False, NORM=1, CLIP=False, REP=8, NUM_SPLITS=2,
+                                        HAS_WINDOW=False, HAS_SINKS=False, DOT_DTYPE=A._TL_DTYPE[torch.bfloat16],
+                                        DOT_PREC="tf32", BLOCK_R=16, BLOCK_N=64, BLOCK_D=128, num_warps=4,
+                                        grid=(1,))
+    record("rope_gqa_split[head norm]", k)
     return out
 
 
@@ -123,7 +137,7 @@ def test_kernels_compile_for_sm90():
     proc = subprocess.run([sys.executable, __file__], capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(rows) == 5 * 5 + 1 + 3 + 1
+    assert len(rows) == 5 * 5 + 1 + 3 + 1 + 1
     spills = [r for r in rows if r["local_bytes"]]
     assert not spills, f"register spills to local memory: {spills}"
     heavy = [r for r in rows if r["regs"] and r["regs"] > 128]

@@ -32,3 +32,22 @@ def test_graph_backend_greedy_matches_reference(case, tmp_path):
     be = GraphBackend(m, torch.device("cpu"))
     got = list(be.generate(prompt, SamplingParams(max_new_tokens=STEPS, ignore_eos=True), set()))
     assert got == want
+
+
+@pytest.mark.parametrize("case", ["qwen3", "gpt_oss"])
+def test_fused_rope_attention_step_equals_the_two_launches(case, tmp_path, monkeypatch):
+    """KIE_FUSED_ROPE_ATTN's path (attention.rope_gqa_decode) in the whole decode step: the same tokens and the
+    same last-step logits as rope_append + gqa_decode, and the reference decoder's greedy tokens (Qwen3: per-head
+    q/k norm; gpt-oss: sinks and sliding windows)."""
+    import kie_moe.kernels.graph as G
+    make_checkpoint(case, str(tmp_path))
+    m = load_model(str(tmp_path))
+    prompt = list(range(7, 15))
+    runs = {}
+    for fused in (False, True):
+        monkeypatch.setattr(G, "FUSED_ROPE_ATTN", fused)
+        be = GraphBackend(m, torch.device("cpu"))
+        runs[fused] = (list(be.generate(prompt, SamplingParams(max_new_tokens=STEPS, ignore_eos=True), set())),
+                       be.logits.float().clone())
+    assert runs[True][0] == runs[False][0] == ref_greedy(m, prompt, STEPS)
+    assert torch.equal(runs[True][1], runs[False][1])

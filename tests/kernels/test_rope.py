@@ -106,3 +106,50 @@ def test_rope_append_rejects_bad_inputs():
     with pytest.raises(ValueError, match="kv_b|cache"):
         mla_rope_append(torch.zeros(4, 20, device=DEV), torch.zeros(28, device=DEV), torch.zeros(8, 27, device=DEV),
                         pos_t(0), *rope_tables(RopeSpec(rotary_dim=8), 8, DEV), nope=12)
+
+
+# ---- rope_append + gqa_decode as one launch (attention.rope_gqa_decode) --------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("style,norm,rot,clip,window,sinks,splits", [
+    ("half", None, 24, None, None, False, 1),
+    ("half", "head", 16, None, None, False, 3),    # Qwen3: per-head q/k norm, partial rotation, splits
+    ("pair", None, 16, 0.7, 9, False, 2),          # clip, sliding window
+    ("half", None, 24, None, 5, True, 4),          # gpt-oss: window + sinks, more splits than keys at pos 0
+])
+def test_rope_gqa_decode_equals_the_two_launches(dtype, style, norm, rot, clip, window, sinks, splits):
+    """Against rope_append + gqa_decode (same rounding): equal outputs and cache rows, step after step, with the
+    q / k buffers left as they were; and against the PyTorch references (rope_append_ref + gqa_decode_ref)."""
+    from kie_moe.kernels.attention import gqa_decode, gqa_decode_ref, rope_gqa_decode
+    g = torch.Generator().manual_seed(11)
+    rope = RopeSpec(theta=500.0, rotary_dim=rot, style=style)
+    cos, sin = rope_tables(rope, MAX_LEN, DEV)
+    q_norm = (torch.rand(Dh, generator=g) + 0.5).to(DEV, dtype)
+    k_norm = (torch.rand(Dh, generator=g) + 0.5).to(DEV, dtype)
+    snk = torch.randn(Hq, generator=g).to(DEV, torch.float32) if sinks else None
+    kw = dict(style=style, qk_norm=norm, q_norm=q_norm, k_norm=k_norm, clip_qkv=clip)
+    akw = dict(softmax_scale=Dh ** -0.5, window=window, sinks=snk, num_splits=splits)
+    kc, vc = (torch.zeros(MAX_LEN, Hkv, Dh, dtype=dtype, device=DEV) for _ in range(2))
+    kc2, vc2, kc_ref, vc_ref = (torch.zeros_like(kc) for _ in range(4))
+    for pos in range(0, 12):
+        q, k, v = (torch.randn(h, Dh, generator=g).to(DEV, dtype) for h in (Hq, Hkv, Hkv))
+        q0, k0, v0 = q.clone(), k.clone(), v.clone()
+        got = rope_gqa_decode(q, k, v, kc, vc, pos_t(pos), cos, sin, **kw, **akw)
+        assert torch.equal(q, q0) and torch.equal(k, k0) and torch.equal(v, v0)   # buffers untouched
+        q2, k2, v2 = q.clone(), k.clone(), v.clone()
+        rope_append(q2, k2, v2, kc2, vc2, pos_t(pos), cos, sin, **kw)
+        want = gqa_decode(q2, kc2, vc2, pos_t(pos), **akw)
+        assert torch.equal(kc, kc2) and torch.equal(vc, vc2), f"cache rows differ at pos {pos}"
+        close(got, want, dtype if dtype == torch.float32 else torch.float32, f"out pos={pos}")
+        qr, _ = rope_append_ref(q.clone(), k.clone(), v.clone(), kc_ref, vc_ref, pos, cos, sin, **kw)
+        ref = gqa_decode_ref(qr, kc_ref, vc_ref, pos, softmax_scale=Dh ** -0.5, window=window, sinks=snk)
+        close(got, ref, dtype, f"out vs reference pos={pos}")
+
+
+def test_rope_gqa_decode_refuses_a_full_projection_norm():
+    from kie_moe.kernels.attention import rope_gqa_decode
+    cos, sin = rope_tables(RopeSpec(theta=500.0, rotary_dim=Dh), MAX_LEN, DEV)
+    q, k, v = torch.zeros(Hq, Dh, device=DEV), torch.zeros(Hkv, Dh, device=DEV), torch.zeros(Hkv, Dh, device=DEV)
+    kc = torch.zeros(MAX_LEN, Hkv, Dh, device=DEV)
+    with pytest.raises(ValueError, match="full"):
+        rope_gqa_decode(q, k, v, kc, kc.clone(), pos_t(0), cos, sin, softmax_scale=1.0, qk_norm="full",
+                        q_norm=torch.ones(Hq * Dh, device=DEV), k_norm=torch.ones(Hkv * Dh, device=DEV))
