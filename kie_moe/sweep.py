@@ -263,8 +263,9 @@ def run(model: str, schemes: list[str], out_dir: str, *, text: str | None = None
             if scheme == "bf16":
                 src, origin = base, "bf16 source"
             elif ckpt and convert is not None:
+                from kie_moe.quant.schemes import takes_observer
                 d, how = scheme_checkpoint(model, scheme, cache_dir or os.path.join(out_dir, "checkpoints"), convert,
-                                           observer if scheme in ("nvfp4", "mxfp4") else "minmax")
+                                           observer if takes_observer(scheme) else "minmax")
                 src, origin = open_model(d, dev), f"{how}: {d}"      # its config.json says which modules are quantized
             else:
                 src, origin = B.with_scheme(base, scheme), "quantized in memory"

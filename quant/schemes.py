@@ -43,6 +43,7 @@ __all__ = [
     "SCHEMES",
     "get_scheme",
     "with_observer",
+    "takes_observer",
     "OBSERVERS",
     "QuantizedTensor",
     "quantize",
@@ -306,12 +307,17 @@ MXFP4 = MxFp4Scheme("mxfp4", "MXFP4A16", "mxfp4-pack-quantized", ("weight_packed
 SCHEMES: dict[str, Scheme] = {s.name: s for s in (FP8, FP8_BLOCK, NVFP4, MXFP4)}
 
 
+def takes_observer(scheme: "str | Scheme") -> bool:
+    """Whether `scheme` chooses its scales by an observer (the fp4 schemes); the others are minmax only."""
+    return isinstance(get_scheme(scheme), _Fp4Scheme)
+
+
 def with_observer(scheme: "str | Scheme", observer: str) -> Scheme:
     """The scheme with its scales chosen by `observer` ("minmax" | "mse"; mse: fp4 schemes only)."""
     sch = get_scheme(scheme)
     if observer not in OBSERVERS:
         raise ValueError(f"unknown observer {observer!r}; expected one of {', '.join(OBSERVERS)}")
-    if not isinstance(sch, _Fp4Scheme):
+    if not takes_observer(sch):
         if observer != "minmax":
             raise ValueError(f"observer {observer!r} applies to the fp4 schemes (nvfp4, mxfp4), not {sch.name}: "
                              "an fp8 row or block scale already keeps every value's relative precision")
