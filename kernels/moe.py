@@ -71,14 +71,26 @@ class Routing(NamedTuple):
 # Router
 # ======================================================================================================================
 @triton.jit
+def _topk_key(v, e_idx, BIG: tl.constexpr):
+    """int64 keys whose max is the largest v, the lowest id among equal v: the fp32 bits made order-preserving as a
+    signed int (negatives: magnitude bits flipped) in the high word, BIG - id in the low word."""
+    b = v.to(tl.int32, bitcast=True)
+    b = b ^ ((b >> 31) & 0x7FFFFFFF)
+    return (b.to(tl.int64) << 32) | (BIG - e_idx).to(tl.int64)
+
+
+@triton.jit
 def _route_select(part_ptr, b_ptr, corr_ptr, logits_ptr, ids_ptr, wts_ptr, rstd, scaling, E,
                   HAS_BIAS: tl.constexpr, HAS_CORR: tl.constexpr, SCORE: tl.constexpr, NORM_TOPK: tl.constexpr,
                   N_GROUP: tl.constexpr, GROUP_SIZE: tl.constexpr, TOPK_GROUP: tl.constexpr,
                   GROUP_TOP2: tl.constexpr, TOP_K: tl.constexpr, SPLIT_K: tl.constexpr,
                   BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_TOPK: tl.constexpr):
     """Scores + (group-limited) top-k over all E experts, held as [BLOCK_G groups, BLOCK_S experts per group].
-    Top-k is TOP_K rounds of (max, lowest index attaining it, mask out): no sort, ties go to the lower id."""
+    Top-k is TOP_K rounds of one int64 max over (score, id) keys (_topk_key): no sort, ties go to the lower id.
+    This runs in the one program that finishes last, so each block-wide reduction (warp shuffles, then a shared-
+    memory round behind a barrier) is on the critical path: one per round, not three (max, argmin, sum)."""
     NEG: tl.constexpr = float("-inf")
+    BIG: tl.constexpr = 0x7FFFFFFF
     offs_g = tl.arange(0, BLOCK_G)
     offs_s = tl.arange(0, BLOCK_S)
     e_idx = offs_g[:, None] * GROUP_SIZE + offs_s[None, :]  # [BLOCK_G, BLOCK_S] expert id
@@ -93,8 +105,9 @@ def _route_select(part_ptr, b_ptr, corr_ptr, logits_ptr, ids_ptr, wts_ptr, rstd,
 
     if SCORE == 0:  # softmax over all experts
         lm = tl.where(valid, logit, NEG)
-        p = tl.exp(lm - tl.max(tl.max(lm, axis=1), axis=0))
-        score = p / tl.sum(tl.sum(p, axis=1), axis=0)
+        score = tl.exp(lm - tl.max(tl.max(lm, axis=1), axis=0))
+        if HAS_CORR or not NORM_TOPK:  # renormalised weights need no global sum: p_i / sum_topk p_j
+            score = score / tl.sum(tl.sum(score, axis=1), axis=0)
     elif SCORE == 1:
         score = tl.sigmoid(logit)
     else:
@@ -120,17 +133,22 @@ def _route_select(part_ptr, b_ptr, corr_ptr, logits_ptr, ids_ptr, wts_ptr, rstd,
             gscore = tl.where(offs_g == gi, NEG, gscore)
         choice = tl.where(keep[:, None], choice, NEG)  # -inf, not 0: a biased choice can be negative
 
+    key = _topk_key(choice, e_idx, BIG)
     offs_t = tl.arange(0, BLOCK_TOPK)
     ids = tl.zeros((BLOCK_TOPK,), dtype=tl.int32)
     wts = tl.zeros((BLOCK_TOPK,), dtype=tl.float32)
     for j in tl.static_range(TOP_K):
-        m = tl.max(tl.max(choice, axis=1), axis=0)
-        i = tl.min(tl.min(tl.where(choice == m, e_idx, BLOCK_G * BLOCK_S), axis=1), axis=0)
+        m = tl.max(tl.max(key, axis=1), axis=0)
+        i = BIG - m.to(tl.int32)  # the low word (non-negative)
         sel = e_idx == i
-        wv = tl.sum(tl.sum(tl.where(sel, score, 0.0), axis=1), axis=0)
+        if HAS_CORR:  # the key holds score + correction: take the score itself
+            wv = tl.sum(tl.sum(tl.where(sel, score, 0.0), axis=1), axis=0)
+        else:  # the key's high word is the score's bits, order-mapped: map back
+            hb = (m >> 32).to(tl.int32)
+            wv = (hb ^ ((hb >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
         ids = tl.where(offs_t == j, i, ids)
         wts = tl.where(offs_t == j, wv, wts)
-        choice = tl.where(sel, NEG, choice)
+        key = tl.where(sel, tl.full((BLOCK_G, BLOCK_S), -9223372036854775808, tl.int64), key)  # int64 min
     t_mask = offs_t < TOP_K
     if SCORE == 2:
         p = tl.where(t_mask, tl.exp(wts - tl.max(tl.where(t_mask, wts, NEG), axis=0)), 0.0)
@@ -149,10 +167,11 @@ def _router_kernel(
     NORM_TOPK: tl.constexpr, N_GROUP: tl.constexpr, GROUP_SIZE: tl.constexpr, TOPK_GROUP: tl.constexpr,
     GROUP_TOP2: tl.constexpr, TOP_K: tl.constexpr, SPLIT_K: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_X: tl.constexpr,
-    BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_TOPK: tl.constexpr, PIPE: tl.constexpr,
-    PDL: tl.constexpr = False,
+    BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_TOPK: tl.constexpr, BLOCK_SPLIT: tl.constexpr,
+    PIPE: tl.constexpr, PDL: tl.constexpr = False,
 ):
-    """grid (cdiv(E, BLOCK_N), SPLIT_K): partial logits part[SPLIT_K, E]; the last program to finish selects.
+    """grid (cdiv(E, BLOCK_N), SPLIT_K): partial logits part[SPLIT_K, E] and (row tile 0) each split's sum of x^2
+    part[SPLIT_K * E + split]; the last program to finish selects.
     WRITE_X8: the programs also write the (normed) input in the x8 layout for fp4 experts, a chunk each."""
     pdl_begin(PDL)
     pid_n = tl.program_id(0)
@@ -174,13 +193,24 @@ def _router_kernel(
     acc = _tile_bf16(w_ptr, stride_wn, x_ptr, nw_ptr, pid_n * BLOCK_N, E, k_lo, k_hi, HAS_NW, BLOCK_N, BLOCK_K, PIPE)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     tl.store(part_ptr + pid_k * E + offs_n, acc, mask=offs_n < E)
+    if HAS_NW:
+        if pid_n == 0:  # this split's sum of x^2, for the RMSNorm scale (not a re-read of x in the tail)
+            ss = tl.zeros((BLOCK_X,), dtype=tl.float32)
+            for k0 in range(k_lo, k_hi, BLOCK_X):
+                offs = k0 + tl.arange(0, BLOCK_X)
+                xv = tl.load(x_ptr + offs, mask=offs < k_hi, other=0.0).to(tl.float32)
+                ss += xv * xv
+            tl.store(part_ptr + SPLIT_K * E + pid_k, tl.sum(ss, axis=0))
     tl.debug_barrier()  # all partial stores precede the release below
     ticket = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
     if ticket == tl.num_programs(0) * tl.num_programs(1) - 1:
         tl.atomic_xchg(cnt_ptr, 0)  # leave the counter at zero for the next launch
         rstd = 1.0
         if HAS_NW:
-            rstd = _rstd(x_ptr, K, eps, BLOCK_X)
+            offs_sp = tl.arange(0, BLOCK_SPLIT)
+            ss_all = tl.load(part_ptr + SPLIT_K * E + offs_sp, mask=offs_sp < SPLIT_K, other=0.0,
+                             cache_modifier=".cg")
+            rstd = 1.0 / tl.sqrt(tl.sum(ss_all, axis=0) / K + eps)
         _route_select(part_ptr, b_ptr, corr_ptr, logits_ptr, ids_ptr, wts_ptr, rstd, scaling, E,
                       HAS_BIAS, HAS_CORR, SCORE, NORM_TOPK, N_GROUP, GROUP_SIZE, TOPK_GROUP, GROUP_TOP2, TOP_K,
                       SPLIT_K, BLOCK_G, BLOCK_S, BLOCK_TOPK)
@@ -220,7 +250,7 @@ def route(x: torch.Tensor, router_weight: torch.Tensor, cfg: RouterConfig, *, ro
     cfg_t = config or TileConfig(8, 512)
     n_tiles = triton.cdiv(E, cfg_t.block_n)
     split, k_per_split = plan_split(n_tiles, K, cfg_t.block_k, cfg_t.split_k, dev)
-    part = torch.empty((split, E), dtype=torch.float32, device=dev)
+    part = torch.empty(split * (E + 1), dtype=torch.float32, device=dev)  # partial logits [split, E], sum x^2 [split]
     _router_kernel[(n_tiles, split)](
         x, norm_weight if norm_weight is not None else x, router_weight, router_weight.stride(0),
         router_bias if router_bias is not None else part, correction_bias if correction_bias is not None else part,
@@ -232,7 +262,7 @@ def route(x: torch.Tensor, router_weight: torch.Tensor, cfg: RouterConfig, *, ro
         TOPK_GROUP=cfg.topk_group, GROUP_TOP2=cfg.group_score == "top2", TOP_K=cfg.top_k, SPLIT_K=split,
         BLOCK_N=cfg_t.block_n, BLOCK_K=cfg_t.block_k, BLOCK_X=min(1024, triton.next_power_of_2(K)),
         BLOCK_G=triton.next_power_of_2(cfg.n_group), BLOCK_S=triton.next_power_of_2(group_size),
-        BLOCK_TOPK=triton.next_power_of_2(cfg.top_k),
+        BLOCK_TOPK=triton.next_power_of_2(cfg.top_k), BLOCK_SPLIT=triton.next_power_of_2(split),
         PIPE=cfg_t.prefetch, num_warps=cfg_t.num_warps, num_stages=cfg_t.num_stages, **launch_kw(dev)
     )
     return out

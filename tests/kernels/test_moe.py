@@ -83,12 +83,15 @@ def test_route_groups_exclude_best_expert():
     assert route_ref(x, w, cfg).ids.tolist() == got.ids.tolist()
 
 
-def test_route_with_rmsnorm_and_out_buffers():
+@pytest.mark.parametrize("split", [1, 3])
+def test_route_with_rmsnorm_and_out_buffers(split):
+    """The RMSNorm scale comes from each split's sum of x^2 (row tile 0 of each split writes it)."""
     E, H = 20, 96
     cfg = RouterConfig(top_k=4)
+    tiles = TileConfig(8, 32, split_k=split)
     x, w, nw = _t(H, seed=5, scale=4.0), _t(E, H, seed=6, scale=0.2), _t(H, seed=7)
-    out = route(x, w, cfg, norm_weight=nw, eps=1e-5)
-    again = route(x, w, cfg, norm_weight=nw, eps=1e-5, out=out)  # preallocated (CUDA-graph style) buffers
+    out = route(x, w, cfg, norm_weight=nw, eps=1e-5, config=tiles)
+    again = route(x, w, cfg, norm_weight=nw, eps=1e-5, out=out, config=tiles)  # preallocated (CUDA-graph style)
     assert again.ids.data_ptr() == out.ids.data_ptr()
     want = route_ref(x, w, cfg, norm_weight=nw, eps=1e-5)
     assert again.ids.tolist() == want.ids.tolist()
