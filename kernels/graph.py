@@ -7,8 +7,8 @@ Per step (position and token live on the device, so the graph replays unchanged)
     per layer:  q, k, v = rmsnorm_gemv(x, attn_norm, W_q|W_k|W_v)         (biases fused)
                 rope_append(q, k, v -> cache[pos])                        (q/k norm, RoPE, clip fused)
                 o = gqa_decode(q, cache, pos)          or the MLA path (absorbed decode)
-                (KIE_FUSED_ROPE_ATTN=1: the two as one launch, attention.rope_gqa_decode; experimental, off until
-                 timed on a GPU: benchmarks/NOTES.md session 8)
+                (the two as one launch, attention.rope_gqa_decode, unless KIE_FUSED_ROPE_ATTN=0 or OLMoE's
+                 full-projection q/k norm: qwen3-30b-a3b fp8 +1.3%, llama-3.2-1b +1.8%, NOTES.md session 9)
                 x = W_o o + x
                 x = moe_experts(route(x), ...) + x     or dense gemv_glu + gemv, + shared expert
     logits = rmsnorm_gemv(x, final_norm, lm_head);  token = sample(logits);  pos += 1
@@ -35,7 +35,7 @@ from .weights import WeightHandle, dequantize, stored_codes
 
 # RoPE + KV append + decode attention as one launch per layer (attention.rope_gqa_decode; not for OLMoE's
 # full-projection q/k norm). Off by default until timed on a GPU; read when a backend builds its step.
-FUSED_ROPE_ATTN = os.environ.get("KIE_FUSED_ROPE_ATTN", "0") == "1"
+FUSED_ROPE_ATTN = os.environ.get("KIE_FUSED_ROPE_ATTN", "1") != "0"
 
 
 class HandleStore:

@@ -13,9 +13,12 @@ Two runs per case:
   where the graph's token is not the fp32 argmax, the fp32 logit gap (argmax minus the graph's token; at the first
   divergence this is the top-2 margin) must be either <= TIE (0.1 logits; these models' logits have std ~1.2 and
   their bf16 paths differ from fp32 by 0.02-0.07 logits, 0.1-0.2 for OLMoE's clip_qkv + full q/k norm), or <= the
-  logit error that the bf16 *reference decoder* itself shows at that very step on the same history (a near tie
-  upstream, e.g. in a router's top-k: qwen3-235b's tiny variant flips an expert at step 2 in bf16, and the bf16
-  reference then sits 0.42 logits from fp32, measured with the interpreter). Anything else fails. The graph's
+  most that the bf16 *reference decoder* itself moves any two logits apart at that very step on the same history
+  (max minus min of its signed logit errors: a gap is a difference of two logits; a near tie upstream, e.g. in a
+  router's top-k: qwen3-235b's tiny variant flips an expert at step 2 in bf16, and the bf16 reference then sits
+  0.42 logits from fp32, measured with the interpreter), or a measured router near tie: at one of the step's
+  MoE calls whose fp32 top-k margin is <= TIE, swapping the k-th and (k+1)-th experts' router logits makes the
+  fp32 reference itself give the graph's token (within TIE). Anything else fails. The graph's
   logits at the last step (its logits buffer after the run) must be within max(0.5, 2x the bf16 reference's error
   at that step) of the fp32 reference.
 - fp32 (the same launches and CUDA graph with fp32 weights, KV and activations): strict. The only difference left
@@ -116,34 +119,54 @@ def _teacher_forced(ref, prompt, tokens):
     return torch.stack(out).cpu()
 
 
+def _history(prompt, tokens, step):
+    """The forwards that lead to `step` (teacher-forced) and the step's own input."""
+    return [prompt] + [[t] for t in tokens[:step - 1]] if step else [], prompt if step == 0 else [tokens[step - 1]]
+
+
 @torch.no_grad()
-def _router_margins(ref, prompt, tokens) -> list:
-    """Per step of the teacher-forced fp32 run: the smallest top-k boundary margin over the MoE layers (router
-    logits of the k-th minus the (k+1)-th expert; None for a dense model): how close the reference itself is to
-    picking another expert. A diagnostic printed beside each unexplained disagreement (a flip upstream of the
-    logits shows as a small margin); not part of the acceptance rule."""
+def _step_with_router_swap(ref, prompt, tokens, step, call=None) -> tuple[torch.Tensor, list]:
+    """fp32 logits [V] at `step` (teacher-forced on `tokens`) and that step's router margins, one per MoE call (the
+    k-th minus the (k+1)-th router logit of its last row: how close the reference is to picking another expert).
+    call=i: at the step's i-th MoE call, the k-th and (k+1)-th experts swap their logits (the smallest change that
+    picks the other expert): what the model computes on the other side of that router near tie."""
     import kie_moe.models.reference as R
-    seen = []
-    orig = R.route
+    orig, margins = R.route, []
 
     def spy(moe, logits, score_bias):
         k = moe.top_k
         if logits.shape[-1] > k:
-            v = torch.sort(logits.float(), dim=-1, descending=True).values
-            seen.append(float((v[..., k - 1] - v[..., k]).min()))
+            v, order = torch.sort(logits[-1].float(), descending=True)
+            margins.append(float(v[k - 1] - v[k]))
+            if call is not None and len(margins) - 1 == call:
+                logits = logits.clone()
+                logits[-1, order[k - 1]], logits[-1, order[k]] = v[k], v[k - 1]
         return orig(moe, logits, score_bias)
 
-    out = []
+    before, now = _history(prompt, tokens, step)
+    ref.reset()
+    for ids in before:
+        ref.forward(torch.tensor(ids))
     R.route = spy
     try:
-        ref.reset()
-        for ids in [prompt] + [[t] for t in tokens[:-1]]:
-            seen.clear()
-            ref.forward(torch.tensor(ids))
-            out.append(min(seen) if seen else None)
+        logits = ref.forward(torch.tensor(now))[-1].float().cpu()
     finally:
         R.route = orig
-    return out
+    return logits, margins
+
+
+def _router_flip(ref, prompt, tokens, step, tie, tries=3) -> dict | None:
+    """Does the fp32 reference give the graph's token at `step` when one router near tie (margin <= tie, the
+    `tries` smallest of the step) goes the other way? The first such flip, or None."""
+    _, margins = _step_with_router_swap(ref, prompt, tokens, step)
+    for c in sorted(range(len(margins)), key=margins.__getitem__)[:tries]:
+        if margins[c] > tie:
+            break
+        logits, _ = _step_with_router_swap(ref, prompt, tokens, step, call=c)
+        gap = float(logits.max() - logits[tokens[step]])
+        if gap <= tie:
+            return dict(moe_call=c, router_margin=round(margins[c], 5), gap_after=round(gap, 5))
+    return None
 
 
 def run_parity(model, device, steps: int = STEPS, prompt=PROMPT, backend_dtype=torch.bfloat16) -> dict:
@@ -158,8 +181,6 @@ def run_parity(model, device, steps: int = STEPS, prompt=PROMPT, backend_dtype=t
     ref = reference_decoder(model, device, torch.float32)
     want, margins = _free_running(ref, prompt, steps)
     tf = _teacher_forced(ref, prompt, got)
-    margins_r = _router_margins(ref, prompt, got) if off_any(got, tf) else [None] * len(got)
-    del ref
     first = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
     best = tf.argmax(-1)
     gaps = (tf.max(-1).values - tf.gather(1, torch.tensor(got)[:, None]).squeeze(1)).tolist()
@@ -167,15 +188,28 @@ def run_parity(model, device, steps: int = STEPS, prompt=PROMPT, backend_dtype=t
     # the same math in the backend's precision on the same history: how far does precision alone move the logits?
     low = tf if backend_dtype == torch.float32 else \
         _teacher_forced(reference_decoder(model, device, backend_dtype), prompt, got)
-    low_err = (low - tf).abs().max(-1).values.tolist()
+    err = low - tf
+    low_err = err.abs().max(-1).values.tolist()
+    # a gap is a difference of two logits: the most the low-precision reference moves any pair apart at this step
+    low_pair = (err.max(-1).values - err.min(-1).values).tolist()
     dis = []
     for s in off:
-        why = "near tie" if gaps[s] <= tie else (
-            "within the low-precision reference's own error at this step"
-            if backend_dtype != torch.float32 and gaps[s] <= low_err[s] else None)
+        why, flip = None, None
+        if gaps[s] <= tie:
+            why = "near tie"
+        elif backend_dtype != torch.float32 and gaps[s] <= low_pair[s]:
+            why = "within the low-precision reference's own error at this step"
+        elif backend_dtype != torch.float32:
+            flip = _router_flip(ref, prompt, got, s, tie)
+            if flip:
+                why = "router near tie: the fp32 reference gives this token with that expert choice flipped"
+        margin_r = min(_step_with_router_swap(ref, prompt, got, s)[1], default=None)
         dis.append(dict(step=s, got=got[s], argmax=int(best[s]), gap=round(gaps[s], 5),
-                        low_precision_ref_err=round(low_err[s], 5), low_precision_ref_token=int(low[s].argmax()),
-                        router_margin=None if margins_r[s] is None else round(margins_r[s], 5), accepted_as=why))
+                        low_precision_ref_err=round(low_err[s], 5), low_precision_ref_pair=round(low_pair[s], 5),
+                        low_precision_ref_token=int(low[s].argmax()),
+                        router_margin=None if margin_r is None else round(margin_r, 5), router_flip=flip,
+                        accepted_as=why))
+    del ref
     return dict(
         dtype=str(backend_dtype).replace("torch.", ""), steps=steps, equal=got == want, first_divergence=first,
         margin_at_divergence=None if first is None else margins[first], disagreements=dis,
@@ -186,16 +220,15 @@ def run_parity(model, device, steps: int = STEPS, prompt=PROMPT, backend_dtype=t
         low_precision_ref_err_max=max(low_err), logit_std=float(tf.std(-1).mean()), got=got, want=want)
 
 
-def off_any(got, tf) -> bool:
-    return any(int(t) != g for t, g in zip(tf.argmax(-1).tolist(), got))
-
-
 def _report(case: str, r: dict) -> str:
     head = "equal" if r["equal"] else (f"diverges at step {r['first_divergence']} (fp32 top-2 margin there "
                                        f"{r['margin_at_divergence']:.4f})")
     why = "; ".join(f"step {d['step']}: gap {d['gap']:.4f}, {r['dtype']} reference "
                     f"err {d['low_precision_ref_err']:.4f}"
+                    + f" (pairs {d['low_precision_ref_pair']:.4f})"
                     + (f", router margin {d['router_margin']:.4f}" if d.get("router_margin") is not None else "")
+                    + (f", fp32 with MoE call {d['router_flip']['moe_call']}'s experts flipped: gap "
+                       f"{d['router_flip']['gap_after']:.4f}" if d.get("router_flip") else "")
                     + f" -> {d['accepted_as'] or 'NOT EXPLAINED'}"
                     for d in r["disagreements"])
     line = (f"[graph parity {r['dtype']}] {case}: {head}; {len(r['disagreements'])} teacher-forced disagreements"
@@ -261,3 +294,22 @@ def test_parity_report_on_cpu(tmp_path):
     assert [(d["step"], d["accepted_as"]) for d in r["disagreements"]] == [(4, "near tie")]
     assert isinstance(r["disagreements"][0]["router_margin"], float)   # OLMoE routes: the diagnostic has a value
     check(r)
+
+
+@needs_device
+@pytest.mark.skipif(DEV != "cpu", reason="reference-only plumbing of the parity check")
+def test_router_swap_replay_on_cpu(tmp_path):
+    """The router-flip replay: without a swap it is the teacher-forced step; with the swap at the step's closest
+    MoE call that call picks the (k+1)-th expert (other logits), and the margins are the reference's own."""
+    model = load_case("hf:olmoe", "cpu", str(tmp_path))
+    ref = reference_decoder(model, torch.device("cpu"), torch.float32)
+    toks = [7, 3, 11, 2]
+    tf = _teacher_forced(ref, PROMPT, toks)
+    for step in (0, 3):
+        plain, margins = _step_with_router_swap(ref, PROMPT, toks, step)
+        assert torch.equal(plain, tf[step])
+        assert 0 < len(margins) <= model.spec.num_layers and min(margins) >= 0
+        closest = min(range(len(margins)), key=margins.__getitem__)
+        swapped, again = _step_with_router_swap(ref, PROMPT, toks, step, call=closest)
+        assert again[:closest + 1] == margins[:closest + 1]   # the calls up to the swap saw the same logits
+        assert (swapped - plain).abs().max() > 1e-4
