@@ -22,13 +22,17 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
     return F.linear(x, w, b)
 
 
-def route(moe: MoESpec, logits: torch.Tensor, score_bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Router logits [T, E] (float32) -> (expert ids [T, k], weights [T, k] float32)."""
+def route(moe: MoESpec, logits: torch.Tensor, score_bias: torch.Tensor | None,
+          ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [T, E] (float32) -> (expert ids [T, k], weights [T, k] float32). ids: experts chosen elsewhere
+    (e.g. by a lower-precision run, to compare two computations past a router near tie): only their weights."""
     k = moe.top_k
     if moe.scoring == "softmax_topk":                       # gpt-oss: softmax over the chosen logits
-        top, ids = torch.topk(logits, k, dim=-1)
+        top, ids = torch.topk(logits, k, dim=-1) if ids is None else (logits.gather(1, ids), ids)
         return ids, torch.softmax(top, dim=-1)
     scores = torch.softmax(logits, dim=-1) if moe.scoring == "softmax" else torch.sigmoid(logits)
+    if ids is not None:
+        return ids, _topk_weights(moe, scores, ids)
     choice = scores + score_bias if score_bias is not None else scores
     if moe.n_group > 1:
         T, E = choice.shape
@@ -43,10 +47,14 @@ def route(moe: MoESpec, logits: torch.Tensor, score_bias: torch.Tensor | None) -
         # V3 masks with -inf; V2 with 0 (scores are positive, so the choice is the same)
         choice = choice.masked_fill(~emask, float("-inf") if moe.group_score == "top2sum" else 0.0)
     ids = torch.topk(choice, k, dim=-1, sorted=False).indices
+    return ids, _topk_weights(moe, scores, ids)
+
+
+def _topk_weights(moe: MoESpec, scores: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     w = scores.gather(1, ids)
     if moe.norm_topk_prob:
         w = w / (w.sum(-1, keepdim=True) + (1e-20 if moe.scoring == "sigmoid" else 0.0))
-    return ids, w * moe.routed_scaling_factor
+    return w * moe.routed_scaling_factor
 
 
 class _LazyWeights:
