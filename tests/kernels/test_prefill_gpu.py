@@ -3,7 +3,7 @@ bf16 activations, grouped_mm and the per-expert loop, through the graph backend'
 reference decoder on the same (dequantized) weights. Prompts cross the 2,048-token chunk and gpt-oss's 128-token
 window. The fp32 reference takes the prefill's own expert choices (bf16 and fp32 disagree on router near ties).
 bf16 noise bounds: logits within 3% of their largest magnitude or twice the bf16 reference decoder's error on the
-same choices (cosine > 0.999), every KV row within 5%."""
+same choices (1 - cosine within 1e-3 or twice the bf16 reference's), every KV row within 5%."""
 import pytest
 import torch
 
@@ -52,15 +52,16 @@ def routed_as(pf, monkeypatch):
     return rec
 
 
-def reference_routed(ref, ids, forced: dict, monkeypatch) -> tuple[torch.Tensor, list]:
-    """The fp32 reference's last logits with every MoE layer using the experts in `forced` ({layer: [S, k]}, the
-    prefill's own choice), and where its own top-k differs: (layer, token, fp32 k-th margin) per changed token."""
+def reference_routed(ref, ids, forced: dict, monkeypatch) -> tuple[torch.Tensor, list, dict]:
+    """The reference's last logits with every MoE layer using the experts in `forced` ({layer: [S, k]}, the
+    prefill's own choice); where its own top-k differs: (layer, token, k-th margin) per changed token; and its
+    router logits {layer: [S, E]}."""
     import kie_moe.models.reference as R
-    route, layers, moved, calls = R.route, sorted(forced), [], []
+    route, layers, moved, seen = R.route, sorted(forced), [], {}
 
     def pinned(m, logits, sb):
-        i = layers[len(calls)]
-        calls.append(i)
+        i = layers[len(seen)]
+        seen[i] = logits.float()
         own, _ = route(m, logits, sb)
         want = forced[i].to(own.device)
         diff = (own.sort(-1).values != want.sort(-1).values).any(-1).nonzero().flatten().tolist()
@@ -72,7 +73,7 @@ def reference_routed(ref, ids, forced: dict, monkeypatch) -> tuple[torch.Tensor,
     monkeypatch.setattr(R, "route", pinned)
     out = ref.forward(ids)[-1]
     monkeypatch.setattr(R, "route", route)
-    return out, moved
+    return out, moved, seen
 
 
 @pytest.mark.parametrize("arch,layers,scheme,n", [
@@ -84,8 +85,9 @@ def test_real_width_prefill_matches_fp32_reference(arch, layers, scheme, n, monk
     0.007, and the bf16 *reference decoder* then sits 9% of the largest logit from fp32): such a flip changes
     whole hidden states, so no bf16 bound holds across it. The fp32 reference therefore takes the prefill's own
     expert choice (route(ids=...)), and every (token, layer) where that differs from its own top-k must have an
-    fp32 margin <= ROUTER_TIE (measured there: 232 of 1,400 (token, layer) pairs differ, all with margins below
-    0.085)."""
+    fp32 margin within twice the router-logit error of the bf16 reference decoder in that layer, or ROUTER_TIE
+    (measured there: 232 of 1,400 (token, layer) pairs differ, all with margins below 0.085; on the H200,
+    qwen3-30b-a3b fp8 at 2,500 tokens: 844 of 5,000, one at 0.113)."""
     from kie_moe.kernels.graph import GraphBackend
     spec, store = synth_weights_on_device(cut(arch, layers), DEVICE, torch.bfloat16)
     m = LoadedModel(f"<{arch}>", {}, spec, QuantizingStore(store, scheme) if scheme != "bf16" else store)
@@ -100,17 +102,23 @@ def test_real_width_prefill_matches_fp32_reference(arch, layers, scheme, n, monk
         monkeypatch.undo()
         forced = {i: torch.cat(c) for i, c in rec.items()}
         ref = ReferenceDecoder(spec, be.W, DEVICE, torch.float32, lazy=True)
-        want, moved = reference_routed(ref, ids, forced, monkeypatch)
+        want, moved, rl = reference_routed(ref, ids, forced, monkeypatch)
+        # the same math in bf16 on the same expert choices: how far precision alone moves logits and router logits
+        low, _, rl_low = reference_routed(ReferenceDecoder(spec, be.W, DEVICE, torch.bfloat16, lazy=True), ids,
+                                          forced, monkeypatch)
         path = "grouped" if grouped else "loop"
-        assert all(mg <= ROUTER_TIE for _, _, mg in moved), f"{path}: routing differs beyond a near tie: {moved}"
+        # a flip needs the k-th / (k+1)-th router logits to move apart by the margin: <= twice the largest router
+        # logit error the bf16 reference shows in that layer (or ROUTER_TIE)
+        tie = {i: max(ROUTER_TIE, 2 * float((rl_low[i] - rl[i]).abs().max())) for i in rl}
+        beyond = [(i, t, mg, tie[i]) for i, t, mg in moved if mg > tie[i]]
+        assert not beyond, f"{path}: {len(moved)} routed differently, beyond a near tie: {beyond}"
         # bf16 noise at real widths grows with the prompt (qwen3-30b-a3b bf16, CPU: 2.2% of the largest logit at
         # 300 tokens): the bound is 3% of it or twice what the bf16 reference decoder shows on the same routing
-        low, _ = reference_routed(ReferenceDecoder(spec, be.W, DEVICE, torch.bfloat16, lazy=True), ids, forced,
-                                  monkeypatch)
         err, err_low = float((got - want).abs().max()), float((low.float() - want).abs().max())
         assert err <= max(0.03 * float(want.abs().max()), 2 * err_low), (path, pf.stats, err, err_low, len(moved))
         cos = float(torch.nn.functional.cosine_similarity(got[None], want[None])[0])
-        assert cos > 0.999, (path, cos)
+        cos_low = float(torch.nn.functional.cosine_similarity(low.float()[None], want[None])[0])
+        assert 1 - cos <= max(1e-3, 2 * (1 - cos_low)), (path, cos, cos_low)
         for i, (c, rc) in enumerate(zip(be.caches, ref.cache)):
             pairs = [(c[0][:n], rc[0]), (c[1][:n], rc[1])] if isinstance(c, tuple) else [(c[:n], torch.cat(rc, -1))]
             for g, w in pairs:
