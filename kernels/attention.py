@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 
 from ..models.reference import ReferenceDecoder
-from .pdl import launch_kw, pdl_begin, pdl_trigger
+from .pdl import launch_kw, pdl_begin
 from .rope import NORM_FULL, _norm_rope_rows, _style_pair, cast_to, check_rope_args, round_to
 
 __all__ = ["gqa_decode", "rope_gqa_decode", "mla_decode", "gqa_decode_ref", "mla_decode_ref", "default_num_splits",
@@ -248,7 +248,6 @@ def _gqa_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, sinks_ptr, out_p
                    o_part_ptr, lse_part_ptr, max_len, window, qk_scale, stride_qh, stride_kt, stride_kh, stride_vt,
                    stride_vh, stride_oh, stride_oph, stride_ops, stride_lh,
                    DH, REP, NUM_SPLITS, HAS_WINDOW, HAS_SINKS, DOT_DTYPE, DOT_PREC, BLOCK_R, BLOCK_N, BLOCK_D)
-    pdl_trigger(PDL)
 
 
 @triton.jit
@@ -268,7 +267,6 @@ def _rope_gqa_split_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, pos_pt
                         stride_vt, stride_vch, stride_cos, stride_oh, stride_oph, stride_ops, stride_lh,
                         DH, ROT, PAIR, NORM, CLIP, REP, NUM_SPLITS, HAS_WINDOW, HAS_SINKS, DOT_DTYPE, DOT_PREC,
                         BLOCK_R, BLOCK_N, BLOCK_D)
-    pdl_trigger(PDL)
 
 
 @triton.jit
@@ -278,7 +276,6 @@ def _gqa_combine_kernel(pos_ptr, sinks_ptr, out_ptr, o_part_ptr, lse_part_ptr, m
                         HAS_SINKS: tl.constexpr, SPLIT_BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
                         BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
     pdl_begin(PDL)
-    pdl_trigger(PDL)  # 1 warp per q head, all resident: the o projection's blocks may prefetch beside it
     gqa_combine_task(tl.program_id(0), pos_ptr, sinks_ptr, out_ptr, o_part_ptr, lse_part_ptr, max_len, window,
                      stride_oh, stride_oph, stride_ops, stride_lh,
                      DH, NUM_SPLITS, HAS_WINDOW, HAS_SINKS, SPLIT_BLOCK_N, BLOCK_S, BLOCK_D)

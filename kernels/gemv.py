@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .pdl import launch_kw, pdl_begin, pdl_begin_tile, pdl_trigger
+from .pdl import launch_kw, pdl_begin
 from .tiles import (ACT_ID, FMT_ID, _glu, _rstd, _split_reduce, _store_out, _tile, _tile_bf16,  # noqa: F401
                     _tile_fp8, _tile_fp8_block, _tile_mxfp4, _tile_nvfp4)
 from .weights import FP8_BLOCK, WeightHandle, dequantize
@@ -104,14 +104,13 @@ def _gemv_kernel(
 ):
     """grid (cdiv(N, BLOCK_N), SPLIT_K): y[N] = (rstd *) W[N, K] @ (nw *) x[K] (+ bias) (+ residual).
     fp4 formats: x_ptr is x8 (prepare_x8, norm applied there) and HAS_NW is False."""
-    pdl_begin_tile(PDL, w_ptr, stride_wn, N, K, k_per_split, BLOCK_N, 8 if FMT >= 3 else 1)
+    pdl_begin(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
     acc = _tile(FMT, w_ptr, stride_wn, s_ptr, stride_sn, stride_sk, gs_ptr, x_ptr, nw_ptr, stride_x8,
                 pid_n * BLOCK_N, N, k_lo, k_hi, HAS_NW, BLOCK_N, BLOCK_K, PIPE)
-    pdl_trigger(PDL)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     if SPLIT_K == 1:

@@ -19,7 +19,7 @@ import triton.language as tl
 
 from .gemv import (DEFAULT_GLU_TILES, TileConfig, check_vec, check_x, counters, glu_ref, input_args, is_fp4,
                    make_out, num_sms, plan_split, resolve_config, weight_args)
-from .pdl import launch_kw, pdl_begin, pdl_begin_tile, pdl_trigger
+from .pdl import launch_kw, pdl_begin
 from .tiles import ACT_ID, FMT_ID, _glu, _rstd, _split_reduce, _store_out, _tile, _tile_bf16
 from .weights import WeightHandle, dequantize
 
@@ -173,7 +173,7 @@ def _router_kernel(
     """grid (cdiv(E, BLOCK_N), SPLIT_K): partial logits part[SPLIT_K, E] and (row tile 0) each split's sum of x^2
     part[SPLIT_K * E + split]; the last program to finish selects.
     WRITE_X8: the programs also write the (normed) input in the x8 layout for fp4 experts, a chunk each."""
-    pdl_begin_tile(PDL, w_ptr, stride_wn, E, K, k_per_split, BLOCK_N, 1)
+    pdl_begin(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     if WRITE_X8:
@@ -191,7 +191,6 @@ def _router_kernel(
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
     acc = _tile_bf16(w_ptr, stride_wn, x_ptr, nw_ptr, pid_n * BLOCK_N, E, k_lo, k_hi, HAS_NW, BLOCK_N, BLOCK_K, PIPE)
-    pdl_trigger(PDL)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     tl.store(part_ptr + pid_k * E + offs_n, acc, mask=offs_n < E)
     if HAS_NW:
@@ -327,7 +326,6 @@ def _expert_glu_kernel(
     u = _tile(FMT, wu_ptr + e * stride_wue, stride_wun, su_ptr + e * stride_sue, stride_sun, stride_suk,
               gsu_ptr + e * stride_gue, x_ptr, nw_ptr, stride_x8, n_start, I, 0, K, HAS_NW, BLOCK_N, BLOCK_K,
               PIPE)
-    pdl_trigger(PDL)
     offs_n = n_start + tl.arange(0, BLOCK_N)
     n_mask = offs_n < I
     if HAS_NW:
@@ -370,7 +368,6 @@ def _expert_down_kernel(
         if HAS_BIAS:
             d += tl.load(bd_ptr + e * stride_bde + offs_n, mask=n_mask, other=0.0).to(tl.float32)
         acc += tl.load(wts_ptr + slot) * d
-    pdl_trigger(PDL)
     if SPLIT == 1:
         _store_out(acc, offs_n, n_mask, y_ptr, y_ptr, res_ptr, False, HAS_RES)
     else:

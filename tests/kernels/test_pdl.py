@@ -30,13 +30,11 @@ def _pdl_launches(tree: ast.Module) -> set[str]:
 
 
 def _waits_first(fn: ast.FunctionDef) -> bool:
-    """fn's first statement (after its docstring) is pdl_begin(PDL), or pdl_begin_tile(PDL, w_ptr, ...) (an L2
-    prefetch of the kernel's own read-only weight rows, then the wait)."""
+    """fn's first statement (after its docstring) is pdl_begin(PDL)."""
     first = _first_statement(fn)
-    if not (isinstance(first, ast.Expr) and isinstance(first.value, ast.Call)):
-        return False
-    name, args = getattr(first.value.func, "id", ""), [getattr(a, "id", None) for a in first.value.args]
-    return (name == "pdl_begin" and args == ["PDL"]) or (name == "pdl_begin_tile" and args[:2] == ["PDL", "w_ptr"])
+    return (isinstance(first, ast.Expr) and isinstance(first.value, ast.Call)
+            and getattr(first.value.func, "id", "") == "pdl_begin"
+            and [getattr(a, "id", None) for a in first.value.args] == ["PDL"])
 
 
 def test_every_pdl_launch_waits_first():
