@@ -121,7 +121,9 @@ def _teacher_forced(ref, prompt, tokens):
 
 def _history(prompt, tokens, step):
     """The forwards that lead to `step` (teacher-forced) and the step's own input."""
-    return [prompt] + [[t] for t in tokens[:step - 1]] if step else [], prompt if step == 0 else [tokens[step - 1]]
+    if step == 0:
+        return [], prompt
+    return [prompt] + [[t] for t in tokens[:step - 1]], [tokens[step - 1]]
 
 
 @torch.no_grad()
