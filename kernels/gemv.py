@@ -23,6 +23,7 @@ last reduces the partials in a fixed order (deterministic) through counters that
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 
 import torch
@@ -75,6 +76,11 @@ DEFAULT_GLU_TILES = {
 }
 _MIN_BLOCK_K = {"nvfp4": 16, "mxfp4": 32}
 PROGRAMS_PER_SM = 4  # split-K / slot-split target: enough resident programs per SM to cover HBM latency
+# Experiment (session 9, untimed end to end): a default-tiled GEMV that would split K (fewer than 2 row tiles per SM:
+# o_proj, dense down projections) takes narrower row tiles with 1024-wide K steps instead, so no program waits on
+# a split-K reduction. The qwen3-30b-a3b fp8 o_proj layer sweep timed 4 x 1024 without a split at 5.12 us against
+# 6.18 us for the default 16 x 512 split 4 (one row, results/2026-12-03-h200-s8-layer-sweep-qwen3-fp8.json).
+ROWS_FIRST = os.environ.get("KIE_GEMV_ROWS_FIRST", "0") == "1"
 
 
 # ======================================================================================================================
@@ -319,6 +325,8 @@ def gemv(x: torch.Tensor, w: WeightHandle, *, bias: torch.Tensor | None = None, 
     check_vec(norm_weight, K, w.device, "norm_weight")
     y = make_out(x, N, out)
     cfg = resolve_config(w, config)
+    if ROWS_FIRST and config is None:
+        cfg = rows_first(cfg, N, K, w.fmt, w.device)
     n_tiles = triton.cdiv(N, cfg.block_n)
     split, k_per_split = plan_split(n_tiles, K, cfg.block_k, cfg.split_k, w.device)
     part = torch.empty((split, N), dtype=torch.float32, device=x.device) if split > 1 else y
@@ -333,6 +341,18 @@ def gemv(x: torch.Tensor, w: WeightHandle, *, bias: torch.Tensor | None = None, 
         PIPE=cfg.prefetch, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_kw(x.device)
     )
     return y
+
+
+def rows_first(cfg: TileConfig, N: int, K: int, fmt: str, device: torch.device) -> TileConfig:
+    """KIE_GEMV_ROWS_FIRST: halve block_n (down to 4) while there are fewer than 2 row tiles per SM, with K steps of
+    1024 (fitted to K) once it narrowed, and no split-K when that reaches 2 row tiles per SM."""
+    sms, bn = num_sms(device), cfg.block_n
+    while bn > 4 and triton.cdiv(N, bn) < 2 * sms:
+        bn //= 2
+    if bn == cfg.block_n:
+        return cfg
+    return dataclasses.replace(cfg, block_n=bn, block_k=pick_block_k(K, max(cfg.block_k, 1024), fmt),
+                               split_k=1 if triton.cdiv(N, bn) >= 2 * sms else cfg.split_k)
 
 
 def rmsnorm_gemv(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, w: WeightHandle, **kw) -> torch.Tensor:

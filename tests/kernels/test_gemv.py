@@ -247,3 +247,32 @@ def test_errors_name_the_tensor():
         gemv(_x(160), random_weight("fp8_block", 37, 160, device=DEV), config=TileConfig(256, 64))
     with pytest.raises(KeyError, match="weight_packed"):
         WeightHandle.from_compressed({"bias": torch.zeros(3)})
+
+
+def test_rows_first_tiles(monkeypatch):
+    """KIE_GEMV_ROWS_FIRST's tile rule on a 132-SM device: qwen3-30b-a3b's fp8 o_proj (2048 x 4096, default 16 x 512
+    split 4) becomes 4 x 1024 without a split; a GEMV with enough row tiles (its qkv, an lm_head) keeps its tile."""
+    import kie_moe.kernels.gemv as G
+    monkeypatch.setattr(G, "num_sms", lambda dev: 132)
+    dev, fp8 = torch.device("cpu"), G.DEFAULT_TILES["fp8"]
+    assert G.rows_first(fp8, 2048, 4096, "fp8", dev) == TileConfig(4, 1024, num_warps=fp8.num_warps, prefetch=False,
+                                                                   split_k=1)
+    assert G.rows_first(fp8, 5120, 2048, "fp8", dev) is fp8
+    assert G.rows_first(G.DEFAULT_TILES["bf16"], 151936, 2048, "bf16", dev) is G.DEFAULT_TILES["bf16"]
+    small = G.rows_first(fp8, 300, 768, "fp8", dev)        # stays under 2 tiles per SM at 4 rows: split K as before
+    assert (small.block_n, small.block_k, small.split_k) == (4, 256, None)
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "bf16", "nvfp4"])
+def test_gemv_rows_first_equals_reference(fmt, monkeypatch):
+    """The rows-first tiles on a many-SM device (odd N, residual, norm) give the reference's result."""
+    import kie_moe.kernels.gemv as G
+    monkeypatch.setattr(G, "num_sms", lambda dev: 132)
+    monkeypatch.setattr(G, "ROWS_FIRST", True)
+    N, K = 1100, 1536
+    w = random_weight(fmt, N, K, seed=31, device=DEV)
+    x, res = _x(K, 32), _x(N, 33, torch.float32)
+    nw = torch.rand(K, generator=torch.Generator().manual_seed(34)).to(torch.bfloat16).to(DEV)
+    assert G.rows_first(G.DEFAULT_TILES[fmt], N, K, fmt, x.device).block_n == 4
+    y = gemv(x, w, residual=res, norm_weight=nw, out=torch.empty(N, device=DEV))
+    assert_close(y, gemv_ref(x, w, residual=res, norm_weight=nw, out_dtype=torch.float32), what=f"rows-first {fmt}")
