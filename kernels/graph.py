@@ -34,7 +34,7 @@ from .sampling import DeviceSampler
 from .weights import WeightHandle, dequantize, stored_codes
 
 # RoPE + KV append + decode attention as one launch per layer (attention.rope_gqa_decode; not for OLMoE's
-# full-projection q/k norm). Off by default until timed on a GPU; read when a backend builds its step.
+# full-projection q/k norm). On unless KIE_FUSED_ROPE_ATTN=0 (timed: NOTES.md session 9); read at import.
 FUSED_ROPE_ATTN = os.environ.get("KIE_FUSED_ROPE_ATTN", "1") != "0"
 
 

@@ -71,12 +71,17 @@ class Routing(NamedTuple):
 # Router
 # ======================================================================================================================
 @triton.jit
+def _order_bits(b):
+    """fp32 bits (int32) <-> a signed int with the floats' order (negatives: magnitude bits flipped); its own
+    inverse."""
+    return b ^ ((b >> 31) & 0x7FFFFFFF)
+
+
+@triton.jit
 def _topk_key(v, e_idx, BIG: tl.constexpr):
-    """int64 keys whose max is the largest v, the lowest id among equal v: the fp32 bits made order-preserving as a
-    signed int (negatives: magnitude bits flipped) in the high word, BIG - id in the low word."""
-    b = v.to(tl.int32, bitcast=True)
-    b = b ^ ((b >> 31) & 0x7FFFFFFF)
-    return (b.to(tl.int64) << 32) | (BIG - e_idx).to(tl.int64)
+    """int64 keys whose max is the largest v, the lowest id among equal v: v's order-mapped bits (_order_bits) in
+    the high word, BIG - id in the low word."""
+    return (_order_bits(v.to(tl.int32, bitcast=True)).to(tl.int64) << 32) | (BIG - e_idx).to(tl.int64)
 
 
 @triton.jit
@@ -144,8 +149,7 @@ def _route_select(part_ptr, b_ptr, corr_ptr, logits_ptr, ids_ptr, wts_ptr, rstd,
         if HAS_CORR:  # the key holds score + correction: take the score itself
             wv = tl.sum(tl.sum(tl.where(sel, score, 0.0), axis=1), axis=0)
         else:  # the key's high word is the score's bits, order-mapped: map back
-            hb = (m >> 32).to(tl.int32)
-            wv = (hb ^ ((hb >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+            wv = _order_bits((m >> 32).to(tl.int32)).to(tl.float32, bitcast=True)
         ids = tl.where(offs_t == j, i, ids)
         wts = tl.where(offs_t == j, wv, wts)
         key = tl.where(sel, tl.full((BLOCK_G, BLOCK_S), -9223372036854775808, tl.int64), key)  # int64 min

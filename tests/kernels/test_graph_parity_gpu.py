@@ -157,10 +157,9 @@ def _step_with_router_swap(ref, prompt, tokens, step, call=None) -> tuple[torch.
     return logits, margins
 
 
-def _router_flip(ref, prompt, tokens, step, tie, tries=3) -> dict | None:
+def _router_flip(ref, prompt, tokens, step, margins, tie, tries=3) -> dict | None:
     """Does the fp32 reference give the graph's token at `step` when one router near tie (margin <= tie, the
-    `tries` smallest of the step) goes the other way? The first such flip, or None."""
-    _, margins = _step_with_router_swap(ref, prompt, tokens, step)
+    `tries` smallest of the step's `margins`) goes the other way? The first such flip, or None."""
     for c in sorted(range(len(margins)), key=margins.__getitem__)[:tries]:
         if margins[c] > tie:
             break
@@ -197,15 +196,16 @@ def run_parity(model, device, steps: int = STEPS, prompt=PROMPT, backend_dtype=t
     dis = []
     for s in off:
         why, flip = None, None
+        margins_s = _step_with_router_swap(ref, prompt, got, s)[1]
         if gaps[s] <= tie:
             why = "near tie"
         elif backend_dtype != torch.float32 and gaps[s] <= low_pair[s]:
             why = "within the low-precision reference's own error at this step"
         elif backend_dtype != torch.float32:
-            flip = _router_flip(ref, prompt, got, s, tie)
+            flip = _router_flip(ref, prompt, got, s, margins_s, tie)
             if flip:
                 why = "router near tie: the fp32 reference gives this token with that expert choice flipped"
-        margin_r = min(_step_with_router_swap(ref, prompt, got, s)[1], default=None)
+        margin_r = min(margins_s, default=None)
         dis.append(dict(step=s, got=got[s], argmax=int(best[s]), gap=round(gaps[s], 5),
                         low_precision_ref_err=round(low_err[s], 5), low_precision_ref_pair=round(low_pair[s], 5),
                         low_precision_ref_token=int(low[s].argmax()),
