@@ -57,18 +57,27 @@ def test_concurrent_clients_get_their_lone_text(server, client):
     assert together == lone
 
 
-def test_waiters_run_in_arrival_order_and_loop_stays_responsive(server, client):
-    base = server[0]
+def test_waiters_run_in_arrival_order_and_loop_stays_responsive(server, client, monkeypatch):
+    base, svc = server
     s, _ = slow_stream(client)
-    done, lock, threads = [], threading.Lock(), []
+    # the oracle is the order the engine starts each prompt in: the order client threads wake up after their
+    # answers is the OS scheduler's, and on a busy machine D's 3 tokens can land before C's thread runs
+    started, inner = [], svc.engine.stream
+
+    def recording(ids, params):
+        started.append(list(ids))
+        return inner(ids, params)
+
+    monkeypatch.setattr(svc.engine, "stream", recording)
+    tags = {"B": 20, "C": 21, "D": 22}
+    threads = []
 
     def short(tag):
-        openai_client(base).completions.create(model=MODEL, prompt=PROMPT_IDS, max_tokens=3, temperature=0)
-        with lock:
-            done.append(tag)
+        openai_client(base).completions.create(model=MODEL, prompt=PROMPT_IDS + [tags[tag]], max_tokens=3,
+                                               temperature=0)
 
     try:
-        for i, tag in enumerate("BCD"):
+        for i, tag in enumerate(tags):
             threads.append(threading.Thread(target=short, args=(tag,)))
             threads[-1].start()
             wait_metric(base, "kie_queue_depth", i + 1)
@@ -82,7 +91,8 @@ def test_waiters_run_in_arrival_order_and_loop_stays_responsive(server, client):
         s.close()
     for t in threads:
         t.join(30)
-    assert done == ["B", "C", "D"]
+    assert not any(t.is_alive() for t in threads)
+    assert started == [PROMPT_IDS + [tags[t]] for t in "BCD"]
 
 
 def test_queue_full_429_and_disconnects_free_the_engine(ckpt):
