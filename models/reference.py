@@ -202,15 +202,22 @@ class ReferenceDecoder:
 
     # ---- the decoder ---------------------------------------------------------------------------------------
     @torch.no_grad()
+    def layer(self, i: int, x: torch.Tensor, start: int) -> torch.Tensor:
+        """Decoder layer i on the residual stream x [S, D] at positions start.. (appends to layer i's cache only,
+        so calibration can run the stack one layer at a time: models/calibrate.py)."""
+        lay, eps = self.spec.layers[i], self.spec.norm_eps
+        h = rms_norm(x, self.p(i, "attn_norm"), eps)
+        x = x + (self._mla if lay.attn.kind == "mla" else self._gqa)(i, lay, h, start)
+        h = rms_norm(x, self.p(i, "mlp_norm"), eps)
+        return x + (self._moe(i, lay.moe, h) if lay.moe is not None else self._swiglu(i, "mlp", h))
+
+    @torch.no_grad()
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [S] int64 -> logits [S, V] float32; extends the KV cache by S positions."""
         spec, start = self.spec, self.pos
         x = self.w["embed"][ids.to(self.device)]
-        for i, lay in enumerate(spec.layers):
-            h = rms_norm(x, self.p(i, "attn_norm"), spec.norm_eps)
-            x = x + (self._mla if lay.attn.kind == "mla" else self._gqa)(i, lay, h, start)
-            h = rms_norm(x, self.p(i, "mlp_norm"), spec.norm_eps)
-            x = x + (self._moe(i, lay.moe, h) if lay.moe is not None else self._swiglu(i, "mlp", h))
+        for i in range(spec.num_layers):
+            x = self.layer(i, x, start)
         self.pos += ids.shape[0]
         x = rms_norm(x, self.w["final_norm"], spec.norm_eps)
         return linear(x, self.w["lm_head"]).float()

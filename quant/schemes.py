@@ -110,9 +110,27 @@ class Scheme:
         """-> float32 [..., out, in]."""
         raise NotImplementedError
 
+    # element grid, for solvers that choose codes themselves under fixed scales (quant/gptq.py)
+    def _round(self, x: torch.Tensor) -> torch.Tensor:
+        """float32 values already divided by their scale -> the nearest element of the format's grid (float32)."""
+        raise NotImplementedError
+
+    def _store(self, x: torch.Tensor) -> torch.Tensor:
+        """float32 [.., out, in] values on the grid -> the code tensor as written (``weight_name``'s)."""
+        raise NotImplementedError
+
 
 @dataclass(frozen=True)
-class Fp8ChannelScheme(Scheme):
+class _E4M3Scheme(Scheme):
+    def _round(self, x):
+        return decode_e4m3(encode_e4m3(x))
+
+    def _store(self, x):
+        return encode_e4m3(x)
+
+
+@dataclass(frozen=True)
+class Fp8ChannelScheme(_E4M3Scheme):
     """FP8_DYNAMIC weights: e4m3 [.., out, in], float32 weight_scale [.., out, 1] = row amax / 448.
 
     llm-compressor stores this scale in the weight's dtype (bf16 for bf16 models); we keep float32, which
@@ -134,7 +152,7 @@ class Fp8ChannelScheme(Scheme):
 
 
 @dataclass(frozen=True)
-class Fp8BlockScheme(Scheme):
+class Fp8BlockScheme(_E4M3Scheme):
     """FP8_BLOCK weights: e4m3 [.., out, in] (unpadded), float32 weight_scale [.., ceil(out/bo), ceil(in/bi)].
 
     Ragged edges: compressed-tensors zero-pads to whole blocks to compute amax and quantize, then crops the
@@ -194,6 +212,12 @@ class _Fp4Scheme(Scheme):
             raise NotQuantizable(
                 name, self.name, f"in={shape[-1]} is not a multiple of the group size {self.group_size}"
             )
+
+    def _round(self, x):
+        return decode_e2m1(encode_e2m1(x))
+
+    def _store(self, x):
+        return pack_nibbles(encode_e2m1(x))
 
     def _groups(self, w: torch.Tensor) -> torch.Tensor:
         return w.reshape(*w.shape[:-1], w.shape[-1] // self.group_size, self.group_size)  # [.., out, G, g]

@@ -1,0 +1,122 @@
+"""Calibration for GPTQ (quant/gptq.py): the Hessian X^T X / N of every quantizable Linear's inputs, collected by
+running the reference decoder over calibration token windows, one decoder layer at a time.
+
+Sequential, as llm-compressor's sequential pipeline: layer i's inputs are computed by layers 0..i-1 already
+quantized (GPTQ under their own Hessians), so each layer's codes compensate the error the layers below it made on
+the calibration text, not an error that never happens. Within a layer every Linear is calibrated from one pass of
+the float layer (q/k/v/o, router, experts alike).
+
+The Linears are found by identity: the reference decoder calls `reference.linear(x, w)` with the very tensors it
+holds under canonical names, so wrapping that function for the duration sees each Linear's input beside its
+weight, for every family whose decoder is the ReferenceDecoder (attention of any kind, dense MLPs, routed and
+shared experts). A routed expert sees only the tokens routed to it; one that no calibration token chose has no
+Hessian and is rounded to nearest (counted in the result).
+
+Cost: the model held in `dtype` on `device` plus one [in, in] float32 matrix per Linear of one layer; the reference
+decoder's MoE is a Python loop over tokens, so on a CPU this suits small models (the embedded demo model: ~1 min
+for 16k tokens); real checkpoints want --device cuda.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from .quantizable import is_linear, partner_group
+from .spec import canonical
+
+__all__ = ["Calibration", "calibrate_gptq"]
+
+
+@dataclass
+class Calibration:
+    """hessians: canonical Linear name -> H [in, in] float32 (host); tokens: calibration tokens run; unseen:
+    Linears whose input no calibration token reached (rounded to nearest)."""
+    hessians: dict[str, torch.Tensor] = field(default_factory=dict)
+    tokens: int = 0
+    unseen: list[str] = field(default_factory=list)
+
+
+def _global_scales(w: dict, names: list[str], scheme) -> dict[str, torch.Tensor | None]:
+    """nvfp4: one global scale per fused-partner group (quantize shares it the same way: convert.group_global)."""
+    from kie_moe.quant.schemes import shared_global_scale
+    out: dict[str, torch.Tensor | None] = {n: None for n in names}
+    if scheme.name != "nvfp4":
+        return out
+    groups: dict[str, list[str]] = {}
+    for n in names:
+        g = partner_group(n)
+        if g is not None:
+            groups.setdefault(g, []).append(n)
+    for members in groups.values():
+        if len(members) > 1:
+            g = shared_global_scale([w[m].float() for m in members], members)
+            out.update({m: g for m in members})
+    return out
+
+
+@torch.no_grad()
+def calibrate_gptq(model, scheme, windows: torch.Tensor, device: "str | torch.device" = "cpu",
+                   dtype: torch.dtype | None = None, targets: Callable[[str], bool] = is_linear,
+                   damp: float | None = None, progress: Callable[[str], None] | None = None) -> Calibration:
+    """Hessians of every Linear `targets(canonical)` selects, layer by layer with the layers below quantized.
+
+    model: models.registry.LoadedModel (float or quantized checkpoint; the reference decoder dequantizes);
+    scheme: the quant scheme GPTQ will write (the layers below are quantized in it); windows: [n, S] token ids,
+    each run from an empty cache. Returns host float32 Hessians keyed by canonical name."""
+    from kie_moe.quant.gptq import DEFAULT_DAMP, HessianAccumulator, gptq_quantize
+    from kie_moe.quant.convert import _check_shape as check_shape
+    from kie_moe.quant.schemes import NotQuantizable, get_scheme
+
+    from . import reference
+    from .reference import ReferenceDecoder
+
+    sch = get_scheme(scheme)
+    dev = torch.device(device)
+    dec = ReferenceDecoder(model.spec, model.weights, dev, dtype)
+    if type(dec).layer is not ReferenceDecoder.layer:
+        raise TypeError(f"{model.spec.family}: GPTQ calibration needs the plain reference decoder")
+    res = Calibration()
+    xs = [dec.w["embed"][w.to(dev)] for w in windows]          # residual stream entering layer 0, [S, D] each
+    res.tokens = sum(int(x.shape[0]) for x in xs)
+    plain_linear = reference.linear
+    for i in range(model.spec.num_layers):
+        prefix = canonical(i, "")
+        names = [n for n in dec.w if n.startswith(prefix) and targets(n)]
+        by_id = {id(dec.w[n]): n for n in names}
+        acc = {n: HessianAccumulator(dec.w[n].shape[1], dev) for n in names}
+
+        def hooked(x, w, b=None, _by_id=by_id, _acc=acc):
+            n = _by_id.get(id(w))
+            if n is not None:
+                _acc[n].add(x)
+            return plain_linear(x, w, b)
+
+        reference.linear = hooked
+        try:
+            for x in xs:
+                dec.reset()
+                dec.layer(i, x, 0)
+        finally:
+            reference.linear = plain_linear
+        globals_ = _global_scales(dec.w, names, sch)
+        for n in names:
+            h = acc[n].value
+            if h is None:
+                res.unseen.append(n)
+            else:
+                res.hessians[n] = h.cpu()
+            try:
+                check_shape(sch, tuple(dec.w[n].shape), n)
+            except NotQuantizable:
+                continue                              # the converter keeps it in float too
+            q = gptq_quantize(dec.w[n].float(), h, sch, globals_[n], name=n,
+                              damp=DEFAULT_DAMP if damp is None else damp)
+            dec.w[n] = q.dequantize(dec.dtype)        # the layers above see this layer as it will be written
+        for k, x in enumerate(xs):
+            dec.reset()
+            xs[k] = dec.layer(i, x, 0)
+        if progress is not None:
+            progress(f"calibrated layer {i + 1}/{model.spec.num_layers}: {len(names) - sum(n.startswith(prefix) for n in res.unseen)} Linears")
+    return res
