@@ -17,6 +17,21 @@ def _device_args(p: argparse.ArgumentParser):
                    help="auto | reference | graph | monokernel (auto: monokernel on CUDA, reference on CPU)")
 
 
+def _gptq_args(p: argparse.ArgumentParser):
+    from kie_moe.heldout import DEFAULT_CALIB_TOKENS
+    p.add_argument("--gptq", action="store_true",
+                   help="choose each weight's codes by GPTQ (as llm-compressor's GPTQModifier: same scales, same "
+                        "format, codes that cancel each other's error on calibration text) instead of rounding "
+                        "to nearest; runs the model over the calibration text, layer by layer")
+    p.add_argument("--calib", default=None, metavar="FILE",
+                   help="GPTQ calibration text (default: the checkpoint's calib.txt; the embedded demo model ships "
+                        "one, disjoint from its heldout.txt)")
+    p.add_argument("--calib-tokens", type=int, default=DEFAULT_CALIB_TOKENS, metavar="N",
+                   help=f"calibration tokens, in windows of 256 spread over the text (default {DEFAULT_CALIB_TOKENS})")
+    p.add_argument("--damp", type=float, default=0.01,
+                   help="GPTQ dampening: this fraction of the Hessian's mean diagonal is added to it (default 0.01)")
+
+
 def _parse_ids(s: str) -> list[int]:
     try:
         return [int(x) for x in s.replace(" ", "").split(",") if x]
@@ -82,11 +97,21 @@ def _generate(a, eng=None) -> int:
 def cmd_convert(a) -> int:
     from tqdm import tqdm
     from kie_moe.models.quantizable import convert_checkpoint
+    say = (lambda m: None) if a.quiet else (lambda m: tqdm.write(f"kie convert: {m}", file=sys.stderr))
+    gptq = None
+    if a.gptq:
+        from kie_moe.heldout import gptq_options
+        gptq = gptq_options(a.src, a.calib, a.calib_tokens, a.device, a.damp)
+        say(f"GPTQ calibration on {gptq.device}: {gptq.label}")
+    elif a.calib is not None:
+        raise KieError("--calib is calibration text for --gptq; add --gptq (or leave --calib out)")
     rep = convert_checkpoint(a.src, a.dst, a.scheme, force=a.force, experts_only=a.experts_only, ignore=a.ignore,
                              quantize_lm_head=a.quantize_lm_head, progress=not a.quiet, observer=a.observer,
-                             on_warning=lambda m: tqdm.write(f"kie convert: warning: {m}", file=sys.stderr))
+                             on_warning=lambda m: tqdm.write(f"kie convert: warning: {m}", file=sys.stderr),
+                             gptq=gptq, on_progress=say)
     print(rep.dst)
-    print(f"[{rep.scheme}: {len(rep.quantized)} weights quantized ({len(rep.repacked)} re-packed as stored), "
+    solved = f"; {rep.gptq_slices} [out, in] slices by GPTQ, the rest rounded to nearest" if a.gptq else ""
+    print(f"[{rep.scheme}: {len(rep.quantized)} weights quantized ({len(rep.repacked)} re-packed as stored{solved}), "
           f"{len(rep.kept)} Linear weights kept in float, {rep.bytes_written / 1e6:.1f} MB]", file=sys.stderr)
     return 0
 
@@ -220,6 +245,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how nvfp4 / mxfp4 pick each group's scale: minmax (amax -> the largest code; "
                         "compressed-tensors' default) or mse (the candidate scale with the least squared error, as "
                         "llm-compressor's MSE observer; slower to convert, same format)")
+    _gptq_args(c)
+    c.add_argument("--device", default=None, choices=["cpu", "cuda"],
+                   help="where --gptq calibrates and solves (default: cuda when a GPU is present, else cpu)")
     c.add_argument("--quiet", action="store_true", help="no progress bar")
     c.set_defaults(fn=cmd_convert)
 
@@ -316,6 +344,7 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--tiny", action="store_true", help="a preset's tiny variant (tests, CPU)")
     w.add_argument("--observer", default="minmax", choices=["minmax", "mse"],
                    help="how the nvfp4 / mxfp4 conversions pick their scales (kie convert --observer)")
+    _gptq_args(w)
     w.add_argument("--window", type=int, default=256, help="scored tokens per teacher-forced window (default 256)")
     w.add_argument("--max-tokens", type=int, default=None,
                    help="tokens scored per scheme, in windows spread over the whole text (default 8192, kie demo's "

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import csv
 import gc
+import hashlib
 import json
 import math
 import os
@@ -170,20 +171,26 @@ def converter():
     return convert_checkpoint
 
 
-def _stamp(src: str, scheme: str, observer: str = "minmax") -> dict:
+def _stamp(src: str, scheme: str, observer: str = "minmax", gptq=None) -> dict:
     cfg = os.path.join(src, "config.json")
     out = {"source": os.path.abspath(src), "scheme": scheme, "source_config_mtime": os.path.getmtime(cfg)}
     if observer != "minmax":        # stamps written before observers existed stay valid for minmax
         out["observer"] = observer
+    if gptq is not None:
+        out["gptq"] = {"calibration": gptq.label, "damp": gptq.damp,
+                       "windows_sha1": hashlib.sha1(gptq.windows.numpy().tobytes()).hexdigest()}
     return out
 
 
-def scheme_checkpoint(src: str, scheme: str, cache_dir: str, convert, observer: str = "minmax") -> tuple[str, str]:
+def scheme_checkpoint(src: str, scheme: str, cache_dir: str, convert, observer: str = "minmax",
+                      gptq=None) -> tuple[str, str]:
     """-> (directory of `src` in `scheme`, "converted" | "cached"). A cached conversion is reused only when its
-    stamp names the same source, scheme, observer and source config.json mtime; otherwise it is converted again."""
-    dst = os.path.join(cache_dir, scheme)
+    stamp names the same source, scheme, observer, GPTQ calibration (models.calibrate.GptqOptions: its token
+    windows' hash) and source config.json mtime; otherwise it is converted again. GPTQ conversions are cached
+    under SCHEME-gptq."""
+    dst = os.path.join(cache_dir, scheme + ("-gptq" if gptq is not None else ""))
     stamp_path = os.path.join(dst, _STAMP)
-    want = _stamp(src, scheme, observer)
+    want = _stamp(src, scheme, observer, gptq)
     if os.path.exists(os.path.join(dst, "config.json")) and os.path.exists(stamp_path):
         try:
             with open(stamp_path) as f:
@@ -192,6 +199,8 @@ def scheme_checkpoint(src: str, scheme: str, cache_dir: str, convert, observer: 
         except ValueError:
             pass
     kw = {"observer": observer} if observer != "minmax" else {}
+    if gptq is not None:
+        kw["gptq"] = gptq
     convert(src, dst, scheme, force=os.path.exists(dst), progress=False, on_warning=lambda m: None, **kw)
     with open(stamp_path, "w") as f:
         json.dump(want, f)
@@ -216,7 +225,8 @@ def run(model: str, schemes: list[str], out_dir: str, *, text: str | None = None
         max_tokens: int | None = None,
         prompt_len: int = 32, new_tokens: int = 64, runs: int = 3, probe_bytes: int | None = None,
         cache_dir: str | None = None, progress: bool = True, argv: list[str] | None = None,
-        observer: str = "minmax") -> dict:
+        observer: str = "minmax", gptq: bool = False, calib: str | None = None,
+        calib_tokens: int = H.DEFAULT_CALIB_TOKENS, damp: float = 0.01) -> dict:
     from tqdm.auto import tqdm
     from kie_moe.engine import resolve_device
 
@@ -229,6 +239,12 @@ def run(model: str, schemes: list[str], out_dir: str, *, text: str | None = None
     if observer != "minmax" and not ckpt:
         raise InputError(f"--observer {observer}: needs a checkpoint (kie convert chooses the scales); {model} is "
                          f"quantized in memory, with minmax scales")
+    if (gptq or calib is not None) and not ckpt:
+        raise InputError(f"--gptq: needs a checkpoint with a tokenizer (GPTQ calibrates on text); {model} is "
+                         f"quantized in memory, rounded to nearest")
+    if calib is not None and not gptq:
+        raise InputError("--calib is calibration text for --gptq; add --gptq (or leave --calib out)")
+    gptq_opts = H.gptq_options(model, calib, calib_tokens, device, damp) if gptq else None
     bar = tqdm(total=2 * len(schemes) + 2, desc="kie sweep", file=sys.stderr, disable=not progress, leave=False)
     bar.set_postfix_str("read probe")
     res = {"schema": SCHEMA, "model": model, "env": R.environment(dev, argv),
@@ -254,7 +270,9 @@ def run(model: str, schemes: list[str], out_dir: str, *, text: str | None = None
     # not support, e.g. mixed formats in one kind); the title names them, or the request until a row has run
     res.update(quality_data=data_label, quality_dtype=str(qdtype).removeprefix("torch."),
                converter="kie convert" if convert else ("in-memory quantization (kie convert is not in this build)" if ckpt else "in-memory quantization"),
-               backend=backend, observer=observer, rows=[])
+               backend=backend, observer=observer, rows=[],
+               gptq=None if gptq_opts is None else {"calibration": gptq_opts.label, "damp": gptq_opts.damp,
+                                                    "device": gptq_opts.device})
 
     for scheme in schemes:
         row = {"scheme": scheme}
@@ -265,7 +283,7 @@ def run(model: str, schemes: list[str], out_dir: str, *, text: str | None = None
             elif ckpt and convert is not None:
                 from kie_moe.quant.schemes import takes_observer
                 d, how = scheme_checkpoint(model, scheme, cache_dir or os.path.join(out_dir, "checkpoints"), convert,
-                                           observer if takes_observer(scheme) else "minmax")
+                                           observer if takes_observer(scheme) else "minmax", gptq_opts)
                 src, origin = open_model(d, dev), f"{how}: {d}"      # its config.json says which modules are quantized
             else:
                 src, origin = B.with_scheme(base, scheme), "quantized in memory"
@@ -311,7 +329,7 @@ def _model_bytes(store) -> int:
 def _title(res: dict) -> str:
     env = res["env"]
     name = os.path.basename(os.path.normpath(res["model"]))
-    return f"kie sweep {name}: {res['backend']} backend, {env.get('device')}"
+    return f"kie sweep {name}{' (GPTQ)' if res.get('gptq') else ''}: {res['backend']} backend, {env.get('device')}"
 
 
 def plot(res: dict, path: str) -> dict:
@@ -355,7 +373,9 @@ def md_table(res: dict) -> str:
              f"Command: `{env.get('command')}`", "",
              f"Read ceiling {res['read_probe']['gbps']:.0f} GB/s ({res['read_probe']['method']}). "
              f"Quality data: {res['quality_data']}; {res.get('quality_dtype', 'float32')} activations. Schemes from: {res['converter']}"
-             + (f" (fp4 scales: {res['observer']} observer)" if res.get("observer", "minmax") != "minmax" else "") + ".", "",
+             + (f" (fp4 scales: {res['observer']} observer)" if res.get("observer", "minmax") != "minmax" else "")
+             + (f"; codes by GPTQ, calibrated on {res['gptq']['calibration']} (damp {res['gptq']['damp']:g}, "
+                f"{res['gptq']['device']})" if res.get("gptq") else "") + ".", "",
              "| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for r in res["rows"]:
         if "error" in r:
@@ -390,8 +410,8 @@ def cmd_sweep(a) -> int:
     res = run(a.model, schemes, a.out, text=a.text, backend=a.backend, device=a.device, tiny=a.tiny,
               window=a.window, max_tokens=a.max_tokens, prompt_len=a.prompt_len, new_tokens=a.new_tokens,
               runs=a.runs, probe_bytes=a.probe_mb << 20 if a.probe_mb else None, cache_dir=a.cache,
-              progress=not a.quiet, observer=a.observer,
-              argv=getattr(a, "argv", None))
+              progress=not a.quiet, observer=a.observer, gptq=a.gptq, calib=a.calib, calib_tokens=a.calib_tokens,
+              damp=a.damp, argv=getattr(a, "argv", None))
     print(md_table(res))
     print(f"[wrote {os.path.join(a.out, 'results.md')}, results.csv, results.json, {PLOT_FILE}]", file=sys.stderr)
     return 1 if any("error" in r for r in res["rows"]) else 0

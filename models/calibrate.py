@@ -26,7 +26,17 @@ import torch
 from .quantizable import is_linear, partner_group
 from .spec import canonical
 
-__all__ = ["Calibration", "calibrate_gptq"]
+__all__ = ["Calibration", "GptqOptions", "calibrate_gptq", "slice_canonicals", "gptq_calibrator"]
+
+
+@dataclass(frozen=True, eq=False)
+class GptqOptions:
+    """`kie convert --gptq`: windows [n, S] calibration token ids (kie_moe.heldout.calibration_windows), where the
+    calibration and the GPTQ solves run, the dampening fraction, and where the windows came from (for messages)."""
+    windows: torch.Tensor
+    device: str = "cpu"
+    damp: float = 0.01
+    label: str = ""
 
 
 @dataclass
@@ -118,5 +128,55 @@ def calibrate_gptq(model, scheme, windows: torch.Tensor, device: "str | torch.de
             dec.reset()
             xs[k] = dec.layer(i, x, 0)
         if progress is not None:
-            progress(f"calibrated layer {i + 1}/{model.spec.num_layers}: {len(names) - sum(n.startswith(prefix) for n in res.unseen)} Linears")
+            progress(f"calibrated layer {i + 1}/{model.spec.num_layers}: "
+                     f"{len(names) - sum(n.startswith(prefix) for n in res.unseen)} Linears")
+    if targets("lm_head") and "lm_head" in dec.w:          # --quantize-lm-head: its input is the final norm's output
+        acc = HessianAccumulator(dec.w["lm_head"].shape[1], dev)
+        for x in xs:
+            acc.add(reference.rms_norm(x, dec.w["final_norm"], model.spec.norm_eps))
+        res.hessians["lm_head"] = acc.value.cpu()
     return res
+
+
+def slice_canonicals(refs, shapes: dict) -> dict[tuple[str, int | None], list[str]]:
+    """(source tensor, expert / lane index or None) -> the canonical Linears read from that slice. Every canonical
+    name of one slice reads the same input (gate and up rows of one expert's fused gate_up, q/k/v rows of a fused
+    qkv), so any of their Hessians is the slice's."""
+    from .quantizable import resolve_layouts
+    out: dict[tuple[str, int | None], list[str]] = {}
+    for name, lay in resolve_layouts(refs, shapes).items():
+        out.setdefault((lay.hf_name, lay.take[0] if lay.take else None), []).append(name)
+    return out
+
+
+def _slice_key(t, i: int, stacked: bool) -> tuple[str, int | None]:
+    if t.layout == "split":
+        return t.source, t.take
+    return t.source, (i if stacked else None)
+
+
+def gptq_calibrator(model, refs, scheme, opts: GptqOptions, progress: Callable[[str], None] | None = None):
+    """-> calibrate(quantized targets) for quant.convert.convert(gptq=...): runs calibrate_gptq over exactly the
+    Linears the converter will quantize and returns hessian(target, slice index, stacked) -> H [in, in] on
+    opts.device, or None (round to nearest: an expert no calibration token reached)."""
+    shapes = model.weights.source.shapes() if hasattr(model.weights, "source") else None
+    by_slice = slice_canonicals(refs, shapes)
+
+    def calibrate(targets):
+        want: set[str] = set()
+        for t in targets:
+            for (src, take), names in by_slice.items():
+                if src == t.source and (t.layout != "split" or take == t.take):
+                    want.update(names)
+        cal = calibrate_gptq(model, scheme, opts.windows, opts.device, torch.float32, targets=want.__contains__,
+                             damp=opts.damp, progress=progress)
+
+        def hessian(t, i: int, stacked: bool):
+            for n in by_slice.get(_slice_key(t, i, stacked), ()):
+                h = cal.hessians.get(n)
+                if h is not None:
+                    return h.to(opts.device)
+            return None
+        hessian.calibration = cal
+        return hessian
+    return calibrate

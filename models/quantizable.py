@@ -162,10 +162,12 @@ def _covers(members, shape) -> bool:
 
 def convert_checkpoint(src: str, dst: str, scheme: str, *, force: bool = False, experts_only: bool = False,
                        ignore: Sequence[str] = (), quantize_lm_head: bool = False, progress: bool = True,
-                       on_warning: Callable[[str], None] | None = None, observer: str = "minmax"):
+                       on_warning: Callable[[str], None] | None = None, observer: str = "minmax",
+                       gptq=None, on_progress: Callable[[str], None] | None = None):
     """`kie convert`: plan the Linear targets of the checkpoint at `src` from its family adapter and write the
     quantized checkpoint to `dst` (quant.convert.convert does the writing). observer: how the fp4 schemes pick
-    their scales (quant.schemes.with_observer). -> quant.convert.ConvertReport."""
+    their scales (quant.schemes.with_observer); gptq: models.calibrate.GptqOptions to choose the codes by GPTQ
+    over calibration text (on_progress hears each calibrated layer). -> quant.convert.ConvertReport."""
     from kie_moe.quant.convert import QuantizationWarning, check_destination, convert
     from kie_moe.quant.schemes import with_observer
     from .errors import InputError
@@ -182,12 +184,21 @@ def convert_checkpoint(src: str, dst: str, scheme: str, *, force: bool = False, 
     source = open_source(src, cfg)
     refs = adapter.tensor_refs(spec)
     ignore_fn = adapter.ignore(spec) if hasattr(adapter, "ignore") else (lambda n: False)
-    WeightStore(source, refs, ignore_fn)  # validates every name and shape against config.json; reads nothing
+    store = WeightStore(source, refs, ignore_fn)  # validates every name and shape against config.json; reads nothing
     targets = linear_targets(spec, refs, source.shapes(), adapter)
     if quantize_lm_head and not any(t.role == "lm_head" for t in targets):
         msg = "--quantize-lm-head: lm_head is tied to the embeddings (tie_word_embeddings), nothing to quantize"
         on_warning(msg) if on_warning is not None else warnings.warn(msg, QuantizationWarning, stacklevel=2)
     if not targets:
         raise ConfigError(f"{path}: found no Linear weights to quantize in {src}")
+    calibrate = None
+    if gptq is not None:
+        from .calibrate import gptq_calibrator
+        from .registry import LoadedModel
+        if hasattr(adapter, "reference_decoder") or hasattr(adapter, "linear_weights"):
+            raise InputError(f"kie convert --gptq: {spec.family} checkpoints ({path}) are not supported (their "
+                             "decoder is not the reference decoder GPTQ calibrates through); convert without --gptq")
+        calibrate = gptq_calibrator(LoadedModel(src, cfg, spec, store), refs, scheme, gptq, on_progress)
     return convert(source, cfg, dst, scheme, targets, force=force, experts_only=experts_only, ignore=ignore,
-                   quantize_lm_head=quantize_lm_head, progress=progress, on_warning=on_warning)
+                   quantize_lm_head=quantize_lm_head, progress=progress, on_warning=on_warning,
+                   gptq=calibrate, gptq_damp=gptq.damp if gptq is not None else 0.01)
