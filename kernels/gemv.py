@@ -76,11 +76,12 @@ DEFAULT_GLU_TILES = {
 }
 _MIN_BLOCK_K = {"nvfp4": 16, "mxfp4": 32}
 PROGRAMS_PER_SM = 4  # split-K / slot-split target: enough resident programs per SM to cover HBM latency
-# Experiment (session 9, untimed end to end): a default-tiled GEMV that would split K (fewer than 2 row tiles per SM:
-# o_proj, dense down projections) takes narrower row tiles with 1024-wide K steps instead, so no program waits on
-# a split-K reduction. The qwen3-30b-a3b fp8 o_proj layer sweep timed 4 x 1024 without a split at 5.12 us against
-# 6.18 us for the default 16 x 512 split 4 (one row, results/2026-12-03-h200-s8-layer-sweep-qwen3-fp8.json).
-ROWS_FIRST = os.environ.get("KIE_GEMV_ROWS_FIRST", "0") == "1"
+# A default-tiled GEMV that would split K (fewer than 2 row tiles per SM: o_proj, dense down projections) takes
+# narrower row tiles with 1024-wide K steps instead, so no program waits on a split-K reduction. The qwen3-30b-a3b
+# fp8 o_proj layer sweep timed 4 x 1024 without a split at 5.12 us against 6.18 us for 16 x 512 split 4; end to end
+# (H200, separate processes, results/2026-12-04-h200-s10-rows-first-ab) qwen3-30b-a3b graph fp8 450.8 -> 460.2
+# tok/s, llama-3.2-1b bf16 1,032.5 -> 1,078.6. On by default since; KIE_GEMV_ROWS_FIRST=0 restores split-K.
+ROWS_FIRST = os.environ.get("KIE_GEMV_ROWS_FIRST", "1") == "1"
 
 
 # ======================================================================================================================
@@ -344,7 +345,7 @@ def gemv(x: torch.Tensor, w: WeightHandle, *, bias: torch.Tensor | None = None, 
 
 
 def rows_first(cfg: TileConfig, N: int, K: int, fmt: str, device: torch.device) -> TileConfig:
-    """KIE_GEMV_ROWS_FIRST: halve block_n (down to 4) while there are fewer than 2 row tiles per SM, with K steps of
+    """The rows-first tile rule (ROWS_FIRST): halve block_n (down to 4) while there are fewer than 2 row tiles per SM, with K steps of
     1024 (fitted to K) once it narrowed, and no split-K when that reaches 2 row tiles per SM."""
     sms, bn = num_sms(device), cfg.block_n
     while bn > 4 and triton.cdiv(N, bn) < 2 * sms:

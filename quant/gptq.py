@@ -75,12 +75,14 @@ def _inverse_cholesky(h: torch.Tensor, damp: float, name: str) -> torch.Tensor:
 
 def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor | None, scheme: "str | Scheme",
                   global_scale: "torch.Tensor | float | None" = None, *, name: str = "weight",
-                  damp: float = DEFAULT_DAMP, block: int = DEFAULT_BLOCK) -> QuantizedTensor:
+                  damp: float = DEFAULT_DAMP, block: int = DEFAULT_BLOCK, actorder: bool = True) -> QuantizedTensor:
     """Quantize a 2-D [out, in] weight by GPTQ under `hessian` [in, in] (None: round to nearest, as `quantize`).
 
     Scales, global scale and validation are `quantize`'s (same arguments, same errors); codes are chosen column by
-    column in input order, each column's rounding error carried onto the later columns through the inverse
-    Hessian's Cholesky factor."""
+    column, each column's rounding error carried onto the later columns through the inverse Hessian's Cholesky
+    factor. actorder: columns in order of decreasing H diagonal (the inputs with the most energy first, while
+    the most columns are left to absorb their error; llm-compressor's actorder="static": scales stay fixed, so
+    the order changes only which codes are chosen), else input order."""
     sch = get_scheme(scheme)
     rtn = quantize(weight, sch, global_scale, name=name)
     if hessian is None:
@@ -97,6 +99,9 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor | None, scheme: "s
     # the scale each element is divided by: the scheme's own dequantization of all-ones codes, [out, in]
     step = sch._dequantize({**{k: v.to(dev) for k, v in rtn.tensors.items()},
                             sch.weight_name: sch._store(torch.ones_like(w))}, (out, n))
+    perm = torch.argsort(torch.diagonal(hessian), descending=True, stable=True) if actorder else None
+    if perm is not None:
+        w, step, hessian = w[:, perm].contiguous(), step[:, perm].contiguous(), hessian[perm][:, perm]
     u = _inverse_cholesky(hessian, damp, name)                                 # [in, in] upper
     z = torch.empty_like(w)          # each element divided by its scale, as it stood when its column was rounded
     for i1 in range(0, n, block):
@@ -111,6 +116,8 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor | None, scheme: "s
             w1[:, i + 1:] -= e[:, None] * u1[i, i + 1:][None, :]
             err[:, i] = e
         w[:, i2:] -= err @ u[i1:i2, i2:]
+    if perm is not None:
+        z = z[:, torch.argsort(perm)]
     tensors = dict(rtn.tensors)
     tensors[sch.weight_name] = sch._store(z).to(rtn.tensors[sch.weight_name].device)
     return QuantizedTensor(sch.name, tensors, rtn.shape, rtn.dtype)

@@ -250,7 +250,7 @@ def test_errors_name_the_tensor():
 
 
 def test_rows_first_tiles(monkeypatch):
-    """KIE_GEMV_ROWS_FIRST's tile rule on a 132-SM device: qwen3-30b-a3b's fp8 o_proj (2048 x 4096, default 16 x 512
+    """The rows-first tile rule on a 132-SM device: qwen3-30b-a3b's fp8 o_proj (2048 x 4096, default 16 x 512
     split 4) becomes 4 x 1024 without a split; a GEMV with enough row tiles (its qkv, an lm_head) keeps its tile."""
     import kie_moe.kernels.gemv as G
     monkeypatch.setattr(G, "num_sms", lambda dev: 132)
