@@ -95,12 +95,17 @@ def calibrate_gptq(model, scheme, windows: torch.Tensor, device: "str | torch.de
         prefix = canonical(i, "")
         names = [n for n in dec.w if n.startswith(prefix) and targets(n)]
         by_id = {id(dec.w[n]): n for n in names}
-        acc = {n: HessianAccumulator(dec.w[n].shape[1], dev) for n in names}
+        # fused partners (q/k/v, gate/up of one expert) read the same input: one accumulator and one stored H per
+        # group, shared by its names (halves the Hessians' memory for gated MLPs and experts)
+        key = {n: partner_group(n) or n for n in names}
+        acc = {key[n]: HessianAccumulator(dec.w[n].shape[1], dev) for n in names}
+        last: dict[str, torch.Tensor] = {}
 
-        def hooked(x, w, b=None, _by_id=by_id, _acc=acc):
+        def hooked(x, w, b=None, _by_id=by_id, _acc=acc, _key=key, _last=last):
             n = _by_id.get(id(w))
-            if n is not None:
-                _acc[n].add(x)
+            if n is not None and _last.get(_key[n]) is not x:   # the partner already added this very input
+                _acc[_key[n]].add(x)
+                _last[_key[n]] = x
             return plain_linear(x, w, b)
 
         reference.linear = hooked
@@ -111,12 +116,13 @@ def calibrate_gptq(model, scheme, windows: torch.Tensor, device: "str | torch.de
         finally:
             reference.linear = plain_linear
         globals_ = _global_scales(dec.w, names, sch)
+        host: dict[str, torch.Tensor] = {}
         for n in names:
-            h = acc[n].value
+            h = acc[key[n]].value
             if h is None:
                 res.unseen.append(n)
             else:
-                res.hessians[n] = h.cpu()
+                res.hessians[n] = host.setdefault(key[n], h.cpu())
             try:
                 check_shape(sch, tuple(dec.w[n].shape), n)
             except NotQuantizable:
