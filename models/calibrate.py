@@ -12,9 +12,11 @@ weight, for every family whose decoder is the ReferenceDecoder (attention of any
 shared experts). A routed expert sees only the tokens routed to it; one that no calibration token chose has no
 Hessian and is rounded to nearest (counted in the result).
 
-Cost: the model held in `dtype` on `device` plus one [in, in] float32 matrix per Linear of one layer; the reference
-decoder's MoE is a Python loop over tokens, so on a CPU this suits small models (the embedded demo model: ~1 min
-for 16k tokens); real checkpoints want --device cuda.
+Cost: the whole model held by the reference decoder on `device` (float32 on a CPU, bf16 on a GPU), the residual
+streams of every window, and the Hessians (one [in, in] float32 per distinct Linear input, kept on the host). The
+reference decoder's MoE is a Python loop over experts, so on a CPU this suits small models (the embedded demo
+model: ~40 s for 16k tokens); models that fit a GPU in bf16 want --device cuda; beyond that (and beyond host memory
+for the Hessians: ~120 GB for qwen3-30b-a3b) a per-layer streaming pipeline would be needed, which this is not.
 """
 from __future__ import annotations
 
@@ -174,7 +176,7 @@ def gptq_calibrator(model, refs, scheme, opts: GptqOptions, progress: Callable[[
             for (src, take), names in by_slice.items():
                 if src == t.source and (t.layout != "split" or take == t.take):
                     want.update(names)
-        cal = calibrate_gptq(model, scheme, opts.windows, opts.device, torch.float32, targets=want.__contains__,
+        cal = calibrate_gptq(model, scheme, opts.windows, opts.device, None, targets=want.__contains__,
                              damp=opts.damp, progress=progress)
 
         def hessian(t, i: int, stacked: bool):
