@@ -185,3 +185,30 @@ def test_mse_observer_sweep_converts_again_and_says_so(ckpt, text_file, tmp_path
     assert main(["sweep", "qwen3-30b-a3b", "--tiny", "--schemes", "bf16,nvfp4", "--out", str(tmp_path / "syn"),
                  "--observer", "mse", *FAST]) == 2
     assert "needs a checkpoint" in capsys.readouterr().err
+
+
+def test_gptq_sweep_converts_with_gptq_and_says_so(ckpt, text_file, tmp_path, capsys):
+    """--gptq: each scheme is converted by `kie convert --gptq` over the calibration text (cached apart from the
+    round-to-nearest conversion, under SCHEME-gptq, its stamp naming the calibration windows), the table says so,
+    and the model it scores is a different one from RTN's; --calib without --gptq and --gptq on a synthetic ARCH
+    are refused."""
+    if S.converter() is None:
+        pytest.skip("kie convert is not in this build")
+    cache = str(tmp_path / "cache")
+    common = ["--text", text_file, "--cache", cache, "--schemes", "bf16,nvfp4", *FAST]
+    assert main(["sweep", ckpt, "--out", str(tmp_path / "rtn"), *common]) == 0
+    assert main(["sweep", ckpt, "--out", str(tmp_path / "gptq"), "--gptq", "--calib", text_file,
+                 "--calib-tokens", "512", *common]) == 0
+    rtn, gq = (json.load(open(tmp_path / d / "results.json")) for d in ("rtn", "gptq"))
+    assert rtn["gptq"] is None and "sample.txt (2 windows of 256" in gq["gptq"]["calibration"]
+    assert gq["rows"][1]["model_source"] == f"converted: {os.path.join(cache, 'nvfp4-gptq')}"
+    assert "codes by GPTQ, calibrated on" in (tmp_path / "gptq" / "results.md").read_text()
+    assert gq["rows"][1]["kl"] != rtn["rows"][1]["kl"]
+    stamp = json.load(open(os.path.join(cache, "nvfp4-gptq", S._STAMP)))
+    assert stamp["gptq"]["damp"] == 0.01 and len(stamp["gptq"]["windows_sha1"]) == 40
+    capsys.readouterr()
+    assert main(["sweep", ckpt, "--out", str(tmp_path / "x"), "--calib", text_file, *common]) == 2
+    assert "add --gptq" in capsys.readouterr().err
+    assert main(["sweep", "qwen3-30b-a3b", "--tiny", "--schemes", "bf16,nvfp4", "--out", str(tmp_path / "syn"),
+                 "--gptq", *FAST]) == 2
+    assert "--gptq: needs a checkpoint" in capsys.readouterr().err
