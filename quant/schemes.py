@@ -120,6 +120,14 @@ class Scheme:
         raise NotImplementedError
 
 
+def _div(x: torch.Tensor, c: float) -> torch.Tensor:
+    """x / c correctly rounded on every device. PyTorch's CUDA kernel turns division by a Python (CPU) scalar into
+    multiplication by its reciprocal (1/448 is inexact), so `amax / 448` differed from the CPU's in the last bit for
+    about half of the rows and the fp8 codes / scales written on a GPU were not the CPU's (test_quant_schemes
+    test_cuda_gives_the_same_bits_as_cpu, failing since 2026-12-02); a tensor divisor gets a true division."""
+    return x / torch.full_like(x, c)
+
+
 @dataclass(frozen=True)
 class _E4M3Scheme(Scheme):
     def _round(self, x):
@@ -143,7 +151,7 @@ class Fp8ChannelScheme(_E4M3Scheme):
 
     def _quantize(self, w, global_scale, name):
         amax = w.abs().amax(dim=-1, keepdim=True)  # [.., out, 1]
-        scale = amax / E4M3_MAX
+        scale = _div(amax, E4M3_MAX)
         scale = torch.where(scale == 0, _F32_EPS, scale)
         return {"weight": encode_e4m3(w / scale), "weight_scale": scale}
 
@@ -178,7 +186,7 @@ class Fp8BlockScheme(_E4M3Scheme):
         wp = F.pad(w, (0, pi - inp, 0, po - out))  # zeros never raise a block's amax
         blocks = wp.reshape(*lead, po // bo, bo, pi // bi, bi)  # [.., ob, bo, ib, bi]
         amax = blocks.abs().amax(dim=(-3, -1))  # [.., ob, ib]
-        scale = amax / E4M3_MAX
+        scale = _div(amax, E4M3_MAX)
         scale = torch.where(scale == 0, _F32_EPS, scale)
         q = (blocks / scale[..., :, None, :, None]).reshape(*lead, po, pi)[..., :out, :inp]
         return {"weight": encode_e4m3(q).contiguous(), "weight_scale": scale}
@@ -265,7 +273,7 @@ class NvFp4Scheme(_Fp4Scheme):
         wg = self._groups(w)
         amax = wg.abs().amax(dim=-1)  # [.., out, G]
         # Same operation order as calculate_qparams: global * (amax / 6), clamp + round to e4m3, 0 -> eps.
-        s = encode_e4m3(g * (amax / E2M1_MAX)).float()
+        s = encode_e4m3(g * _div(amax, E2M1_MAX)).float()
         s = torch.where(s == 0, _E4M3_SCALE_EPS, s)
         if self.observer == "mse":  # candidates: the minmax scale (first: it wins ties), then shrunk ones
             cands = [s] + [torch.where(c == 0, _E4M3_SCALE_EPS, c) for c in
