@@ -4,6 +4,9 @@
 Text: the checkpoint's `heldout.txt` (the embedded demo model ships the standard-library files it never trained on),
 else the embedded demo model's, else (kie demo only, for a foreign checkpoint) a standard-library module.
 
+Calibration text for `--gptq` (calibration_windows) is cut the same way from the checkpoint's `calib.txt` or a
+user's file; it must not be the scored text (the demo model's is train-split files only).
+
 Windows: the text is tokenized as the model saw its training stream (no BOS / EOS added: training read random
 windows of a document stream, so nearly every window it saw started mid-document), and `n` windows of `length + 1`
 ids are taken at evenly spaced, non-overlapping offsets spanning the whole text. Inputs are `w[:-1]`, targets
@@ -74,8 +77,8 @@ def windows(ids, n: int, length: int) -> torch.Tensor:
 
 # ---- calibration text (kie convert --gptq) ---------------------------------------------------------------------
 CALIB = "calib.txt"
-DEFAULT_CALIB_TOKENS = 16384  # 64 windows of 256: on the demo model fp8 top-1 0.9709 (RTN) -> 0.9796 with 8192
-                              # tokens, 0.9807 with 32768 (2026-12-04, CPU): returns flatten past ~16k
+DEFAULT_CALIB_TOKENS = 16384  # 64 windows of 256: demo model fp8 top-1 0.9713 (RTN) -> 0.9822; all 29k tokens of
+                              # its calib.txt 0.9806 (eval sd ~0.002): no gain past ~8-16k (benchmarks/NOTES.md s10)
 
 
 def calibration_windows(model_dir: str, text_file: str | None, tokens: int, vocab: int,
