@@ -43,15 +43,19 @@ class GptqOptions:
 
 @dataclass
 class Calibration:
-    """hessians: canonical Linear name -> H [in, in] float32 (host); tokens: calibration tokens run; unseen:
-    Linears whose input no calibration token reached (rounded to nearest)."""
+    """hessians: canonical Linear name -> H [in, in] float32 (host; only where `keep_hessian` asked: fused partners
+    share one tensor); solved: canonical name -> its GPTQ codes and scales (host QuantizedTensor), as the layers
+    above were calibrated against; tokens: calibration tokens run; unseen: Linears whose input no calibration token
+    reached (rounded to nearest)."""
     hessians: dict[str, torch.Tensor] = field(default_factory=dict)
+    solved: dict = field(default_factory=dict)
     tokens: int = 0
     unseen: list[str] = field(default_factory=list)
 
 
 def _global_scales(w: dict, names: list[str], scheme) -> dict[str, torch.Tensor | None]:
-    """nvfp4: one global scale per fused-partner group (quantize shares it the same way: convert.group_global)."""
+    """nvfp4: one global scale per fused-partner group of the Linears that will be quantized (`names`: those the
+    scheme can hold), as the converter shares it (convert._Converter.group_global)."""
     from kie_moe.quant.schemes import shared_global_scale
     out: dict[str, torch.Tensor | None] = {n: None for n in names}
     if scheme.name != "nvfp4":
@@ -71,7 +75,8 @@ def _global_scales(w: dict, names: list[str], scheme) -> dict[str, torch.Tensor 
 @torch.no_grad()
 def calibrate_gptq(model, scheme, windows: torch.Tensor, device: "str | torch.device" = "cpu",
                    dtype: torch.dtype | None = None, targets: Callable[[str], bool] = is_linear,
-                   damp: float | None = None, progress: Callable[[str], None] | None = None) -> Calibration:
+                   damp: float | None = None, progress: Callable[[str], None] | None = None,
+                   keep_hessian: Callable[[str], bool] = lambda n: True) -> Calibration:
     """Hessians of every Linear `targets(canonical)` selects, layer by layer with the layers below quantized.
 
     model: models.registry.LoadedModel (float or quantized checkpoint; the reference decoder dequantizes);
@@ -79,7 +84,7 @@ def calibrate_gptq(model, scheme, windows: torch.Tensor, device: "str | torch.de
     each run from an empty cache. Returns host float32 Hessians keyed by canonical name."""
     from kie_moe.quant.gptq import DEFAULT_DAMP, HessianAccumulator, gptq_quantize
     from kie_moe.quant.convert import _check_shape as check_shape
-    from kie_moe.quant.schemes import NotQuantizable, get_scheme
+    from kie_moe.quant.schemes import NotQuantizable, QuantizedTensor, get_scheme
 
     from . import reference
     from .reference import ReferenceDecoder
@@ -117,20 +122,29 @@ def calibrate_gptq(model, scheme, windows: torch.Tensor, device: "str | torch.de
                 dec.layer(i, x, 0)
         finally:
             reference.linear = plain_linear
-        globals_ = _global_scales(dec.w, names, sch)
+        fits = []
+        for n in names:
+            try:
+                check_shape(sch, tuple(dec.w[n].shape), n)
+                fits.append(n)
+            except NotQuantizable:
+                pass                                  # the converter keeps it in float too
+        globals_ = _global_scales(dec.w, fits, sch)
         host: dict[str, torch.Tensor] = {}
         for n in names:
             h = acc[key[n]].value
             if h is None:
                 res.unseen.append(n)
-            else:
+            elif keep_hessian(n):
                 res.hessians[n] = host.setdefault(key[n], h.cpu())
-            try:
-                check_shape(sch, tuple(dec.w[n].shape), n)
-            except NotQuantizable:
-                continue                              # the converter keeps it in float too
-            q = gptq_quantize(dec.w[n].float(), h, sch, globals_[n], name=n,
+            if n not in globals_:
+                continue
+            # the stored weight in float32, not the decoder's copy (bf16 on a GPU): the codes kept in `solved` are
+            # then the ones the converter would choose for the same slice
+            q = gptq_quantize(model.weights.get(n).to(dev, torch.float32), h, sch, globals_[n], name=n,
                               damp=DEFAULT_DAMP if damp is None else damp)
+            if h is not None:
+                res.solved[n] = QuantizedTensor(q.scheme, {k: v.cpu() for k, v in q.tensors.items()}, q.shape, q.dtype)
             dec.w[n] = q.dequantize(dec.dtype)        # the layers above see this layer as it will be written
         for k, x in enumerate(xs):
             dec.reset()
@@ -142,7 +156,16 @@ def calibrate_gptq(model, scheme, windows: torch.Tensor, device: "str | torch.de
         acc = HessianAccumulator(dec.w["lm_head"].shape[1], dev)
         for x in xs:
             acc.add(reference.rms_norm(x, dec.w["final_norm"], model.spec.norm_eps))
-        res.hessians["lm_head"] = acc.value.cpu()
+        if keep_hessian("lm_head"):
+            res.hessians["lm_head"] = acc.value.cpu()
+        try:
+            check_shape(sch, tuple(dec.w["lm_head"].shape), "lm_head")
+            q = gptq_quantize(model.weights.get("lm_head").to(dev, torch.float32), acc.value, sch, name="lm_head",
+                              damp=DEFAULT_DAMP if damp is None else damp)
+            res.solved["lm_head"] = QuantizedTensor(q.scheme, {k: v.cpu() for k, v in q.tensors.items()}, q.shape,
+                                                    q.dtype)
+        except NotQuantizable:
+            pass
     return res
 
 
@@ -157,34 +180,71 @@ def slice_canonicals(refs, shapes: dict) -> dict[tuple[str, int | None], list[st
     return out
 
 
-def _slice_key(t, i: int, stacked: bool) -> tuple[str, int | None]:
+def _exact_canonicals(refs, shapes: dict) -> dict[tuple, str]:
+    """(source tensor, expert index or None, rows) -> the one canonical Linear that IS that slice, untransposed
+    (a per-expert module, an unfused q_proj, one expert's gate rows of a fused gate_up): its calibration codes can
+    be written as they are. Slices holding several canonicals (fused qkv, gpt-oss's interleaved gate/up) are not
+    listed: they are solved again from the Hessian."""
+    from .quantizable import resolve_layouts
+    seen: dict[tuple, list[str]] = {}
+    for name, lay in resolve_layouts(refs, shapes).items():
+        if not lay.transpose and len(lay.take) <= 1:
+            seen.setdefault((lay.hf_name, lay.take[0] if lay.take else None, lay.rows), []).append(name)
+    return {k: v[0] for k, v in seen.items() if len(v) == 1}
+
+
+def _target_slices(t, shapes: dict):
+    """-> [(slice index, coarse key of slice_canonicals, exact key of _exact_canonicals)] of one LinearTarget."""
+    out_shape = t.out_shape(shapes[t.source])
     if t.layout == "split":
-        return t.source, t.take
-    return t.source, (i if stacked else None)
+        return [(0, (t.source, t.take), (t.source, t.take, t.rows))]
+    if len(out_shape) == 3:
+        return [(i, (t.source, i), (t.source, i, None)) for i in range(out_shape[0])]
+    return [(0, (t.source, None), (t.source, None, None))]
 
 
 def gptq_calibrator(model, refs, scheme, opts: GptqOptions, progress: Callable[[str], None] | None = None):
-    """-> calibrate(quantized targets) for quant.convert.convert(gptq=...): runs calibrate_gptq over exactly the
-    Linears the converter will quantize and returns hessian(target, slice index, stacked) -> H [in, in] on
-    opts.device, or None (round to nearest: an expert no calibration token reached)."""
-    shapes = model.weights.source.shapes() if hasattr(model.weights, "source") else None
-    by_slice = slice_canonicals(refs, shapes)
+    """-> calibrate(quantized targets) for quant.convert.convert(gptq=...). It runs calibrate_gptq over exactly the
+    Linears the converter will quantize and returns solve(target, slice index, weight, global scale, name): a slice
+    that is one canonical Linear gets the codes calibration already chose for it (the very weight, Hessian and
+    scales: solving again would repeat the work); any other slice is solved from its Hessian on opts.device (kept
+    for those slices only); None where no calibration token reached it (round to nearest)."""
+    from kie_moe.quant.gptq import gptq_quantize
+    shapes = model.weights.source.shapes()
+    by_slice, exact = slice_canonicals(refs, shapes), _exact_canonicals(refs, shapes)
+    if hasattr(model.weights.source, "read_quantized"):
+        # an already quantized source: the store dequantizes to bf16, the converter to float32, so calibration's
+        # codes are for other weights than the converter's: solve every slice again from its Hessian
+        exact = {}
 
     def calibrate(targets):
         want: set[str] = set()
+        need_h: set[str] = set()
         for t in targets:
-            for (src, take), names in by_slice.items():
-                if src == t.source and (t.layout != "split" or take == t.take):
-                    want.update(names)
+            for _, coarse, fine in _target_slices(t, shapes):
+                names = by_slice.get(coarse, ())
+                want.update(names)
+                if fine not in exact:
+                    need_h.update(names)
         cal = calibrate_gptq(model, scheme, opts.windows, opts.device, None, targets=want.__contains__,
-                             damp=opts.damp, progress=progress)
+                             damp=opts.damp, progress=progress, keep_hessian=need_h.__contains__)
 
-        def hessian(t, i: int, stacked: bool):
-            for n in by_slice.get(_slice_key(t, i, stacked), ()):
+        def solve(t, i: int, w: torch.Tensor, g, name: str):
+            coarse, fine = next((c, f) for k, c, f in _target_slices(t, shapes) if k == i)
+            if fine in exact:
+                q = cal.solved.get(exact[fine])
+                if q is None:
+                    return None                       # unseen: round to nearest
+                same_global = g is None or torch.equal(q.tensors["weight_global_scale"].reshape(g.shape), g)
+                if q.shape != tuple(w.shape) or not same_global:
+                    raise RuntimeError(f"{name}: GPTQ calibration solved {exact[fine]} with shape {q.shape} or an "
+                                       "nvfp4 global scale other than the converter's (a bug: please report it)")
+                return q
+            for n in by_slice.get(coarse, ()):
                 h = cal.hessians.get(n)
                 if h is not None:
-                    return h.to(opts.device)
+                    return gptq_quantize(w, h.to(opts.device), scheme, g, name=name, damp=opts.damp)
             return None
-        hessian.calibration = cal
-        return hessian
+        solve.calibration = cal
+        return solve
     return calibrate

@@ -201,4 +201,4 @@ def convert_checkpoint(src: str, dst: str, scheme: str, *, force: bool = False, 
         calibrate = gptq_calibrator(LoadedModel(src, cfg, spec, store), refs, scheme, gptq, on_progress)
     return convert(source, cfg, dst, scheme, targets, force=force, experts_only=experts_only, ignore=ignore,
                    quantize_lm_head=quantize_lm_head, progress=progress, on_warning=on_warning,
-                   gptq=calibrate, gptq_damp=gptq.damp if gptq is not None else 0.01)
+                   gptq=calibrate)

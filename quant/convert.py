@@ -57,7 +57,6 @@ import torch
 from kie_moe.models.errors import CheckpointError, InputError, KieError  # user-facing error classes (a leaf module)
 
 from .ct_format import quantization_config_dict
-from .gptq import gptq_quantize
 from .schemes import Fp8BlockScheme, NotQuantizable, QuantizedTensor, Scheme, get_scheme, nvfp4_global_scale, quantize
 
 __all__ = ["LinearTarget", "ConvertReport", "QuantizationWarning", "convert", "check_destination",
@@ -204,8 +203,7 @@ class _Converter:
 
     def __init__(self, source, sch: Scheme, targets: Sequence[LinearTarget], on_warning):
         self.source, self.sch = source, sch
-        self.hessian = None  # GPTQ: (target, slice index, stacked) -> H [in, in] or None; None: round to nearest
-        self.damp = 0.01
+        self.gptq = None     # (target, slice index, weight, global scale, name) -> QuantizedTensor or None (RTN)
         self.solved = 0      # slices quantized by GPTQ
         self.shapes = source.shapes()
         self.warn = on_warning
@@ -327,12 +325,9 @@ class _Converter:
         parts, n = [], self._n_slices(t)
         for i, w in enumerate(self.slices(t)):
             gi = None if g is None else (g[i] if g.ndim == 2 else g).clone()  # own storage: safetensors refuses shared
-            h = None if self.hessian is None else self.hessian(t, i, self._stacked(t))
-            if h is None:
-                parts.append(quantize(w, self.sch, gi, name=self._slice_name(t, i, n)))
-            else:
-                parts.append(gptq_quantize(w, h, self.sch, gi, name=self._slice_name(t, i, n), damp=self.damp))
-                self.solved += 1
+            q = None if self.gptq is None else self.gptq(t, i, w, gi, self._slice_name(t, i, n))
+            self.solved += q is not None
+            parts.append(q if q is not None else quantize(w, self.sch, gi, name=self._slice_name(t, i, n)))
         if not self._stacked(t):
             return QuantizedTensor(self.sch.name, parts[0].tensors, parts[0].shape, dtype), False
         stacked = {k: torch.stack([p.tensors[k] for p in parts]) for k in parts[0].tensors}
@@ -375,14 +370,14 @@ def convert(
     progress: bool = True,
     on_warning: Callable[[str], None] | None = None,
     gptq: "Callable[[list[LinearTarget]], Callable] | None" = None,
-    gptq_damp: float = 0.01,
 ) -> ConvertReport:
     """Write `source` (its config.json dict `config`) to `dst` in `scheme`; see the module docstring.
 
     gptq: called once with the targets that will be quantized (after --ignore, --experts-only, shape rules),
-    before anything is written; returns hessian(target, slice index, stacked) -> H [in, in] (its device is where
-    the solve runs) or None for a slice to round to nearest (quant/gptq.py; the family side is
-    models/calibrate.gptq_calibrator). Re-packed targets (already stored in the scheme) stay as stored."""
+    before anything is written; returns solve(target, slice index, weight [out, in] float32, nvfp4 global scale or
+    None, name) -> the slice's QuantizedTensor chosen by GPTQ (same scales as `quantize`), or None to round it to
+    nearest (quant/gptq.py; the family side is models/calibrate.gptq_calibrator). Re-packed targets (already
+    stored in the scheme) stay as stored."""
     try:
         sch = get_scheme(scheme)
     except ValueError as e:
@@ -402,7 +397,7 @@ def convert(
     cv = _Converter(source, sch, targets, warn)
     cv.decide(experts_only, patterns, quantize_lm_head)
     if gptq is not None:
-        cv.hessian, cv.damp = gptq([t for t, why in cv.quant.items() if why is None]), gptq_damp
+        cv.gptq = gptq([t for t, why in cv.quant.items() if why is None])
 
     names = list(cv.shapes)
     files: list[str] = []

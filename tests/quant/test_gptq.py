@@ -163,6 +163,43 @@ def test_gptq_checkpoint_is_closer_to_the_float_model_on_its_calibration_text(ca
     assert kl_gptq < 0.9 * kl_rtn, (kl_gptq, kl_rtn)
 
 
+@pytest.mark.parametrize("case,scheme", [("qwen3_moe_norm", "nvfp4"), ("gpt_oss", "fp8"), ("v5_fused", "fp8")])
+def test_written_codes_are_gptq_of_the_source_weight_under_the_calibration_hessian(case, scheme, tiny, tmp_path):
+    """Whichever way the converter gets a slice's codes (those calibration chose for a per-expert or unfused module,
+    or a fresh solve for gpt-oss's fused [E, in, out] slices), they are exactly gptq_quantize(source weight,
+    Hessian of that Linear's calibration input, the converter's global scale): checked module by module against
+    calibrate_gptq's own Hessians."""
+    src = tiny(case) if case != "v5_fused" else to_v5_fused_experts(tiny("qwen3_moe_norm"), str(tmp_path / "v5"), 8)
+    wins = _windows(read_config(src)["vocab_size"])
+    rep = convert_checkpoint(src, str(tmp_path / "q"), scheme, progress=False, on_warning=lambda m: None,
+                             gptq=GptqOptions(wins, "cpu", 0.01, "random ids"))
+    cal = calibrate_gptq(load_model(src), scheme, wins)
+    written, m = qsource(str(tmp_path / "q")), load_model(src)
+    checked = 0
+    for layer in range(m.spec.num_layers):
+        if f"layers.{layer}.moe.experts.1.gate" not in cal.hessians:
+            continue
+        cases = [(f"layers.{layer}.attn.o", f"model.layers.{layer}.self_attn.o_proj.weight", None)]
+        if case == "gpt_oss":    # one [E, in, out] parameter, gate/up interleaved: expert 1's whole slice
+            fused = f"model.layers.{layer}.mlp.experts.gate_up_proj"
+            cases.append((f"layers.{layer}.moe.experts.1.gate", fused, m.weights.source.read(fused)[1].t()))
+        else:
+            cases.append((f"layers.{layer}.moe.experts.1.gate",
+                          f"model.layers.{layer}.mlp.experts.1.gate_proj.weight", None))
+        for name, module, w in cases:
+            q = written.read_quantized(module)
+            q = q.unstack()[1] if len(q.shape) == 3 else q
+            w = m.weights.get(name) if w is None else w
+            want = gptq_quantize(w.float(), cal.hessians[name], scheme, q.tensors.get("weight_global_scale"),
+                                 name=name)
+            for k, v in want.tensors.items():
+                got = q.tensors[k]
+                assert torch.equal(got.view(torch.uint8) if got.element_size() == 1 else got,
+                                   v.view(torch.uint8) if v.element_size() == 1 else v), (name, k)
+            checked += 1
+    assert checked >= 2 and rep.gptq_slices > 0
+
+
 def test_calibration_counts_unrouted_experts(tiny):
     """An expert no calibration token is routed to has no Hessian (it will be rounded to nearest); the routed ones
     have one, and every Hessian is symmetric positive semi-definite [in, in]. Four copies of one token stay
