@@ -94,6 +94,7 @@ def calibrate_gptq(model, scheme, windows: torch.Tensor, device: "str | torch.de
     dec = ReferenceDecoder(model.spec, model.weights, dev, dtype)
     if type(dec).layer is not ReferenceDecoder.layer:
         raise TypeError(f"{model.spec.family}: GPTQ calibration needs the plain reference decoder")
+    dec.group_experts = True       # each expert's Hessian from one [tokens, in] batch
     res = Calibration()
     xs = [dec.w["embed"][w.to(dev)] for w in windows]          # residual stream entering layer 0, [S, D] each
     res.tokens = sum(int(x.shape[0]) for x in xs)

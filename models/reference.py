@@ -86,6 +86,8 @@ class ReferenceDecoder:
         """lazy: fetch (and convert) each weight from `weights` at every use instead of holding a converted copy --
         for GPU backends whose own weight buffers are the only copy (their prefill runs through this class)."""
         self.spec = spec
+        self.group_experts = False    # True: routed experts batched per expert (calibration); False: the oracle's
+                                      # per-token loop, summing each token's experts in top-k order as HF does
         self.device = torch.device(device)
         self.dtype = dtype or (torch.float32 if self.device.type == "cpu" else torch.bfloat16)
         if lazy:
@@ -190,9 +192,17 @@ class ReferenceDecoder:
         bias = self.p(i, "moe.score_bias")
         ids, wts = route(moe, logits, None if bias is None else bias.float())
         out = torch.zeros_like(x)
-        for t in range(x.shape[0]):
-            for j in range(moe.top_k):
-                out[t] += (self._expert(i, moe, int(ids[t, j]), x[t:t + 1])[0].float() * wts[t, j]).to(x.dtype)
+        if self.group_experts:
+            # one call per chosen expert over all its tokens: the same terms, summed in expert order instead of
+            # each token's top-k order (models/calibrate.py: 16k tokens in seconds, not a minute)
+            for e in torch.unique(ids).tolist():
+                tok, slot = (ids == e).nonzero(as_tuple=True)
+                y = self._expert(i, moe, e, x[tok]).float() * wts[tok, slot][:, None]
+                out.index_add_(0, tok, y.to(x.dtype))
+        else:
+            for t in range(x.shape[0]):
+                for j in range(moe.top_k):
+                    out[t] += (self._expert(i, moe, int(ids[t, j]), x[t:t + 1])[0].float() * wts[t, j]).to(x.dtype)
         if moe.shared_intermediate_size:
             sh = self._swiglu(i, "moe.shared", x)
             if moe.shared_expert_gate:
