@@ -18,7 +18,6 @@ def _device_args(p: argparse.ArgumentParser):
 
 
 def _gptq_args(p: argparse.ArgumentParser):
-    from kie_moe.heldout import DEFAULT_CALIB_TOKENS
     p.add_argument("--gptq", action="store_true",
                    help="choose each weight's codes by GPTQ (as llm-compressor's GPTQModifier: same scales, same "
                         "format, codes that cancel each other's error on calibration text) instead of rounding "
@@ -26,8 +25,9 @@ def _gptq_args(p: argparse.ArgumentParser):
     p.add_argument("--calib", default=None, metavar="FILE",
                    help="GPTQ calibration text (default: the checkpoint's calib.txt; the embedded demo model ships "
                         "one, disjoint from its heldout.txt)")
-    p.add_argument("--calib-tokens", type=int, default=DEFAULT_CALIB_TOKENS, metavar="N",
-                   help=f"calibration tokens, in windows of 256 spread over the text (default {DEFAULT_CALIB_TOKENS})")
+    # default None -> kie_moe.heldout.DEFAULT_CALIB_TOKENS (not imported here: it would load torch for --help)
+    p.add_argument("--calib-tokens", type=int, default=None, metavar="N",
+                   help="calibration tokens, in windows of 256 spread over the text (default 16384)")
     p.add_argument("--damp", type=float, default=0.01,
                    help="GPTQ dampening: this fraction of the Hessian's mean diagonal is added to it (default 0.01)")
 

@@ -108,9 +108,11 @@ def calibration_windows(model_dir: str, text_file: str | None, tokens: int, voca
     return wins, f"{os.path.relpath(path)} ({wins.shape[0]} windows of {window} of its {len(ids)} tokens)"
 
 
-def gptq_options(model_dir: str, calib: str | None, tokens: int, device: str | None, damp: float):
+def gptq_options(model_dir: str, calib: str | None, tokens: int | None, device: str | None, damp: float):
     """`--gptq`'s settings (models.calibrate.GptqOptions) for the checkpoint at model_dir: its calibration windows
-    (calibration_windows), the device (kie_moe.engine.resolve_device) and the dampening fraction."""
+    (calibration_windows; tokens None: DEFAULT_CALIB_TOKENS), the device (kie_moe.engine.resolve_device) and the
+    dampening fraction."""
+    tokens = DEFAULT_CALIB_TOKENS if tokens is None else tokens
     from kie_moe.engine import resolve_device
     from kie_moe.models.calibrate import GptqOptions
     from kie_moe.models.loader import read_config

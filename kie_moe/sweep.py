@@ -226,7 +226,7 @@ def run(model: str, schemes: list[str], out_dir: str, *, text: str | None = None
         prompt_len: int = 32, new_tokens: int = 64, runs: int = 3, probe_bytes: int | None = None,
         cache_dir: str | None = None, progress: bool = True, argv: list[str] | None = None,
         observer: str = "minmax", gptq: bool = False, calib: str | None = None,
-        calib_tokens: int = H.DEFAULT_CALIB_TOKENS, damp: float = 0.01) -> dict:
+        calib_tokens: int | None = None, damp: float = 0.01) -> dict:
     from tqdm.auto import tqdm
     from kie_moe.engine import resolve_device
 
