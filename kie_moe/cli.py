@@ -165,7 +165,8 @@ def cmd_demo(a) -> int:
     on_text = None if a.json else (lambda t: (sys.stdout.write(t), sys.stdout.flush()))
     res = demo.run_demo(a.model, a.out, device=a.device, backend=a.backend, schemes=schemes,
                         max_new_tokens=a.max_new_tokens, windows=a.windows, window_len=a.window_len,
-                        on_text=on_text, log=log)
+                        on_text=on_text, log=log, gptq=a.gptq, calib=a.calib, calib_tokens=a.calib_tokens,
+                        damp=a.damp)
     if a.json:
         print(json.dumps(res.to_dict()))
     else:
@@ -296,6 +297,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="held-out windows scored per scheme, spread over the whole text (default 32; 0: all that fit; "
                         "the same windows as kie sweep's defaults)")
     d.add_argument("--window-len", type=int, default=256, help="scored tokens per held-out window (default 256)")
+    _gptq_args(d)
     d.add_argument("--json", action="store_true", help="print one JSON object (rows: scheme, bytes, tokens_per_s, "
                                                        "top1, kl, ppl, text, ...) instead of the table")
     _device_args(d)

@@ -97,11 +97,17 @@ def check_model_dir(model_dir: str) -> None:
         raise ConfigError(f"{model_dir}: no *.safetensors weight files")
 
 
-def converted(src: str, out: str, scheme: str, fp: str, log: Callable[[str], None]) -> str:
-    """out/<fingerprint>-<scheme>: reused when present (convert renames a finished folder into place, so one that
-    exists is complete), else written now."""
+def converted(src: str, out: str, scheme: str, fp: str, log: Callable[[str], None], gptq=None) -> str:
+    """out/<fingerprint>-<scheme>[-gptq-<calibration hash>]: reused when present (convert renames a finished folder
+    into place, so one that exists is complete), else written now. gptq: models.calibrate.GptqOptions; its hash
+    covers the calibration token windows and the dampening, so other calibration text converts again."""
     from kie_moe.models.quantizable import convert_checkpoint
-    dst = os.path.join(out, f"{fp}-{scheme}")
+    tag = ""
+    if gptq is not None:
+        h = hashlib.sha1(gptq.windows.numpy().tobytes())
+        h.update(repr(gptq.damp).encode())
+        tag = f"-gptq-{h.hexdigest()[:10]}"
+    dst = os.path.join(out, f"{fp}-{scheme}{tag}")
     if os.path.exists(os.path.join(dst, "config.json")):
         return dst
     try:
@@ -109,9 +115,11 @@ def converted(src: str, out: str, scheme: str, fp: str, log: Callable[[str], Non
     except OSError as e:
         raise InputError(f"{out}: cannot create the demo's cache folder ({e.strerror}); pass --out DIR") from None
     t0 = time.perf_counter()
-    rep = convert_checkpoint(src, dst, scheme, force=True, progress=False, on_warning=lambda m: log(f"warning: {m}"))
-    log(f"converted to {scheme}: {len(rep.quantized)} Linear weights quantized, {rep.bytes_written / 1e6:.1f} MB, "
-        f"{time.perf_counter() - t0:.1f} s -> {dst}")
+    rep = convert_checkpoint(src, dst, scheme, force=True, progress=False, on_warning=lambda m: log(f"warning: {m}"),
+                             gptq=gptq)
+    how = f" by GPTQ ({rep.gptq_slices} slices; calibration: {gptq.label})" if gptq is not None else ""
+    log(f"converted to {scheme}{how}: {len(rep.quantized)} Linear weights quantized, "
+        f"{rep.bytes_written / 1e6:.1f} MB, {time.perf_counter() - t0:.1f} s -> {dst}")
     return dst
 
 
@@ -176,8 +184,11 @@ def open_engine(path: str, device: str | None, backend: str, prompt: str, log: C
 def run_demo(model: str | None = None, out: str | None = None, device: str | None = None, backend: str = "auto",
              schemes=DEFAULT_SCHEMES, prompt: str = PROMPT, max_new_tokens: int = 48,
              windows: int = H.DEFAULT_WINDOWS, window_len: int = H.DEFAULT_WINDOW_LEN,
-             on_text: Callable[[str], None] | None = None, log: Callable[[str], None] = lambda m: None) -> DemoResult:
-    """Convert, generate, compare. on_text streams the completions (with a `[scheme]` line before each)."""
+             on_text: Callable[[str], None] | None = None, log: Callable[[str], None] = lambda m: None,
+             gptq: bool = False, calib: str | None = None, calib_tokens: int | None = None,
+             damp: float = 0.01) -> DemoResult:
+    """Convert, generate, compare. on_text streams the completions (with a `[scheme]` line before each). gptq:
+    convert by GPTQ over calib (default: the model's calib.txt; rows are labelled `SCHEME+gptq`)."""
     from kie_moe.quant.metrics import compare_logits
     from kie_moe.sampling import SamplingParams
     from kie_moe.tokenizer import IncrementalDecoder
@@ -189,8 +200,12 @@ def run_demo(model: str | None = None, out: str | None = None, device: str | Non
     for s in schemes:
         if s in ("bf16", "fp16", "float"):
             raise InputError(f"--schemes: {s} is the reference row, always shown; list quantized schemes only")
+    if calib is not None and not gptq:
+        raise InputError("--calib is calibration text for --gptq; add --gptq (or leave --calib out)")
     fp = fingerprint(model)
-    paths = [("bf16", model)] + [(s, converted(model, out, s, fp, log)) for s in schemes]
+    opts = H.gptq_options(model, calib, calib_tokens, device, damp) if gptq else None
+    paths = [("bf16", model)] + [(s + ("+gptq" if gptq else ""), converted(model, out, s, fp, log, opts))
+                                 for s in schemes]
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
 
     res, ref_logits, targets = None, None, None

@@ -120,3 +120,22 @@ def test_tokenizer_round_trips_python():
     assert tok.eos_token_id is not None
     chat = tok.apply_chat_template([{"role": "user", "content": "hi"}])
     assert "hi" in tok.decode(chat) and len(chat) > 3  # role markers around the message
+
+
+def test_cli_gptq_rows(result, cache, capsys):
+    """kie demo --gptq: rows labelled SCHEME+gptq from a GPTQ conversion cached apart from the round-to-nearest one
+    (and reused on the next run); over the same held-out windows it is closer to bf16 than round to nearest."""
+    args = ["demo", "--out", cache, "--device", "cpu", "--schemes", "fp8", "--max-new-tokens", "8", "--windows", "2",
+            "--window-len", "128", "--json", "--gptq", "--calib-tokens", "1024"]
+    rc = cli.main(args)
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    d = json.loads(out.out)
+    assert [r["scheme"] for r in d["rows"]] == ["bf16", "fp8+gptq"]
+    assert "converted to fp8 by GPTQ" in out.err and "calib.txt (4 windows of 256" in out.err
+    rtn = next(r for r in result[0].rows if r.scheme == "fp8")
+    assert d["rows"][1]["path"] != rtn.path and "-gptq-" in d["rows"][1]["path"]
+    assert d["rows"][1]["kl"] < rtn.kl, (d["rows"][1]["kl"], rtn.kl)
+    assert cli.main(args) == 0 and "converted to" not in capsys.readouterr().err
+    assert cli.main(["demo", "--out", cache, "--calib", "x.txt"]) == 2
+    assert "add --gptq" in capsys.readouterr().err
