@@ -345,8 +345,8 @@ def gemv(x: torch.Tensor, w: WeightHandle, *, bias: torch.Tensor | None = None, 
 
 
 def rows_first(cfg: TileConfig, N: int, K: int, fmt: str, device: torch.device) -> TileConfig:
-    """The rows-first tile rule (ROWS_FIRST): halve block_n (down to 4) while there are fewer than 2 row tiles per SM, with K steps of
-    1024 (fitted to K) once it narrowed, and no split-K when that reaches 2 row tiles per SM."""
+    """The rows-first tile rule (ROWS_FIRST): halve block_n (down to 4) while there are fewer than 2 row tiles per SM,
+    with K steps of 1024 (fitted to K) once it narrowed, and no split-K when that reaches 2 row tiles per SM."""
     sms, bn = num_sms(device), cfg.block_n
     while bn > 4 and triton.cdiv(N, bn) < 2 * sms:
         bn //= 2

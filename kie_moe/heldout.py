@@ -98,7 +98,8 @@ def calibration_windows(model_dir: str, text_file: str | None, tokens: int, voca
         with open(path, encoding="utf-8") as f:
             text = f.read()
     except (OSError, UnicodeDecodeError) as e:
-        raise InputError(f"--calib {path}: cannot read it as UTF-8 text ({getattr(e, 'strerror', None) or e})") from None
+        why = getattr(e, "strerror", None) or e
+        raise InputError(f"--calib {path}: cannot read it as UTF-8 text ({why})") from None
     if not has_tokenizer(model_dir):
         raise ConfigError(f"{model_dir}: no tokenizer.json, so the calibration text {path} cannot be tokenized")
     ids = encode(Tokenizer(model_dir), text, vocab)

@@ -13,7 +13,7 @@ from kie_moe.heldout import CALIB, calibration_windows, gptq_options
 from kie_moe.models.calibrate import GptqOptions, calibrate_gptq
 from kie_moe.models.errors import InputError
 from kie_moe.models.loader import read_config
-from kie_moe.models.quantizable import convert_checkpoint
+from kie_moe.models.quantizable import convert_checkpoint, is_linear
 from kie_moe.models.registry import load_model
 from kie_moe.quant import ct_scheme, quantize
 from kie_moe.quant.gptq import HessianAccumulator, gptq_quantize
@@ -285,3 +285,37 @@ def test_gptq_on_cuda_matches_the_cpu_solve(scheme):
     def err(q):
         return float(((x @ (w - q.dequantize(torch.float32)).t()) ** 2).mean())
     assert abs(err(gpu) - err(cpu)) < 0.01 * err(cpu)
+
+
+def test_gptq_from_a_quantized_source_and_with_the_lm_head(tiny, converted, tmp_path):
+    """Two paths the layouts above do not take: an already quantized source (fp8 -> nvfp4: the store dequantizes
+    to bf16 and the converter to float32, so every slice is solved again from its Hessian rather than reusing
+    calibration's codes), and --quantize-lm-head (its Hessian from the final norm's output): both written as
+    gptq_quantize of the converter's weight under calibrate_gptq's Hessian."""
+    fp8_dir = converted("qwen3_moe_norm", "fp8")[0]
+    wins = _windows(read_config(fp8_dir)["vocab_size"])
+    dst = str(tmp_path / "nv")
+    rep = convert_checkpoint(fp8_dir, dst, "nvfp4", progress=False, on_warning=lambda m: None,
+                             gptq=GptqOptions(wins, "cpu", 0.01, "random ids"))
+    cal = calibrate_gptq(load_model(fp8_dir), "nvfp4", wins)
+    src, out = qsource(fp8_dir), qsource(dst)
+    module = "model.layers.1.mlp.experts.1.gate_proj.weight"
+    q = out.read_quantized(module)
+    want = gptq_quantize(src.read_quantized(module).dequantize(torch.float32),
+                         cal.hessians["layers.1.moe.experts.1.gate"], "nvfp4", q.tensors["weight_global_scale"],
+                         name=module)
+    assert torch.equal(q.tensors["weight_packed"], want.tensors["weight_packed"]) and rep.gptq_slices > 0
+
+    src_dir = tiny("qwen3_moe_norm")
+    rep = convert_checkpoint(src_dir, str(tmp_path / "lm"), "fp8", progress=False, quantize_lm_head=True,
+                             gptq=GptqOptions(wins % read_config(src_dir)["vocab_size"], "cpu", 0.01, "random ids"))
+    assert "lm_head" in rep.quantized
+    cal = calibrate_gptq(load_model(src_dir), "fp8", wins % read_config(src_dir)["vocab_size"],
+                         targets=lambda n: is_linear(n) or n == "lm_head")
+    q = qsource(str(tmp_path / "lm")).read_quantized("lm_head.weight")
+    want = gptq_quantize(load_model(src_dir).weights.get("lm_head").float(), cal.hessians["lm_head"], "fp8",
+                         name="lm_head")
+    assert torch.equal(q.tensors["weight"].view(torch.uint8), want.tensors["weight"].view(torch.uint8))
+    assert not torch.equal(q.tensors["weight"].view(torch.uint8),
+                           quantize(load_model(src_dir).weights.get("lm_head").float(), "fp8").tensors["weight"]
+                           .view(torch.uint8))
