@@ -13,10 +13,11 @@ shared experts). A routed expert sees only the tokens routed to it; one that no 
 Hessian and is rounded to nearest (counted in the result).
 
 Cost: the whole model held by the reference decoder on `device` (float32 on a CPU, bf16 on a GPU), the residual
-streams of every window, and the Hessians (one [in, in] float32 per distinct Linear input, kept on the host). The
-reference decoder's MoE is a Python loop over experts, so on a CPU this suits small models (the embedded demo
-model: ~40 s for 16k tokens); models that fit a GPU in bf16 want --device cuda; beyond that (and beyond host memory
-for the Hessians: ~120 GB for qwen3-30b-a3b) a per-layer streaming pipeline would be needed, which this is not.
+streams of every window, every solved Linear's codes, and the Hessians still needed after calibration (only for
+slices the converter solves again: fused qkv, gpt-oss's [E, in, out], quantized sources; one [in, in] float32 per
+distinct Linear input) on the host. Routed experts run batched per expert (ReferenceDecoder.group_experts): the
+embedded demo model calibrates 16k tokens in ~12 s on 2 CPU cores. Models that fit a GPU in bf16 want --device
+cuda; larger ones would need a per-layer streaming pipeline, which this is not.
 """
 from __future__ import annotations
 
