@@ -98,13 +98,10 @@ def cmd_convert(a) -> int:
     from tqdm import tqdm
     from kie_moe.models.quantizable import convert_checkpoint
     say = (lambda m: None) if a.quiet else (lambda m: tqdm.write(f"kie convert: {m}", file=sys.stderr))
-    gptq = None
-    if a.gptq:
-        from kie_moe.heldout import gptq_options
-        gptq = gptq_options(a.src, a.calib, a.calib_tokens, a.device, a.damp)
+    from kie_moe.heldout import gptq_options
+    gptq = gptq_options(a.src, a.calib, a.calib_tokens, a.device, a.damp, enabled=a.gptq)
+    if gptq is not None:
         say(f"GPTQ calibration on {gptq.device}: {gptq.label}")
-    elif a.calib is not None:
-        raise KieError("--calib is calibration text for --gptq; add --gptq (or leave --calib out)")
     rep = convert_checkpoint(a.src, a.dst, a.scheme, force=a.force, experts_only=a.experts_only, ignore=a.ignore,
                              quantize_lm_head=a.quantize_lm_head, progress=not a.quiet, observer=a.observer,
                              on_warning=lambda m: tqdm.write(f"kie convert: warning: {m}", file=sys.stderr),

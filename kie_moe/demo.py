@@ -102,11 +102,7 @@ def converted(src: str, out: str, scheme: str, fp: str, log: Callable[[str], Non
     into place, so one that exists is complete), else written now. gptq: models.calibrate.GptqOptions; its hash
     covers the calibration token windows and the dampening, so other calibration text converts again."""
     from kie_moe.models.quantizable import convert_checkpoint
-    tag = ""
-    if gptq is not None:
-        h = hashlib.sha1(gptq.windows.numpy().tobytes())
-        h.update(repr(gptq.damp).encode())
-        tag = f"-gptq-{h.hexdigest()[:10]}"
+    tag = "" if gptq is None else f"-gptq-{gptq.fingerprint()[:10]}"
     dst = os.path.join(out, f"{fp}-{scheme}{tag}")
     if os.path.exists(os.path.join(dst, "config.json")):
         return dst
@@ -200,10 +196,8 @@ def run_demo(model: str | None = None, out: str | None = None, device: str | Non
     for s in schemes:
         if s in ("bf16", "fp16", "float"):
             raise InputError(f"--schemes: {s} is the reference row, always shown; list quantized schemes only")
-    if calib is not None and not gptq:
-        raise InputError("--calib is calibration text for --gptq; add --gptq (or leave --calib out)")
+    opts = H.gptq_options(model, calib, calib_tokens, device, damp, enabled=gptq)
     fp = fingerprint(model)
-    opts = H.gptq_options(model, calib, calib_tokens, device, damp) if gptq else None
     paths = [("bf16", model)] + [(s + ("+gptq" if gptq else ""), converted(model, out, s, fp, log, opts))
                                  for s in schemes]
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)

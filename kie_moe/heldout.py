@@ -77,7 +77,7 @@ def windows(ids, n: int, length: int) -> torch.Tensor:
 
 # ---- calibration text (kie convert --gptq) ---------------------------------------------------------------------
 CALIB = "calib.txt"
-DEFAULT_CALIB_TOKENS = 16384  # 64 windows of 256: demo model fp8 top-1 0.9713 (RTN) -> 0.9822; all 29k tokens of
+DEFAULT_CALIB_TOKENS = 16384  # 64 windows of 256: demo model fp8 top-1 0.9713 (RTN) -> 0.9816; all 29k tokens of
                               # its calib.txt 0.9806 (eval sd ~0.002): no gain past ~8-16k (benchmarks/NOTES.md s10)
 
 
@@ -109,10 +109,15 @@ def calibration_windows(model_dir: str, text_file: str | None, tokens: int, voca
     return wins, f"{os.path.relpath(path)} ({wins.shape[0]} windows of {window} of its {len(ids)} tokens)"
 
 
-def gptq_options(model_dir: str, calib: str | None, tokens: int | None, device: str | None, damp: float):
+def gptq_options(model_dir: str, calib: str | None, tokens: int | None, device: str | None, damp: float,
+                 enabled: bool = True):
     """`--gptq`'s settings (models.calibrate.GptqOptions) for the checkpoint at model_dir: its calibration windows
     (calibration_windows; tokens None: DEFAULT_CALIB_TOKENS), the device (kie_moe.engine.resolve_device) and the
-    dampening fraction."""
+    dampening fraction. enabled False (no --gptq): None, and --calib is refused (kie convert, sweep and demo)."""
+    if not enabled:
+        if calib is not None:
+            raise InputError("--calib is calibration text for --gptq; add --gptq (or leave --calib out)")
+        return None
     tokens = DEFAULT_CALIB_TOKENS if tokens is None else tokens
     from kie_moe.engine import resolve_device
     from kie_moe.models.calibrate import GptqOptions

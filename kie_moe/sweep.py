@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import csv
 import gc
-import hashlib
 import json
 import math
 import os
@@ -177,16 +176,15 @@ def _stamp(src: str, scheme: str, observer: str = "minmax", gptq=None) -> dict:
     if observer != "minmax":        # stamps written before observers existed stay valid for minmax
         out["observer"] = observer
     if gptq is not None:
-        out["gptq"] = {"calibration": gptq.label, "damp": gptq.damp,
-                       "windows_sha1": hashlib.sha1(gptq.windows.numpy().tobytes()).hexdigest()}
+        out["gptq"] = {"calibration": gptq.label, "damp": gptq.damp, "sha1": gptq.fingerprint()}
     return out
 
 
 def scheme_checkpoint(src: str, scheme: str, cache_dir: str, convert, observer: str = "minmax",
                       gptq=None) -> tuple[str, str]:
     """-> (directory of `src` in `scheme`, "converted" | "cached"). A cached conversion is reused only when its
-    stamp names the same source, scheme, observer, GPTQ calibration (models.calibrate.GptqOptions: its token
-    windows' hash) and source config.json mtime; otherwise it is converted again. GPTQ conversions are cached
+    stamp names the same source, scheme, observer, GPTQ calibration (models.calibrate.GptqOptions.fingerprint)
+    and source config.json mtime; otherwise it is converted again. GPTQ conversions are cached
     under SCHEME-gptq."""
     dst = os.path.join(cache_dir, scheme + ("-gptq" if gptq is not None else ""))
     stamp_path = os.path.join(dst, _STAMP)
@@ -239,12 +237,10 @@ def run(model: str, schemes: list[str], out_dir: str, *, text: str | None = None
     if observer != "minmax" and not ckpt:
         raise InputError(f"--observer {observer}: needs a checkpoint (kie convert chooses the scales); {model} is "
                          f"quantized in memory, with minmax scales")
-    if (gptq or calib is not None) and not ckpt:
+    if gptq and not ckpt:
         raise InputError(f"--gptq: needs a checkpoint with a tokenizer (GPTQ calibrates on text); {model} is "
                          f"quantized in memory, rounded to nearest")
-    if calib is not None and not gptq:
-        raise InputError("--calib is calibration text for --gptq; add --gptq (or leave --calib out)")
-    gptq_opts = H.gptq_options(model, calib, calib_tokens, device, damp) if gptq else None
+    gptq_opts = H.gptq_options(model, calib, calib_tokens, device, damp, enabled=gptq)
     bar = tqdm(total=2 * len(schemes) + 2, desc="kie sweep", file=sys.stderr, disable=not progress, leave=False)
     bar.set_postfix_str("read probe")
     res = {"schema": SCHEMA, "model": model, "env": R.environment(dev, argv),

@@ -21,6 +21,7 @@ cuda; larger ones would need a per-layer streaming pipeline, which this is not.
 """
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -29,7 +30,7 @@ import torch
 from .quantizable import is_linear, partner_group
 from .spec import canonical
 
-__all__ = ["Calibration", "GptqOptions", "calibrate_gptq", "slice_canonicals", "gptq_calibrator"]
+__all__ = ["Calibration", "GptqOptions", "calibrate_gptq", "gptq_calibrator"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -40,6 +41,13 @@ class GptqOptions:
     device: str = "cpu"
     damp: float = 0.01
     label: str = ""
+
+    def fingerprint(self) -> str:
+        """sha1 of the calibration token windows and the dampening: what makes two GPTQ conversions of one source
+        differ (cache keys of kie sweep and kie demo)."""
+        h = hashlib.sha1(self.windows.numpy().tobytes())
+        h.update(repr(self.damp).encode())
+        return h.hexdigest()
 
 
 @dataclass
@@ -85,12 +93,13 @@ def calibrate_gptq(model, scheme, windows: torch.Tensor, device: "str | torch.de
     each run from an empty cache. Returns host float32 Hessians keyed by canonical name."""
     from kie_moe.quant.gptq import DEFAULT_DAMP, HessianAccumulator, gptq_quantize
     from kie_moe.quant.convert import _check_shape as check_shape
-    from kie_moe.quant.schemes import NotQuantizable, QuantizedTensor, get_scheme
+    from kie_moe.quant.schemes import NotQuantizable, get_scheme
 
     from . import reference
     from .reference import ReferenceDecoder
 
     sch = get_scheme(scheme)
+    damp = DEFAULT_DAMP if damp is None else damp
     dev = torch.device(device)
     dec = ReferenceDecoder(model.spec, model.weights, dev, dtype)
     if type(dec).layer is not ReferenceDecoder.layer:
@@ -143,10 +152,9 @@ def calibrate_gptq(model, scheme, windows: torch.Tensor, device: "str | torch.de
                 continue
             # the stored weight in float32, not the decoder's copy (bf16 on a GPU): the codes kept in `solved` are
             # then the ones the converter would choose for the same slice
-            q = gptq_quantize(model.weights.get(n).to(dev, torch.float32), h, sch, globals_[n], name=n,
-                              damp=DEFAULT_DAMP if damp is None else damp)
+            q = gptq_quantize(model.weights.get(n).to(dev, torch.float32), h, sch, globals_[n], name=n, damp=damp)
             if h is not None:
-                res.solved[n] = QuantizedTensor(q.scheme, {k: v.cpu() for k, v in q.tensors.items()}, q.shape, q.dtype)
+                res.solved[n] = _on_host(q)
             dec.w[n] = q.dequantize(dec.dtype)        # the layers above see this layer as it will be written
         for k, x in enumerate(xs):
             dec.reset()
@@ -162,47 +170,45 @@ def calibrate_gptq(model, scheme, windows: torch.Tensor, device: "str | torch.de
             res.hessians["lm_head"] = acc.value.cpu()
         try:
             check_shape(sch, tuple(dec.w["lm_head"].shape), "lm_head")
-            q = gptq_quantize(model.weights.get("lm_head").to(dev, torch.float32), acc.value, sch, name="lm_head",
-                              damp=DEFAULT_DAMP if damp is None else damp)
-            res.solved["lm_head"] = QuantizedTensor(q.scheme, {k: v.cpu() for k, v in q.tensors.items()}, q.shape,
-                                                    q.dtype)
+            res.solved["lm_head"] = _on_host(gptq_quantize(model.weights.get("lm_head").to(dev, torch.float32),
+                                                           acc.value, sch, name="lm_head", damp=damp))
         except NotQuantizable:
             pass
     return res
 
 
-def slice_canonicals(refs, shapes: dict) -> dict[tuple[str, int | None], list[str]]:
-    """(source tensor, expert / lane index or None) -> the canonical Linears read from that slice. Every canonical
-    name of one slice reads the same input (gate and up rows of one expert's fused gate_up, q/k/v rows of a fused
-    qkv), so any of their Hessians is the slice's."""
-    from .quantizable import resolve_layouts
-    out: dict[tuple[str, int | None], list[str]] = {}
-    for name, lay in resolve_layouts(refs, shapes).items():
-        out.setdefault((lay.hf_name, lay.take[0] if lay.take else None), []).append(name)
-    return out
+def _on_host(q):
+    """A QuantizedTensor with its tensors moved to the host (the converter writes from there)."""
+    from kie_moe.quant.schemes import QuantizedTensor
+    return QuantizedTensor(q.scheme, {k: v.cpu() for k, v in q.tensors.items()}, q.shape, q.dtype)
 
 
-def _exact_canonicals(refs, shapes: dict) -> dict[tuple, str]:
-    """(source tensor, expert index or None, rows) -> the one canonical Linear that IS that slice, untransposed
+def _slice_maps(refs, shapes: dict) -> tuple[dict[tuple, list[str]], dict[tuple, str]]:
+    """-> (by_slice, exact).
+    by_slice: (source tensor, expert / lane index or None) -> the canonical Linears read from that slice. Every
+    canonical name of one slice reads the same input (gate and up rows of one expert's fused gate_up, q/k/v rows of
+    a fused qkv), so any of their Hessians is the slice's.
+    exact: (source tensor, expert index or None, rows) -> the one canonical Linear that IS that slice, untransposed
     (a per-expert module, an unfused q_proj, one expert's gate rows of a fused gate_up): its calibration codes can
     be written as they are. Slices holding several canonicals (fused qkv, gpt-oss's interleaved gate/up) are not
     listed: they are solved again from the Hessian."""
     from .quantizable import resolve_layouts
+    by_slice: dict[tuple, list[str]] = {}
     seen: dict[tuple, list[str]] = {}
     for name, lay in resolve_layouts(refs, shapes).items():
+        idx = lay.take[0] if lay.take else None
+        by_slice.setdefault((lay.hf_name, idx), []).append(name)
         if not lay.transpose and len(lay.take) <= 1:
-            seen.setdefault((lay.hf_name, lay.take[0] if lay.take else None, lay.rows), []).append(name)
-    return {k: v[0] for k, v in seen.items() if len(v) == 1}
+            seen.setdefault((lay.hf_name, idx, lay.rows), []).append(name)
+    return by_slice, {k: v[0] for k, v in seen.items() if len(v) == 1}
 
 
-def _target_slices(t, shapes: dict):
-    """-> [(slice index, coarse key of slice_canonicals, exact key of _exact_canonicals)] of one LinearTarget."""
-    out_shape = t.out_shape(shapes[t.source])
+def _slice_keys(t, i: int, stacked: bool) -> tuple[tuple, tuple]:
+    """Slice i of LinearTarget t -> (its key in by_slice, its key in exact) (_slice_maps)."""
     if t.layout == "split":
-        return [(0, (t.source, t.take), (t.source, t.take, t.rows))]
-    if len(out_shape) == 3:
-        return [(i, (t.source, i), (t.source, i, None)) for i in range(out_shape[0])]
-    return [(0, (t.source, None), (t.source, None, None))]
+        return (t.source, t.take), (t.source, t.take, t.rows)
+    idx = i if stacked else None
+    return (t.source, idx), (t.source, idx, None)
 
 
 def gptq_calibrator(model, refs, scheme, opts: GptqOptions, progress: Callable[[str], None] | None = None):
@@ -213,7 +219,7 @@ def gptq_calibrator(model, refs, scheme, opts: GptqOptions, progress: Callable[[
     for those slices only); None where no calibration token reached it (round to nearest)."""
     from kie_moe.quant.gptq import gptq_quantize
     shapes = model.weights.source.shapes()
-    by_slice, exact = slice_canonicals(refs, shapes), _exact_canonicals(refs, shapes)
+    by_slice, exact = _slice_maps(refs, shapes)
     if hasattr(model.weights.source, "read_quantized"):
         # an already quantized source: the store dequantizes to bf16, the converter to float32, so calibration's
         # codes are for other weights than the converter's: solve every slice again from its Hessian
@@ -223,7 +229,10 @@ def gptq_calibrator(model, refs, scheme, opts: GptqOptions, progress: Callable[[
         want: set[str] = set()
         need_h: set[str] = set()
         for t in targets:
-            for _, coarse, fine in _target_slices(t, shapes):
+            out_shape = t.out_shape(shapes[t.source])
+            stacked = t.layout != "split" and len(out_shape) == 3
+            for i in range(out_shape[0] if stacked else 1):
+                coarse, fine = _slice_keys(t, i, stacked)
                 names = by_slice.get(coarse, ())
                 want.update(names)
                 if fine not in exact:
@@ -232,7 +241,7 @@ def gptq_calibrator(model, refs, scheme, opts: GptqOptions, progress: Callable[[
                              damp=opts.damp, progress=progress, keep_hessian=need_h.__contains__)
 
         def solve(t, i: int, w: torch.Tensor, g, name: str):
-            coarse, fine = next((c, f) for k, c, f in _target_slices(t, shapes) if k == i)
+            coarse, fine = _slice_keys(t, i, t.layout != "split" and len(t.out_shape(shapes[t.source])) == 3)
             if fine in exact:
                 q = cal.solved.get(exact[fine])
                 if q is None:
@@ -247,6 +256,5 @@ def gptq_calibrator(model, refs, scheme, opts: GptqOptions, progress: Callable[[
                 if h is not None:
                     return gptq_quantize(w, h.to(opts.device), scheme, g, name=name, damp=opts.damp)
             return None
-        solve.calibration = cal
         return solve
     return calibrate

@@ -205,7 +205,7 @@ def test_gptq_sweep_converts_with_gptq_and_says_so(ckpt, text_file, tmp_path, ca
     assert "codes by GPTQ, calibrated on" in (tmp_path / "gptq" / "results.md").read_text()
     assert gq["rows"][1]["kl"] != rtn["rows"][1]["kl"]
     stamp = json.load(open(os.path.join(cache, "nvfp4-gptq", S._STAMP)))
-    assert stamp["gptq"]["damp"] == 0.01 and len(stamp["gptq"]["windows_sha1"]) == 40
+    assert stamp["gptq"]["damp"] == 0.01 and len(stamp["gptq"]["sha1"]) == 40
     capsys.readouterr()
     assert main(["sweep", ckpt, "--out", str(tmp_path / "x"), "--calib", text_file, *common]) == 2
     assert "add --gptq" in capsys.readouterr().err
