@@ -261,7 +261,7 @@ class GraphBackend:
         """Layer i's first launch directly follows layer i-1's routed-expert down launch, which releases it early
         under KIE_PDL_OVERLAP=2 (kernels/pdl.py): then its programs prefetch their weight rows while they wait."""
         prev = self.spec.layers[i - 1].moe if i > 0 else None
-        return OVERLAP >= 2 and prev is not None and not prev.shared_intermediate_size
+        return OVERLAP == 2 and prev is not None and not prev.shared_intermediate_size
 
     def _ffn(self, L, lay):
         eps, x = self.spec.norm_eps, self.x

@@ -488,7 +488,7 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gat
         FMT=FMT_ID[w_down.fmt], HAS_BIAS=bd[0] is not None, HAS_RES=residual is not None, TOP_K=top_k,
         SPLIT=split, BLOCK_N=cd.block_n, BLOCK_K=cd.block_k,
         PIPE=cd.prefetch, num_warps=cd.num_warps, num_stages=cd.num_stages,
-        **launch_kw(dev, prefetch=OVERLAP >= 1, release=OVERLAP >= 2)
+        **launch_kw(dev, prefetch=OVERLAP in (1, 2), release=OVERLAP == 2)
     )
     return y
 

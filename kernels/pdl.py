@@ -19,6 +19,7 @@ predecessor's grid is resident at once, so releasing the next launch early takes
   1: the routed-expert gate/up launch releases the down launch at its start; each down program asks L2 for its
      experts' weight rows (ids from the router, two launches back) and then waits.
   2: 1, and the down launch releases the next layer's q/k/v launch, whose programs prefetch their rows likewise.
+  3: (diagnostic) the gate/up launch releases the down launch, nothing is prefetched: the release's own cost.
 The PDL constexpr is then a bit set: 1 wait, 2 release at start (pdl_release), 4 prefetch before the wait
 (pdl_begin_rows / pdl_begin_experts). Weights are never written during decode, so reading them before the wait is
 race-free; a stale expert id only prefetches the wrong rows.
@@ -65,8 +66,8 @@ def pdl_release(PDL: tl.constexpr):
 
 @triton.jit
 def _prefetch_rows_l2(ptr, stride_bytes, n_rows, nbytes, LINES: tl.constexpr):
-    """One `prefetch.global.L2::evict_last` per 128-byte line of n_rows rows of nbytes each, stride_bytes apart,
-    from the int8 pointer ptr (evict_last: the lines must outlive the predecessor's own streaming)."""
+    """One `prefetch.global.L2` per 128-byte line of n_rows rows of nbytes each, stride_bytes apart, from the int8
+    pointer ptr. (Session 11's first try used ::evict_last; see NOTES.md.)"""
     lpr = tl.cdiv(nbytes, 128)
     n_lines = n_rows * lpr
     for l0 in range(0, n_lines, LINES):
@@ -74,7 +75,7 @@ def _prefetch_rows_l2(ptr, stride_bytes, n_rows, nbytes, LINES: tl.constexpr):
         r = i // lpr
         off = r.to(tl.int64) * stride_bytes + (i - r * lpr) * 128
         off = tl.where(i < n_lines, off, 0)
-        tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1]; mov.u32 $0, 0;", "=r,l", [ptr + off],
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptr + off],
                                   dtype=tl.int32, is_pure=False, pack=1)
 
 

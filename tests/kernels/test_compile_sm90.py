@@ -17,7 +17,7 @@ import pytest
 def _check_pdl_ptx(ptx: str, pdl: int):
     """The PDL bits compiled in (kernels/pdl.py): 4 L2 prefetches before the wait, 1 the wait, 2 the release after
     it; without PDL none of the three."""
-    pf, wait, rel = (ptx.find(s) for s in ("prefetch.global.L2::evict_last", "griddepcontrol.wait",
+    pf, wait, rel = (ptx.find(s) for s in ("prefetch.global.L2", "griddepcontrol.wait",
                                           "griddepcontrol.launch_dependents"))
     assert (pf >= 0) == bool(pdl & 4) and (wait >= 0) == bool(pdl & 1) and (rel >= 0) == bool(pdl & 2), (pdl, pf, wait,
                                                                                                           rel)
