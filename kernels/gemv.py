@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .pdl import launch_kw, pdl_begin, pdl_begin_rows
+from .pdl import launch_kw, pdl_begin
 from .tiles import (ACT_ID, FMT_ID, _glu, _rstd, _split_reduce, _store_out, _tile, _tile_bf16,  # noqa: F401
                     _tile_fp8, _tile_fp8_block, _tile_mxfp4, _tile_nvfp4)
 from .weights import FP8_BLOCK, WeightHandle, dequantize
@@ -104,20 +104,14 @@ def _x8_kernel(x_ptr, nw_ptr, x8_ptr, K, eps, HAS_NW: tl.constexpr, BLOCK: tl.co
 def _gemv_kernel(
     x_ptr, nw_ptr, w_ptr, stride_wn, s_ptr, stride_sn, stride_sk, gs_ptr,
     bias_ptr, res_ptr, y_ptr, part_ptr, cnt_ptr,
-    N, K, k_per_split, eps, stride_x8, stride_wn_bytes, row_bytes,
+    N, K, k_per_split, eps, stride_x8,
     FMT: tl.constexpr, HAS_NW: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
     SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_X: tl.constexpr,
     PIPE: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """grid (cdiv(N, BLOCK_N), SPLIT_K): y[N] = (rstd *) W[N, K] @ (nw *) x[K] (+ bias) (+ residual).
-    fp4 formats: x_ptr is x8 (prepare_x8, norm applied there) and HAS_NW is False.
-    stride_wn_bytes / row_bytes (W's row stride and row length in bytes) only size the optional prefetch before the
-    wait (kernels/pdl.py)."""
-    pdl_begin_rows(PDL, w_ptr, tl.program_id(0).to(tl.int64) * BLOCK_N * stride_wn_bytes
-                   + tl.program_id(1) * k_per_split * row_bytes // K,
-                   stride_wn_bytes, tl.minimum(BLOCK_N, N - tl.program_id(0) * BLOCK_N),
-                   (tl.minimum(tl.program_id(1) * k_per_split + k_per_split, K) - tl.program_id(1) * k_per_split)
-                   * row_bytes // K)
+    fp4 formats: x_ptr is x8 (prepare_x8, norm applied there) and HAS_NW is False."""
+    pdl_begin(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     k_lo = pid_k * k_per_split
@@ -319,12 +313,10 @@ def input_args(x: torch.Tensor, fmt: str, norm_weight: torch.Tensor | None, eps:
 
 def gemv(x: torch.Tensor, w: WeightHandle, *, bias: torch.Tensor | None = None, residual: torch.Tensor | None = None,
          out: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
-         x8: torch.Tensor | None = None, config: TileConfig | None = None, prefetch: bool = False) -> torch.Tensor:
+         x8: torch.Tensor | None = None, config: TileConfig | None = None) -> torch.Tensor:
     """y = W @ x (+ bias) (+ residual) for a batch-1 x [K] or [1, K]; y has x's leading shape and dtype (or out's).
     With norm_weight, x is RMS-normalised first: W @ (x * rstd(x) * norm_weight) (see rmsnorm_gemv).
-    fp4 weights: x8 = prepare_x8(x, norm_weight, eps) if already made (else made here, one extra launch).
-    prefetch: with PDL, each program asks L2 for its weight tile before it waits for the previous launch (pays off
-    only where that launch releases this one early: kernels/pdl.py, KIE_PDL_OVERLAP)."""
+    fp4 weights: x8 = prepare_x8(x, norm_weight, eps) if already made (else made here, one extra launch)."""
     if w.num_experts:
         raise ValueError("gemv: weight handle is an expert stack; use kie_moe.kernels.moe.moe_experts")
     N, K = w.out_features, w.in_features
@@ -344,12 +336,10 @@ def gemv(x: torch.Tensor, w: WeightHandle, *, bias: torch.Tensor | None = None, 
     _gemv_kernel[(n_tiles, split)](
         x_in, nw_in, *weight_args(w),
         bias if bias is not None else y, residual if residual is not None else y, y, part, cnt,
-        N, K, k_per_split, eps, stride_x8, w.weight.stride(-2) * w.weight.element_size(),
-        w.weight.shape[-1] * w.weight.element_size(),
+        N, K, k_per_split, eps, stride_x8,
         FMT=FMT_ID[w.fmt], HAS_NW=has_nw, HAS_BIAS=bias is not None, HAS_RES=residual is not None,
         SPLIT_K=split, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_X=min(1024, triton.next_power_of_2(K)),
-        PIPE=cfg.prefetch, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **launch_kw(x.device, prefetch=prefetch)
+        PIPE=cfg.prefetch, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_kw(x.device)
     )
     return y
 

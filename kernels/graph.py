@@ -28,7 +28,6 @@ from kie_moe.models.spec import canonical
 from .attention import gqa_decode, mla_decode, rope_gqa_decode
 from .gemv import gemv, gemv_glu
 from .moe import RouterConfig, Routing, moe_experts, route
-from .pdl import OVERLAP
 from .prefill import Prefill
 from .rope import mla_rope_append, rope_append, rope_tables
 from .sampling import DeviceSampler
@@ -224,8 +223,7 @@ class GraphBackend:
         x = self.x
         if a.kind == "gqa":
             if L["qkv"] is not None:
-                qkv = gemv(x, L["qkv"], bias=L["qkv_bias"], norm_weight=L["attn_norm"], eps=eps,
-                           prefetch=self._after_expert_down(i))
+                qkv = gemv(x, L["qkv"], bias=L["qkv_bias"], norm_weight=L["attn_norm"], eps=eps)
                 nq, nkv = a.q_size, a.kv_size
                 q, k, v = qkv[:nq], qkv[nq:nq + nkv], qkv[nq + nkv:]
             else:
@@ -256,12 +254,6 @@ class GraphBackend:
                            softmax_scale=a.softmax_scale, window=L["spec"].sliding_window)
         gemv(o.reshape(-1), L["o"], bias=L.get("o_bias"), residual=x, out=self.x2)
         self._swap()
-
-    def _after_expert_down(self, i: int) -> bool:
-        """Layer i's first launch directly follows layer i-1's routed-expert down launch, which releases it early
-        under KIE_PDL_OVERLAP=2 (kernels/pdl.py): then its programs prefetch their weight rows while they wait."""
-        prev = self.spec.layers[i - 1].moe if i > 0 else None
-        return OVERLAP == 2 and prev is not None and not prev.shared_intermediate_size
 
     def _ffn(self, L, lay):
         eps, x = self.spec.norm_eps, self.x

@@ -19,7 +19,7 @@ import triton.language as tl
 
 from .gemv import (DEFAULT_GLU_TILES, TileConfig, check_vec, check_x, counters, glu_ref, input_args, is_fp4,
                    make_out, num_sms, plan_split, resolve_config, weight_args)
-from .pdl import OVERLAP, launch_kw, pdl_begin, pdl_begin_experts, pdl_release
+from .pdl import launch_kw, pdl_begin
 from .tiles import ACT_ID, FMT_ID, _glu, _rstd, _split_reduce, _store_out, _tile, _tile_bf16
 from .weights import WeightHandle, dequantize
 
@@ -320,7 +320,6 @@ def _expert_glu_kernel(
     """grid (cdiv(I, BLOCK_N), TOP_K): h[slot, I] = glu(Wg[e] x + bg[e], Wu[e] x + bu[e]), e = ids[slot].
     H_X8: store each h[slot] in the x8 layout (an fp4 down projection reads it that way)."""
     pdl_begin(PDL)
-    pdl_release(PDL)  # KIE_PDL_OVERLAP: the down launch's programs may prefetch their rows while this one streams
     pid_n = tl.program_id(0)
     slot = tl.program_id(1)
     e = tl.load(ids_ptr + slot).to(tl.int64)  # the only data-dependent address: which expert's rows to stream
@@ -352,18 +351,13 @@ def _expert_down_kernel(
     h_ptr, ids_ptr, wts_ptr,
     wd_ptr, stride_wdn, sd_ptr, stride_sdn, stride_sdk, gsd_ptr, stride_wde, stride_sde, stride_gde,
     bd_ptr, stride_bde, res_ptr, y_ptr, part_ptr, cnt_ptr,
-    N, I, slots_per_split, E, stride_wde_bytes, stride_wdn_bytes, row_bytes,
+    N, I, slots_per_split,
     FMT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, TOP_K: tl.constexpr,
     SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PIPE: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """grid (cdiv(N, BLOCK_N), SPLIT): y[N] = sum_slot wts[slot] * (Wd[e] h[slot] + bd[e]) (+ residual); the slots
-    are split over SPLIT programs per row tile (reduced in slot order by the last one).
-    E, the byte strides and row_bytes only size the optional prefetch before the wait (kernels/pdl.py)."""
-    pdl_begin_experts(PDL, ids_ptr, tl.program_id(1) * slots_per_split,
-                      tl.minimum(tl.program_id(1) * slots_per_split + slots_per_split, TOP_K), E, wd_ptr,
-                      stride_wde_bytes, tl.program_id(0).to(tl.int64) * BLOCK_N * stride_wdn_bytes, stride_wdn_bytes,
-                      tl.minimum(BLOCK_N, N - tl.program_id(0) * BLOCK_N), row_bytes)
-    pdl_release(PDL)  # KIE_PDL_OVERLAP 2: the next layer's q/k/v programs prefetch their rows meanwhile
+    are split over SPLIT programs per row tile (reduced in slot order by the last one)."""
+    pdl_begin(PDL)
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     n_start = pid_n * BLOCK_N
@@ -397,12 +391,6 @@ def _expert_args(w: WeightHandle) -> tuple:
     """weight_args + the expert-axis strides (w, scale, global scale)."""
     st = lambda t: t.stride(0) if t is not None and t.dim() >= 1 else 0  # noqa: E731
     return (*weight_args(w), w.weight.stride(0), st(w.scale), st(w.global_scale))
-
-
-def _byte_strides(w: WeightHandle) -> tuple[int, int, int]:
-    """(expert stride, row stride, row length) of a stack's codes in bytes, for the prefetch before the wait."""
-    t, b = w.weight, w.weight.element_size()
-    return t.stride(0) * b, t.stride(-2) * b, t.shape[-1] * b
 
 
 def _check_bias2(b, E, n, dev, name):
@@ -470,7 +458,7 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gat
         FMT=FMT_ID[w_gate.fmt], HAS_NW=has_nw, HAS_BIAS=bg[0] is not None, ACT=ACT_ID[act],
         H_X8=is_fp4(w_down.fmt),
         BLOCK_N=cu.block_n, BLOCK_K=cu.block_k, BLOCK_X=min(1024, triton.next_power_of_2(H)),
-        PIPE=cu.prefetch, num_warps=cu.num_warps, num_stages=cu.num_stages, **launch_kw(dev, release=OVERLAP >= 1)
+        PIPE=cu.prefetch, num_warps=cu.num_warps, num_stages=cu.num_stages, **launch_kw(dev)
     )
 
     cd = resolve_config(w_down, config_down, DEFAULT_EXPERT_TILES)
@@ -484,11 +472,10 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gat
     _expert_down_kernel[(n_tiles, split)](
         h, ids, weights, *_expert_args(w_down), bd[0] if bd[0] is not None else h, bd[1],
         residual if residual is not None else y, y, part, counters(dev, n_tiles) if split > 1 else h,
-        H, I, per, E, *_byte_strides(w_down),
+        H, I, per,
         FMT=FMT_ID[w_down.fmt], HAS_BIAS=bd[0] is not None, HAS_RES=residual is not None, TOP_K=top_k,
         SPLIT=split, BLOCK_N=cd.block_n, BLOCK_K=cd.block_k,
-        PIPE=cd.prefetch, num_warps=cd.num_warps, num_stages=cd.num_stages,
-        **launch_kw(dev, prefetch=OVERLAP in (1, 2), release=OVERLAP == 2)
+        PIPE=cd.prefetch, num_warps=cd.num_warps, num_stages=cd.num_stages, **launch_kw(dev)
     )
     return y
 
