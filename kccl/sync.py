@@ -127,18 +127,22 @@ def flag_is_set(ptr, USE_ASM: tl.constexpr, NT: tl.constexpr = 256):
 
 @triton.jit
 def wait(counter_ptr, target, abort_ptr, timeout_ns, USE_ASM: tl.constexpr, SYS: tl.constexpr = False,
-         NT: tl.constexpr = 256):
+         NT: tl.constexpr = 256, SLEEP_NS: tl.constexpr = 0):
     """Spin until *counter_ptr >= target. Returns WAIT_OK (0), WAIT_ABORTED (1: *abort_ptr != 0) or
     WAIT_TIMEOUT (2: `timeout_ns` passed on the GPU; under the interpreter, not satisfied on the first look).
 
     GPU: every thread polls on its own (no barrier per poll; a thread may leave the loop early), then one
-    cta_max makes the status uniform (the most pessimistic thread wins: abort/timeout over success)."""
+    cta_max makes the status uniform (the most pessimistic thread wins: abort/timeout over success).
+    SLEEP_NS > 0: `nanosleep` between polls, so waiting programs leave issue slots and L2 to their SM's others."""
     if USE_ASM:
         v = ld_acquire(counter_ptr, SYS)
         stop = ld_volatile(abort_ptr, USE_ASM)
         t0 = globaltimer()
         elapsed = t0 - t0
         while (v < target) & (stop == 0) & (elapsed < timeout_ns):
+            if SLEEP_NS > 0:
+                tl.inline_asm_elementwise("nanosleep.u32 $1; mov.u32 $0, 0;", "=r,r", [v * 0 + SLEEP_NS],
+                                          dtype=tl.int32, is_pure=False, pack=1)
             v = ld_acquire(counter_ptr, SYS)
             stop = ld_volatile(abort_ptr, USE_ASM)
             elapsed = globaltimer() - t0

@@ -43,16 +43,18 @@ EXPERT_DOWN_PROGRAMS_PER_SM = 16
 FUSED = os.environ.get("KIE_EXPERTS_FUSED", "0") == "1"
 FUSED_FORMATS = ("bf16", "fp16", "fp32", "fp8", "fp8_block", "nvfp4")
 _FUSED_TIMEOUT_NS = 2_000_000_000   # a down task's wait for its slots' gate/up tiles; never reached unless starved
+_FUSED_SLEEP_NS = int(os.environ.get("KIE_EXPERTS_SLEEP_NS", "100"))
 _SYNC: dict[torch.device, torch.Tensor] = {}
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def fused_sync(device: torch.device) -> torch.Tensor:
-    """The fused expert launch's int32 words on `device`: [ticket, finished, error, slot counters (64)]. Zero
-    between launches (the last program of each resets them); error stays set once a wait timed out."""
+    """The fused expert launch's int32 words on `device`: [error, 2 spare, done [64], readers [64]] (slot counters
+    indexed up to top_k). Zero between launches (each slot's last reader resets its two); error stays set once a
+    wait timed out."""
     buf = _SYNC.get(device)
     if buf is None:
-        buf = _SYNC[device] = torch.zeros(3 + 64, dtype=torch.int32, device=device)
+        buf = _SYNC[device] = torch.zeros(3 + 2 * 64, dtype=torch.int32, device=device)
     return buf
 
 
@@ -447,23 +449,23 @@ def _expert_fused_kernel(
     HAS_DBIAS: tl.constexpr, HAS_RES: tl.constexpr, ACT: tl.constexpr, H_X8: tl.constexpr, TOP_K: tl.constexpr,
     SPLIT: tl.constexpr, BN_U: tl.constexpr, BK_U: tl.constexpr, BLOCK_X: tl.constexpr, PIPE_U: tl.constexpr,
     BN_D: tl.constexpr, BK_D: tl.constexpr, PIPE_D: tl.constexpr, USE_ASM: tl.constexpr, NT: tl.constexpr,
-    PDL: tl.constexpr = False,
+    SLEEP_NS: tl.constexpr, PDL: tl.constexpr = False,
 ):
-    """Both expert launches as one: grid = TOP_K * cdiv(I, BN_U) gate/up tasks + SPLIT * cdiv(H, BN_D) down tasks.
+    """Both expert launches as one: grid = TOP_K * cdiv(I, BN_U) gate/up tasks + SPLIT * cdiv(H, BN_D) down tasks,
+    in program-id order: gate/up tasks (slot-major) first, then down tasks (split-major: the first slots' rows first).
 
-    A program takes the next task from a ticket counter, not its program id, so every gate/up task is held by a
-    running program before any down task is taken: a down task may then spin on its slots' counters without a
-    deadlock, whatever order the hardware places programs in. Gate/up tasks are slot-major and signal their slot's
-    counter (kccl.sync: release after every thread's h stores); down tasks are split-major (the first slots' rows
-    first) and wait for all cdiv(I, BN_U) tiles of each of their slots (acquire). The last program to finish resets
-    the ticket, finish and slot counters for the next launch. sync_ptr int32: [ticket, finished, error, slot
-    counters [TOP_K]]; error != 0 after a launch: a wait timed out (cannot happen unless the GPU is shared with a
-    grid that starves this one), y is then wrong."""
+    Gate/up tasks signal their slot's counter (kccl.sync: bar.sync, then a release add). A down task waits (acquire
+    polls, SLEEP_NS apart, bounded by the GPU timer) until each of its slots has all cdiv(I, BN_U) tiles, then
+    counts itself in the slot's reader counter; the slot's last reader zeroes both for the next launch. Waiting on
+    lower program ids relies on the hardware placing blocks in id order (every gate/up program is running before a
+    down program waits), as single-pass scans do; if that ever failed a wait would time out, never hang: the error
+    word is set and y is wrong. sync_ptr int32: [error, -, -, done [TOP_K], readers [TOP_K]] (fused_sync)."""
     pdl_begin(PDL)
     n_up = tl.cdiv(I, BN_U)
     n_dn = tl.cdiv(H, BN_D)
     g_up = TOP_K * n_up
-    t = tl.atomic_add(sync_ptr, 1)
+    t = tl.program_id(0)
+    done_ptr = sync_ptr + 3
     if t < g_up:
         slot = t // n_up
         e = tl.load(ids_ptr + slot).to(tl.int64)
@@ -472,24 +474,22 @@ def _expert_fused_kernel(
                   wu_ptr, stride_wun, su_ptr, stride_sun, stride_suk, gsu_ptr, stride_wue, stride_sue, stride_gue,
                   bg_ptr, stride_bge, stride_bgn, bu_ptr, stride_bue, stride_bun, h_ptr,
                   I, H, eps, limit, alpha, stride_x8, FMT, HAS_NW, HAS_BIAS, ACT, H_X8, BN_U, BK_U, BLOCK_X, PIPE_U)
-        signal(sync_ptr + 3 + slot, 1, USE_ASM)
+        signal(done_ptr + slot, 1, USE_ASM)
     else:
         u = t - g_up
         pid_s = u // n_dn
         slot_lo = pid_s * slots_per_split
         slot_hi = tl.minimum(slot_lo + slots_per_split, TOP_K)
         for slot in range(slot_lo, slot_hi):
-            if wait(sync_ptr + 3 + slot, n_up, sync_ptr + 2, timeout_ns, USE_ASM, NT=NT) != 0:
-                tl.atomic_xchg(sync_ptr + 2, 1)   # timed out (or another program did): report, never hang
+            if wait(done_ptr + slot, n_up, sync_ptr, timeout_ns, USE_ASM, NT=NT, SLEEP_NS=SLEEP_NS) != 0:
+                tl.atomic_xchg(sync_ptr, 1)   # timed out (or another program did): report, never hang
+            if tl.atomic_add(done_ptr + TOP_K + slot, 1, sem="acq_rel") == n_dn - 1:
+                tl.atomic_xchg(done_ptr + TOP_K + slot, 0)
+                tl.atomic_xchg(done_ptr + slot, 0)
         _down_task(h_ptr, ids_ptr, wts_ptr,
                    wd_ptr, stride_wdn, sd_ptr, stride_sdn, stride_sdk, gsd_ptr, stride_wde, stride_sde, stride_gde,
                    bd_ptr, stride_bde, res_ptr, y_ptr, part_ptr, cnt_ptr,
                    H, I, slot_lo, slot_hi, u % n_dn, pid_s, FMT_D, HAS_DBIAS, HAS_RES, SPLIT, BN_D, BK_D, PIPE_D)
-    if tl.atomic_add(sync_ptr + 1, 1, sem="acq_rel") == g_up + SPLIT * n_dn - 1:
-        tl.atomic_xchg(sync_ptr, 0)
-        tl.atomic_xchg(sync_ptr + 1, 0)
-        for slot in range(TOP_K):
-            tl.atomic_xchg(sync_ptr + 3 + slot, 0)
 
 
 def expert_down_split(n_tiles: int, top_k: int, device: torch.device) -> int:
@@ -589,7 +589,7 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gat
             I, H, eps, limit, alpha, stride_x8, per, _FUSED_TIMEOUT_NS,
             FMT_D=FMT_ID[w_down.fmt], HAS_BIAS=bg[0] is not None, HAS_DBIAS=bd[0] is not None,
             BN_U=cu.block_n, BK_U=cu.block_k, PIPE_U=cu.prefetch, BN_D=cd.block_n, BK_D=cd.block_k,
-            PIPE_D=cd.prefetch, USE_ASM=not _INTERPRET, NT=32 * cu.num_warps, **common,
+            PIPE_D=cd.prefetch, USE_ASM=not _INTERPRET, NT=32 * cu.num_warps, SLEEP_NS=_FUSED_SLEEP_NS, **common,
             num_warps=cu.num_warps, num_stages=cu.num_stages, **launch_kw(dev)
         )
         return y

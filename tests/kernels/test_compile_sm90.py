@@ -96,7 +96,7 @@ def _compile_all() -> list[dict]:
         k = M._expert_down_kernel.warmup(h, ids, h, *M._expert_args(wd), b2, H, y, y, part, cnt, H, I, 2, FMT=fid,
                                          HAS_BIAS=True, HAS_RES=True, TOP_K=4, SPLIT=2, **gl)
         record(f"expert_down[{fmt}]", k)
-        sync = torch.empty(67, dtype=torch.int32)  # both expert launches as one (KIE_EXPERTS_FUSED), the graph's PDL
+        sync = torch.empty(131, dtype=torch.int32)  # both expert launches as one (KIE_EXPERTS_FUSED), the graph's PDL
         if fmt not in M.FUSED_FORMATS:
             continue
         k = M._expert_fused_kernel.warmup(xin, xin, ids, h, *M._expert_args(wg), *M._expert_args(wg), b2, I, 1, b2, I,
@@ -105,9 +105,9 @@ def _compile_all() -> list[dict]:
                                           HAS_DBIAS=True, HAS_RES=True, ACT=0, H_X8=fp4, TOP_K=4, SPLIT=2,
                                           BN_U=ecfg.block_n, BK_U=ecfg.block_k, BLOCK_X=1024, PIPE_U=ecfg.prefetch,
                                           BN_D=ecfg.block_n, BK_D=ecfg.block_k, PIPE_D=ecfg.prefetch, USE_ASM=True,
-                                          NT=32 * ecfg.num_warps, PDL=True, launch_pdl=True,
+                                          NT=32 * ecfg.num_warps, SLEEP_NS=100, PDL=True, launch_pdl=True,
                                           num_warps=ecfg.num_warps, num_stages=ecfg.num_stages, grid=(1,))
-        assert "griddepcontrol.wait" in k.asm["ptx"] and "ld.global.acquire.gpu" in k.asm["ptx"]
+        assert all(s in k.asm["ptx"] for s in ("griddepcontrol.wait", "ld.global.acquire.gpu", "nanosleep.u32"))
         record(f"expert_fused[{fmt}]", k)
     wr = torch.empty(256, 7168, dtype=torch.bfloat16)
     xr = torch.empty(7168, dtype=torch.bfloat16)

@@ -119,7 +119,7 @@ def test_qwen3_moe_block(fmt):
 def test_fused_experts_equal_two_launches_under_repeats(fmt):
     """The ticket-ordered fused expert launch at qwen3-30b-a3b size (768 gate/up + 2,048 down programs), 40 times
     in a CUDA graph with new routes in between: every result bit-equal to the two launches' (same tiles, same
-    order), the error word 0 (no wait timed out) and the counters back at 0 (the last program reset them)."""
+    order), the error word 0 (no wait timed out) and the counters back at 0 (each slot's last reader reset them)."""
     from kie_moe.kernels.moe import fused_sync
     E, I, H, k = 128, 768, 2048, 8
     wg, wu, wd = (random_weight(fmt, I, H, experts=E, seed=60, device=DEV),
@@ -147,7 +147,7 @@ def test_fused_experts_equal_two_launches_under_repeats(fmt):
         want = run(False, torch.empty(H, device=DEV))
         torch.cuda.synchronize()
         assert torch.equal(y, want), f"{fmt} replay {i}: fused != two launches"
-    assert fused_sync(torch.device(DEV, torch.cuda.current_device())).tolist()[:3 + k] == [0] * (3 + k)
+    assert fused_sync(torch.device(DEV, torch.cuda.current_device())).count_nonzero() == 0
 
 
 @pytest.mark.parametrize("fmt", ["mxfp4", "bf16"])

@@ -124,7 +124,7 @@ def test_moe_experts(fmt, fused):
 
 def test_fused_experts_reset_their_counters_between_launches():
     """The fused launch twice in a row with other experts and another split: each equals the reference (the last
-    program zeroed the ticket and slot counters), the error word stays 0; the fused result equals the two launches'
+    reader of each slot zeroed its counters), the error word stays 0; the fused result equals the two launches'
     bit for bit (the same tile code in the same order)."""
     from kie_moe.kernels.moe import fused_sync
     E, I, H = 7, 45, 80
@@ -136,7 +136,7 @@ def test_fused_experts_reset_their_counters_between_launches():
         wts = torch.linspace(0.5, 0.1, ids.numel(), device=DEV)
         kw = dict(residual=res, config_up=cfg, config_down=cfg, split=split)
         y = moe_experts(x, ids, wts, wg, wu, wd, out=torch.empty(H, device=DEV), fused=True, **kw)
-        assert fused_sync(y.device)[:3 + ids.numel()].tolist() == [0] * (3 + ids.numel())
+        assert fused_sync(y.device).count_nonzero() == 0   # error 0, every slot's counters reset
         assert_close(y, moe_experts_ref(x, ids, wts, wg, wu, wd, residual=res, out_dtype=torch.float32),
                      what=f"fused split {split}")
         y2 = moe_experts(x, ids, wts, wg, wu, wd, out=torch.empty(H, device=DEV), fused=False, **kw)
