@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kie_moe.kccl.sync import signal, wait
+from kie_moe.kccl.sync import signal, wait_one_poller
 
 from .gemv import (DEFAULT_GLU_TILES, TileConfig, check_vec, check_x, counters, glu_ref, input_args, is_fp4,
                    make_out, num_sms, plan_split, resolve_config, weight_args)
@@ -43,18 +43,18 @@ EXPERT_DOWN_PROGRAMS_PER_SM = 16
 FUSED = os.environ.get("KIE_EXPERTS_FUSED", "0") == "1"
 FUSED_FORMATS = ("bf16", "fp16", "fp32", "fp8", "fp8_block", "nvfp4")
 _FUSED_TIMEOUT_NS = 2_000_000_000   # a down task's wait for its slots' gate/up tiles; never reached unless starved
-_FUSED_SLEEP_NS = int(os.environ.get("KIE_EXPERTS_SLEEP_NS", "100"))
+_FUSED_SLEEP_NS = int(os.environ.get("KIE_EXPERTS_SLEEP_NS", "200"))
 _SYNC: dict[torch.device, torch.Tensor] = {}
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def fused_sync(device: torch.device) -> torch.Tensor:
-    """The fused expert launch's int32 words on `device`: [error, 2 spare, done [64], readers [64]] (slot counters
-    indexed up to top_k). Zero between launches (each slot's last reader resets its two); error stays set once a
-    wait timed out."""
+    """The fused expert launch's int32 words on `device`: one 128-byte line each for the error word and for every
+    slot's (done, readers) pair (64 slots). Zero between launches (each slot's last reader resets its pair); the
+    error word stays set once a wait timed out."""
     buf = _SYNC.get(device)
     if buf is None:
-        buf = _SYNC[device] = torch.zeros(3 + 2 * 64, dtype=torch.int32, device=device)
+        buf = _SYNC[device] = torch.zeros(32 * 65, dtype=torch.int32, device=device)
     return buf
 
 
@@ -454,18 +454,18 @@ def _expert_fused_kernel(
     """Both expert launches as one: grid = TOP_K * cdiv(I, BN_U) gate/up tasks + SPLIT * cdiv(H, BN_D) down tasks,
     in program-id order: gate/up tasks (slot-major) first, then down tasks (split-major: the first slots' rows first).
 
-    Gate/up tasks signal their slot's counter (kccl.sync: bar.sync, then a release add). A down task waits (acquire
-    polls, SLEEP_NS apart, bounded by the GPU timer) until each of its slots has all cdiv(I, BN_U) tiles, then
-    counts itself in the slot's reader counter; the slot's last reader zeroes both for the next launch. Waiting on
+    Gate/up tasks signal their slot's counter (kccl.sync: bar.sync, then a release add). A down task waits (thread
+    0's acquire polls, SLEEP_NS apart, bounded by the GPU timer) until each of its slots has all cdiv(I, BN_U)
+    tiles, then counts itself in the slot's reader counter; the slot's last reader zeroes both for the next launch. Waiting on
     lower program ids relies on the hardware placing blocks in id order (every gate/up program is running before a
     down program waits), as single-pass scans do; if that ever failed a wait would time out, never hang: the error
-    word is set and y is wrong. sync_ptr int32: [error, -, -, done [TOP_K], readers [TOP_K]] (fused_sync)."""
+    word is set and y is wrong. sync_ptr int32 (fused_sync): error at 0, slot s's done / reader counters at
+    32 (1 + s) and 32 (1 + s) + 1."""
     pdl_begin(PDL)
     n_up = tl.cdiv(I, BN_U)
     n_dn = tl.cdiv(H, BN_D)
     g_up = TOP_K * n_up
     t = tl.program_id(0)
-    done_ptr = sync_ptr + 3
     if t < g_up:
         slot = t // n_up
         e = tl.load(ids_ptr + slot).to(tl.int64)
@@ -474,18 +474,19 @@ def _expert_fused_kernel(
                   wu_ptr, stride_wun, su_ptr, stride_sun, stride_suk, gsu_ptr, stride_wue, stride_sue, stride_gue,
                   bg_ptr, stride_bge, stride_bgn, bu_ptr, stride_bue, stride_bun, h_ptr,
                   I, H, eps, limit, alpha, stride_x8, FMT, HAS_NW, HAS_BIAS, ACT, H_X8, BN_U, BK_U, BLOCK_X, PIPE_U)
-        signal(done_ptr + slot, 1, USE_ASM)
+        signal(sync_ptr + 32 * (1 + slot), 1, USE_ASM)
     else:
         u = t - g_up
         pid_s = u // n_dn
         slot_lo = pid_s * slots_per_split
         slot_hi = tl.minimum(slot_lo + slots_per_split, TOP_K)
         for slot in range(slot_lo, slot_hi):
-            if wait(done_ptr + slot, n_up, sync_ptr, timeout_ns, USE_ASM, NT=NT, SLEEP_NS=SLEEP_NS) != 0:
+            done = sync_ptr + 32 * (1 + slot)  # a 128-byte line per slot: its pollers load one L2 slice each
+            if wait_one_poller(done, n_up, sync_ptr, timeout_ns, USE_ASM, NT=NT, SLEEP_NS=SLEEP_NS) != 0:
                 tl.atomic_xchg(sync_ptr, 1)   # timed out (or another program did): report, never hang
-            if tl.atomic_add(done_ptr + TOP_K + slot, 1, sem="acq_rel") == n_dn - 1:
-                tl.atomic_xchg(done_ptr + TOP_K + slot, 0)
-                tl.atomic_xchg(done_ptr + slot, 0)
+            if tl.atomic_add(done + 1, 1, sem="acq_rel") == n_dn - 1:
+                tl.atomic_xchg(done + 1, 0)
+                tl.atomic_xchg(done, 0)
         _down_task(h_ptr, ids_ptr, wts_ptr,
                    wd_ptr, stride_wdn, sd_ptr, stride_sdn, stride_sdk, gsd_ptr, stride_wde, stride_sde, stride_gde,
                    bd_ptr, stride_bde, res_ptr, y_ptr, part_ptr, cnt_ptr,

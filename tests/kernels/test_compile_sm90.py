@@ -96,7 +96,7 @@ def _compile_all() -> list[dict]:
         k = M._expert_down_kernel.warmup(h, ids, h, *M._expert_args(wd), b2, H, y, y, part, cnt, H, I, 2, FMT=fid,
                                          HAS_BIAS=True, HAS_RES=True, TOP_K=4, SPLIT=2, **gl)
         record(f"expert_down[{fmt}]", k)
-        sync = torch.empty(131, dtype=torch.int32)  # both expert launches as one (KIE_EXPERTS_FUSED), the graph's PDL
+        sync = torch.empty(32 * 65, dtype=torch.int32)  # both expert launches as one (KIE_EXPERTS_FUSED), the graph's PDL
         if fmt not in M.FUSED_FORMATS:
             continue
         k = M._expert_fused_kernel.warmup(xin, xin, ids, h, *M._expert_args(wg), *M._expert_args(wg), b2, I, 1, b2, I,
