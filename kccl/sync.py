@@ -151,49 +151,6 @@ def wait(counter_ptr, target, abort_ptr, timeout_ns, USE_ASM: tl.constexpr, SYS:
 
 
 @triton.jit
-def ld_acquire_lane0(ptr, other):
-    """Thread 0 of the program: acquire load of an int32 word; every other thread gets `other` without a load."""
-    return tl.inline_asm_elementwise(
-        """{ .reg .pred %p; .reg .u32 %t; mov.u32 %t, %tid.x; setp.eq.u32 %p, %t, 0;
-        mov.u32 $0, $2; @%p ld.global.acquire.gpu.b32 $0, [$1]; }""",
-        "=r,l,r", [ptr, other], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def ld_volatile_lane0(ptr):
-    """Thread 0 of the program: uncached int32 read; every other thread gets 0 without a load."""
-    return tl.inline_asm_elementwise(
-        """{ .reg .pred %p; .reg .u32 %t; mov.u32 %t, %tid.x; setp.eq.u32 %p, %t, 0;
-        mov.u32 $0, 0; @%p ld.volatile.global.b32 $0, [$1]; }""",
-        "=r,l", [ptr], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def wait_one_poller(counter_ptr, target, abort_ptr, timeout_ns, USE_ASM: tl.constexpr, NT: tl.constexpr = 256,
-                    SLEEP_NS: tl.constexpr = 0):
-    """wait() where only thread 0 polls the counter and the abort word (the CUTLASS semaphore pattern: its acquire,
-    then the bar.sync inside cta_max orders every thread's later loads after it), SLEEP_NS apart: many programs
-    waiting on one counter then cost its L2 slice one load per program per poll instead of one per warp per word.
-    GPU scope only."""
-    if USE_ASM:
-        v = ld_acquire_lane0(counter_ptr, target)
-        stop = ld_volatile_lane0(abort_ptr)
-        t0 = globaltimer()
-        elapsed = t0 - t0
-        while (v < target) & (stop == 0) & (elapsed < timeout_ns):
-            if SLEEP_NS > 0:
-                tl.inline_asm_elementwise("nanosleep.u32 $1; mov.u32 $0, 0;", "=r,r", [v * 0 + SLEEP_NS],
-                                          dtype=tl.int32, is_pure=False, pack=1)
-            v = ld_acquire_lane0(counter_ptr, target)
-            stop = ld_volatile_lane0(abort_ptr)
-            elapsed = globaltimer() - t0
-        status = cta_max(tl.where(v >= target, 0, tl.where(stop != 0, 1, 2)), NT)
-    else:
-        status = wait(counter_ptr, target, abort_ptr, timeout_ns, USE_ASM, NT=NT)
-    return status
-
-
-@triton.jit
 def read_counter(counter_ptr, USE_ASM: tl.constexpr):
     """Current value of a counter (for error reports)."""
     if USE_ASM:

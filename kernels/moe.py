@@ -6,20 +6,16 @@ route():       one launch. Row tiles (x split-K) of the router GEMV write partia
                e_score_correction bias (choice only), group-limited top-k, renormalisation, routed_scaling_factor.
 moe_experts(): two launches. (1) grid (row tiles of I, top-k slot): h[slot] = glu(Wg[e] x, Wu[e] x);
                (2) grid (row tiles of H, slot groups): y = sum_slot w[slot] * (Wd[e] h[slot] + bd[e]) (+ residual).
-               Or the same tasks in one launch (fused=True / KIE_EXPERTS_FUSED=1): _expert_fused_kernel.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
-
-from kie_moe.kccl.sync import signal, wait_one_poller
 
 from .gemv import (DEFAULT_GLU_TILES, TileConfig, check_vec, check_x, counters, glu_ref, input_args, is_fp4,
                    make_out, num_sms, plan_split, resolve_config, weight_args)
@@ -38,24 +34,6 @@ SCORE_ID = {"softmax": 0, "sigmoid": 1, "softmax_topk": 2}
 # (expert_down_split) from 24.1 to 20.3-20.8 us.
 DEFAULT_EXPERT_TILES = {**DEFAULT_GLU_TILES, "fp8": TileConfig(8, 512, num_warps=2, prefetch=False)}
 EXPERT_DOWN_PROGRAMS_PER_SM = 16
-# Both expert launches as one ticket-ordered launch (_expert_fused_kernel) where their tiles use the same warps.
-# Not mxfp4: its fused variant needs 160 registers per thread on sm_90 (both loops' live ranges), the others <= 128.
-FUSED = os.environ.get("KIE_EXPERTS_FUSED", "0") == "1"
-FUSED_FORMATS = ("bf16", "fp16", "fp32", "fp8", "fp8_block", "nvfp4")
-_FUSED_TIMEOUT_NS = 2_000_000_000   # a down task's wait for its slots' gate/up tiles; never reached unless starved
-_FUSED_SLEEP_NS = int(os.environ.get("KIE_EXPERTS_SLEEP_NS", "200"))
-_SYNC: dict[torch.device, torch.Tensor] = {}
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def fused_sync(device: torch.device) -> torch.Tensor:
-    """The fused expert launch's int32 words on `device`: one 128-byte line each for the error word and for every
-    slot's (done, readers) pair (64 slots). Zero between launches (each slot's last reader resets its pair); the
-    error word stays set once a wait timed out."""
-    buf = _SYNC.get(device)
-    if buf is None:
-        buf = _SYNC[device] = torch.zeros(32 * 65, dtype=torch.int32, device=device)
-    return buf
 
 
 @dataclass(frozen=True)
@@ -330,16 +308,21 @@ def route_ref(x, router_weight, cfg: RouterConfig, *, router_bias=None, correcti
 # Routed experts
 # ======================================================================================================================
 @triton.jit
-def _glu_task(
-    x_ptr, nw_ptr, e, slot, pid_n,
+def _expert_glu_kernel(
+    x_ptr, nw_ptr, ids_ptr,
     wg_ptr, stride_wgn, sg_ptr, stride_sgn, stride_sgk, gsg_ptr, stride_wge, stride_sge, stride_gge,
     wu_ptr, stride_wun, su_ptr, stride_sun, stride_suk, gsu_ptr, stride_wue, stride_sue, stride_gue,
     bg_ptr, stride_bge, stride_bgn, bu_ptr, stride_bue, stride_bun, h_ptr,
     I, K, eps, limit, alpha, stride_x8,
     FMT: tl.constexpr, HAS_NW: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, H_X8: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_X: tl.constexpr, PIPE: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_X: tl.constexpr, PIPE: tl.constexpr, PDL: tl.constexpr = False,
 ):
-    """h[slot, rows of tile pid_n] = glu(Wg[e] x + bg[e], Wu[e] x + bu[e]) (e = ids[slot], int64)."""
+    """grid (cdiv(I, BLOCK_N), TOP_K): h[slot, I] = glu(Wg[e] x + bg[e], Wu[e] x + bu[e]), e = ids[slot].
+    H_X8: store each h[slot] in the x8 layout (an fp4 down projection reads it that way)."""
+    pdl_begin(PDL)
+    pid_n = tl.program_id(0)
+    slot = tl.program_id(1)
+    e = tl.load(ids_ptr + slot).to(tl.int64)  # the only data-dependent address: which expert's rows to stream
     n_start = pid_n * BLOCK_N
     g = _tile(FMT, wg_ptr + e * stride_wge, stride_wgn, sg_ptr + e * stride_sge, stride_sgn, stride_sgk,
               gsg_ptr + e * stride_gge, x_ptr, nw_ptr, stride_x8, n_start, I, 0, K, HAS_NW, BLOCK_N, BLOCK_K,
@@ -364,43 +347,24 @@ def _glu_task(
 
 
 @triton.jit
-def _expert_glu_kernel(
-    x_ptr, nw_ptr, ids_ptr,
-    wg_ptr, stride_wgn, sg_ptr, stride_sgn, stride_sgk, gsg_ptr, stride_wge, stride_sge, stride_gge,
-    wu_ptr, stride_wun, su_ptr, stride_sun, stride_suk, gsu_ptr, stride_wue, stride_sue, stride_gue,
-    bg_ptr, stride_bge, stride_bgn, bu_ptr, stride_bue, stride_bun, h_ptr,
-    I, K, eps, limit, alpha, stride_x8,
-    FMT: tl.constexpr, HAS_NW: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, H_X8: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_X: tl.constexpr, PIPE: tl.constexpr, PDL: tl.constexpr = False,
-):
-    """grid (cdiv(I, BLOCK_N), TOP_K): h[slot, I] = glu(Wg[e] x + bg[e], Wu[e] x + bu[e]), e = ids[slot].
-    H_X8: store each h[slot] in the x8 layout (an fp4 down projection reads it that way)."""
-    pdl_begin(PDL)
-    slot = tl.program_id(1)
-    e = tl.load(ids_ptr + slot).to(tl.int64)  # the only data-dependent address: which expert's rows to stream
-    _glu_task(x_ptr, nw_ptr, e, slot, tl.program_id(0),
-              wg_ptr, stride_wgn, sg_ptr, stride_sgn, stride_sgk, gsg_ptr, stride_wge, stride_sge, stride_gge,
-              wu_ptr, stride_wun, su_ptr, stride_sun, stride_suk, gsu_ptr, stride_wue, stride_sue, stride_gue,
-              bg_ptr, stride_bge, stride_bgn, bu_ptr, stride_bue, stride_bun, h_ptr,
-              I, K, eps, limit, alpha, stride_x8, FMT, HAS_NW, HAS_BIAS, ACT, H_X8, BLOCK_N, BLOCK_K, BLOCK_X, PIPE)
-
-
-@triton.jit
-def _down_task(
+def _expert_down_kernel(
     h_ptr, ids_ptr, wts_ptr,
     wd_ptr, stride_wdn, sd_ptr, stride_sdn, stride_sdk, gsd_ptr, stride_wde, stride_sde, stride_gde,
     bd_ptr, stride_bde, res_ptr, y_ptr, part_ptr, cnt_ptr,
-    N, I, slot_lo, slot_hi, pid_n, pid_s,
-    FMT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
-    SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PIPE: tl.constexpr,
+    N, I, slots_per_split,
+    FMT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, TOP_K: tl.constexpr,
+    SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PIPE: tl.constexpr, PDL: tl.constexpr = False,
 ):
-    """Rows of tile pid_n of sum_{slot in [slot_lo, slot_hi)} wts[slot] * (Wd[e] h[slot] + bd[e]); split pid_s of
-    SPLIT per row tile (the last to finish sums the splits in order, adds the residual and stores y)."""
+    """grid (cdiv(N, BLOCK_N), SPLIT): y[N] = sum_slot wts[slot] * (Wd[e] h[slot] + bd[e]) (+ residual); the slots
+    are split over SPLIT programs per row tile (reduced in slot order by the last one)."""
+    pdl_begin(PDL)
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
     n_start = pid_n * BLOCK_N
     offs_n = n_start + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for slot in range(slot_lo, slot_hi):
+    for slot in range(pid_s * slots_per_split, tl.minimum(pid_s * slots_per_split + slots_per_split, TOP_K)):
         e = tl.load(ids_ptr + slot).to(tl.int64)
         d = _tile(FMT, wd_ptr + e * stride_wde, stride_wdn, sd_ptr + e * stride_sde, stride_sdn, stride_sdk,
                   gsd_ptr + e * stride_gde, h_ptr + slot * I, h_ptr, I // 8, n_start, N, 0, I, False,
@@ -414,83 +378,6 @@ def _down_task(
         acc, is_last = _split_reduce(acc, part_ptr, cnt_ptr, pid_n, pid_s, offs_n, n_mask, N, SPLIT)
         if is_last:
             _store_out(acc, offs_n, n_mask, y_ptr, y_ptr, res_ptr, False, HAS_RES)
-
-
-@triton.jit
-def _expert_down_kernel(
-    h_ptr, ids_ptr, wts_ptr,
-    wd_ptr, stride_wdn, sd_ptr, stride_sdn, stride_sdk, gsd_ptr, stride_wde, stride_sde, stride_gde,
-    bd_ptr, stride_bde, res_ptr, y_ptr, part_ptr, cnt_ptr,
-    N, I, slots_per_split,
-    FMT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, TOP_K: tl.constexpr,
-    SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PIPE: tl.constexpr, PDL: tl.constexpr = False,
-):
-    """grid (cdiv(N, BLOCK_N), SPLIT): y[N] = sum_slot wts[slot] * (Wd[e] h[slot] + bd[e]) (+ residual); the slots
-    are split over SPLIT programs per row tile (reduced in slot order by the last one)."""
-    pdl_begin(PDL)
-    pid_s = tl.program_id(1)
-    _down_task(h_ptr, ids_ptr, wts_ptr,
-               wd_ptr, stride_wdn, sd_ptr, stride_sdn, stride_sdk, gsd_ptr, stride_wde, stride_sde, stride_gde,
-               bd_ptr, stride_bde, res_ptr, y_ptr, part_ptr, cnt_ptr,
-               N, I, pid_s * slots_per_split, tl.minimum(pid_s * slots_per_split + slots_per_split, TOP_K),
-               tl.program_id(0), pid_s, FMT, HAS_BIAS, HAS_RES, SPLIT, BLOCK_N, BLOCK_K, PIPE)
-
-
-@triton.jit
-def _expert_fused_kernel(
-    x_ptr, nw_ptr, ids_ptr, wts_ptr,
-    wg_ptr, stride_wgn, sg_ptr, stride_sgn, stride_sgk, gsg_ptr, stride_wge, stride_sge, stride_gge,
-    wu_ptr, stride_wun, su_ptr, stride_sun, stride_suk, gsu_ptr, stride_wue, stride_sue, stride_gue,
-    bg_ptr, stride_bge, stride_bgn, bu_ptr, stride_bue, stride_bun, h_ptr,
-    wd_ptr, stride_wdn, sd_ptr, stride_sdn, stride_sdk, gsd_ptr, stride_wde, stride_sde, stride_gde,
-    bd_ptr, stride_bde, res_ptr, y_ptr, part_ptr, cnt_ptr, sync_ptr,
-    I, H, eps, limit, alpha, stride_x8, slots_per_split, timeout_ns,
-    FMT: tl.constexpr, FMT_D: tl.constexpr, HAS_NW: tl.constexpr, HAS_BIAS: tl.constexpr,
-    HAS_DBIAS: tl.constexpr, HAS_RES: tl.constexpr, ACT: tl.constexpr, H_X8: tl.constexpr, TOP_K: tl.constexpr,
-    SPLIT: tl.constexpr, BN_U: tl.constexpr, BK_U: tl.constexpr, BLOCK_X: tl.constexpr, PIPE_U: tl.constexpr,
-    BN_D: tl.constexpr, BK_D: tl.constexpr, PIPE_D: tl.constexpr, USE_ASM: tl.constexpr, NT: tl.constexpr,
-    SLEEP_NS: tl.constexpr, PDL: tl.constexpr = False,
-):
-    """Both expert launches as one: grid = TOP_K * cdiv(I, BN_U) gate/up tasks + SPLIT * cdiv(H, BN_D) down tasks,
-    in program-id order: gate/up tasks (slot-major) first, then down tasks (split-major: the first slots' rows first).
-
-    Gate/up tasks signal their slot's counter (kccl.sync: bar.sync, then a release add). A down task waits (thread
-    0's acquire polls, SLEEP_NS apart, bounded by the GPU timer) until each of its slots has all cdiv(I, BN_U)
-    tiles, then counts itself in the slot's reader counter; the slot's last reader zeroes both for the next launch. Waiting on
-    lower program ids relies on the hardware placing blocks in id order (every gate/up program is running before a
-    down program waits), as single-pass scans do; if that ever failed a wait would time out, never hang: the error
-    word is set and y is wrong. sync_ptr int32 (fused_sync): error at 0, slot s's done / reader counters at
-    32 (1 + s) and 32 (1 + s) + 1."""
-    pdl_begin(PDL)
-    n_up = tl.cdiv(I, BN_U)
-    n_dn = tl.cdiv(H, BN_D)
-    g_up = TOP_K * n_up
-    t = tl.program_id(0)
-    if t < g_up:
-        slot = t // n_up
-        e = tl.load(ids_ptr + slot).to(tl.int64)
-        _glu_task(x_ptr, nw_ptr, e, slot, t % n_up,
-                  wg_ptr, stride_wgn, sg_ptr, stride_sgn, stride_sgk, gsg_ptr, stride_wge, stride_sge, stride_gge,
-                  wu_ptr, stride_wun, su_ptr, stride_sun, stride_suk, gsu_ptr, stride_wue, stride_sue, stride_gue,
-                  bg_ptr, stride_bge, stride_bgn, bu_ptr, stride_bue, stride_bun, h_ptr,
-                  I, H, eps, limit, alpha, stride_x8, FMT, HAS_NW, HAS_BIAS, ACT, H_X8, BN_U, BK_U, BLOCK_X, PIPE_U)
-        signal(sync_ptr + 32 * (1 + slot), 1, USE_ASM)
-    else:
-        u = t - g_up
-        pid_s = u // n_dn
-        slot_lo = pid_s * slots_per_split
-        slot_hi = tl.minimum(slot_lo + slots_per_split, TOP_K)
-        for slot in range(slot_lo, slot_hi):
-            done = sync_ptr + 32 * (1 + slot)  # a 128-byte line per slot: its pollers load one L2 slice each
-            if wait_one_poller(done, n_up, sync_ptr, timeout_ns, USE_ASM, NT=NT, SLEEP_NS=SLEEP_NS) != 0:
-                tl.atomic_xchg(sync_ptr, 1)   # timed out (or another program did): report, never hang
-            if tl.atomic_add(done + 1, 1, sem="acq_rel") == n_dn - 1:
-                tl.atomic_xchg(done + 1, 0)
-                tl.atomic_xchg(done, 0)
-        _down_task(h_ptr, ids_ptr, wts_ptr,
-                   wd_ptr, stride_wdn, sd_ptr, stride_sdn, stride_sdk, gsd_ptr, stride_wde, stride_sde, stride_gde,
-                   bd_ptr, stride_bde, res_ptr, y_ptr, part_ptr, cnt_ptr,
-                   H, I, slot_lo, slot_hi, u % n_dn, pid_s, FMT_D, HAS_DBIAS, HAS_RES, SPLIT, BN_D, BK_D, PIPE_D)
 
 
 def expert_down_split(n_tiles: int, top_k: int, device: torch.device) -> int:
@@ -520,16 +407,13 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gat
                 down_bias: torch.Tensor | None = None, residual: torch.Tensor | None = None,
                 norm_weight: torch.Tensor | None = None, eps: float = 1e-6, out: torch.Tensor | None = None,
                 x8: torch.Tensor | None = None, config_up: TileConfig | None = None,
-                config_down: TileConfig | None = None, split: int | None = None,
-                fused: bool | None = None) -> torch.Tensor:
+                config_down: TileConfig | None = None, split: int | None = None) -> torch.Tensor:
     """Routed experts of one token: y = sum_k weights[k] * down[e_k](glu(gate[e_k] x, up[e_k] x)) (+ residual).
 
     ids int32 [k] / weights fp32 [k] stay on the device (from route()); repeated ids are fine. w_gate/w_up [E, I, H],
     w_down [E, H, I] stacked handles of one format (gpt-oss interleaved gate_up: rows(0, None, 2), rows(1, None, 2)).
     Biases [E, I] / [E, H] (views with strides are fine); down_bias is weighted like its expert's output.
-    fp4 gate/up: x8 = prepare_x8(x, norm_weight, eps) (or route(..., x8_out=)) if already made.
-    fused: one launch for both (default KIE_EXPERTS_FUSED); taken only where both tiles use the same warps,
-    top_k <= 64 and the format is in FUSED_FORMATS."""
+    fp4 gate/up: x8 = prepare_x8(x, norm_weight, eps) (or route(..., x8_out=)) if already made."""
     for name, w in (("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
         if not w.num_experts:
             raise ValueError(f"moe_experts: {name} is not an expert stack [E, out, in]")
@@ -566,8 +450,18 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gat
     h = torch.empty((top_k, I), dtype=torch.float32, device=dev)  # fp32: no rounding between the two GEMVs
 
     cu = resolve_config(w_gate, config_up, DEFAULT_EXPERT_TILES)
-    cd = resolve_config(w_down, config_down, DEFAULT_EXPERT_TILES)
     x_in, nw_in, has_nw, stride_x8 = input_args(x, w_gate.fmt, norm_weight, eps, x8)
+    _expert_glu_kernel[(triton.cdiv(I, cu.block_n), top_k)](
+        x_in, nw_in, ids, *_expert_args(w_gate), *_expert_args(w_up),
+        bg[0] if bg[0] is not None else h, bg[1], bg[2], bu[0] if bu[0] is not None else h, bu[1], bu[2], h,
+        I, H, eps, limit, alpha, stride_x8,
+        FMT=FMT_ID[w_gate.fmt], HAS_NW=has_nw, HAS_BIAS=bg[0] is not None, ACT=ACT_ID[act],
+        H_X8=is_fp4(w_down.fmt),
+        BLOCK_N=cu.block_n, BLOCK_K=cu.block_k, BLOCK_X=min(1024, triton.next_power_of_2(H)),
+        PIPE=cu.prefetch, num_warps=cu.num_warps, num_stages=cu.num_stages, **launch_kw(dev)
+    )
+
+    cd = resolve_config(w_down, config_down, DEFAULT_EXPERT_TILES)
     n_tiles = triton.cdiv(H, cd.block_n)
     if split is None:
         split = expert_down_split(n_tiles, top_k, dev)
@@ -575,33 +469,10 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gat
     per = triton.cdiv(top_k, split)
     split = triton.cdiv(top_k, per)
     part = torch.empty((split, H), dtype=torch.float32, device=dev) if split > 1 else h
-    cnt = counters(dev, n_tiles) if split > 1 else h
-    up_args = (*_expert_args(w_gate), *_expert_args(w_up), bg[0] if bg[0] is not None else h, bg[1], bg[2],
-               bu[0] if bu[0] is not None else h, bu[1], bu[2], h)
-    down_args = (*_expert_args(w_down), bd[0] if bd[0] is not None else h, bd[1],
-                 residual if residual is not None else y, y, part, cnt)
-    common = dict(FMT=FMT_ID[w_gate.fmt], HAS_NW=has_nw, ACT=ACT_ID[act], H_X8=is_fp4(w_down.fmt),
-                  HAS_RES=residual is not None, TOP_K=top_k, SPLIT=split, BLOCK_X=min(1024, triton.next_power_of_2(H)))
-    if ((FUSED if fused is None else fused) and cu.num_warps == cd.num_warps and top_k <= 64
-            and w_gate.fmt in FUSED_FORMATS and w_down.fmt in FUSED_FORMATS):
-        n_up = triton.cdiv(I, cu.block_n)
-        _expert_fused_kernel[(top_k * n_up + split * n_tiles,)](
-            x_in, nw_in, ids, weights, *up_args, *down_args, fused_sync(dev),
-            I, H, eps, limit, alpha, stride_x8, per, _FUSED_TIMEOUT_NS,
-            FMT_D=FMT_ID[w_down.fmt], HAS_BIAS=bg[0] is not None, HAS_DBIAS=bd[0] is not None,
-            BN_U=cu.block_n, BK_U=cu.block_k, PIPE_U=cu.prefetch, BN_D=cd.block_n, BK_D=cd.block_k,
-            PIPE_D=cd.prefetch, USE_ASM=not _INTERPRET, NT=32 * cu.num_warps, SLEEP_NS=_FUSED_SLEEP_NS, **common,
-            num_warps=cu.num_warps, num_stages=cu.num_stages, **launch_kw(dev)
-        )
-        return y
-    c_up = {k: common[k] for k in ("FMT", "HAS_NW", "ACT", "H_X8", "BLOCK_X")}
-    _expert_glu_kernel[(triton.cdiv(I, cu.block_n), top_k)](
-        x_in, nw_in, ids, *up_args, I, H, eps, limit, alpha, stride_x8, HAS_BIAS=bg[0] is not None, **c_up,
-        BLOCK_N=cu.block_n, BLOCK_K=cu.block_k, PIPE=cu.prefetch, num_warps=cu.num_warps,
-        num_stages=cu.num_stages, **launch_kw(dev)
-    )
     _expert_down_kernel[(n_tiles, split)](
-        h, ids, weights, *down_args, H, I, per,
+        h, ids, weights, *_expert_args(w_down), bd[0] if bd[0] is not None else h, bd[1],
+        residual if residual is not None else y, y, part, counters(dev, n_tiles) if split > 1 else h,
+        H, I, per,
         FMT=FMT_ID[w_down.fmt], HAS_BIAS=bd[0] is not None, HAS_RES=residual is not None, TOP_K=top_k,
         SPLIT=split, BLOCK_N=cd.block_n, BLOCK_K=cd.block_k,
         PIPE=cd.prefetch, num_warps=cd.num_warps, num_stages=cd.num_stages, **launch_kw(dev)

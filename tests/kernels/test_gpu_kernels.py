@@ -115,41 +115,6 @@ def test_qwen3_moe_block(fmt):
     assert_close(y, want, rel=2e-5, what=f"qwen3 moe {fmt}")
 
 
-@pytest.mark.parametrize("fmt", ["fp8", "bf16", "nvfp4"])
-def test_fused_experts_equal_two_launches_under_repeats(fmt):
-    """The ticket-ordered fused expert launch at qwen3-30b-a3b size (768 gate/up + 2,048 down programs), 40 times
-    in a CUDA graph with new routes in between: every result bit-equal to the two launches' (same tiles, same
-    order), the error word 0 (no wait timed out) and the counters back at 0 (each slot's last reader reset them)."""
-    from kie_moe.kernels.moe import fused_sync
-    E, I, H, k = 128, 768, 2048, 8
-    wg, wu, wd = (random_weight(fmt, I, H, experts=E, seed=60, device=DEV),
-                  random_weight(fmt, I, H, experts=E, seed=61, device=DEV),
-                  random_weight(fmt, H, I, experts=E, seed=62, device=DEV))
-    x, nw = _x(H, 63), _x(H, 64)
-    x8 = prepare_x8(x, nw, 1e-6) if fmt == "nvfp4" else None
-    ids = torch.zeros(k, dtype=torch.int32, device=DEV)
-    wts = torch.zeros(k, device=DEV)
-    y = torch.empty(H, device=DEV)
-    run = lambda fused, out: moe_experts(x, ids, wts, wg, wu, wd, norm_weight=nw, residual=x, x8=x8,  # noqa: E731
-                                         out=out, fused=fused)
-    run(True, y)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run(True, y)
-    g = torch.Generator(device=DEV).manual_seed(65)
-    for i in range(40):
-        ids.copy_(torch.randperm(E, generator=g, device=DEV)[:k].to(torch.int32))
-        if i % 5 == 0:
-            ids[-1] = ids[0]                                            # a repeated expert now and then
-        wts.copy_(torch.rand(k, generator=g, device=DEV))
-        graph.replay()
-        want = run(False, torch.empty(H, device=DEV))
-        torch.cuda.synchronize()
-        assert torch.equal(y, want), f"{fmt} replay {i}: fused != two launches"
-    assert fused_sync(torch.device(DEV, torch.cuda.current_device())).count_nonzero() == 0
-
-
 @pytest.mark.parametrize("fmt", ["mxfp4", "bf16"])
 def test_gpt_oss_moe_block(fmt):
     E, I, H = 128, 2880, 2880

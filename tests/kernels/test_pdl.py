@@ -51,7 +51,7 @@ def test_every_pdl_launch_waits_first():
             checked.append(name)
     # the graph backend's decode kernels: GEMV / GLU / x8, router and experts, attention, RoPE + append, sampler
     assert {"_gemv_kernel", "_glu_kernel", "_x8_kernel", "_router_kernel", "_expert_glu_kernel",
-            "_expert_down_kernel", "_expert_fused_kernel", "_gqa_split_kernel", "_gqa_combine_kernel", "_rope_append_kernel",
+            "_expert_down_kernel", "_gqa_split_kernel", "_gqa_combine_kernel", "_rope_append_kernel",
             "_sample_tile_kernel", "_sample_final_kernel"} <= set(checked), checked
 
 
