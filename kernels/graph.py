@@ -26,8 +26,8 @@ from kie_moe.models.reference import ReferenceDecoder
 from kie_moe.models.spec import canonical
 
 from .attention import gqa_decode, mla_decode, rope_gqa_decode
-from .gemv import gemv, gemv_glu, is_fp4
-from .moe import RouterConfig, Routing, moe_experts, oproj_route, route
+from .gemv import gemv, gemv_glu
+from .moe import RouterConfig, Routing, moe_experts, route
 from .prefill import Prefill
 from .rope import mla_rope_append, rope_append, rope_tables
 from .sampling import DeviceSampler
@@ -36,8 +36,6 @@ from .weights import WeightHandle, dequantize, stored_codes
 # RoPE + KV append + decode attention as one launch per layer (attention.rope_gqa_decode; not for OLMoE's
 # full-projection q/k norm). On unless KIE_FUSED_ROPE_ATTN=0 (timed: NOTES.md session 9); read at import.
 FUSED_ROPE_ATTN = os.environ.get("KIE_FUSED_ROPE_ATTN", "1") != "0"
-# o_proj + the MoE router as one launch (moe.oproj_route): opt-in until timed on the GPU (NOTES.md session 11).
-OPROJ_ROUTE = os.environ.get("KIE_OPROJ_ROUTE", "0") == "1"
 
 
 class HandleStore:
@@ -165,8 +163,6 @@ class GraphBackend:
                 L["routing"] = Routing(torch.empty(m.top_k, dtype=torch.int32, device=self.device),
                                        torch.empty(m.top_k, dtype=torch.float32, device=self.device),
                                        torch.empty(E, dtype=torch.float32, device=self.device))
-                if OPROJ_ROUTE and not is_fp4(L["o"].fmt) and L["mlp_norm"] is not None:
-                    L["router_t"] = L["router"].t().contiguous()   # [H, E]: each o_proj program's rows
                 if m.shared_intermediate_size:
                     for part in ("gate", "up", "down"):
                         L["s_" + part] = W.handle(c(f"moe.shared.{part}"))
@@ -256,12 +252,7 @@ class GraphBackend:
                             style=a.rope.style, kv_norm=L["kv_a_norm"], eps=eps)
             o = mla_decode(q, self.caches[i], L["kv_b"], self.pos, nope=a.qk_nope_head_dim, v_head_dim=a.v_head_dim,
                            softmax_scale=a.softmax_scale, window=L["spec"].sliding_window)
-        if L.get("router_t") is not None:   # o_proj + the MoE router in one launch (OPROJ_ROUTE)
-            oproj_route(o.reshape(-1), L["o"], L["router_t"], L["rcfg"], residual=x, bias=L.get("o_bias"),
-                        norm_weight=L["mlp_norm"], eps=eps, router_bias=L["router_bias"],
-                        correction_bias=L["score_bias"], out=self.x2, routing=L["routing"])
-        else:
-            gemv(o.reshape(-1), L["o"], bias=L.get("o_bias"), residual=x, out=self.x2)
+        gemv(o.reshape(-1), L["o"], bias=L.get("o_bias"), residual=x, out=self.x2)
         self._swap()
 
     def _ffn(self, L, lay):
@@ -273,11 +264,8 @@ class GraphBackend:
             self._swap()
             return
         m = lay.moe
-        if L.get("router_t") is not None:   # routed by the o_proj launch
-            r = L["routing"]
-        else:
-            r = route(x, L["router"], L["rcfg"], router_bias=L["router_bias"], correction_bias=L["score_bias"],
-                      norm_weight=L["mlp_norm"], eps=eps, out=L["routing"])
+        r = route(x, L["router"], L["rcfg"], router_bias=L["router_bias"], correction_bias=L["score_bias"],
+                  norm_weight=L["mlp_norm"], eps=eps, out=L["routing"])
         act = "gpt_oss" if m.expert_act == "gptoss_glu" else "silu"
         moe_experts(x, r.ids, r.weights, L["e_gate"], L["e_up"], L["e_down"], act=act, limit=m.swiglu_limit,
                     alpha=m.glu_alpha, gate_bias=L.get("eb_gate"), up_bias=L.get("eb_up"), down_bias=L.get("eb_down"),

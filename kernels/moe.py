@@ -18,12 +18,12 @@ import triton
 import triton.language as tl
 
 from .gemv import (DEFAULT_GLU_TILES, TileConfig, check_vec, check_x, counters, glu_ref, input_args, is_fp4,
-                   make_out, num_sms, plan_split, resolve_config, rows_first, weight_args)
+                   make_out, num_sms, plan_split, resolve_config, weight_args)
 from .pdl import launch_kw, pdl_begin
 from .tiles import ACT_ID, FMT_ID, _glu, _rstd, _split_reduce, _store_out, _tile, _tile_bf16
 from .weights import WeightHandle, dequantize
 
-__all__ = ["RouterConfig", "Routing", "route", "route_ref", "oproj_route", "moe_experts", "moe_experts_ref"]
+__all__ = ["RouterConfig", "Routing", "route", "route_ref", "moe_experts", "moe_experts_ref"]
 
 SCORE_ID = {"softmax": 0, "sigmoid": 1, "softmax_topk": 2}
 
@@ -270,139 +270,6 @@ def route(x: torch.Tensor, router_weight: torch.Tensor, cfg: RouterConfig, *, ro
         PIPE=cfg_t.prefetch, num_warps=cfg_t.num_warps, num_stages=cfg_t.num_stages, **launch_kw(dev)
     )
     return out
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-# o_proj + router in one launch (KIE_OPROJ_ROUTE=1, experiment)
-# ----------------------------------------------------------------------------------------------------------------------
-# The router's logits are linear in the normed input up to one scalar: W_r (x' * nw) * rstd(x'). So each o_proj
-# program, once it has its rows of x' = W_o o + residual, can add its rows' share of every logit (a [rows, E] slice
-# of a transposed router weight) and of sum(x'^2); the last arrivals reduce the shares in a fixed order (16
-# programs per group, then the groups) and select as route() does. No router launch: its boundary and its GEMV
-# phase leave the layer's critical path.
-ROUTE_GROUP = 16
-
-
-@triton.jit
-def _oproj_route_kernel(
-    o_ptr, w_ptr, stride_wn, s_ptr, stride_sn, stride_sk, gs_ptr, bias_ptr, res_ptr, y_ptr,
-    wrt_ptr, nw_ptr, b_ptr, corr_ptr, part_ptr, cnt_ptr, logits_ptr, ids_ptr, wts_ptr,
-    N, K, E, eps, scaling, stride_x8,
-    FMT: tl.constexpr, HAS_OBIAS: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr,
-    HAS_CORR: tl.constexpr, SCORE: tl.constexpr, NORM_TOPK: tl.constexpr, N_GROUP: tl.constexpr,
-    GROUP_SIZE: tl.constexpr, TOPK_GROUP: tl.constexpr, GROUP_TOP2: tl.constexpr, TOP_K: tl.constexpr,
-    PG: tl.constexpr, N_PGROUPS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
-    BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_TOPK: tl.constexpr, BLOCK_PG: tl.constexpr,
-    PIPE: tl.constexpr, PDL: tl.constexpr = False,
-):
-    """grid (cdiv(N, BLOCK_N),): y[N] = W_o o (+ bias) (+ residual) (fp32 residual stream), then the routing of
-    rmsnorm(y) * nw through wrt = W_r^T [N, E]. part_ptr fp32: [programs, E + 1] shares (logits, sum y^2), then
-    [N_PGROUPS, E + 1] group sums; cnt_ptr: N_PGROUPS group counters + 1 for the groups."""
-    pdl_begin(PDL)
-    pid = tl.program_id(0)
-    n_prog = tl.num_programs(0)
-    n_start = pid * BLOCK_N
-    acc = _tile(FMT, w_ptr, stride_wn, s_ptr, stride_sn, stride_sk, gs_ptr, o_ptr, o_ptr, stride_x8, n_start, N, 0,
-                K, False, BLOCK_N, BLOCK_K, PIPE)
-    offs_n = n_start + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
-    if HAS_OBIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-    if HAS_RES:
-        acc += tl.load(res_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-    tl.store(y_ptr + offs_n, acc.to(y_ptr.dtype.element_ty), mask=n_mask)
-    yv = tl.where(n_mask, acc.to(y_ptr.dtype.element_ty).to(tl.float32), 0.0)   # as the router would read y
-    yn = yv * tl.load(nw_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-    offs_e = tl.arange(0, BLOCK_E)
-    e_mask = offs_e < E
-    wr = tl.load(wrt_ptr + offs_n[:, None] * E + offs_e[None, :], mask=n_mask[:, None] & e_mask[None, :],
-                 other=0.0).to(tl.float32)
-    share = tl.sum(wr * yn[:, None], axis=0)                                    # [BLOCK_E]
-    row = part_ptr + pid * (E + 1)
-    tl.store(row + offs_e, share, mask=e_mask)
-    tl.store(row + E, tl.sum(yv * yv, axis=0))
-    tl.debug_barrier()  # every share store precedes the release below
-    g = pid // PG
-    g_lo = g * PG
-    g_n = tl.minimum(n_prog - g_lo, PG)
-    if tl.atomic_add(cnt_ptr + g, 1, sem="acq_rel", scope="gpu") == g_n - 1:
-        tl.atomic_xchg(cnt_ptr + g, 0)
-        tot = tl.zeros((BLOCK_E,), dtype=tl.float32)
-        ss = 0.0
-        for q in range(g_lo, g_lo + g_n):                                       # in program order: deterministic
-            tot += tl.load(part_ptr + q * (E + 1) + offs_e, mask=e_mask, other=0.0, cache_modifier=".cg")
-            ss += tl.load(part_ptr + q * (E + 1) + E, cache_modifier=".cg")
-        grp = part_ptr + (n_prog + g) * (E + 1)
-        tl.store(grp + offs_e, tot, mask=e_mask)
-        tl.store(grp + E, ss)
-        tl.debug_barrier()
-        if tl.atomic_add(cnt_ptr + N_PGROUPS, 1, sem="acq_rel", scope="gpu") == N_PGROUPS - 1:
-            tl.atomic_xchg(cnt_ptr + N_PGROUPS, 0)
-            # the groups' logits, [N_PGROUPS, E] rows at stride E + 1: sum them (in order) into row 0's slot
-            offs_pg = tl.arange(0, BLOCK_PG)
-            ss_all = tl.load(part_ptr + (n_prog + offs_pg) * (E + 1) + E, mask=offs_pg < N_PGROUPS, other=0.0,
-                             cache_modifier=".cg")
-            rstd = 1.0 / tl.sqrt(tl.sum(ss_all, axis=0) / N + eps)
-            tot = tl.zeros((BLOCK_E,), dtype=tl.float32)
-            for q in range(N_PGROUPS):
-                tot += tl.load(part_ptr + (n_prog + q) * (E + 1) + offs_e, mask=e_mask, other=0.0,
-                               cache_modifier=".cg")
-            fin = part_ptr + (n_prog + N_PGROUPS) * (E + 1)
-            tl.store(fin + offs_e, tot, mask=e_mask)
-            tl.debug_barrier()
-            _route_select(fin, b_ptr, corr_ptr, logits_ptr, ids_ptr, wts_ptr, rstd, scaling, E,
-                          HAS_BIAS, HAS_CORR, SCORE, NORM_TOPK, N_GROUP, GROUP_SIZE, TOPK_GROUP, GROUP_TOP2, TOP_K,
-                          1, BLOCK_G, BLOCK_S, BLOCK_TOPK)
-
-
-def oproj_route(o: torch.Tensor, w_o: WeightHandle, router_weight_t: torch.Tensor, cfg: RouterConfig, *,
-                residual: torch.Tensor | None = None, bias: torch.Tensor | None = None,
-                norm_weight: torch.Tensor, eps: float = 1e-6, router_bias: torch.Tensor | None = None,
-                correction_bias: torch.Tensor | None = None, out: torch.Tensor, routing: Routing,
-                config: TileConfig | None = None) -> tuple[torch.Tensor, Routing]:
-    """out = W_o o (+ bias) (+ residual), and routing = route(out, W_r, cfg, norm_weight=...) in one launch.
-    router_weight_t: the router weight transposed, float [H, E] contiguous (made once per layer). Float o_proj
-    formats only (an fp4 o_proj reads x8 from its own launch; use gemv + route)."""
-    N, K = w_o.out_features, w_o.in_features
-    dev = w_o.device
-    if is_fp4(w_o.fmt) or w_o.num_experts:
-        raise ValueError(f"oproj_route: o_proj must be a float-format matrix, got {w_o.fmt}")
-    if (router_weight_t.dim() != 2 or router_weight_t.shape[0] != N or not router_weight_t.is_contiguous()
-            or router_weight_t.device != dev):
-        raise ValueError(f"oproj_route: router_weight_t must be a contiguous [{N}, E] on {dev}, got "
-                         f"{tuple(router_weight_t.shape)}")
-    E = router_weight_t.shape[1]
-    check_x(o, K, dev, "o")
-    check_vec(residual, N, dev, "residual")
-    check_vec(bias, N, dev, "bias")
-    check_vec(norm_weight, N, dev, "norm_weight")
-    check_vec(router_bias, E, dev, "router_bias")
-    check_vec(correction_bias, E, dev, "correction_bias")
-    if cfg.top_k > E or E % cfg.n_group:
-        raise ValueError(f"oproj_route: top_k {cfg.top_k} / n_group {cfg.n_group} do not fit {E} experts")
-    group_size = E // cfg.n_group
-    cfg_t = resolve_config(w_o, config)
-    if config is None:
-        cfg_t = rows_first(cfg_t, N, K, w_o.fmt, dev)
-    n_prog = triton.cdiv(N, cfg_t.block_n)
-    n_pg = triton.cdiv(n_prog, ROUTE_GROUP)
-    part = torch.empty((n_prog + n_pg + 1) * (E + 1), dtype=torch.float32, device=dev)
-    cnt = counters(dev, n_pg + 1)
-    _oproj_route_kernel[(n_prog,)](
-        o, *weight_args(w_o), bias if bias is not None else out, residual if residual is not None else out, out,
-        router_weight_t, norm_weight, router_bias if router_bias is not None else part,
-        correction_bias if correction_bias is not None else part, part, cnt,
-        routing.logits, routing.ids, routing.weights, N, K, E, eps, float(cfg.routed_scaling_factor), 0,
-        FMT=FMT_ID[w_o.fmt], HAS_OBIAS=bias is not None, HAS_RES=residual is not None,
-        HAS_BIAS=router_bias is not None, HAS_CORR=correction_bias is not None, SCORE=SCORE_ID[cfg.scoring],
-        NORM_TOPK=cfg.norm_topk_prob, N_GROUP=cfg.n_group, GROUP_SIZE=group_size, TOPK_GROUP=cfg.topk_group,
-        GROUP_TOP2=cfg.group_score == "top2", TOP_K=cfg.top_k, PG=ROUTE_GROUP, N_PGROUPS=n_pg,
-        BLOCK_N=cfg_t.block_n, BLOCK_K=cfg_t.block_k, BLOCK_E=triton.next_power_of_2(E),
-        BLOCK_G=triton.next_power_of_2(cfg.n_group), BLOCK_S=triton.next_power_of_2(group_size),
-        BLOCK_TOPK=triton.next_power_of_2(cfg.top_k), BLOCK_PG=triton.next_power_of_2(n_pg),
-        PIPE=cfg_t.prefetch, num_warps=cfg_t.num_warps, num_stages=cfg_t.num_stages, **launch_kw(dev)
-    )
-    return out, routing
 
 
 def route_ref(x, router_weight, cfg: RouterConfig, *, router_bias=None, correction_bias=None, norm_weight=None,

@@ -5,8 +5,7 @@ import torch
 import triton
 
 from kie_moe.kernels.gemv import TileConfig
-from kie_moe.kernels.gemv import gemv_ref
-from kie_moe.kernels.moe import RouterConfig, Routing, moe_experts, moe_experts_ref, oproj_route, route, route_ref
+from kie_moe.kernels.moe import RouterConfig, moe_experts, moe_experts_ref, route, route_ref
 from kie_moe.kernels.weights import WeightHandle, random_weight
 
 from .helpers import DEV, FORMATS, assert_close, needs_device
@@ -198,49 +197,3 @@ def test_moe_experts_errors():
         moe_experts(x, torch.tensor([0, 1], dtype=torch.int32, device=DEV), wts, wg.expert(0), wu, wd)
     with pytest.raises(ValueError, match="topk_group"):
         RouterConfig(top_k=2, n_group=2, topk_group=3)
-
-
-# ---- o_proj + router in one launch ------------------------------------------------------------------------------
-@pytest.mark.parametrize("fmt", ["bf16", "fp8", "fp8_block"])
-@pytest.mark.parametrize("name", list(ROUTERS))
-def test_oproj_route(name, fmt):
-    """y = W_o o + bias + residual and route(y) in one launch, against gemv_ref + route_ref: 37 row tiles of 4 (three
-    groups of shares, the last one short), odd H / K / E, every router variant of ROUTERS."""
-    E, cfg, extra = ROUTERS[name]
-    N, K = 148 if fmt != "fp8_block" else 256, 40 if fmt != "fp8_block" else 128
-    wo = random_weight(fmt, N, K, seed=50, device=DEV)
-    o, res, nw, ob = _t(K, seed=51), _t(N, seed=52).float(), _t(N, seed=53), _t(N, seed=54)
-    wr = _t(E, N, seed=55, scale=0.3)
-    kw = {}
-    if extra.get("router_bias"):
-        kw["router_bias"] = _t(E, seed=56)
-    if extra.get("correction_bias"):
-        kw["correction_bias"] = _t(E, seed=57, scale=0.1).float()
-    y = torch.empty(N, device=DEV)
-    r = Routing(torch.empty(cfg.top_k, dtype=torch.int32, device=DEV), torch.empty(cfg.top_k, device=DEV),
-                torch.empty(E, device=DEV))
-    oproj_route(o, wo, wr.t().contiguous(), cfg, residual=res, bias=ob, norm_weight=nw, out=y, routing=r,
-                config=TileConfig(4, 32), **kw)
-    yr = gemv_ref(o, wo, bias=ob, residual=res, out_dtype=torch.float32)
-    assert_close(y, yr, what=f"{name} {fmt} y")
-    rr = route_ref(yr, wr, cfg, norm_weight=nw, **kw)
-    assert r.ids.tolist() == rr.ids.tolist(), name
-    assert_close(r.weights, rr.weights, rel=1e-5, what=f"{name} weights")
-    assert_close(r.logits, rr.logits, rel=1e-5, what=f"{name} logits")
-    # a second launch on other data: the group counters were left at zero
-    o2 = _t(K, seed=58)
-    oproj_route(o2, wo, wr.t().contiguous(), cfg, residual=res, bias=ob, norm_weight=nw, out=y, routing=r,
-                config=TileConfig(4, 32), **kw)
-    rr2 = route_ref(gemv_ref(o2, wo, bias=ob, residual=res, out_dtype=torch.float32), wr, cfg, norm_weight=nw, **kw)
-    assert r.ids.tolist() == rr2.ids.tolist(), f"{name}: second launch"
-
-
-def test_oproj_route_errors():
-    wo = random_weight("bf16", 16, 8, device=DEV)
-    nw, o, y = _t(16), _t(8), torch.empty(16, device=DEV)
-    r = Routing(torch.empty(2, dtype=torch.int32, device=DEV), torch.empty(2, device=DEV), torch.empty(6, device=DEV))
-    with pytest.raises(ValueError, match="router_weight_t must be a contiguous \\[16, E\\]"):
-        oproj_route(o, wo, _t(6, 16), RouterConfig(top_k=2), norm_weight=nw, out=y, routing=r)
-    with pytest.raises(ValueError, match="float-format"):
-        oproj_route(o, random_weight("nvfp4", 16, 32, device=DEV), _t(16, 6), RouterConfig(top_k=2), norm_weight=nw,
-                    out=y, routing=r)
