@@ -1,0 +1,62 @@
+"""A few decode launches at real sizes, run back to back for Nsight Compute: where a launch's time goes (stall
+reasons, occupancy, achieved DRAM throughput), which CUDA-event timing cannot say. Meant to be wrapped:
+
+    ncu --clock-control none --launch-skip 20 --launch-count 6 -k regex:'_expert|_gemv' \\
+        --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \\
+        python benchmarks/ncu_launches.py --case experts-fp8
+
+(`scripts/gpu-check R ncu:CASE` does that). Cases: experts-FMT (qwen3-30b-a3b's routed experts: top-8 of 128,
+I 768, H 2048, both launches), qkv-FMT (qwen3's fused q/k/v, 5120 x 2048, RMSNorm fused), big-FMT (one >= 256 MB
+GEMV of issue 5's bandwidth table). Each case runs its launches `--reps` times after a warm-up (compiles)."""
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from kie_moe.kernels.gemv import gemv, is_fp4, prepare_x8
+from kie_moe.kernels.moe import moe_experts
+from kie_moe.kernels.weights import random_weight
+
+BIG = {"bf16": (16384, 8192), "fp8": (32768, 8192), "fp8_block": (32768, 8192), "nvfp4": (65536, 8192),
+       "mxfp4": (65536, 8192)}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--case", required=True, help="experts-FMT | qkv-FMT | big-FMT")
+    ap.add_argument("--reps", type=int, default=8)
+    a = ap.parse_args()
+    kind, fmt = a.case.split("-", 1)
+    dev = "cuda"
+    torch.manual_seed(0)
+    x = torch.randn(2048, device=dev).to(torch.bfloat16)
+    nw = torch.rand(2048, device=dev) + 0.5
+    if kind == "experts":
+        E, k, I, H = 128, 8, 768, 2048
+        wg, wu = (random_weight(fmt, I, H, experts=E, seed=s, device=dev) for s in (1, 2))
+        wd = random_weight(fmt, H, I, experts=E, seed=3, device=dev)
+        ids = torch.stack([torch.randperm(E, device=dev)[:k] for _ in range(a.reps + 1)]).to(torch.int32)
+        wts = torch.softmax(torch.randn(a.reps + 1, k, device=dev), -1)
+        x8 = prepare_x8(x, nw) if is_fp4(fmt) else None
+        run = lambda i: moe_experts(x, ids[i], wts[i], wg, wu, wd, norm_weight=nw, x8=x8, residual=x)  # noqa: E731
+    elif kind == "qkv":
+        w = random_weight(fmt, 5120, 2048, seed=4, device=dev)
+        x8 = prepare_x8(x, nw) if is_fp4(fmt) else None
+        run = lambda i: gemv(x, w, norm_weight=None if x8 is not None else nw, x8=x8)  # noqa: E731
+    elif kind == "big":
+        n, kk = BIG[fmt]
+        w = random_weight(fmt, n, kk, seed=5, device=dev)
+        xb = torch.randn(kk, device=dev).to(torch.bfloat16)
+        x8 = prepare_x8(xb) if is_fp4(fmt) else None
+        run = lambda i: gemv(xb, w, x8=x8)  # noqa: E731
+    else:
+        raise SystemExit(f"unknown case {a.case!r}: experts-FMT | qkv-FMT | big-FMT")
+    for i in range(a.reps + 1):
+        run(i)
+    torch.cuda.synchronize()
+    print(f"{a.case}: {a.reps + 1} calls done")
+
+
+if __name__ == "__main__":
+    main()
