@@ -10,8 +10,6 @@ moe_experts(): two launches. (1) grid (row tiles of I, top-k slot): h[slot] = gl
 
 from __future__ import annotations
 
-import dataclasses
-import os
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -36,9 +34,6 @@ SCORE_ID = {"softmax": 0, "sigmoid": 1, "softmax_topk": 2}
 # (expert_down_split) from 24.1 to 20.3-20.8 us.
 DEFAULT_EXPERT_TILES = {**DEFAULT_GLU_TILES, "fp8": TileConfig(8, 512, num_warps=2, prefetch=False)}
 EXPERT_DOWN_PROGRAMS_PER_SM = 16
-# experiment (session 11): the down launch's K step (0: pick_block_k's fit, 256 for I = 768); a step past I is one
-# masked step, so a program issues its whole tile at once (ncu: the down launch is 66% long-scoreboard stalls)
-DOWN_BK = int(os.environ.get("KIE_EXPERT_DOWN_BK", "0"))
 
 
 @dataclass(frozen=True)
@@ -467,8 +462,6 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gat
     )
 
     cd = resolve_config(w_down, config_down, DEFAULT_EXPERT_TILES)
-    if DOWN_BK and config_down is None and not is_fp4(w_down.fmt):   # experiment: K steps of the down launch
-        cd = dataclasses.replace(cd, block_k=DOWN_BK)
     n_tiles = triton.cdiv(H, cd.block_n)
     if split is None:
         split = expert_down_split(n_tiles, top_k, dev)
