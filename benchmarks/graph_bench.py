@@ -6,6 +6,7 @@ beside the read-bandwidth probe of the same run. Batch 1, 32-token prompt, 128 n
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import time
 import traceback
@@ -69,10 +70,12 @@ def run(arch: str, fmt: str, probe: float, backends: list[str], prompt_len=32, n
         except Exception as e:
             r["error"] = f"{type(e).__name__}: {e}"[:1500]
             r["trace"] = traceback.format_exc()[-2500:]
+        gc.collect()            # a backend's reference cycles (graph, store views) hold its GPU memory until collected
         torch.cuda.empty_cache()
         print(json.dumps({k: v for k, v in r.items() if k != "trace"}), flush=True)
         rows.append(r)
     del model, store
+    gc.collect()
     torch.cuda.empty_cache()
     return rows
 
