@@ -27,7 +27,11 @@ def main():
     ap.add_argument("--case", required=True, help="experts-FMT | qkv-FMT | big-FMT")
     ap.add_argument("--reps", type=int, default=8)
     a = ap.parse_args()
-    kind, fmt = a.case.split("-", 1)
+    kind, _, fmt = a.case.partition("-")
+    if kind not in ("experts", "qkv", "big") or fmt not in BIG:
+        raise SystemExit(f"ncu_launches: unknown case {a.case!r}: experts-FMT | qkv-FMT | big-FMT, FMT in {list(BIG)}")
+    if not torch.cuda.is_available():
+        raise SystemExit("ncu_launches: needs a CUDA GPU (it exists to be profiled by ncu there)")
     dev = "cuda"
     torch.manual_seed(0)
     x = torch.randn(2048, device=dev).to(torch.bfloat16)
@@ -44,14 +48,12 @@ def main():
         w = random_weight(fmt, 5120, 2048, seed=4, device=dev)
         x8 = prepare_x8(x, nw) if is_fp4(fmt) else None
         run = lambda i: gemv(x, w, norm_weight=None if x8 is not None else nw, x8=x8)  # noqa: E731
-    elif kind == "big":
+    else:                                                       # big
         n, kk = BIG[fmt]
         w = random_weight(fmt, n, kk, seed=5, device=dev)
         xb = torch.randn(kk, device=dev).to(torch.bfloat16)
         x8 = prepare_x8(xb) if is_fp4(fmt) else None
         run = lambda i: gemv(xb, w, x8=x8)  # noqa: E731
-    else:
-        raise SystemExit(f"unknown case {a.case!r}: experts-FMT | qkv-FMT | big-FMT")
     for i in range(a.reps + 1):
         run(i)
     torch.cuda.synchronize()
