@@ -1,11 +1,12 @@
 """A few decode launches at real sizes, run back to back for Nsight Compute: where a launch's time goes (stall
 reasons, occupancy, achieved DRAM throughput), which CUDA-event timing cannot say. Meant to be wrapped:
 
-    ncu --clock-control none --launch-skip 20 --launch-count 6 -k regex:'_expert|_gemv' \\
+    ncu --clock-control none --launch-skip 6 --launch-count 4 -k regex:'_expert|_gemv' \\
         --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \\
-        python benchmarks/ncu_launches.py --case experts-fp8
+        --section MemoryWorkloadAnalysis python benchmarks/ncu_launches.py --case experts-fp8
 
-(`scripts/gpu-check R ncu:CASE` does that). Cases: experts-FMT (qwen3-30b-a3b's routed experts: top-8 of 128,
+(`scripts/gpu-check R ncu:CASE` runs exactly that). BIG's shapes are kernels_micro.py big_section's (256 MiB of
+codes at K = 8192). Cases: experts-FMT (qwen3-30b-a3b's routed experts: top-8 of 128,
 I 768, H 2048, both launches), qkv-FMT (qwen3's fused q/k/v, 5120 x 2048, RMSNorm fused), big-FMT (one >= 256 MB
 GEMV of issue 5's bandwidth table). Each case runs its launches `--reps` times after a warm-up (compiles)."""
 from __future__ import annotations
