@@ -48,6 +48,7 @@ import torch
 import triton
 
 from kie_moe.kernels.attention import gqa_decode
+from kie_moe.kernels.fp4_mma import MMA_ROW_BLOCKS, MMA_WARPS, gemv_nvfp4_mma, prepare_xh
 from kie_moe.kernels.gemv import DEFAULT_TILES, TileConfig, gemv, gemv_glu, gemv_ref, prepare_x8, rmsnorm_gemv
 from kie_moe.kernels.moe import RouterConfig, moe_experts, route
 from kie_moe.kernels.rope import rope_append
@@ -101,6 +102,9 @@ def parse_args(argv=None):
                    "the first is the one the layer sums use (kie bench decodes at context 32..159)")
     p.add_argument("--skip", default="", help="comma list of sections to skip: probe,big,models")
     p.add_argument("--big-mb", type=int, default=256, help="weight MB of the one-launch GEMV per format")
+    p.add_argument("--mma-configs", default=f"{MMA_ROW_BLOCKS}x{MMA_WARPS}",
+                   help="nvfp4 on the tensor cores (kernels/fp4_mma.py) in the big section, timed beside the "
+                        "nvfp4 row: comma list of ROW_BLOCKSxWARPS launch shapes ('' = none)")
     p.add_argument("--probe-gb", type=float, default=4.0, help="GB read by the bandwidth probe")
     p.add_argument("--sweep", action="store_true", help="also sweep launch shapes of the big GEMV per format")
     p.add_argument("--layer-sweep", default=None, metavar="MODEL:FMT",
@@ -373,6 +377,36 @@ def big_section(formats, mb: float, probe: float, rep_ms: int, K: int = 8192, bu
         if DEV == "cuda":
             torch.cuda.empty_cache()
     return out
+
+
+def big_mma(mb: float, probe: float, rep_ms: int, row_blocks: int, num_warps: int, K: int = 8192) -> dict:
+    """The nvfp4 big GEMV on the tensor cores (kernels/fp4_mma.py), same shape and byte count as big_section's nvfp4
+    row; its xh input made once outside the timing, as the nvfp4 row's x8."""
+    N = int(math.ceil(mb * (1 << 20) / (0.5 * K) / 128) * 128)
+    name = f"gemv nvfp4 mma {N}x{K} rb{row_blocks} w{num_warps}"
+    probe_w = random_weight("nvfp4", N, K, seed=0, device=DEV)
+    copies = [probe_w] + [random_weight("nvfp4", N, K, seed=i, device=DEV)
+                          for i in range(1, n_copies(probe_w.nbytes))]
+    x = _x(K)
+    xh = prepare_xh(x)
+    y = torch.empty(N, dtype=x.dtype, device=DEV)
+
+    def call(i):
+        return gemv_nvfp4_mma(x, copies[i], xh=xh, out=y, row_blocks=row_blocks, num_warps=num_warps)
+
+    us = time_graph(call, len(copies), rep_ms)
+    r = row(name, us, probe_w.nbytes, probe, fmt="nvfp4", impl="mma", shape=[N, K], row_blocks=row_blocks,
+            num_warps=num_warps)
+    n = min(N, 256)
+    w = probe_w.rows(0, n)
+    got = gemv_nvfp4_mma(x, w, out=torch.empty(n, device=DEV), row_blocks=row_blocks, num_warps=num_warps)
+    want = gemv_ref(x, w, out_dtype=torch.float32)
+    r["check_rel_err"] = float((got - want).abs().max() / want.abs().max())
+    del copies
+    torch.cuda.empty_cache()
+    print(f"  {name}: {us:.2f} us, {r['gbps']:.0f} GB/s = {r['pct_probe']}% of the probe, "
+          f"err {r['check_rel_err']:.2g}", flush=True)
+    return r
 
 
 def check_rows(fmt, N, K) -> float:
@@ -660,6 +694,10 @@ def main(argv=None):
         save()
     if "big" not in skip:
         result["big"] = big_section(big_formats, args.big_mb, probe, args.rep_ms, budget=budget)
+        if "nvfp4" in big_formats:
+            for c in (c for c in args.mma_configs.split(",") if c):
+                rb, nw = (int(v) for v in c.split("x"))
+                result["big"].append(big_mma(args.big_mb, probe, args.rep_ms, rb, nw))
         save()
     if "models" not in skip:
         result["models"] = {}

@@ -1,0 +1,315 @@
+"""nvfp4 GEMV on the tensor cores: e2m1 codes decoded in registers straight into mma.sync A fragments.
+
+Why: the CUDA-core nvfp4 tile (tiles.py) is issue-bound at ~61% of the read probe: each code needs its own fp32
+convert and FFMA (~33 SASS instructions per u32 word of 8 codes). Here a word's 8 codes stay f16 (the byte-plane
+decode of tiles.py: 7 integer ops + 4 byte permutes give four f16x2 registers), get their group scale with 4 exact
+HMUL2, and the dot products run on `mma.sync.m16n8k16` with fp32 accumulation: ~17 instructions per word, and no
+shared memory (a plain `tl.dot` stages its operands there and measured 2-3x slower: benchmarks/NOTES.md session 6).
+
+Lane roles (one warp = 16 weight rows at a time; lane l has r = l // 4, q = l % 4):
+- lane (r, q) holds rows `row_a = base + r` and `row_b = base + r + 8` as the mma's A rows r and r + 8, and for each
+  64-code chunk of K the two words 2q, 2q + 1 of each row (8 bytes: the quad's 4 lanes read a whole 32-byte sector)
+  and that pair's one nvfp4 group scale per row (group = 16 codes = exactly the lane's two words);
+- an mma sums, per A row, the 4 codes each quad lane puts in its fragment. A word's codes land as f16x2 pairs
+  {e0, e2}, {e4, e6}, {e1, e3}, {e5, e7} (the byte-plane order), so the input is stored per 8 elements in the order
+  0, 2, 1, 3, 4, 6, 5, 7 ("xh", fp16; prepare_xh) and every lane's B fragment is its own word's x: all 8 B columns
+  are equal, D[r][c] is row r's running dot for every c, and each lane ends with the full sums of its two rows.
+Exactness: the decode gives 2^-14 x e2m1 in f16 (subnormals included); times an e4m3 scale (a multiple of 2^-9,
+<= 448) that is a multiple of 2^-24 below 0.17 with <= 6 significant bits: exact in f16. f16 x f16 products are exact
+in the mma's fp32 sums; 2^14 / global_scale is applied once per row. x is rounded to fp16 (exact for bf16 inputs
+with 2^-14 <= |x| <= 65504; smaller values keep fp16's 2^-24 absolute precision, larger ones overflow).
+
+Lane ids come from `%laneid` / `%tid.x` and every address is built from them, so the kernel never depends on which
+element of a Triton tensor a thread holds: tensors are [32 * NW], one element per thread. Under the interpreter
+(or KIE_TILES_ASM=0) the same loop runs with lane = element index, the decode of tiles.py and plain fp32 FMAs; the
+quad's sum then happens once at the end (`_quad_sum`).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .gemv import check_vec, check_x, make_out
+from .pdl import launch_kw, pdl_begin
+from .tiles import _ASM, _e2m1_word, _rstd, _store_out
+from .weights import WeightHandle
+
+__all__ = ["prepare_xh", "gemv_nvfp4_mma", "MMA_ROW_BLOCKS", "MMA_WARPS"]
+
+MMA_ROW_BLOCKS = 2  # 16-row blocks per warp (x fragments are loaded once for all of them)
+MMA_WARPS = 4
+
+# Byte-plane decode of one word W (tiles.py _E2M1_WORD_PTX) into f16x2 P0 = {e0, e2}, P1 = {e4, e6}, P2 = {e1, e3},
+# P3 = {e5, e7}, each 2^-14 x its e2m1 value, then times the f16x2 scale S.
+_DECODE = """shl.b32 t, {W}, 4;
+and.b32 t, t, 0x80808080;
+shl.b32 u, {W}, 1;
+and.b32 u, u, 0x0E0E0E0E;
+or.b32 lo, t, u;
+shr.b32 t, {W}, 3;
+and.b32 t, t, 0x0E0E0E0E;
+and.b32 u, {W}, 0x80808080;
+or.b32 hi, t, u;
+prmt.b32 {P}0, lo, z, 0x1404;
+prmt.b32 {P}1, lo, z, 0x3424;
+prmt.b32 {P}2, hi, z, 0x1404;
+prmt.b32 {P}3, hi, z, 0x3424;
+mul.rn.f16x2 {P}0, {P}0, {S};
+mul.rn.f16x2 {P}1, {P}1, {S};
+mul.rn.f16x2 {P}2, {P}2, {S};
+mul.rn.f16x2 {P}3, {P}3, {S};
+"""
+_MMA = "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {{d0, d1, d2, d3}}, {{{A}0, {B}0, {A}2, {B}2}}, " \
+       "{{{X0}, {X1}}}, {{{C}}};\n"
+_MMA_HI = "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {{d0, d1, d2, d3}}, {{{A}1, {B}1, {A}3, {B}3}}, " \
+          "{{{X0}, {X1}}}, {{d0, d1, d2, d3}};\n"
+# Operands: $0..$3 out accumulators; $4..$7 in accumulators; $8, $9 row a's words; $10, $11 row b's; $12 the two
+# e4m3 scales (row a in byte 0, row b in byte 1); $13..$20 the x pairs of the two words (4 per word).
+_MMA_PAIR_PTX = tl.constexpr(
+    "{\n.reg .b32 t, u, lo, hi, z, sa, sb, a<4>, b<4>;\n.reg .b16 sh;\n.reg .f32 d<4>;\nmov.b32 z, 0;\n"
+    "cvt.u16.u32 sh, $12;\ncvt.rn.f16x2.e4m3x2 sa, sh;\nprmt.b32 sb, sa, sa, 0x3232;\nprmt.b32 sa, sa, sa, 0x1010;\n"
+    + _DECODE.format(W="$8", P="a", S="sa") + _DECODE.format(W="$10", P="b", S="sb")
+    + _MMA.format(A="a", B="b", X0="$13", X1="$14", C="$4, $5, $6, $7")
+    + _MMA_HI.format(A="a", B="b", X0="$15", X1="$16")
+    + _DECODE.format(W="$9", P="a", S="sa") + _DECODE.format(W="$11", P="b", S="sb")
+    + _MMA.format(A="a", B="b", X0="$17", X1="$18", C="d0, d1, d2, d3")
+    + _MMA_HI.format(A="a", B="b", X0="$19", X1="$20")
+    + "mov.f32 $0, d0;\nmov.f32 $1, d1;\nmov.f32 $2, d2;\nmov.f32 $3, d3;\n}")
+
+
+@triton.jit
+def _xh_kernel(x_ptr, nw_ptr, xh_ptr, K, eps, HAS_NW: tl.constexpr, BLOCK: tl.constexpr, BLOCK_X: tl.constexpr,
+               PDL: tl.constexpr = False):
+    """grid (cdiv(K, BLOCK),): xh[8j + slot(e)] = fp16((x * rstd * nw)[8j + e]), slot = 0, 2, 1, 3, 4, 6, 5, 7."""
+    pdl_begin(PDL)
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < K
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_NW:
+        x = x * _rstd(x_ptr, K, eps, BLOCK_X) * tl.load(nw_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    e = offs % 8
+    slot = (e & 4) | ((e & 1) << 1) | ((e >> 1) & 1)
+    tl.store(xh_ptr + (offs - e) + slot, x.to(tl.float16), mask=mask)
+
+
+@triton.jit
+def _lane_warp(NW: tl.constexpr):
+    """(lane, warp) of the thread holding each element of a [32 * NW] tensor (interpreter: of the element index)."""
+    if _ASM:
+        z = tl.zeros((NW * 32,), tl.int32)
+        lane = tl.inline_asm_elementwise("mov.u32 $0, %laneid;", "=r,r", [z], dtype=tl.int32, is_pure=False, pack=1)
+        tid = tl.inline_asm_elementwise("mov.u32 $0, %tid.x;", "=r,r", [z], dtype=tl.int32, is_pure=False, pack=1)
+        warp = tid >> 5
+    else:
+        i = tl.arange(0, NW * 32)
+        lane = i % 32
+        warp = i // 32
+    return lane, warp
+
+
+@triton.jit
+def _ld_words(ptr):
+    """Two consecutive u32 words at ptr (8-byte aligned)."""
+    if _ASM:
+        a, b = tl.inline_asm_elementwise("ld.global.nc.v2.u32 {$0, $1}, [$2];", "=r,=r,l", [ptr],
+                                         dtype=(tl.uint32, tl.uint32), is_pure=True, pack=1)
+    else:
+        a = tl.load(ptr)
+        b = tl.load(ptr + 1)
+    return a, b
+
+
+@triton.jit
+def _ld_x(ptr, valid):
+    """The 8 x pairs (u32 = f16x2) of two consecutive words of xh at ptr (16-byte aligned); 0 where not valid."""
+    if _ASM:
+        v0, v1, v2, v3, v4, v5, v6, v7 = tl.inline_asm_elementwise(
+            "{\n.reg .pred p;\nsetp.ne.s32 p, $9, 0;\nmov.b32 $0, 0;\nmov.b32 $1, 0;\nmov.b32 $2, 0;\nmov.b32 $3, 0;\n"
+            "mov.b32 $4, 0;\nmov.b32 $5, 0;\nmov.b32 $6, 0;\nmov.b32 $7, 0;\n"
+            "@p ld.global.v4.u32 {$0, $1, $2, $3}, [$8];\n@p ld.global.v4.u32 {$4, $5, $6, $7}, [$8+16];\n}",
+            "=r,=r,=r,=r,=r,=r,=r,=r,l,r", [ptr, valid.to(tl.int32)], dtype=(tl.uint32,) * 8, is_pure=True, pack=1)
+    else:
+        v0 = tl.load(ptr, mask=valid, other=0)
+        v1 = tl.load(ptr + 1, mask=valid, other=0)
+        v2 = tl.load(ptr + 2, mask=valid, other=0)
+        v3 = tl.load(ptr + 3, mask=valid, other=0)
+        v4 = tl.load(ptr + 4, mask=valid, other=0)
+        v5 = tl.load(ptr + 5, mask=valid, other=0)
+        v6 = tl.load(ptr + 6, mask=valid, other=0)
+        v7 = tl.load(ptr + 7, mask=valid, other=0)
+    return v0, v1, v2, v3, v4, v5, v6, v7
+
+
+@triton.jit
+def _h(v, HI: tl.constexpr):
+    """Half HI of an f16x2 pair (u32) as fp32 (portable path)."""
+    if HI:
+        v = v >> 16
+    return (v & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _word_dot(w, s, x0, x1, x2, x3):
+    """Portable: one word's 8 codes (x 2^-14) times scale s, dotted with its x pairs {x0, x2} {x1, x3} {x4, x6}
+    {x5, x7} (x0..x3 here are those four u32 pairs)."""
+    e0, e1, e2, e3, e4, e5, e6, e7 = _e2m1_word(w)
+    p = e0 * _h(x0, False) + e2 * _h(x0, True) + e1 * _h(x1, False) + e3 * _h(x1, True)
+    p += e4 * _h(x2, False) + e6 * _h(x2, True) + e5 * _h(x3, False) + e7 * _h(x3, True)
+    return p * s
+
+
+@triton.jit
+def _pair_step(d0, d1, d2, d3, wa0, wa1, wb0, wb1, sa, sb, x0, x1, x2, x3, x4, x5, x6, x7):
+    """Accumulate one 64-code chunk of rows a (d0, d1) and b (d2, d3): words wa0, wa1 / wb0, wb1, e4m3 scale bytes
+    sa / sb (int32), x pairs x0..x7. GPU: 4 mma (quad sums included); portable: this lane's part only."""
+    if _ASM:
+        sab = sa | (sb << 8)
+        d0, d1, d2, d3 = tl.inline_asm_elementwise(
+            _MMA_PAIR_PTX, "=f,=f,=f,=f,f,f,f,f,r,r,r,r,r,r,r,r,r,r,r,r,r",
+            [d0, d1, d2, d3, wa0, wa1, wb0, wb1, sab, x0, x1, x2, x3, x4, x5, x6, x7],
+            dtype=(tl.float32,) * 4, is_pure=True, pack=1)
+    else:
+        fa = sa.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        fb = sb.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        d0 += _word_dot(wa0, fa, x0, x1, x2, x3) + _word_dot(wa1, fa, x4, x5, x6, x7)
+        d2 += _word_dot(wb0, fb, x0, x1, x2, x3) + _word_dot(wb1, fb, x4, x5, x6, x7)
+    return d0, d1, d2, d3
+
+
+@triton.jit
+def _quad_sum(v, NW: tl.constexpr):
+    """Portable path: the sum over each quad of lanes (4 consecutive elements), given back to all 4."""
+    if _ASM:
+        return v
+    else:
+        s = tl.sum(tl.reshape(v, (NW * 8, 4)), axis=1)
+        return tl.reshape(tl.broadcast_to(s[:, None], (NW * 8, 4)), (NW * 32,))
+
+
+@triton.jit
+def _nvfp4_mma_kernel(xh_ptr, w_ptr, stride_wn, s_ptr, stride_sn, gs_ptr, bias_ptr, res_ptr, y_ptr, N, K,
+                      HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, RB: tl.constexpr, NW: tl.constexpr,
+                      PDL: tl.constexpr = False):
+    """grid (cdiv(N, 16 * RB * NW),): y = W @ x for nvfp4 W [N, K/2] u8, scales [N, K/16] e4m3 (as u8), xh from
+    prepare_xh. Each warp owns 16 * RB rows and the whole K; see the module docstring for the lane roles."""
+    pdl_begin(PDL)
+    lane, warp = _lane_warp(NW)
+    r = lane >> 2
+    q = lane & 3
+    base = (tl.program_id(0) * NW + warp) * (16 * RB)
+    KW = K // 8                      # u32 words per row (K % 16 == 0: an even count)
+    KG = K // 16                     # scale groups per row
+    n_chunks = tl.cdiv(K, 64)
+    wq = w_ptr.to(tl.pointer_type(tl.uint32))
+    xq = xh_ptr.to(tl.pointer_type(tl.uint32))
+    sq = s_ptr.to(tl.pointer_type(tl.uint8))
+    # Rows of the RB blocks (clamped: rows past N read row N - 1 and are not stored); int64 row offsets.
+    ra0 = tl.minimum(base + r, N - 1).to(tl.int64)
+    rb0 = tl.minimum(base + r + 8, N - 1).to(tl.int64)
+    ra1 = tl.minimum(base + 16 + r, N - 1).to(tl.int64)
+    rb1 = tl.minimum(base + 24 + r, N - 1).to(tl.int64)
+    swn = stride_wn // 4
+    zero = tl.zeros((NW * 32,), tl.float32)
+    a0, a1, a2, a3 = zero, zero, zero, zero
+    c0, c1, c2, c3 = zero, zero, zero, zero
+    # Chunk 0's loads, then each iteration issues the next chunk's before its mma on the current one.
+    wd = 2 * q                       # word index of this lane's pair in the current chunk
+    wc = tl.minimum(wd, KW - 2)      # clamped in-row address (the tail's missing words multiply x = 0)
+    gc = tl.minimum(q, KG - 1)
+    u0, u1 = _ld_words(wq + ra0 * swn + wc)
+    v0, v1 = _ld_words(wq + rb0 * swn + wc)
+    sa0 = tl.load(sq + ra0 * stride_sn + gc).to(tl.int32)
+    sb0 = tl.load(sq + rb0 * stride_sn + gc).to(tl.int32)
+    if RB == 2:
+        u2, u3 = _ld_words(wq + ra1 * swn + wc)
+        v2, v3 = _ld_words(wq + rb1 * swn + wc)
+        sa1 = tl.load(sq + ra1 * stride_sn + gc).to(tl.int32)
+        sb1 = tl.load(sq + rb1 * stride_sn + gc).to(tl.int32)
+    for c in range(0, n_chunks):
+        x0, x1, x2, x3, x4, x5, x6, x7 = _ld_x(xq + 4 * (8 * c + wd), 8 * c + wd < KW)
+        cu0, cu1, cv0, cv1, csa0, csb0 = u0, u1, v0, v1, sa0, sb0
+        cn = tl.minimum(c + 1, n_chunks - 1)  # the last iteration re-reads its own chunk (L1 / L2 hit)
+        wn = tl.minimum(8 * cn + wd, KW - 2)
+        gn = tl.minimum(4 * cn + q, KG - 1)
+        u0, u1 = _ld_words(wq + ra0 * swn + wn)
+        v0, v1 = _ld_words(wq + rb0 * swn + wn)
+        sa0 = tl.load(sq + ra0 * stride_sn + gn).to(tl.int32)
+        sb0 = tl.load(sq + rb0 * stride_sn + gn).to(tl.int32)
+        if RB == 2:
+            cu2, cu3, cv2, cv3, csa1, csb1 = u2, u3, v2, v3, sa1, sb1
+            u2, u3 = _ld_words(wq + ra1 * swn + wn)
+            v2, v3 = _ld_words(wq + rb1 * swn + wn)
+            sa1 = tl.load(sq + ra1 * stride_sn + gn).to(tl.int32)
+            sb1 = tl.load(sq + rb1 * stride_sn + gn).to(tl.int32)
+        a0, a1, a2, a3 = _pair_step(a0, a1, a2, a3, cu0, cu1, cv0, cv1, csa0, csb0, x0, x1, x2, x3, x4, x5, x6, x7)
+        if RB == 2:
+            c0, c1, c2, c3 = _pair_step(c0, c1, c2, c3, cu2, cu3, cv2, cv3, csa1, csb1,
+                                        x0, x1, x2, x3, x4, x5, x6, x7)
+    # 2^14 undoes the decode's exponent shift; 1 / global scale per Linear. One lane per quad stores.
+    f = 16384.0 / tl.load(gs_ptr).to(tl.float32)
+    lead = q == 0
+    n = base + r
+    _store_out(_quad_sum(a0, NW) * f, n, lead & (n < N), y_ptr, bias_ptr, res_ptr, HAS_BIAS, HAS_RES)
+    _store_out(_quad_sum(a2, NW) * f, n + 8, lead & (n + 8 < N), y_ptr, bias_ptr, res_ptr, HAS_BIAS, HAS_RES)
+    if RB == 2:
+        _store_out(_quad_sum(c0, NW) * f, n + 16, lead & (n + 16 < N), y_ptr, bias_ptr, res_ptr, HAS_BIAS, HAS_RES)
+        _store_out(_quad_sum(c2, NW) * f, n + 24, lead & (n + 24 < N), y_ptr, bias_ptr, res_ptr, HAS_BIAS, HAS_RES)
+
+
+def prepare_xh(x: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+    """The mma GEMV's input: fp16 [K], each 8 elements in the order 0, 2, 1, 3, 4, 6, 5, 7 (RMS-normalised with
+    norm_weight when given). One small launch, like prepare_x8."""
+    K = x.shape[-1]
+    if K % 16 or x.numel() != K:
+        raise ValueError(f"prepare_xh: x shape {tuple(x.shape)}: need batch 1 and K % 16 == 0")
+    check_vec(norm_weight, K, x.device, "norm_weight")
+    if out is None:
+        out = torch.empty(K, dtype=torch.float16, device=x.device)
+    elif out.shape != (K,) or out.dtype != torch.float16 or not out.is_contiguous() or out.data_ptr() % 16:
+        raise ValueError(f"prepare_xh: out must be a contiguous, 16-byte aligned fp16 [{K}], got {out.dtype} "
+                         f"{tuple(out.shape)}")
+    BLOCK = min(1024, triton.next_power_of_2(K))
+    _xh_kernel[(triton.cdiv(K, BLOCK),)](x, norm_weight if norm_weight is not None else x, out, K, eps,
+                                         HAS_NW=norm_weight is not None, BLOCK=BLOCK,
+                                         BLOCK_X=min(1024, triton.next_power_of_2(K)), **launch_kw(x.device))
+    return out
+
+
+def gemv_nvfp4_mma(x: torch.Tensor, w: WeightHandle, *, bias: torch.Tensor | None = None,
+                   residual: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                   norm_weight: torch.Tensor | None = None, eps: float = 1e-6, xh: torch.Tensor | None = None,
+                   row_blocks: int = MMA_ROW_BLOCKS, num_warps: int = MMA_WARPS) -> torch.Tensor:
+    """y = W @ x (+ bias) (+ residual) for one nvfp4 Linear, on the tensor cores (module docstring). Same contract as
+    kernels.gemv.gemv; xh = prepare_xh(x, norm_weight, eps) when already made (else made here)."""
+    if w.fmt != "nvfp4":
+        raise ValueError(f"gemv_nvfp4_mma: weight format {w.fmt!r}, expected 'nvfp4'")
+    if w.num_experts:
+        raise ValueError("gemv_nvfp4_mma: weight handle is an expert stack")
+    N, K = w.out_features, w.in_features
+    if K % 16:
+        raise ValueError(f"gemv_nvfp4_mma: in_features {K} is not a multiple of 16")
+    if w.weight.stride(-1) != 1 or w.weight.stride(-2) % 8 or w.weight.data_ptr() % 8:
+        raise ValueError("gemv_nvfp4_mma: weight rows must be contiguous and 8-byte aligned")
+    if w.scale.stride(-1) != 1:
+        raise ValueError(f"gemv_nvfp4_mma: weight_scale must be contiguous along in_features, stride {w.scale.stride()}")
+    if row_blocks not in (1, 2) or num_warps not in (1, 2, 4, 8):
+        raise ValueError(f"gemv_nvfp4_mma: row_blocks {row_blocks} (1 or 2), num_warps {num_warps} (1, 2, 4, 8)")
+    check_x(x, K, w.device)
+    check_vec(bias, N, w.device, "bias")
+    check_vec(residual, N, w.device, "residual")
+    y = make_out(x, N, out)
+    if xh is None:
+        xh = prepare_xh(x, norm_weight, eps)
+    elif xh.shape != (K,) or xh.dtype != torch.float16 or not xh.is_contiguous() or xh.data_ptr() % 16:
+        raise ValueError(f"xh: expected a contiguous, 16-byte aligned fp16 [{K}] (prepare_xh), got {xh.dtype} "
+                         f"{tuple(xh.shape)}")
+    grid = (triton.cdiv(N, 16 * row_blocks * num_warps),)
+    _nvfp4_mma_kernel[grid](
+        xh, w.weight, w.weight.stride(-2), w.scale.view(torch.uint8), w.scale.stride(-2), w.global_scale,
+        bias if bias is not None else y, residual if residual is not None else y, y, N, K,
+        HAS_BIAS=bias is not None, HAS_RES=residual is not None, RB=row_blocks, NW=num_warps,
+        num_warps=num_warps, **launch_kw(x.device))
+    return y
