@@ -8,8 +8,8 @@ shared memory (a plain `tl.dot` stages its operands there and measured 2-3x slow
 
 Lane roles (one warp = 16 weight rows at a time; lane l has r = l // 4, q = l % 4):
 - lane (r, q) holds rows `row_a = base + r` and `row_b = base + r + 8` as the mma's A rows r and r + 8, and for each
-  64-code chunk of K the two words 2q, 2q + 1 of each row (8 bytes: the quad's 4 lanes read a whole 32-byte sector)
-  and that pair's one nvfp4 group scale per row (group = 16 codes = exactly the lane's two words);
+  256-code step of K 8 of the row's 32 words (two 16-byte pieces; the quad reads the whole 128-byte line) and their
+  four nvfp4 group scales per row (group = 16 codes = two words: each mma pair step covers one group per lane);
 - an mma sums, per A row, the 4 codes each quad lane puts in its fragment. A word's codes land as f16x2 pairs
   {e0, e2}, {e4, e6}, {e1, e3}, {e5, e7} (the byte-plane order), so the input is stored per 8 elements in the order
   0, 2, 1, 3, 4, 6, 5, 7 ("xh", fp16; prepare_xh) and every lane's B fragment is its own word's x: all 8 B columns
@@ -27,6 +27,8 @@ quad's sum then happens once at the end (`_quad_sum`).
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -36,10 +38,11 @@ from .pdl import launch_kw, pdl_begin
 from .tiles import _ASM, _e2m1_word, _rstd, _store_out
 from .weights import WeightHandle
 
-__all__ = ["prepare_xh", "gemv_nvfp4_mma", "MMA_ROW_BLOCKS", "MMA_WARPS"]
+__all__ = ["prepare_xh", "gemv_nvfp4_mma", "MMA_ROW_BLOCKS", "MMA_WARPS", "MMA_DEPTH"]
 
 MMA_ROW_BLOCKS = 2  # 16-row blocks per warp (x fragments are loaded once for all of them)
 MMA_WARPS = 4
+MMA_DEPTH = 1  # steps of loads in flight ahead of the mma
 
 # Byte-plane decode of one word W (tiles.py _E2M1_WORD_PTX) into f16x2 P0 = {e0, e2}, P1 = {e4, e6}, P2 = {e1, e3},
 # P3 = {e5, e7}, each 2^-14 x its e2m1 value, then times the f16x2 scale S.
@@ -79,6 +82,12 @@ _MMA_PAIR_PTX = tl.constexpr(
     + "mov.f32 $0, d0;\nmov.f32 $1, d1;\nmov.f32 $2, d2;\nmov.f32 $3, d3;\n}")
 
 
+# Weights stream through once: they skip L1 (L1::no_allocate), so the x fragments every warp of an SM re-reads stay
+# there. KIE_MMA_L1_NA=0 loads them like any read-only data (A/B).
+_W_LOAD = tl.constexpr("ld.global.nc" + (".L1::no_allocate" if os.environ.get("KIE_MMA_L1_NA", "1") == "1" else "")
+                       + ".v4.u32 {$0, $1, $2, $3}, [$4];")
+
+
 @triton.jit
 def _xh_kernel(x_ptr, nw_ptr, xh_ptr, K, eps, HAS_NW: tl.constexpr, BLOCK: tl.constexpr, BLOCK_X: tl.constexpr,
                PDL: tl.constexpr = False):
@@ -111,14 +120,22 @@ def _lane_warp(NW: tl.constexpr):
 
 @triton.jit
 def _ld_words(ptr):
-    """Two consecutive u32 words at ptr (8-byte aligned)."""
+    """Four consecutive u32 words at ptr (16-byte aligned)."""
     if _ASM:
-        a, b = tl.inline_asm_elementwise("ld.global.nc.v2.u32 {$0, $1}, [$2];", "=r,=r,l", [ptr],
-                                         dtype=(tl.uint32, tl.uint32), is_pure=True, pack=1)
+        a, b, c, d = tl.inline_asm_elementwise(_W_LOAD, "=r,=r,=r,=r,l", [ptr], dtype=(tl.uint32,) * 4, is_pure=True,
+                                               pack=1)
     else:
         a = tl.load(ptr)
         b = tl.load(ptr + 1)
-    return a, b
+        c = tl.load(ptr + 2)
+        d = tl.load(ptr + 3)
+    return a, b, c, d
+
+
+@triton.jit
+def _ld_scales(ptr):
+    """The two group scales (e4m3 bytes, as int32) at ptr, ptr + 1."""
+    return tl.load(ptr).to(tl.int32), tl.load(ptr + 1).to(tl.int32)
 
 
 @triton.jit
@@ -189,73 +206,125 @@ def _quad_sum(v, NW: tl.constexpr):
 
 
 @triton.jit
+def _rows_load(wq, sq, ra, rb, swn, stride_sn, w_off, g_off):
+    """One step's loads for a row pair: 4 words of row a and of row b from word w_off, their 2 + 2 scales."""
+    a0, a1, a2, a3 = _ld_words(wq + ra * swn + w_off)
+    b0, b1, b2, b3 = _ld_words(wq + rb * swn + w_off)
+    sa0, sa1 = _ld_scales(sq + ra * stride_sn + g_off)
+    sb0, sb1 = _ld_scales(sq + rb * stride_sn + g_off)
+    return a0, a1, a2, a3, b0, b1, b2, b3, sa0, sa1, sb0, sb1
+
+
+@triton.jit
+def _half_step(d0, d1, d2, d3, f0, f1, f2, f3, H0, H1, xq, x_off, valid, RB: tl.constexpr):
+    """One 16-byte half of a step for row block 0 (H0, accumulators d) and, when RB == 2, block 1 (H1, f): its two
+    groups as two pair steps; each x fragment is loaded once for both blocks. H = (row a's 4 words, row b's 4
+    words, row a's 2 scales, row b's 2 scales)."""
+    x0, x1, x2, x3, x4, x5, x6, x7 = _ld_x(xq + 4 * x_off, valid)
+    d0, d1, d2, d3 = _pair_step(d0, d1, d2, d3, H0[0], H0[1], H0[4], H0[5], H0[8], H0[10],
+                                x0, x1, x2, x3, x4, x5, x6, x7)
+    if RB == 2:
+        f0, f1, f2, f3 = _pair_step(f0, f1, f2, f3, H1[0], H1[1], H1[4], H1[5], H1[8], H1[10],
+                                    x0, x1, x2, x3, x4, x5, x6, x7)
+    x0, x1, x2, x3, x4, x5, x6, x7 = _ld_x(xq + 4 * x_off + 8, valid)
+    d0, d1, d2, d3 = _pair_step(d0, d1, d2, d3, H0[2], H0[3], H0[6], H0[7], H0[9], H0[11],
+                                x0, x1, x2, x3, x4, x5, x6, x7)
+    if RB == 2:
+        f0, f1, f2, f3 = _pair_step(f0, f1, f2, f3, H1[2], H1[3], H1[6], H1[7], H1[9], H1[11],
+                                    x0, x1, x2, x3, x4, x5, x6, x7)
+    return d0, d1, d2, d3, f0, f1, f2, f3
+
+
+@triton.jit
+def _stage_load(wq, sq, ra, rb, swn, stride_sn, st, q, KW, KG):
+    """One 256-code step's loads for a row pair: two 16-byte halves per row, half h = words 16h + 4q .. + 3 of the
+    step (one load instruction per half and row then covers 64 contiguous bytes of the row across the quad; each
+    half is clamped in-row on its own: K % 32 == 0 lets a ragged last step end after either half) and each half's
+    two group scales."""
+    w0 = tl.minimum(32 * st + 4 * q, KW - 4)
+    w1 = tl.minimum(32 * st + 16 + 4 * q, KW - 4)
+    g0 = tl.minimum(16 * st + 2 * q, KG - 2)
+    g1 = tl.minimum(16 * st + 8 + 2 * q, KG - 2)
+    return (_rows_load(wq, sq, ra, rb, swn, stride_sn, w0, g0), _rows_load(wq, sq, ra, rb, swn, stride_sn, w1, g1))
+
+
+@triton.jit
 def _nvfp4_mma_kernel(xh_ptr, w_ptr, stride_wn, s_ptr, stride_sn, gs_ptr, bias_ptr, res_ptr, y_ptr, N, K,
                       HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, RB: tl.constexpr, NW: tl.constexpr,
-                      PDL: tl.constexpr = False):
+                      DEPTH: tl.constexpr, PDL: tl.constexpr = False):
     """grid (cdiv(N, 16 * RB * NW),): y = W @ x for nvfp4 W [N, K/2] u8, scales [N, K/16] e4m3 (as u8), xh from
-    prepare_xh. Each warp owns 16 * RB rows and the whole K; see the module docstring for the lane roles."""
+    prepare_xh, K % 32 == 0. Each warp owns 16 * RB rows and the whole K in 256-code steps (128 bytes per row: the
+    quad reads whole lines; _stage_load says which lane reads what). Loads run DEPTH steps ahead of the mma."""
     pdl_begin(PDL)
     lane, warp = _lane_warp(NW)
     r = lane >> 2
     q = lane & 3
     base = (tl.program_id(0) * NW + warp) * (16 * RB)
-    KW = K // 8                      # u32 words per row (K % 16 == 0: an even count)
-    KG = K // 16                     # scale groups per row
-    n_chunks = tl.cdiv(K, 64)
+    KW = K // 8                      # u32 words per row, a multiple of 4
+    KG = K // 16                     # scale groups per row, even
+    n_steps = tl.cdiv(KW, 32)
     wq = w_ptr.to(tl.pointer_type(tl.uint32))
     xq = xh_ptr.to(tl.pointer_type(tl.uint32))
     sq = s_ptr.to(tl.pointer_type(tl.uint8))
-    # Rows of the RB blocks (clamped: rows past N read row N - 1 and are not stored); int64 row offsets.
+    # Rows (clamped: rows past N read row N - 1 and are not stored), int64 offsets.
     ra0 = tl.minimum(base + r, N - 1).to(tl.int64)
     rb0 = tl.minimum(base + r + 8, N - 1).to(tl.int64)
     ra1 = tl.minimum(base + 16 + r, N - 1).to(tl.int64)
     rb1 = tl.minimum(base + 24 + r, N - 1).to(tl.int64)
     swn = stride_wn // 4
     zero = tl.zeros((NW * 32,), tl.float32)
-    a0, a1, a2, a3 = zero, zero, zero, zero
-    c0, c1, c2, c3 = zero, zero, zero, zero
-    # Chunk 0's loads, then each iteration issues the next chunk's before its mma on the current one.
-    wd = 2 * q                       # word index of this lane's pair in the current chunk
-    wc = tl.minimum(wd, KW - 2)      # clamped in-row address (the tail's missing words multiply x = 0)
-    gc = tl.minimum(q, KG - 1)
-    u0, u1 = _ld_words(wq + ra0 * swn + wc)
-    v0, v1 = _ld_words(wq + rb0 * swn + wc)
-    sa0 = tl.load(sq + ra0 * stride_sn + gc).to(tl.int32)
-    sb0 = tl.load(sq + rb0 * stride_sn + gc).to(tl.int32)
+    a0, a1, a2, a3, e0, e1, e2, e3 = zero, zero, zero, zero, zero, zero, zero, zero
+    c0, c1, c2, c3, f0, f1, f2, f3 = zero, zero, zero, zero, zero, zero, zero, zero
+    # Steps past the end clamp to the last one (re-read: L1 / L2 hits).
+    P0 = _stage_load(wq, sq, ra0, rb0, swn, stride_sn, 0, q, KW, KG)
     if RB == 2:
-        u2, u3 = _ld_words(wq + ra1 * swn + wc)
-        v2, v3 = _ld_words(wq + rb1 * swn + wc)
-        sa1 = tl.load(sq + ra1 * stride_sn + gc).to(tl.int32)
-        sb1 = tl.load(sq + rb1 * stride_sn + gc).to(tl.int32)
-    for c in range(0, n_chunks):
-        x0, x1, x2, x3, x4, x5, x6, x7 = _ld_x(xq + 4 * (8 * c + wd), 8 * c + wd < KW)
-        cu0, cu1, cv0, cv1, csa0, csb0 = u0, u1, v0, v1, sa0, sb0
-        cn = tl.minimum(c + 1, n_chunks - 1)  # the last iteration re-reads its own chunk (L1 / L2 hit)
-        wn = tl.minimum(8 * cn + wd, KW - 2)
-        gn = tl.minimum(4 * cn + q, KG - 1)
-        u0, u1 = _ld_words(wq + ra0 * swn + wn)
-        v0, v1 = _ld_words(wq + rb0 * swn + wn)
-        sa0 = tl.load(sq + ra0 * stride_sn + gn).to(tl.int32)
-        sb0 = tl.load(sq + rb0 * stride_sn + gn).to(tl.int32)
+        P1 = _stage_load(wq, sq, ra1, rb1, swn, stride_sn, 0, q, KW, KG)
+    if DEPTH == 2:
+        s1 = tl.minimum(1, n_steps - 1)
+        Q0 = _stage_load(wq, sq, ra0, rb0, swn, stride_sn, s1, q, KW, KG)
         if RB == 2:
-            cu2, cu3, cv2, cv3, csa1, csb1 = u2, u3, v2, v3, sa1, sb1
-            u2, u3 = _ld_words(wq + ra1 * swn + wn)
-            v2, v3 = _ld_words(wq + rb1 * swn + wn)
-            sa1 = tl.load(sq + ra1 * stride_sn + gn).to(tl.int32)
-            sb1 = tl.load(sq + rb1 * stride_sn + gn).to(tl.int32)
-        a0, a1, a2, a3 = _pair_step(a0, a1, a2, a3, cu0, cu1, cv0, cv1, csa0, csb0, x0, x1, x2, x3, x4, x5, x6, x7)
+            Q1 = _stage_load(wq, sq, ra1, rb1, swn, stride_sn, s1, q, KW, KG)
+    for st in range(0, n_steps):
+        sn = tl.minimum(st + DEPTH, n_steps - 1)
+        C0 = P0
+        if DEPTH == 2:
+            P0 = Q0
+            Q0 = _stage_load(wq, sq, ra0, rb0, swn, stride_sn, sn, q, KW, KG)
+        else:
+            P0 = _stage_load(wq, sq, ra0, rb0, swn, stride_sn, sn, q, KW, KG)
         if RB == 2:
-            c0, c1, c2, c3 = _pair_step(c0, c1, c2, c3, cu2, cu3, cv2, cv3, csa1, csb1,
-                                        x0, x1, x2, x3, x4, x5, x6, x7)
+            C1 = P1
+            if DEPTH == 2:
+                P1 = Q1
+                Q1 = _stage_load(wq, sq, ra1, rb1, swn, stride_sn, sn, q, KW, KG)
+            else:
+                P1 = _stage_load(wq, sq, ra1, rb1, swn, stride_sn, sn, q, KW, KG)
+        # The step's two halves feed separate accumulator chains (a / e, and c / f for block 1): one half's mma
+        # never waits for the other's.
+        if RB == 1:
+            C1 = C0
+        x_off = 32 * st + 4 * q
+        a0, a1, a2, a3, c0, c1, c2, c3 = _half_step(a0, a1, a2, a3, c0, c1, c2, c3, C0[0], C1[0], xq, x_off,
+                                                    x_off < KW, RB)
+        e0, e1, e2, e3, f0, f1, f2, f3 = _half_step(e0, e1, e2, e3, f0, f1, f2, f3, C0[1], C1[1], xq, x_off + 16,
+                                                    x_off + 16 < KW, RB)
     # 2^14 undoes the decode's exponent shift; 1 / global scale per Linear. One lane per quad stores.
-    f = 16384.0 / tl.load(gs_ptr).to(tl.float32)
+    g = 16384.0 / tl.load(gs_ptr).to(tl.float32)
     lead = q == 0
     n = base + r
-    _store_out(_quad_sum(a0, NW) * f, n, lead & (n < N), y_ptr, bias_ptr, res_ptr, HAS_BIAS, HAS_RES)
-    _store_out(_quad_sum(a2, NW) * f, n + 8, lead & (n + 8 < N), y_ptr, bias_ptr, res_ptr, HAS_BIAS, HAS_RES)
+    _store_out(_quad_sum(a0 + e0, NW) * g, n, lead & (n < N), y_ptr, bias_ptr, res_ptr, HAS_BIAS, HAS_RES)
+    _store_out(_quad_sum(a2 + e2, NW) * g, n + 8, lead & (n + 8 < N), y_ptr, bias_ptr, res_ptr, HAS_BIAS, HAS_RES)
     if RB == 2:
-        _store_out(_quad_sum(c0, NW) * f, n + 16, lead & (n + 16 < N), y_ptr, bias_ptr, res_ptr, HAS_BIAS, HAS_RES)
-        _store_out(_quad_sum(c2, NW) * f, n + 24, lead & (n + 24 < N), y_ptr, bias_ptr, res_ptr, HAS_BIAS, HAS_RES)
+        _store_out(_quad_sum(c0 + f0, NW) * g, n + 16, lead & (n + 16 < N), y_ptr, bias_ptr, res_ptr, HAS_BIAS,
+                   HAS_RES)
+        _store_out(_quad_sum(c2 + f2, NW) * g, n + 24, lead & (n + 24 < N), y_ptr, bias_ptr, res_ptr, HAS_BIAS,
+                   HAS_RES)
+
+
+def _reg_cap(row_blocks: int, depth: int, device: torch.device) -> dict:
+    """Two row blocks one step deep compile to 134 registers on sm_90 (ptxas, triton 3.6): capped at 128 (no spill
+    in the SASS) so 16 warps fit an SM and a 65536-row GEMV runs in one wave."""
+    return {"maxnreg": 128} if device.type == "cuda" and row_blocks == 2 and depth == 1 else {}
 
 
 def prepare_xh(x: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
@@ -281,7 +350,8 @@ def prepare_xh(x: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: fl
 def gemv_nvfp4_mma(x: torch.Tensor, w: WeightHandle, *, bias: torch.Tensor | None = None,
                    residual: torch.Tensor | None = None, out: torch.Tensor | None = None,
                    norm_weight: torch.Tensor | None = None, eps: float = 1e-6, xh: torch.Tensor | None = None,
-                   row_blocks: int = MMA_ROW_BLOCKS, num_warps: int = MMA_WARPS) -> torch.Tensor:
+                   row_blocks: int = MMA_ROW_BLOCKS, num_warps: int = MMA_WARPS,
+                   depth: int = MMA_DEPTH) -> torch.Tensor:
     """y = W @ x (+ bias) (+ residual) for one nvfp4 Linear, on the tensor cores (module docstring). Same contract as
     kernels.gemv.gemv; xh = prepare_xh(x, norm_weight, eps) when already made (else made here)."""
     if w.fmt != "nvfp4":
@@ -289,14 +359,15 @@ def gemv_nvfp4_mma(x: torch.Tensor, w: WeightHandle, *, bias: torch.Tensor | Non
     if w.num_experts:
         raise ValueError("gemv_nvfp4_mma: weight handle is an expert stack")
     N, K = w.out_features, w.in_features
-    if K % 16:
-        raise ValueError(f"gemv_nvfp4_mma: in_features {K} is not a multiple of 16")
-    if w.weight.stride(-1) != 1 or w.weight.stride(-2) % 8 or w.weight.data_ptr() % 8:
-        raise ValueError("gemv_nvfp4_mma: weight rows must be contiguous and 8-byte aligned")
+    if K % 32:
+        raise ValueError(f"gemv_nvfp4_mma: in_features {K} is not a multiple of 32 (16-byte row pieces)")
+    if w.weight.stride(-1) != 1 or w.weight.stride(-2) % 16 or w.weight.data_ptr() % 16:
+        raise ValueError("gemv_nvfp4_mma: weight rows must be contiguous and 16-byte aligned")
     if w.scale.stride(-1) != 1:
         raise ValueError(f"gemv_nvfp4_mma: weight_scale must be contiguous along in_features, stride {w.scale.stride()}")
-    if row_blocks not in (1, 2) or num_warps not in (1, 2, 4, 8):
-        raise ValueError(f"gemv_nvfp4_mma: row_blocks {row_blocks} (1 or 2), num_warps {num_warps} (1, 2, 4, 8)")
+    if row_blocks not in (1, 2) or num_warps not in (1, 2, 4, 8) or depth not in (1, 2):
+        raise ValueError(f"gemv_nvfp4_mma: row_blocks {row_blocks} (1 or 2), num_warps {num_warps} (1, 2, 4, 8), "
+                         f"depth {depth} (1 or 2)")
     check_x(x, K, w.device)
     check_vec(bias, N, w.device, "bias")
     check_vec(residual, N, w.device, "residual")
@@ -310,6 +381,6 @@ def gemv_nvfp4_mma(x: torch.Tensor, w: WeightHandle, *, bias: torch.Tensor | Non
     _nvfp4_mma_kernel[grid](
         xh, w.weight, w.weight.stride(-2), w.scale.view(torch.uint8), w.scale.stride(-2), w.global_scale,
         bias if bias is not None else y, residual if residual is not None else y, y, N, K,
-        HAS_BIAS=bias is not None, HAS_RES=residual is not None, RB=row_blocks, NW=num_warps,
-        num_warps=num_warps, **launch_kw(x.device))
+        HAS_BIAS=bias is not None, HAS_RES=residual is not None, RB=row_blocks, NW=num_warps, DEPTH=depth,
+        num_warps=num_warps, **launch_kw(x.device), **_reg_cap(row_blocks, depth, x.device))
     return y

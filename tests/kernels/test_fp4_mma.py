@@ -20,20 +20,23 @@ def _x(n, seed, dtype=torch.bfloat16):
     return torch.randn(n, generator=g).to(dtype).to(DEV)
 
 
-# Odd row counts (not multiples of 16 rows per block or of a program's rows), K with a ragged last 64-code chunk.
-CASES = [(37, 160, 2, 1), (16, 64, 1, 1), (70, 208, 1, 2), (130, 96, 2, 2), (1, 16, 2, 1)]
+# Odd row counts (not multiples of 16 rows per block or of a program's rows), K with a ragged last 128-code step
+# (K % 32 == 0 is the kernel's contract), K shorter than one step, K of several steps.
+CASES = [(37, 160, 2, 1, 1), (16, 64, 1, 1, 2), (70, 224, 1, 2, 1), (130, 96, 2, 2, 2), (1, 32, 2, 1, 1),
+         (33, 608, 2, 2, 2), (29, 800, 1, 1, 1)]
 
 
-@pytest.mark.parametrize("N,K,rb,nw", CASES, ids=[f"{n}x{k}-rb{r}-w{w}" for n, k, r, w in CASES])
-def test_matches_reference(N, K, rb, nw):
+@pytest.mark.parametrize("N,K,rb,nw,depth", CASES, ids=[f"{n}x{k}-rb{r}-w{w}-d{d}" for n, k, r, w, d in CASES])
+def test_matches_reference(N, K, rb, nw, depth):
     w = random_weight("nvfp4", N, K, seed=N * K, device=DEV)
     x, bias, res = _x(K, 1), _x(N, 2, torch.float32), _x(N, 3)
-    y = gemv_nvfp4_mma(x, w, bias=bias, residual=res, out=torch.empty(N, device=DEV), row_blocks=rb, num_warps=nw)
+    y = gemv_nvfp4_mma(x, w, bias=bias, residual=res, out=torch.empty(N, device=DEV), row_blocks=rb, num_warps=nw,
+                       depth=depth)
     assert_close(y, gemv_ref(x, w, bias=bias, residual=res, out_dtype=torch.float32), what=f"mma {N}x{K}")
 
 
 def test_rmsnorm_fused_and_bf16_out():
-    N, K = 45, 176
+    N, K = 45, 192
     w = random_weight("nvfp4", N, K, seed=11, device=DEV)
     x, nw = _x(K, 4), _x(K, 5)
     y = gemv_nvfp4_mma(x, w, norm_weight=nw, eps=1e-6, out=torch.empty(N, device=DEV), num_warps=1)
@@ -73,6 +76,8 @@ def test_bad_input_is_named():
         gemv_nvfp4_mma(_x(48, 1), w)
     with pytest.raises(ValueError, match="xh: expected"):
         gemv_nvfp4_mma(_x(64, 1), w, xh=torch.zeros(64, dtype=torch.float32, device=DEV))
+    with pytest.raises(ValueError, match="in_features 48 is not a multiple of 32"):
+        gemv_nvfp4_mma(_x(48, 1), random_weight("nvfp4", 8, 48, seed=1, device=DEV))
     with pytest.raises(ValueError, match="row_blocks 3"):
         gemv_nvfp4_mma(_x(64, 1), w, row_blocks=3)
 
@@ -98,10 +103,10 @@ def test_extreme_scales_exact():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("shape", [(65536, 8192), (151936, 2048), (5120, 2880), (2048, 768)],
                          ids=["big-65536x8192", "lm-head-151936x2048", "gpt-oss-qkv-5120x2880", "2048x768"])
-@pytest.mark.parametrize("rb,nw", [(2, 4), (1, 4), (2, 8)])
-def test_real_sizes_gpu(shape, rb, nw):
+@pytest.mark.parametrize("rb,nw,depth", [(1, 4, 1), (1, 4, 2), (2, 4, 1), (2, 2, 2)])
+def test_real_sizes_gpu(shape, rb, nw, depth):
     N, K = shape
     w = random_weight("nvfp4", N, K, seed=N + K, device="cuda")
     x = _x(K, 9).cuda()
-    y = gemv_nvfp4_mma(x, w, out=torch.empty(N, device="cuda"), row_blocks=rb, num_warps=nw)
+    y = gemv_nvfp4_mma(x, w, out=torch.empty(N, device="cuda"), row_blocks=rb, num_warps=nw, depth=depth)
     assert_close(y, gemv_ref(x, w, out_dtype=torch.float32), rel=2e-5, what=f"mma {shape}")
