@@ -48,7 +48,8 @@ import torch
 import triton
 
 from kie_moe.kernels.attention import gqa_decode
-from kie_moe.kernels.fp4_mma import MMA_DEPTH, MMA_ROW_BLOCKS, MMA_WARPS, gemv_nvfp4_mma, prepare_xh
+from kie_moe.kernels.fp4_mma import (MMA_DEPTH, MMA_L2_PREFETCH, MMA_PIECES, MMA_ROW_BLOCKS, MMA_WARPS,
+                                     gemv_nvfp4_mma, prepare_xh)
 from kie_moe.kernels.gemv import DEFAULT_TILES, TileConfig, gemv, gemv_glu, gemv_ref, prepare_x8, rmsnorm_gemv
 from kie_moe.kernels.moe import RouterConfig, moe_experts, route
 from kie_moe.kernels.rope import rope_append
@@ -102,9 +103,10 @@ def parse_args(argv=None):
                    "the first is the one the layer sums use (kie bench decodes at context 32..159)")
     p.add_argument("--skip", default="", help="comma list of sections to skip: probe,big,models")
     p.add_argument("--big-mb", type=int, default=256, help="weight MB of the one-launch GEMV per format")
-    p.add_argument("--mma-configs", default=f"{MMA_ROW_BLOCKS}x{MMA_WARPS}x{MMA_DEPTH}",
+    p.add_argument("--mma-configs",
+                   default=f"{MMA_ROW_BLOCKS}x{MMA_WARPS}x{MMA_DEPTH}x{MMA_L2_PREFETCH}x{MMA_PIECES}",
                    help="nvfp4 on the tensor cores (kernels/fp4_mma.py) in the big section, timed beside the "
-                        "nvfp4 row: comma list of ROW_BLOCKSxWARPSxDEPTH launch shapes ('' = none)")
+                        "nvfp4 row: comma list of ROW_BLOCKSxWARPSxDEPTHxL2_PREFETCHxPIECES launch shapes ('' = none)")
     p.add_argument("--probe-gb", type=float, default=4.0, help="GB read by the bandwidth probe")
     p.add_argument("--sweep", action="store_true", help="also sweep launch shapes of the big GEMV per format")
     p.add_argument("--layer-sweep", default=None, metavar="MODEL:FMT",
@@ -379,12 +381,12 @@ def big_section(formats, mb: float, probe: float, rep_ms: int, K: int = 8192, bu
     return out
 
 
-def big_mma(mb: float, probe: float, rep_ms: int, row_blocks: int, num_warps: int, depth: int,
-            K: int = 8192) -> dict:
+def big_mma(mb: float, probe: float, rep_ms: int, row_blocks: int, num_warps: int, depth: int, pf: int,
+            pieces: int, K: int = 8192) -> dict:
     """The nvfp4 big GEMV on the tensor cores (kernels/fp4_mma.py), same shape and byte count as big_section's nvfp4
     row; its xh input made once outside the timing, as the nvfp4 row's x8."""
     N = int(math.ceil(mb * (1 << 20) / (0.5 * K) / 128) * 128)
-    name = f"gemv nvfp4 mma {N}x{K} rb{row_blocks} w{num_warps} d{depth}"
+    name = f"gemv nvfp4 mma {N}x{K} rb{row_blocks} w{num_warps} d{depth} pf{pf} p{pieces}"
     probe_w = random_weight("nvfp4", N, K, seed=0, device=DEV)
     copies = [probe_w] + [random_weight("nvfp4", N, K, seed=i, device=DEV)
                           for i in range(1, n_copies(probe_w.nbytes))]
@@ -393,15 +395,16 @@ def big_mma(mb: float, probe: float, rep_ms: int, row_blocks: int, num_warps: in
     y = torch.empty(N, dtype=x.dtype, device=DEV)
 
     def call(i):
-        return gemv_nvfp4_mma(x, copies[i], xh=xh, out=y, row_blocks=row_blocks, num_warps=num_warps, depth=depth)
+        return gemv_nvfp4_mma(x, copies[i], xh=xh, out=y, row_blocks=row_blocks, num_warps=num_warps, depth=depth,
+                              l2_prefetch=pf, pieces=pieces)
 
     us = time_graph(call, len(copies), rep_ms)
     r = row(name, us, probe_w.nbytes, probe, fmt="nvfp4", impl="mma", shape=[N, K], row_blocks=row_blocks,
-            num_warps=num_warps, depth=depth)
+            num_warps=num_warps, depth=depth, l2_prefetch=pf, pieces=pieces)
     n = min(N, 256)
     w = probe_w.rows(0, n)
     got = gemv_nvfp4_mma(x, w, out=torch.empty(n, device=DEV), row_blocks=row_blocks, num_warps=num_warps,
-                         depth=depth)
+                         depth=depth, l2_prefetch=pf, pieces=pieces)
     want = gemv_ref(x, w, out_dtype=torch.float32)
     r["check_rel_err"] = float((got - want).abs().max() / want.abs().max())
     del copies
@@ -698,8 +701,8 @@ def main(argv=None):
         result["big"] = big_section(big_formats, args.big_mb, probe, args.rep_ms, budget=budget)
         if "nvfp4" in big_formats:
             for c in (c for c in args.mma_configs.split(",") if c):
-                rb, nw, depth = (int(v) for v in c.split("x"))
-                result["big"].append(big_mma(args.big_mb, probe, args.rep_ms, rb, nw, depth))
+                rb, nw, depth, pf, pieces = (int(v) for v in c.split("x"))
+                result["big"].append(big_mma(args.big_mb, probe, args.rep_ms, rb, nw, depth, pf, pieces))
         save()
     if "models" not in skip:
         result["models"] = {}

@@ -38,11 +38,13 @@ from .pdl import launch_kw, pdl_begin
 from .tiles import _ASM, _e2m1_word, _rstd, _store_out
 from .weights import WeightHandle
 
-__all__ = ["prepare_xh", "gemv_nvfp4_mma", "MMA_ROW_BLOCKS", "MMA_WARPS", "MMA_DEPTH"]
+__all__ = ["prepare_xh", "gemv_nvfp4_mma", "MMA_ROW_BLOCKS", "MMA_WARPS", "MMA_DEPTH", "MMA_L2_PREFETCH", "MMA_PIECES"]
 
 MMA_ROW_BLOCKS = 2  # 16-row blocks per warp (x fragments are loaded once for all of them)
 MMA_WARPS = 4
 MMA_DEPTH = 1  # steps of loads in flight ahead of the mma
+MMA_L2_PREFETCH = 0  # steps ahead each warp prefetches its rows into L2 (0: none)
+MMA_PIECES = 2  # 16-byte pieces per lane, row and step: a step reads 64 x pieces contiguous bytes of each row
 
 # Byte-plane decode of one word W (tiles.py _E2M1_WORD_PTX) into f16x2 P0 = {e0, e2}, P1 = {e4, e6}, P2 = {e1, e3},
 # P3 = {e5, e7}, each 2^-14 x its e2m1 value, then times the f16x2 scale S.
@@ -236,22 +238,41 @@ def _half_step(d0, d1, d2, d3, f0, f1, f2, f3, H0, H1, xq, x_off, valid, RB: tl.
 
 
 @triton.jit
-def _stage_load(wq, sq, ra, rb, swn, stride_sn, st, q, KW, KG):
-    """One 256-code step's loads for a row pair: two 16-byte halves per row, half h = words 16h + 4q .. + 3 of the
-    step (one load instruction per half and row then covers 64 contiguous bytes of the row across the quad; each
-    half is clamped in-row on its own: K % 32 == 0 lets a ragged last step end after either half) and each half's
-    two group scales."""
-    w0 = tl.minimum(32 * st + 4 * q, KW - 4)
-    w1 = tl.minimum(32 * st + 16 + 4 * q, KW - 4)
-    g0 = tl.minimum(16 * st + 2 * q, KG - 2)
-    g1 = tl.minimum(16 * st + 8 + 2 * q, KG - 2)
-    return (_rows_load(wq, sq, ra, rb, swn, stride_sn, w0, g0), _rows_load(wq, sq, ra, rb, swn, stride_sn, w1, g1))
+def _piece_load(wq, sq, ra, rb, swn, stride_sn, st, q, KW, KG, h: tl.constexpr, NH: tl.constexpr):
+    """Piece h of a step of NH 16-byte pieces per lane and row: words 16 NH st + 16h + 4q .. + 3 (one load
+    instruction per piece and row covers 64 contiguous bytes of the row across the quad, so a step reads 64 NH
+    contiguous bytes per row), clamped in-row on its own (K % 32 == 0 lets a ragged last step end after any piece),
+    and the piece's two group scales."""
+    w = tl.minimum(16 * NH * st + 16 * h + 4 * q, KW - 4)
+    g = tl.minimum(8 * NH * st + 8 * h + 2 * q, KG - 2)
+    return _rows_load(wq, sq, ra, rb, swn, stride_sn, w, g)
+
+
+@triton.jit
+def _stage_load(wq, sq, ra, rb, swn, stride_sn, st, q, KW, KG, NH: tl.constexpr):
+    """One step's loads for a row pair: NH pieces (2 or 4) per row (_piece_load)."""
+    if NH == 2:
+        return (_piece_load(wq, sq, ra, rb, swn, stride_sn, st, q, KW, KG, 0, NH),
+                _piece_load(wq, sq, ra, rb, swn, stride_sn, st, q, KW, KG, 1, NH))
+    else:
+        return (_piece_load(wq, sq, ra, rb, swn, stride_sn, st, q, KW, KG, 0, NH),
+                _piece_load(wq, sq, ra, rb, swn, stride_sn, st, q, KW, KG, 1, NH),
+                _piece_load(wq, sq, ra, rb, swn, stride_sn, st, q, KW, KG, 2, NH),
+                _piece_load(wq, sq, ra, rb, swn, stride_sn, st, q, KW, KG, 3, NH))
+
+
+@triton.jit
+def _l2_prefetch(ptr):
+    """Prefetch the line at ptr into L2 (GPU only; one instruction per lane)."""
+    if _ASM:
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptr], dtype=tl.int32,
+                                  is_pure=False, pack=1)
 
 
 @triton.jit
 def _nvfp4_mma_kernel(xh_ptr, w_ptr, stride_wn, s_ptr, stride_sn, gs_ptr, bias_ptr, res_ptr, y_ptr, N, K,
                       HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, RB: tl.constexpr, NW: tl.constexpr,
-                      DEPTH: tl.constexpr, PDL: tl.constexpr = False):
+                      DEPTH: tl.constexpr, PF: tl.constexpr, NH: tl.constexpr, PDL: tl.constexpr = False):
     """grid (cdiv(N, 16 * RB * NW),): y = W @ x for nvfp4 W [N, K/2] u8, scales [N, K/16] e4m3 (as u8), xh from
     prepare_xh, K % 32 == 0. Each warp owns 16 * RB rows and the whole K in 256-code steps (128 bytes per row: the
     quad reads whole lines; _stage_load says which lane reads what). Loads run DEPTH steps ahead of the mma."""
@@ -262,7 +283,8 @@ def _nvfp4_mma_kernel(xh_ptr, w_ptr, stride_wn, s_ptr, stride_sn, gs_ptr, bias_p
     base = (tl.program_id(0) * NW + warp) * (16 * RB)
     KW = K // 8                      # u32 words per row, a multiple of 4
     KG = K // 16                     # scale groups per row, even
-    n_steps = tl.cdiv(KW, 32)
+    SW: tl.constexpr = 16 * NH       # words per row per step
+    n_steps = tl.cdiv(KW, SW)
     wq = w_ptr.to(tl.pointer_type(tl.uint32))
     xq = xh_ptr.to(tl.pointer_type(tl.uint32))
     sq = s_ptr.to(tl.pointer_type(tl.uint8))
@@ -276,42 +298,59 @@ def _nvfp4_mma_kernel(xh_ptr, w_ptr, stride_wn, s_ptr, stride_sn, gs_ptr, bias_p
     a0, a1, a2, a3, e0, e1, e2, e3 = zero, zero, zero, zero, zero, zero, zero, zero
     c0, c1, c2, c3, f0, f1, f2, f3 = zero, zero, zero, zero, zero, zero, zero, zero
     # Steps past the end clamp to the last one (re-read: L1 / L2 hits).
-    P0 = _stage_load(wq, sq, ra0, rb0, swn, stride_sn, 0, q, KW, KG)
+    P0 = _stage_load(wq, sq, ra0, rb0, swn, stride_sn, 0, q, KW, KG, NH)
     if RB == 2:
-        P1 = _stage_load(wq, sq, ra1, rb1, swn, stride_sn, 0, q, KW, KG)
+        P1 = _stage_load(wq, sq, ra1, rb1, swn, stride_sn, 0, q, KW, KG, NH)
     if DEPTH == 2:
         s1 = tl.minimum(1, n_steps - 1)
-        Q0 = _stage_load(wq, sq, ra0, rb0, swn, stride_sn, s1, q, KW, KG)
+        Q0 = _stage_load(wq, sq, ra0, rb0, swn, stride_sn, s1, q, KW, KG, NH)
         if RB == 2:
-            Q1 = _stage_load(wq, sq, ra1, rb1, swn, stride_sn, s1, q, KW, KG)
+            Q1 = _stage_load(wq, sq, ra1, rb1, swn, stride_sn, s1, q, KW, KG, NH)
+    prow = tl.minimum(base + lane % (16 * RB), N - 1).to(tl.int64)
     for st in range(0, n_steps):
+        if PF > 0:
+            _l2_prefetch(wq + prow * swn + tl.maximum(tl.minimum(SW * (st + PF), KW - 32), 0))
+            _l2_prefetch(sq + prow * stride_sn + tl.maximum(tl.minimum(SW // 2 * (st + PF), KG - 16), 0))
         sn = tl.minimum(st + DEPTH, n_steps - 1)
         C0 = P0
         if DEPTH == 2:
             P0 = Q0
-            Q0 = _stage_load(wq, sq, ra0, rb0, swn, stride_sn, sn, q, KW, KG)
+            Q0 = _stage_load(wq, sq, ra0, rb0, swn, stride_sn, sn, q, KW, KG, NH)
         else:
-            P0 = _stage_load(wq, sq, ra0, rb0, swn, stride_sn, sn, q, KW, KG)
+            P0 = _stage_load(wq, sq, ra0, rb0, swn, stride_sn, sn, q, KW, KG, NH)
         if RB == 2:
             C1 = P1
             if DEPTH == 2:
                 P1 = Q1
-                Q1 = _stage_load(wq, sq, ra1, rb1, swn, stride_sn, sn, q, KW, KG)
+                Q1 = _stage_load(wq, sq, ra1, rb1, swn, stride_sn, sn, q, KW, KG, NH)
             else:
-                P1 = _stage_load(wq, sq, ra1, rb1, swn, stride_sn, sn, q, KW, KG)
-        # The step's two halves feed separate accumulator chains (a / e, and c / f for block 1): one half's mma
-        # never waits for the other's.
-        if RB == 1:
-            C1 = C0
-        x_off = 32 * st + 4 * q
-        a0, a1, a2, a3, c0, c1, c2, c3 = _half_step(a0, a1, a2, a3, c0, c1, c2, c3, C0[0], C1[0], xq, x_off,
-                                                    x_off < KW, RB)
-        e0, e1, e2, e3, f0, f1, f2, f3 = _half_step(e0, e1, e2, e3, f0, f1, f2, f3, C0[1], C1[1], xq, x_off + 16,
-                                                    x_off + 16 < KW, RB)
+                P1 = _stage_load(wq, sq, ra1, rb1, swn, stride_sn, sn, q, KW, KG, NH)
+        # Pieces feed separate accumulator chains (NH 2: a / e, and c / f for block 1; NH 4, one block: a e c f):
+        # one piece's mma never waits for another's.
+        x_off = SW * st + 4 * q
+        if NH == 2:
+            if RB == 1:
+                C1 = C0
+            a0, a1, a2, a3, c0, c1, c2, c3 = _half_step(a0, a1, a2, a3, c0, c1, c2, c3, C0[0], C1[0], xq, x_off,
+                                                        x_off < KW, RB)
+            e0, e1, e2, e3, f0, f1, f2, f3 = _half_step(e0, e1, e2, e3, f0, f1, f2, f3, C0[1], C1[1], xq,
+                                                        x_off + 16, x_off + 16 < KW, RB)
+        else:
+            a0, a1, a2, a3, _u0, _u1, _u2, _u3 = _half_step(a0, a1, a2, a3, a0, a1, a2, a3, C0[0], C0[0], xq, x_off,
+                                                            x_off < KW, 1)
+            e0, e1, e2, e3, _u0, _u1, _u2, _u3 = _half_step(e0, e1, e2, e3, e0, e1, e2, e3, C0[1], C0[1], xq,
+                                                            x_off + 16, x_off + 16 < KW, 1)
+            c0, c1, c2, c3, _u0, _u1, _u2, _u3 = _half_step(c0, c1, c2, c3, c0, c1, c2, c3, C0[2], C0[2], xq,
+                                                            x_off + 32, x_off + 32 < KW, 1)
+            f0, f1, f2, f3, _u0, _u1, _u2, _u3 = _half_step(f0, f1, f2, f3, f0, f1, f2, f3, C0[3], C0[3], xq,
+                                                            x_off + 48, x_off + 48 < KW, 1)
     # 2^14 undoes the decode's exponent shift; 1 / global scale per Linear. One lane per quad stores.
     g = 16384.0 / tl.load(gs_ptr).to(tl.float32)
     lead = q == 0
     n = base + r
+    if NH == 4:
+        a0 += c0 + f0
+        a2 += c2 + f2
     _store_out(_quad_sum(a0 + e0, NW) * g, n, lead & (n < N), y_ptr, bias_ptr, res_ptr, HAS_BIAS, HAS_RES)
     _store_out(_quad_sum(a2 + e2, NW) * g, n + 8, lead & (n + 8 < N), y_ptr, bias_ptr, res_ptr, HAS_BIAS, HAS_RES)
     if RB == 2:
@@ -321,10 +360,10 @@ def _nvfp4_mma_kernel(xh_ptr, w_ptr, stride_wn, s_ptr, stride_sn, gs_ptr, bias_p
                    HAS_RES)
 
 
-def _reg_cap(row_blocks: int, depth: int, device: torch.device) -> dict:
+def _reg_cap(row_blocks: int, depth: int, pieces: int, device: torch.device) -> dict:
     """Two row blocks one step deep compile to 134 registers on sm_90 (ptxas, triton 3.6): capped at 128 (no spill
     in the SASS) so 16 warps fit an SM and a 65536-row GEMV runs in one wave."""
-    return {"maxnreg": 128} if device.type == "cuda" and row_blocks == 2 and depth == 1 else {}
+    return {"maxnreg": 128} if device.type == "cuda" and row_blocks * pieces == 4 and depth == 1 else {}
 
 
 def prepare_xh(x: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
@@ -351,7 +390,8 @@ def gemv_nvfp4_mma(x: torch.Tensor, w: WeightHandle, *, bias: torch.Tensor | Non
                    residual: torch.Tensor | None = None, out: torch.Tensor | None = None,
                    norm_weight: torch.Tensor | None = None, eps: float = 1e-6, xh: torch.Tensor | None = None,
                    row_blocks: int = MMA_ROW_BLOCKS, num_warps: int = MMA_WARPS,
-                   depth: int = MMA_DEPTH) -> torch.Tensor:
+                   depth: int = MMA_DEPTH, l2_prefetch: int = MMA_L2_PREFETCH,
+                   pieces: int = MMA_PIECES) -> torch.Tensor:
     """y = W @ x (+ bias) (+ residual) for one nvfp4 Linear, on the tensor cores (module docstring). Same contract as
     kernels.gemv.gemv; xh = prepare_xh(x, norm_weight, eps) when already made (else made here)."""
     if w.fmt != "nvfp4":
@@ -365,9 +405,10 @@ def gemv_nvfp4_mma(x: torch.Tensor, w: WeightHandle, *, bias: torch.Tensor | Non
         raise ValueError("gemv_nvfp4_mma: weight rows must be contiguous and 16-byte aligned")
     if w.scale.stride(-1) != 1:
         raise ValueError(f"gemv_nvfp4_mma: weight_scale must be contiguous along in_features, stride {w.scale.stride()}")
-    if row_blocks not in (1, 2) or num_warps not in (1, 2, 4, 8) or depth not in (1, 2):
+    if (row_blocks not in (1, 2) or num_warps not in (1, 2, 4, 8) or depth not in (1, 2) or l2_prefetch < 0
+            or pieces not in (2, 4) or (pieces == 4 and row_blocks == 2)):
         raise ValueError(f"gemv_nvfp4_mma: row_blocks {row_blocks} (1 or 2), num_warps {num_warps} (1, 2, 4, 8), "
-                         f"depth {depth} (1 or 2)")
+                         f"depth {depth} (1 or 2), l2_prefetch {l2_prefetch} (>= 0), pieces {pieces} (2, or 4 with one row block)")
     check_x(x, K, w.device)
     check_vec(bias, N, w.device, "bias")
     check_vec(residual, N, w.device, "residual")
@@ -382,5 +423,5 @@ def gemv_nvfp4_mma(x: torch.Tensor, w: WeightHandle, *, bias: torch.Tensor | Non
         xh, w.weight, w.weight.stride(-2), w.scale.view(torch.uint8), w.scale.stride(-2), w.global_scale,
         bias if bias is not None else y, residual if residual is not None else y, y, N, K,
         HAS_BIAS=bias is not None, HAS_RES=residual is not None, RB=row_blocks, NW=num_warps, DEPTH=depth,
-        num_warps=num_warps, **launch_kw(x.device), **_reg_cap(row_blocks, depth, x.device))
+        PF=l2_prefetch, NH=pieces,        num_warps=num_warps, **launch_kw(x.device), **_reg_cap(row_blocks, depth, pieces, x.device))
     return y

@@ -22,16 +22,17 @@ def _x(n, seed, dtype=torch.bfloat16):
 
 # Odd row counts (not multiples of 16 rows per block or of a program's rows), K with a ragged last 128-code step
 # (K % 32 == 0 is the kernel's contract), K shorter than one step, K of several steps.
-CASES = [(37, 160, 2, 1, 1), (16, 64, 1, 1, 2), (70, 224, 1, 2, 1), (130, 96, 2, 2, 2), (1, 32, 2, 1, 1),
-         (33, 608, 2, 2, 2), (29, 800, 1, 1, 1)]
+CASES = [(37, 160, 2, 1, 1, 2), (16, 64, 1, 1, 2, 2), (70, 224, 1, 2, 1, 4), (130, 96, 2, 2, 2, 2),
+         (1, 32, 2, 1, 1, 2), (33, 608, 2, 2, 2, 2), (29, 800, 1, 1, 1, 2), (21, 1184, 1, 1, 2, 4)]
 
 
-@pytest.mark.parametrize("N,K,rb,nw,depth", CASES, ids=[f"{n}x{k}-rb{r}-w{w}-d{d}" for n, k, r, w, d in CASES])
-def test_matches_reference(N, K, rb, nw, depth):
+@pytest.mark.parametrize("N,K,rb,nw,depth,pieces", CASES,
+                         ids=[f"{n}x{k}-rb{r}-w{w}-d{d}-p{p}" for n, k, r, w, d, p in CASES])
+def test_matches_reference(N, K, rb, nw, depth, pieces):
     w = random_weight("nvfp4", N, K, seed=N * K, device=DEV)
     x, bias, res = _x(K, 1), _x(N, 2, torch.float32), _x(N, 3)
     y = gemv_nvfp4_mma(x, w, bias=bias, residual=res, out=torch.empty(N, device=DEV), row_blocks=rb, num_warps=nw,
-                       depth=depth)
+                       depth=depth, pieces=pieces)
     assert_close(y, gemv_ref(x, w, bias=bias, residual=res, out_dtype=torch.float32), what=f"mma {N}x{K}")
 
 
@@ -103,10 +104,12 @@ def test_extreme_scales_exact():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("shape", [(65536, 8192), (151936, 2048), (5120, 2880), (2048, 768)],
                          ids=["big-65536x8192", "lm-head-151936x2048", "gpt-oss-qkv-5120x2880", "2048x768"])
-@pytest.mark.parametrize("rb,nw,depth", [(1, 4, 1), (1, 4, 2), (2, 4, 1), (2, 2, 2)])
-def test_real_sizes_gpu(shape, rb, nw, depth):
+@pytest.mark.parametrize("rb,nw,depth,pf,pieces", [(1, 4, 1, 0, 2), (1, 4, 2, 2, 2), (2, 4, 1, 0, 2), (2, 4, 1, 4, 2),
+                                                   (2, 2, 2, 0, 2), (1, 4, 1, 0, 4), (1, 2, 2, 0, 4)])
+def test_real_sizes_gpu(shape, rb, nw, depth, pf, pieces):
     N, K = shape
     w = random_weight("nvfp4", N, K, seed=N + K, device="cuda")
     x = _x(K, 9).cuda()
-    y = gemv_nvfp4_mma(x, w, out=torch.empty(N, device="cuda"), row_blocks=rb, num_warps=nw, depth=depth)
+    y = gemv_nvfp4_mma(x, w, out=torch.empty(N, device="cuda"), row_blocks=rb, num_warps=nw, depth=depth,
+                       l2_prefetch=pf, pieces=pieces)
     assert_close(y, gemv_ref(x, w, out_dtype=torch.float32), rel=2e-5, what=f"mma {shape}")
