@@ -106,7 +106,8 @@ def parse_args(argv=None):
     p.add_argument("--mma-configs",
                    default=f"{MMA_ROW_BLOCKS}x{MMA_WARPS}x{MMA_DEPTH}x{MMA_L2_PREFETCH}x{MMA_PIECES}",
                    help="nvfp4 on the tensor cores (kernels/fp4_mma.py) in the big section, timed beside the "
-                        "nvfp4 row: comma list of ROW_BLOCKSxWARPSxDEPTHxL2_PREFETCHxPIECES launch shapes ('' = none)")
+                        "nvfp4 row: comma list of ROW_BLOCKSxWARPSxDEPTHxL2_PREFETCHxPIECES launch shapes, or "
+                        "dQUADS_PER_ROWxWARPSxPIECES for the diag layout ('' = none)")
     p.add_argument("--probe-gb", type=float, default=4.0, help="GB read by the bandwidth probe")
     p.add_argument("--sweep", action="store_true", help="also sweep launch shapes of the big GEMV per format")
     p.add_argument("--layer-sweep", default=None, metavar="MODEL:FMT",
@@ -381,12 +382,11 @@ def big_section(formats, mb: float, probe: float, rep_ms: int, K: int = 8192, bu
     return out
 
 
-def big_mma(mb: float, probe: float, rep_ms: int, row_blocks: int, num_warps: int, depth: int, pf: int,
-            pieces: int, K: int = 8192) -> dict:
-    """The nvfp4 big GEMV on the tensor cores (kernels/fp4_mma.py), same shape and byte count as big_section's nvfp4
-    row; its xh input made once outside the timing, as the nvfp4 row's x8."""
+def big_mma(mb: float, probe: float, rep_ms: int, kw: dict, K: int = 8192) -> dict:
+    """The nvfp4 big GEMV on the tensor cores (kernels/fp4_mma.py, launch options kw), same shape and byte count as
+    big_section's nvfp4 row; its xh input made once outside the timing, as the nvfp4 row's x8."""
     N = int(math.ceil(mb * (1 << 20) / (0.5 * K) / 128) * 128)
-    name = f"gemv nvfp4 mma {N}x{K} rb{row_blocks} w{num_warps} d{depth} pf{pf} p{pieces}"
+    name = f"gemv nvfp4 mma {N}x{K} " + " ".join(f"{k}={v}" for k, v in kw.items())
     probe_w = random_weight("nvfp4", N, K, seed=0, device=DEV)
     copies = [probe_w] + [random_weight("nvfp4", N, K, seed=i, device=DEV)
                           for i in range(1, n_copies(probe_w.nbytes))]
@@ -395,17 +395,12 @@ def big_mma(mb: float, probe: float, rep_ms: int, row_blocks: int, num_warps: in
     y = torch.empty(N, dtype=x.dtype, device=DEV)
 
     def call(i):
-        return gemv_nvfp4_mma(x, copies[i], xh=xh, out=y, row_blocks=row_blocks, num_warps=num_warps, depth=depth,
-                              l2_prefetch=pf, pieces=pieces)
+        return gemv_nvfp4_mma(x, copies[i], xh=xh, out=y, **kw)
 
     us = time_graph(call, len(copies), rep_ms)
-    r = row(name, us, probe_w.nbytes, probe, fmt="nvfp4", impl="mma", shape=[N, K], row_blocks=row_blocks,
-            num_warps=num_warps, depth=depth, l2_prefetch=pf, pieces=pieces)
-    n = min(N, 256)
-    w = probe_w.rows(0, n)
-    got = gemv_nvfp4_mma(x, w, out=torch.empty(n, device=DEV), row_blocks=row_blocks, num_warps=num_warps,
-                         depth=depth, l2_prefetch=pf, pieces=pieces)
-    want = gemv_ref(x, w, out_dtype=torch.float32)
+    r = row(name, us, probe_w.nbytes, probe, fmt="nvfp4", impl="mma", shape=[N, K], **kw)
+    got = gemv_nvfp4_mma(x, probe_w, out=torch.empty(N, device=DEV), **kw)
+    want = gemv_ref(x, probe_w, out_dtype=torch.float32)
     r["check_rel_err"] = float((got - want).abs().max() / want.abs().max())
     del copies
     torch.cuda.empty_cache()
@@ -701,8 +696,13 @@ def main(argv=None):
         result["big"] = big_section(big_formats, args.big_mb, probe, args.rep_ms, budget=budget)
         if "nvfp4" in big_formats:
             for c in (c for c in args.mma_configs.split(",") if c):
-                rb, nw, depth, pf, pieces = (int(v) for v in c.split("x"))
-                result["big"].append(big_mma(args.big_mb, probe, args.rep_ms, rb, nw, depth, pf, pieces))
+                if c.startswith("d"):  # diag layout: dQUADSxWARPSxPIECES
+                    gpr, nw, pieces = (int(v) for v in c[1:].split("x"))
+                    kw = dict(layout="diag", quads_per_row=gpr, num_warps=nw, pieces=pieces)
+                else:
+                    rb, nw, depth, pf, pieces = (int(v) for v in c.split("x"))
+                    kw = dict(row_blocks=rb, num_warps=nw, depth=depth, l2_prefetch=pf, pieces=pieces)
+                result["big"].append(big_mma(args.big_mb, probe, args.rep_ms, kw))
         save()
     if "models" not in skip:
         result["models"] = {}

@@ -33,18 +33,20 @@ import torch
 import triton
 import triton.language as tl
 
-from .gemv import check_vec, check_x, make_out
+from .gemv import check_vec, check_x, make_out, num_sms
 from .pdl import launch_kw, pdl_begin
 from .tiles import _ASM, _e2m1_word, _rstd, _store_out
 from .weights import WeightHandle
 
-__all__ = ["prepare_xh", "gemv_nvfp4_mma", "MMA_ROW_BLOCKS", "MMA_WARPS", "MMA_DEPTH", "MMA_L2_PREFETCH", "MMA_PIECES"]
+__all__ = ["prepare_xh", "gemv_nvfp4_mma", "MMA_ROW_BLOCKS", "MMA_WARPS", "MMA_DEPTH", "MMA_L2_PREFETCH", "MMA_PIECES", "MMA_LAYOUT", "MMA_QUADS_PER_ROW"]
 
 MMA_ROW_BLOCKS = 2  # 16-row blocks per warp (x fragments are loaded once for all of them)
 MMA_WARPS = 4
 MMA_DEPTH = 1  # steps of loads in flight ahead of the mma
 MMA_L2_PREFETCH = 0  # steps ahead each warp prefetches its rows into L2 (0: none)
 MMA_PIECES = 2  # 16-byte pieces per lane, row and step: a step reads 64 x pieces contiguous bytes of each row
+MMA_LAYOUT = "rows"
+MMA_QUADS_PER_ROW = 8  # diag layout: quads sharing one row pair
 
 # Byte-plane decode of one word W (tiles.py _E2M1_WORD_PTX) into f16x2 P0 = {e0, e2}, P1 = {e4, e6}, P2 = {e1, e3},
 # P3 = {e5, e7}, each 2^-14 x its e2m1 value, then times the f16x2 scale S.
@@ -360,6 +362,136 @@ def _nvfp4_mma_kernel(xh_ptr, w_ptr, stride_wn, s_ptr, stride_sn, gs_ptr, bias_p
                    HAS_RES)
 
 
+# ---- "diagonal" layout: the 8 quads of a warp read 8 different K pieces of the same rows -------------------------
+# An mma's quad g supplies A rows g and g + 8 and B column g, so D[g][g] and D[g + 8][g] only ever combine quad g's
+# own A rows with quad g's own x: each quad may work on its own K piece, and those two diagonal entries (held by lane
+# q = g // 2 of the quad: c0 / c2 for even g, c1 / c3 for odd g) accumulate its rows' partial dots across mma; the
+# other entries of D are cross terms and are never read. So GPR quads can share one row pair, and one warp load
+# instruction then reads GPR x 64 contiguous bytes of a row (the row-block layout above reads 8 rows x 64 bytes).
+@triton.jit
+def _shfl_xor(v, m: tl.constexpr):
+    return tl.inline_asm_elementwise(f"shfl.sync.bfly.b32 $0, $1, {m}, 0x1f, 0xffffffff;", "=r,r",
+                                     [v.to(tl.int32, bitcast=True)], dtype=tl.int32, is_pure=False,
+                                     pack=1).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _group_sum(v, G: tl.constexpr, NW: tl.constexpr):
+    """Sum over each group of G consecutive lanes (G a power of two <= 32), given back to all of them."""
+    if _ASM:
+        if G >= 2:
+            v += _shfl_xor(v, 1)
+        if G >= 4:
+            v += _shfl_xor(v, 2)
+        if G >= 8:
+            v += _shfl_xor(v, 4)
+        if G >= 16:
+            v += _shfl_xor(v, 8)
+        if G >= 32:
+            v += _shfl_xor(v, 16)
+        return v
+    else:
+        t = tl.sum(tl.reshape(v, (NW * 32 // G, G)), axis=1)
+        return tl.reshape(tl.broadcast_to(t[:, None], (NW * 32 // G, G)), (NW * 32,))
+
+
+@triton.jit
+def _diag(c0, c1, g, q):
+    """GPU: this lane's share of its quad's diagonal entry (c0 for even g, c1 for odd g, in lane q = g // 2);
+    portable: the lane's own partial sum (c0)."""
+    if _ASM:
+        return tl.where(q == (g >> 1), tl.where((g & 1) == 1, c1, c0), 0.0)
+    else:
+        return c0
+
+
+@triton.jit
+def _diag_load(wq, sq, ra, rb, swn, stride_sn, st, c, q, KW, KG, j: tl.constexpr, GPR: tl.constexpr,
+               NP: tl.constexpr):
+    """Piece j of step st for quad phase c: words 16 (GPR (NP st + j) + c) + 4q .. + 3 of rows ra and rb (piece j
+    of the GPR quads of a row pair is GPR x 64 contiguous bytes), clamped in-row, and its two group scales."""
+    w = 16 * (GPR * (NP * st + j) + c) + 4 * q
+    return _rows_load(wq, sq, ra, rb, swn, stride_sn, tl.minimum(w, KW - 4), tl.minimum(w // 2, KG - 2))
+
+
+@triton.jit
+def _diag_stage(wq, sq, ra, rb, swn, stride_sn, st, c, q, KW, KG, GPR: tl.constexpr, NP: tl.constexpr):
+    if NP == 2:
+        return (_diag_load(wq, sq, ra, rb, swn, stride_sn, st, c, q, KW, KG, 0, GPR, NP),
+                _diag_load(wq, sq, ra, rb, swn, stride_sn, st, c, q, KW, KG, 1, GPR, NP))
+    else:
+        return (_diag_load(wq, sq, ra, rb, swn, stride_sn, st, c, q, KW, KG, 0, GPR, NP),
+                _diag_load(wq, sq, ra, rb, swn, stride_sn, st, c, q, KW, KG, 1, GPR, NP),
+                _diag_load(wq, sq, ra, rb, swn, stride_sn, st, c, q, KW, KG, 2, GPR, NP),
+                _diag_load(wq, sq, ra, rb, swn, stride_sn, st, c, q, KW, KG, 3, GPR, NP))
+
+
+@triton.jit
+def _task_rows(wid, t, ROUNDS, p, N, PPW: tl.constexpr):
+    """Rows (a, b) of row pair p of this warp's t-th task: task = wid * ROUNDS + t owns rows [2 PPW task, + 2 PPW)."""
+    ra = (wid * ROUNDS + t) * (2 * PPW) + p
+    return ra, ra + PPW
+
+
+@triton.jit
+def _nvfp4_mma_diag_kernel(xh_ptr, w_ptr, stride_wn, s_ptr, stride_sn, gs_ptr, bias_ptr, res_ptr, y_ptr, N, K,
+                           ROUNDS, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, NW: tl.constexpr,
+                           GPR: tl.constexpr, NP: tl.constexpr, PDL: tl.constexpr = False):
+    """grid (cdiv(n_tasks, NW * ROUNDS),): the diagonal layout (comment above). Lane (g, q): row pair p = g // GPR
+    of the task, phase c = g % GPR. A task = 2 * (8 // GPR) rows x whole K; warp wid runs tasks wid * ROUNDS ..
+    + ROUNDS - 1 as one flat loop of (task, step) iterations, so its loads run one step ahead across task
+    boundaries too. A step = NP pieces per lane and row."""
+    pdl_begin(PDL)
+    PPW: tl.constexpr = 8 // GPR
+    lane, warp = _lane_warp(NW)
+    g = lane >> 2
+    q = lane & 3
+    p = g // GPR
+    c = g % GPR
+    wid = tl.program_id(0) * NW + warp
+    KW = K // 8
+    KG = K // 16
+    spt = tl.cdiv(KW, 16 * GPR * NP)                  # steps per task
+    n_it = ROUNDS * spt
+    wq = w_ptr.to(tl.pointer_type(tl.uint32))
+    xq = xh_ptr.to(tl.pointer_type(tl.uint32))
+    sq = s_ptr.to(tl.pointer_type(tl.uint8))
+    swn = stride_wn // 4
+    gsc = 16384.0 / tl.load(gs_ptr).to(tl.float32)
+    zero = tl.zeros((NW * 32,), tl.float32)
+    a0, a1, a2, a3, e0, e1, e2, e3 = zero, zero, zero, zero, zero, zero, zero, zero
+    ra, rb = _task_rows(wid, 0, ROUNDS, p, N, PPW)
+    P = _diag_stage(wq, sq, tl.minimum(ra, N - 1).to(tl.int64), tl.minimum(rb, N - 1).to(tl.int64), swn, stride_sn,
+                    0, c, q, KW, KG, GPR, NP)
+    for it in range(0, n_it):
+        t = it // spt
+        st = it - t * spt
+        itn = tl.minimum(it + 1, n_it - 1)
+        tn = itn // spt
+        rna, rnb = _task_rows(wid, tn, ROUNDS, p, N, PPW)
+        C = P
+        P = _diag_stage(wq, sq, tl.minimum(rna, N - 1).to(tl.int64), tl.minimum(rnb, N - 1).to(tl.int64), swn,
+                        stride_sn, itn - tn * spt, c, q, KW, KG, GPR, NP)
+        x0 = 16 * (GPR * NP * st + c) + 4 * q           # word of piece 0; piece j adds 16 GPR j
+        a0, a1, a2, a3, _u0, _u1, _u2, _u3 = _half_step(a0, a1, a2, a3, a0, a1, a2, a3, C[0], C[0], xq, x0,
+                                                        x0 < KW, 1)
+        e0, e1, e2, e3, _u0, _u1, _u2, _u3 = _half_step(e0, e1, e2, e3, e0, e1, e2, e3, C[1], C[1], xq,
+                                                        x0 + 16 * GPR, x0 + 16 * GPR < KW, 1)
+        if NP == 4:
+            a0, a1, a2, a3, _u0, _u1, _u2, _u3 = _half_step(a0, a1, a2, a3, a0, a1, a2, a3, C[2], C[2], xq,
+                                                            x0 + 32 * GPR, x0 + 32 * GPR < KW, 1)
+            e0, e1, e2, e3, _u0, _u1, _u2, _u3 = _half_step(e0, e1, e2, e3, e0, e1, e2, e3, C[3], C[3], xq,
+                                                            x0 + 48 * GPR, x0 + 48 * GPR < KW, 1)
+        if st == spt - 1:
+            ya = _group_sum(_diag(a0, a1, g, q) + _diag(e0, e1, g, q), 4 * GPR, NW) * gsc
+            yb = _group_sum(_diag(a2, a3, g, q) + _diag(e2, e3, g, q), 4 * GPR, NW) * gsc
+            ta, tb = _task_rows(wid, t, ROUNDS, p, N, PPW)
+            lead = (lane % (4 * GPR)) == 0
+            _store_out(ya, ta, lead & (ta < N), y_ptr, bias_ptr, res_ptr, HAS_BIAS, HAS_RES)
+            _store_out(yb, tb, lead & (tb < N), y_ptr, bias_ptr, res_ptr, HAS_BIAS, HAS_RES)
+            a0, a1, a2, a3, e0, e1, e2, e3 = zero, zero, zero, zero, zero, zero, zero, zero
+
+
 def _reg_cap(row_blocks: int, depth: int, pieces: int, device: torch.device) -> dict:
     """Two row blocks one step deep compile to 134 registers on sm_90 (ptxas, triton 3.6): capped at 128 (no spill
     in the SASS) so 16 warps fit an SM and a 65536-row GEMV runs in one wave."""
@@ -391,9 +523,12 @@ def gemv_nvfp4_mma(x: torch.Tensor, w: WeightHandle, *, bias: torch.Tensor | Non
                    norm_weight: torch.Tensor | None = None, eps: float = 1e-6, xh: torch.Tensor | None = None,
                    row_blocks: int = MMA_ROW_BLOCKS, num_warps: int = MMA_WARPS,
                    depth: int = MMA_DEPTH, l2_prefetch: int = MMA_L2_PREFETCH,
-                   pieces: int = MMA_PIECES) -> torch.Tensor:
+                   pieces: int = MMA_PIECES, layout: str = MMA_LAYOUT, quads_per_row: int = MMA_QUADS_PER_ROW,
+                   rounds: int | None = None) -> torch.Tensor:
     """y = W @ x (+ bias) (+ residual) for one nvfp4 Linear, on the tensor cores (module docstring). Same contract as
-    kernels.gemv.gemv; xh = prepare_xh(x, norm_weight, eps) when already made (else made here)."""
+    kernels.gemv.gemv; xh = prepare_xh(x, norm_weight, eps) when already made (else made here).
+    layout "rows": each warp owns 16 * row_blocks rows (depth, l2_prefetch, pieces apply); "diag": quads_per_row
+    quads share a row pair (pieces 2 or 4, one step deep; rounds = tasks per warp, None = fit one wave)."""
     if w.fmt != "nvfp4":
         raise ValueError(f"gemv_nvfp4_mma: weight format {w.fmt!r}, expected 'nvfp4'")
     if w.num_experts:
@@ -405,8 +540,11 @@ def gemv_nvfp4_mma(x: torch.Tensor, w: WeightHandle, *, bias: torch.Tensor | Non
         raise ValueError("gemv_nvfp4_mma: weight rows must be contiguous and 16-byte aligned")
     if w.scale.stride(-1) != 1:
         raise ValueError(f"gemv_nvfp4_mma: weight_scale must be contiguous along in_features, stride {w.scale.stride()}")
+    if layout not in ("rows", "diag") or quads_per_row not in (1, 2, 4, 8):
+        raise ValueError(f"gemv_nvfp4_mma: layout {layout!r} ('rows' or 'diag'), quads_per_row {quads_per_row} "
+                         "(1, 2, 4, 8)")
     if (row_blocks not in (1, 2) or num_warps not in (1, 2, 4, 8) or depth not in (1, 2) or l2_prefetch < 0
-            or pieces not in (2, 4) or (pieces == 4 and row_blocks == 2)):
+            or pieces not in (2, 4) or (pieces == 4 and row_blocks == 2 and layout == "rows")):
         raise ValueError(f"gemv_nvfp4_mma: row_blocks {row_blocks} (1 or 2), num_warps {num_warps} (1, 2, 4, 8), "
                          f"depth {depth} (1 or 2), l2_prefetch {l2_prefetch} (>= 0), pieces {pieces} (2, or 4 with one row block)")
     check_x(x, K, w.device)
@@ -418,10 +556,21 @@ def gemv_nvfp4_mma(x: torch.Tensor, w: WeightHandle, *, bias: torch.Tensor | Non
     elif xh.shape != (K,) or xh.dtype != torch.float16 or not xh.is_contiguous() or xh.data_ptr() % 16:
         raise ValueError(f"xh: expected a contiguous, 16-byte aligned fp16 [{K}] (prepare_xh), got {xh.dtype} "
                          f"{tuple(xh.shape)}")
+    if layout == "diag":
+        n_tasks = triton.cdiv(N, 2 * (8 // quads_per_row))
+        if rounds is None:  # 16 warps per SM (128 registers): as few rounds as fill the GPU once
+            rounds = triton.cdiv(n_tasks, num_sms(x.device) * 16)
+        grid = (triton.cdiv(n_tasks, num_warps * rounds),)
+        _nvfp4_mma_diag_kernel[grid](
+            xh, w.weight, w.weight.stride(-2), w.scale.view(torch.uint8), w.scale.stride(-2), w.global_scale,
+            bias if bias is not None else y, residual if residual is not None else y, y, N, K, rounds,
+            HAS_BIAS=bias is not None, HAS_RES=residual is not None, NW=num_warps, GPR=quads_per_row, NP=pieces,
+            num_warps=num_warps, **launch_kw(x.device), **({"maxnreg": 128} if x.device.type == "cuda" else {}))
+        return y
     grid = (triton.cdiv(N, 16 * row_blocks * num_warps),)
     _nvfp4_mma_kernel[grid](
         xh, w.weight, w.weight.stride(-2), w.scale.view(torch.uint8), w.scale.stride(-2), w.global_scale,
         bias if bias is not None else y, residual if residual is not None else y, y, N, K,
         HAS_BIAS=bias is not None, HAS_RES=residual is not None, RB=row_blocks, NW=num_warps, DEPTH=depth,
-        PF=l2_prefetch, NH=pieces,        num_warps=num_warps, **launch_kw(x.device), **_reg_cap(row_blocks, depth, pieces, x.device))
+        PF=l2_prefetch, NH=pieces, num_warps=num_warps, **launch_kw(x.device), **_reg_cap(row_blocks, depth, pieces, x.device))
     return y

@@ -36,6 +36,21 @@ def test_matches_reference(N, K, rb, nw, depth, pieces):
     assert_close(y, gemv_ref(x, w, bias=bias, residual=res, out_dtype=torch.float32), what=f"mma {N}x{K}")
 
 
+DIAG = [(37, 160, 1, 8, 2, None), (70, 224, 2, 4, 4, 2), (33, 1056, 2, 2, 2, 3), (5, 96, 1, 1, 4, 1),
+        (130, 608, 4, 8, 4, None)]
+
+
+@pytest.mark.parametrize("N,K,nw,gpr,pieces,rounds", DIAG,
+                         ids=[f"{n}x{k}-w{w}-q{g}-p{p}-r{r}" for n, k, w, g, p, r in DIAG])
+def test_diag_layout_matches_reference(N, K, nw, gpr, pieces, rounds):
+    """The diagonal layout: quads of a warp on different K pieces of one row pair, several tasks per warp."""
+    w = random_weight("nvfp4", N, K, seed=N + K, device=DEV)
+    x, bias = _x(K, 1), _x(N, 2, torch.float32)
+    y = gemv_nvfp4_mma(x, w, bias=bias, out=torch.empty(N, device=DEV), num_warps=nw, layout="diag",
+                       quads_per_row=gpr, pieces=pieces, rounds=rounds)
+    assert_close(y, gemv_ref(x, w, bias=bias, out_dtype=torch.float32), what=f"diag {N}x{K}")
+
+
 def test_rmsnorm_fused_and_bf16_out():
     N, K = 45, 192
     w = random_weight("nvfp4", N, K, seed=11, device=DEV)
@@ -113,3 +128,17 @@ def test_real_sizes_gpu(shape, rb, nw, depth, pf, pieces):
     y = gemv_nvfp4_mma(x, w, out=torch.empty(N, device="cuda"), row_blocks=rb, num_warps=nw, depth=depth,
                        l2_prefetch=pf, pieces=pieces)
     assert_close(y, gemv_ref(x, w, out_dtype=torch.float32), rel=2e-5, what=f"mma {shape}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("shape", [(65536, 8192), (151936, 2048), (5120, 2880), (2048, 768)],
+                         ids=["big-65536x8192", "lm-head-151936x2048", "gpt-oss-qkv-5120x2880", "2048x768"])
+@pytest.mark.parametrize("gpr,nw,pieces", [(8, 4, 4), (4, 4, 4), (8, 4, 2), (2, 2, 4)])
+def test_diag_real_sizes_gpu(shape, gpr, nw, pieces):
+    N, K = shape
+    w = random_weight("nvfp4", N, K, seed=N + K, device="cuda")
+    x = _x(K, 9).cuda()
+    y = gemv_nvfp4_mma(x, w, out=torch.empty(N, device="cuda"), layout="diag", quads_per_row=gpr, num_warps=nw,
+                       pieces=pieces)
+    assert_close(y, gemv_ref(x, w, out_dtype=torch.float32), rel=2e-5, what=f"diag {shape}")
