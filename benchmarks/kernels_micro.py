@@ -48,8 +48,7 @@ import torch
 import triton
 
 from kie_moe.kernels.attention import gqa_decode
-from kie_moe.kernels.fp4_mma import (MMA_DEPTH, MMA_L2_PREFETCH, MMA_PIECES, MMA_ROW_BLOCKS, MMA_WARPS,
-                                     gemv_nvfp4_mma, prepare_xh)
+from kie_moe.kernels.fp4_mma import MMA_ROW_BLOCKS, MMA_WARPS, gemv_fp4_mma, prepare_xh
 from kie_moe.kernels.gemv import DEFAULT_TILES, TileConfig, gemv, gemv_glu, gemv_ref, prepare_x8, rmsnorm_gemv
 from kie_moe.kernels.moe import RouterConfig, moe_experts, route
 from kie_moe.kernels.rope import rope_append
@@ -103,11 +102,12 @@ def parse_args(argv=None):
                    "the first is the one the layer sums use (kie bench decodes at context 32..159)")
     p.add_argument("--skip", default="", help="comma list of sections to skip: probe,big,models")
     p.add_argument("--big-mb", type=int, default=256, help="weight MB of the one-launch GEMV per format")
-    p.add_argument("--mma-configs",
-                   default=f"{MMA_ROW_BLOCKS}x{MMA_WARPS}x{MMA_DEPTH}x{MMA_L2_PREFETCH}x{MMA_PIECES}",
-                   help="nvfp4 on the tensor cores (kernels/fp4_mma.py) in the big section, timed beside the "
-                        "nvfp4 row: comma list of ROW_BLOCKSxWARPSxDEPTHxL2_PREFETCHxPIECES launch shapes, or "
-                        "dQUADS_PER_ROWxWARPSxPIECES for the diag layout ('' = none)")
+    p.add_argument("--mma-configs", default=f"{MMA_ROW_BLOCKS}x{MMA_WARPS}",
+                   help="fp4 on the tensor cores (kernels/fp4_mma.py) in the big section, timed beside each fp4 "
+                        "format's row: comma list of ROW_BLOCKSxWARPS launch shapes ('' = none)")
+    p.add_argument("--mma-shapes", default="",
+                   help="comma list of NxK: each fp4 format's CUDA-core GEMV (gemv with x8) and mma GEMV at that "
+                        "shape, both timed in this process (where the mma kernel starts to win)")
     p.add_argument("--probe-gb", type=float, default=4.0, help="GB read by the bandwidth probe")
     p.add_argument("--sweep", action="store_true", help="also sweep launch shapes of the big GEMV per format")
     p.add_argument("--layer-sweep", default=None, metavar="MODEL:FMT",
@@ -382,26 +382,30 @@ def big_section(formats, mb: float, probe: float, rep_ms: int, K: int = 8192, bu
     return out
 
 
-def big_mma(mb: float, probe: float, rep_ms: int, kw: dict, K: int = 8192) -> dict:
-    """The nvfp4 big GEMV on the tensor cores (kernels/fp4_mma.py, launch options kw), same shape and byte count as
-    big_section's nvfp4 row; its xh input made once outside the timing, as the nvfp4 row's x8."""
-    N = int(math.ceil(mb * (1 << 20) / (0.5 * K) / 128) * 128)
-    name = f"gemv nvfp4 mma {N}x{K} " + " ".join(f"{k}={v}" for k, v in kw.items())
-    probe_w = random_weight("nvfp4", N, K, seed=0, device=DEV)
-    copies = [probe_w] + [random_weight("nvfp4", N, K, seed=i, device=DEV)
-                          for i in range(1, n_copies(probe_w.nbytes))]
+def big_mma(fmt: str, mb: float | None, probe: float, rep_ms: int, row_blocks: int, num_warps: int,
+            K: int = 8192, shape: tuple[int, int] | None = None) -> dict:
+    """An fp4 GEMV on the tensor cores (kernels/fp4_mma.py): by default the same shape and byte count as
+    big_section's row of that format (or `shape`); its xh input made once outside the timing, as that row's x8."""
+    if shape is not None:
+        N, K = shape
+    else:
+        N = int(math.ceil(mb * (1 << 20) / (0.5 * K) / 128) * 128)
+    name = f"gemv {fmt} mma {N}x{K} rb{row_blocks} w{num_warps}"
+    probe_w = random_weight(fmt, N, K, seed=0, device=DEV)
+    copies = [probe_w] + [random_weight(fmt, N, K, seed=i, device=DEV) for i in range(1, n_copies(probe_w.nbytes))]
     x = _x(K)
     xh = prepare_xh(x)
     y = torch.empty(N, dtype=x.dtype, device=DEV)
 
     def call(i):
-        return gemv_nvfp4_mma(x, copies[i], xh=xh, out=y, **kw)
+        return gemv_fp4_mma(x, copies[i], xh=xh, out=y, row_blocks=row_blocks, num_warps=num_warps)
 
     us = time_graph(call, len(copies), rep_ms)
-    r = row(name, us, probe_w.nbytes, probe, fmt="nvfp4", impl="mma", shape=[N, K], **kw)
-    got = gemv_nvfp4_mma(x, probe_w, out=torch.empty(N, device=DEV), **kw)
-    want = gemv_ref(x, probe_w, out_dtype=torch.float32)
-    r["check_rel_err"] = float((got - want).abs().max() / want.abs().max())
+    r = row(name, us, probe_w.nbytes, probe, fmt=fmt, impl="mma", shape=[N, K], row_blocks=row_blocks,
+            num_warps=num_warps)
+    got = gemv_fp4_mma(x, probe_w, out=torch.empty(N, device=DEV), row_blocks=row_blocks, num_warps=num_warps)
+    r["check_rel_err"] = float((got - gemv_ref(x, probe_w, out_dtype=torch.float32)).abs().max()
+                               / gemv_ref(x, probe_w, out_dtype=torch.float32).abs().max())
     del copies
     torch.cuda.empty_cache()
     print(f"  {name}: {us:.2f} us, {r['gbps']:.0f} GB/s = {r['pct_probe']}% of the probe, "
@@ -694,15 +698,14 @@ def main(argv=None):
         save()
     if "big" not in skip:
         result["big"] = big_section(big_formats, args.big_mb, probe, args.rep_ms, budget=budget)
-        if "nvfp4" in big_formats:
+        for fmt in (f for f in FP4 if f in big_formats):
             for c in (c for c in args.mma_configs.split(",") if c):
-                if c.startswith("d"):  # diag layout: dQUADSxWARPSxPIECES
-                    gpr, nw, pieces = (int(v) for v in c[1:].split("x"))
-                    kw = dict(layout="diag", quads_per_row=gpr, num_warps=nw, pieces=pieces)
-                else:
-                    rb, nw, depth, pf, pieces = (int(v) for v in c.split("x"))
-                    kw = dict(row_blocks=rb, num_warps=nw, depth=depth, l2_prefetch=pf, pieces=pieces)
-                result["big"].append(big_mma(args.big_mb, probe, args.rep_ms, kw))
+                rb, nw = (int(v) for v in c.split("x"))
+                result["big"].append(big_mma(fmt, args.big_mb, probe, args.rep_ms, rb, nw))
+            for shp in (v for v in args.mma_shapes.split(",") if v):
+                n, k = (int(v) for v in shp.split("x"))
+                result["big"].append(bench_gemv(f"gemv {fmt} {n}x{k}", fmt, n, k, probe, args.rep_ms, eager=False))
+                result["big"].append(big_mma(fmt, None, probe, args.rep_ms, MMA_ROW_BLOCKS, MMA_WARPS, shape=(n, k)))
         save()
     if "models" not in skip:
         result["models"] = {}
