@@ -43,7 +43,7 @@ import triton.language as tl
 
 from .gemv import check_vec, check_x, make_out
 from .pdl import launch_kw, pdl_begin
-from .tiles import _ASM, _e2m1_word, _rstd, _store_out
+from .tiles import _ASM, _e2m1_word, _normed_block, _store_out
 from .weights import WeightHandle
 
 __all__ = ["prepare_xh", "gemv_fp4_mma", "MMA_ROW_BLOCKS", "MMA_WARPS"]
@@ -102,11 +102,7 @@ def _xh_kernel(x_ptr, nw_ptr, xh_ptr, K, eps, HAS_NW: tl.constexpr, BLOCK: tl.co
                PDL: tl.constexpr = False):
     """grid (cdiv(K, BLOCK),): xh[8j + slot(e)] = fp16((x * rstd * nw)[8j + e]), slot = 0, 2, 1, 3, 4, 6, 5, 7."""
     pdl_begin(PDL)
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < K
-    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    if HAS_NW:
-        x = x * _rstd(x_ptr, K, eps, BLOCK_X) * tl.load(nw_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    offs, mask, x = _normed_block(x_ptr, nw_ptr, K, eps, HAS_NW, BLOCK, BLOCK_X)
     e = offs % 8
     slot = (e & 4) | ((e & 1) << 1) | ((e >> 1) & 1)
     tl.store(xh_ptr + (offs - e) + slot, x.to(tl.float16), mask=mask)

@@ -31,8 +31,8 @@ import triton
 import triton.language as tl
 
 from .pdl import launch_kw, pdl_begin
-from .tiles import (ACT_ID, FMT_ID, _glu, _rstd, _split_reduce, _store_out, _tile, _tile_bf16,  # noqa: F401
-                    _tile_fp8, _tile_fp8_block, _tile_mxfp4, _tile_nvfp4)
+from .tiles import (ACT_ID, FMT_ID, _glu, _normed_block, _rstd, _split_reduce, _store_out, _tile,  # noqa: F401
+                    _tile_bf16, _tile_fp8, _tile_fp8_block, _tile_mxfp4, _tile_nvfp4)
 from .weights import FP8_BLOCK, WeightHandle, dequantize
 
 __all__ = [
@@ -99,11 +99,7 @@ def _x8_kernel(x_ptr, nw_ptr, x8_ptr, K, eps, HAS_NW: tl.constexpr, BLOCK: tl.co
                PDL: tl.constexpr = False):
     """grid (cdiv(K, BLOCK),): x8[e, j] = (x * rstd * nw)[8j + e], fp32 [8, K/8]."""
     pdl_begin(PDL)
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < K
-    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    if HAS_NW:
-        x = x * _rstd(x_ptr, K, eps, BLOCK_X) * tl.load(nw_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    offs, mask, x = _normed_block(x_ptr, nw_ptr, K, eps, HAS_NW, BLOCK, BLOCK_X)
     tl.store(x8_ptr + (offs % 8) * (K // 8) + offs // 8, x, mask=mask)
 
 

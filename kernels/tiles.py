@@ -378,6 +378,18 @@ def _rstd(x_ptr, K, eps, BLOCK_X: tl.constexpr):
 
 
 @triton.jit
+def _normed_block(x_ptr, nw_ptr, K, eps, HAS_NW: tl.constexpr, BLOCK: tl.constexpr, BLOCK_X: tl.constexpr):
+    """(offs, mask, x) of this program's BLOCK elements of x [K] in fp32, RMS-normalised (times nw) when HAS_NW:
+    the body of the small launches that write a GEMV input layout (prepare_x8, prepare_xh)."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < K
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_NW:
+        x = x * _rstd(x_ptr, K, eps, BLOCK_X) * tl.load(nw_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    return offs, mask, x
+
+
+@triton.jit
 def _glu(g, u, limit, alpha, ACT: tl.constexpr):
     """ACT 0: silu(g) * u.  ACT 1 (gpt-oss): g <= limit, |u| <= limit, (u + 1) * g * sigmoid(alpha * g)."""
     if ACT == 0:
