@@ -12,7 +12,7 @@ Lane roles (one warp = 16 * RB weight rows; lane l has r = l // 4, q = l % 4):
 - lane (r, q) holds rows `base + r` and `base + r + 8` of each 16-row block as the mma's A rows r and r + 8, and for
   each 256-code step of K two 16-byte pieces of each row: piece h = words 16h + 4q .. + 3 (one load instruction per
   piece and row covers 64 contiguous bytes of the row across the quad), with their group scales (nvfp4: a group =
-  16 codes = 2 words, one per mma pair step; mxfp4 differs, below);
+  16 codes = 2 words, one per mma pair step; mxfp4: a group = 32 codes = the piece's 4 words);
 - an mma sums, per A row, the 4 codes each quad lane puts in its fragment. A word's codes land as f16x2 pairs
   {e0, e2}, {e4, e6}, {e1, e3}, {e5, e7} (the byte-plane order), so the input is stored per 8 elements in the order
   0, 2, 1, 3, 4, 6, 5, 7 ("xh", fp16; prepare_xh) and every lane's B fragment is its own word's x: all 8 B columns
@@ -21,9 +21,9 @@ Lane roles (one warp = 16 * RB weight rows; lane l has r = l // 4, q = l % 4):
 Exactness: the decode gives 2^-14 x e2m1 in f16 (subnormals included), a multiple of 2^-15.
 - nvfp4: times the e4m3 scale (a multiple of 2^-9, <= 448): a multiple of 2^-24 below 0.17 with <= 6 significant
   bits, exact in f16; 2^14 / global_scale is applied once per row.
-- mxfp4: a group is 4 words, so lane q reads words q, q + 4, q + 8, q + 12 of each piece instead: at each word index
-  the quad holds one whole group, an mma pair from a zero accumulator gives that group's dot, and its E8M0 scale
-  multiplies it in fp32 (exact for every scale; no HMUL2).
+- mxfp4: times 2^(e - 117) (the E8M0 scale 2^(e - 127) times 2^10, an f16 power of two): exact for group scales
+  2^-19 .. 2^5 (e = 108 .. 132: groups whose largest |w| lies between ~1e-5 and 192); smaller scales round their
+  groups' smallest codes to f16's 2^-24 grid, larger ones overflow (inf: loud). 2^4 is applied once per row.
 f16 x f16 products are exact in the mma's fp32 sums. x is rounded to fp16 once (after the RMSNorm when fused): exact
 for bf16 inputs with 2^-14 <= |x| <= 65504; smaller values keep fp16's 2^-24 absolute precision, larger overflow.
 
@@ -91,22 +91,10 @@ _MMA_PAIR_PTX = tl.constexpr(
     + _MMA_HI.format(A="a", B="b", X0="$20", X1="$21")
     + "mov.f32 $0, d0;\nmov.f32 $1, d1;\nmov.f32 $2, d2;\nmov.f32 $3, d3;\n}")
 
-# mxfp4: one word of each row, unscaled, into a fresh accumulator: $0, $1 = the group dots of rows a and b (x 2^-14);
-# $2, $3 the words; $4..$7 their x pairs.
-_MMA_GROUP_PTX = tl.constexpr(
-    "{\n.reg .b32 t, u, lo, hi, z, a<4>, b<4>;\n.reg .f32 d<4>, c;\nmov.b32 z, 0;\nmov.f32 c, 0f00000000;\n"
-    + _DECODE.split("mul.rn")[0].format(W="$2", P="a") + _DECODE.split("mul.rn")[0].format(W="$3", P="b")
-    + _MMA.format(A="a", B="b", X0="$4", X1="$5", C="c, c, c, c")
-    + _MMA_HI.format(A="a", B="b", X0="$6", X1="$7")
-    + "mov.f32 $0, d0;\nmov.f32 $1, d2;\n}")
-
 # Weights stream through once: they skip L1 (L1::no_allocate), so the x fragments every warp of an SM re-reads stay
 # there (71.0 -> 74.3% of the probe, NOTES.md session 12). KIE_MMA_L1_NA=0 loads them like any read-only data (A/B).
 _W_LOAD = tl.constexpr("ld.global.nc" + (".L1::no_allocate" if os.environ.get("KIE_MMA_L1_NA", "1") == "1" else "")
                        + ".v4.u32 {$0, $1, $2, $3}, [$4];")
-_W_LOAD1_FULL = tl.constexpr(_W_LOAD.value.split(".v4")[0] + ".u32 $0, [$1];")
-_W_LOAD1 = tl.constexpr("{\n.reg .pred p;\nsetp.ne.s32 p, $2, 0;\nmov.b32 $0, 0;\n@p "
-                        + _W_LOAD.value.split(".v4")[0] + ".u32 $0, [$1];\n}")
 
 
 @triton.jit
@@ -150,57 +138,9 @@ def _ld_words(ptr):
 
 
 @triton.jit
-def _ld_word(ptr, valid, FULL: tl.constexpr):
-    """One u32 word at ptr (weights: L1::no_allocate, as _ld_words), 0 where not valid (no load). FULL: every load
-    is valid (K % 256 == 0), no predicate and no zeroing."""
-    if _ASM:
-        if FULL:
-            return tl.inline_asm_elementwise(_W_LOAD1_FULL, "=r,l", [ptr], dtype=tl.uint32, is_pure=True, pack=1)
-        else:
-            return tl.inline_asm_elementwise(_W_LOAD1, "=r,l,r", [ptr, valid.to(tl.int32)], dtype=tl.uint32,
-                                             is_pure=True, pack=1)
-    else:
-        return tl.load(ptr, mask=valid, other=0)
-
-
-@triton.jit
-def _ld_byte(ptr, valid):
-    """One byte at ptr as int32, 0 where not valid (no load)."""
-    if _ASM:
-        return tl.inline_asm_elementwise(
-            "{\n.reg .pred p;\nsetp.ne.s32 p, $2, 0;\nmov.b32 $0, 0;\n@p ld.global.nc.u8 $0, [$1];\n}", "=r,l,r",
-            [ptr, valid.to(tl.int32)], dtype=tl.int32, is_pure=True, pack=1)
-    else:
-        return tl.load(ptr, mask=valid, other=0).to(tl.int32)
-
-
-@triton.jit
-def _ld_x4(ptr, valid, FULL: tl.constexpr):
-    """The 4 x pairs (u32 = f16x2) of one word of xh at ptr (16-byte aligned); 0 where not valid."""
-    if _ASM and FULL:
-        v0, v1, v2, v3 = tl.inline_asm_elementwise("ld.global.v4.u32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l",
-                                                   [ptr], dtype=(tl.uint32,) * 4, is_pure=True, pack=1)
-    elif _ASM:
-        v0, v1, v2, v3 = tl.inline_asm_elementwise(
-            "{\n.reg .pred p;\nsetp.ne.s32 p, $5, 0;\nmov.b32 $0, 0;\nmov.b32 $1, 0;\nmov.b32 $2, 0;\nmov.b32 $3, 0;\n"
-            "@p ld.global.v4.u32 {$0, $1, $2, $3}, [$4];\n}",
-            "=r,=r,=r,=r,l,r", [ptr, valid.to(tl.int32)], dtype=(tl.uint32,) * 4, is_pure=True, pack=1)
-    else:
-        v0 = tl.load(ptr, mask=valid, other=0)
-        v1 = tl.load(ptr + 1, mask=valid, other=0)
-        v2 = tl.load(ptr + 2, mask=valid, other=0)
-        v3 = tl.load(ptr + 3, mask=valid, other=0)
-    return v0, v1, v2, v3
-
-
-@triton.jit
-def _ld_x(ptr, valid, FULL: tl.constexpr):
+def _ld_x(ptr, valid):
     """The 8 x pairs (u32 = f16x2) of two consecutive words of xh at ptr (16-byte aligned); 0 where not valid."""
-    if _ASM and FULL:
-        v0, v1, v2, v3, v4, v5, v6, v7 = tl.inline_asm_elementwise(
-            "ld.global.v4.u32 {$0, $1, $2, $3}, [$8];\nld.global.v4.u32 {$4, $5, $6, $7}, [$8+16];",
-            "=r,=r,=r,=r,=r,=r,=r,=r,l", [ptr], dtype=(tl.uint32,) * 8, is_pure=True, pack=1)
-    elif _ASM:
+    if _ASM:
         v0, v1, v2, v3, v4, v5, v6, v7 = tl.inline_asm_elementwise(
             "{\n.reg .pred p;\nsetp.ne.s32 p, $9, 0;\nmov.b32 $0, 0;\nmov.b32 $1, 0;\nmov.b32 $2, 0;\nmov.b32 $3, 0;\n"
             "mov.b32 $4, 0;\nmov.b32 $5, 0;\nmov.b32 $6, 0;\nmov.b32 $7, 0;\n"
@@ -219,10 +159,15 @@ def _ld_x(ptr, valid, FULL: tl.constexpr):
 
 
 @triton.jit
-def _scale(ptr):
-    """One nvfp4 group scale (e4m3 byte at ptr) as the f16 multiplier of the decoded codes: GPU an f16x2 pair {s, s}
-    (u32), portable fp32 s."""
-    h = tl.load(ptr).to(tl.float8e4nv, bitcast=True).to(tl.float16).to(tl.uint16, bitcast=True).to(tl.int32)
+def _scale(ptr, MX: tl.constexpr):
+    """One group scale byte at ptr as the f16 multiplier of the decoded codes: GPU an f16x2 pair {s, s} (u32),
+    portable fp32 s. nvfp4: the e4m3 value; mxfp4: 2^(e - 117) (module docstring: exact for e = 108 .. 132)."""
+    b = tl.load(ptr).to(tl.int32)
+    if MX:
+        t = b - 102                                   # f16 exponent field of 2^(e - 117); 31 = inf
+        h = tl.where(t >= 1, tl.minimum(t, 31) << 10, tl.where(t >= -9, 1 << tl.maximum(t + 9, 0), 0))
+    else:
+        h = b.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16).to(tl.uint16, bitcast=True).to(tl.int32)
     if _ASM:
         return (h | (h << 16)).to(tl.uint32)
     else:
@@ -230,21 +175,24 @@ def _scale(ptr):
 
 
 @triton.jit
-def _piece_load(wq, sq, ra, rb, swn, stride_sn, st, q, KW, KG, h: tl.constexpr, FULL: tl.constexpr):
-    """nvfp4 piece h of step st for rows ra, rb: words 32 st + 16 h + 4q .. + 3 (clamped in-row: K % 32 == 0 lets a
-    ragged last step end after either piece; its missing words multiply x = 0) and the scales of its two groups."""
-    w = 32 * st + 16 * h + 4 * q
-    if not FULL:
-        w = tl.minimum(w, KW - 4)
+def _piece_load(wq, sq, ra, rb, swn, stride_sn, st, q, KW, KG, h: tl.constexpr, MX: tl.constexpr):
+    """Piece h of step st for rows ra, rb: words 32 st + 16 h + 4q .. + 3 (clamped in-row: K % 32 == 0 lets a ragged
+    last step end after either piece; its missing words multiply x = 0) and the scales of its two pair steps."""
+    w = tl.minimum(32 * st + 16 * h + 4 * q, KW - 4)
     a0, a1, a2, a3 = _ld_words(wq + ra * swn + w)
     b0, b1, b2, b3 = _ld_words(wq + rb * swn + w)
-    g = w // 2
-    if not FULL:
-        g = tl.minimum(g, KG - 2)
-    sa0 = _scale(sq + ra * stride_sn + g)
-    sa1 = _scale(sq + ra * stride_sn + g + 1)
-    sb0 = _scale(sq + rb * stride_sn + g)
-    sb1 = _scale(sq + rb * stride_sn + g + 1)
+    if MX:  # one 32-code group per piece
+        g = tl.minimum(w // 4, KG - 1)
+        sa0 = _scale(sq + ra * stride_sn + g, MX)
+        sb0 = _scale(sq + rb * stride_sn + g, MX)
+        sa1 = sa0
+        sb1 = sb0
+    else:  # two 16-code groups per piece
+        g = tl.minimum(w // 2, KG - 2)
+        sa0 = _scale(sq + ra * stride_sn + g, MX)
+        sa1 = _scale(sq + ra * stride_sn + g + 1, MX)
+        sb0 = _scale(sq + rb * stride_sn + g, MX)
+        sb1 = _scale(sq + rb * stride_sn + g + 1, MX)
     return a0, a1, a2, a3, b0, b1, b2, b3, sa0, sa1, sb0, sb1
 
 
@@ -282,16 +230,16 @@ def _pair_step(d0, d1, d2, d3, wa0, wa1, wb0, wb1, sa, sb, x0, x1, x2, x3, x4, x
 
 
 @triton.jit
-def _piece_step(d0, d1, d2, d3, f0, f1, f2, f3, H0, H1, xq, x_off, valid, RB: tl.constexpr, FULL: tl.constexpr):
+def _piece_step(d0, d1, d2, d3, f0, f1, f2, f3, H0, H1, xq, x_off, valid, RB: tl.constexpr):
     """One piece for row block 0 (H0, accumulators d) and, when RB == 2, block 1 (H1, f): two pair steps; each x
     fragment is loaded once for both blocks. H = _piece_load's tuple."""
-    x0, x1, x2, x3, x4, x5, x6, x7 = _ld_x(xq + 4 * x_off, valid, FULL)
+    x0, x1, x2, x3, x4, x5, x6, x7 = _ld_x(xq + 4 * x_off, valid)
     d0, d1, d2, d3 = _pair_step(d0, d1, d2, d3, H0[0], H0[1], H0[4], H0[5], H0[8], H0[10],
                                 x0, x1, x2, x3, x4, x5, x6, x7)
     if RB == 2:
         f0, f1, f2, f3 = _pair_step(f0, f1, f2, f3, H1[0], H1[1], H1[4], H1[5], H1[8], H1[10],
                                     x0, x1, x2, x3, x4, x5, x6, x7)
-    x0, x1, x2, x3, x4, x5, x6, x7 = _ld_x(xq + 4 * x_off + 8, valid, FULL)
+    x0, x1, x2, x3, x4, x5, x6, x7 = _ld_x(xq + 4 * x_off + 8, valid)
     d0, d1, d2, d3 = _pair_step(d0, d1, d2, d3, H0[2], H0[3], H0[6], H0[7], H0[9], H0[11],
                                 x0, x1, x2, x3, x4, x5, x6, x7)
     if RB == 2:
@@ -301,98 +249,9 @@ def _piece_step(d0, d1, d2, d3, f0, f1, f2, f3, H0, H1, xq, x_off, valid, RB: tl
 
 
 @triton.jit
-def _piece_load_mx(wq, sq, ra, rb, swn, stride_sn, st, q, KW, KG, h: tl.constexpr, S4: tl.constexpr,
-                   FULL: tl.constexpr):
-    """mxfp4 piece h of step st: lane q reads words w0 + 4i + q (i = 0..3, w0 = 32 st + 16 h) of rows ra, rb, so at
-    word index i the quad holds the 4 words of group w0 / 4 + i and each mma pair is one group's dot: the E8M0 scale
-    then applies in fp32 (exact for every scale), as 2^(e - 127 + 14) (tiles.py's bit trick; the 14 undoes the
-    decode's 2^-14). Returns (row a's 4 words, row b's, row a's 4 scales, row b's)."""
-    w0 = 32 * st + 16 * h
-    # A ragged last step: word indices past the row are not loaded (0: they multiply x = 0); the others sit at
-    # constant offsets from one pointer, which the loads fold in.
-    v0 = w0 < KW
-    v1 = w0 + 4 < KW
-    v2 = w0 + 8 < KW
-    v3 = w0 + 12 < KW
-    pa = wq + ra * swn + w0 + q
-    pb = wq + rb * swn + w0 + q
-    qa = sq + ra * stride_sn + w0 // 4
-    qb = sq + rb * stride_sn + w0 // 4
-    if S4:  # the piece's 4 scales as one u32 per row (K % 128 == 0: rows on 4-byte boundaries, whole pieces)
-        sa = _ld_scale4(qa, v0, FULL)
-        sb = _ld_scale4(qb, v0, FULL)
-        sa0, sa1, sa2, sa3, sb0, sb1, sb2, sb3 = sa, sa, sa, sa, sb, sb, sb, sb
-    else:
-        sa0, sa1, sa2, sa3 = _ld_byte(qa, v0), _ld_byte(qa + 1, v1), _ld_byte(qa + 2, v2), _ld_byte(qa + 3, v3)
-        sb0, sb1, sb2, sb3 = _ld_byte(qb, v0), _ld_byte(qb + 1, v1), _ld_byte(qb + 2, v2), _ld_byte(qb + 3, v3)
-    return (_ld_word(pa, v0, FULL), _ld_word(pa + 4, v1, FULL), _ld_word(pa + 8, v2, FULL),
-            _ld_word(pa + 12, v3, FULL), _ld_word(pb, v0, FULL), _ld_word(pb + 4, v1, FULL),
-            _ld_word(pb + 8, v2, FULL), _ld_word(pb + 12, v3, FULL),
-            sa0, sa1, sa2, sa3, sb0, sb1, sb2, sb3)
-
-
-@triton.jit
-def _ld_scale4(ptr, valid, FULL: tl.constexpr):
-    """Four E8M0 bytes at ptr (4-byte aligned) as one int32, 0 where not valid."""
-    if FULL:
-        return tl.load(ptr.to(tl.pointer_type(tl.int32)))
-    elif _ASM:
-        return tl.inline_asm_elementwise(
-            "{\n.reg .pred p;\nsetp.ne.s32 p, $2, 0;\nmov.b32 $0, 0;\n@p ld.global.nc.u32 $0, [$1];\n}", "=r,l,r",
-            [ptr.to(tl.pointer_type(tl.int32)), valid.to(tl.int32)], dtype=tl.int32, is_pure=True, pack=1)
-    else:
-        return tl.load(ptr.to(tl.pointer_type(tl.int32)), mask=valid, other=0)
-
-
-@triton.jit
-def _e8m0(v, i: tl.constexpr, S4: tl.constexpr):
-    """Scale i of a piece (v: its byte, or with S4 the piece's 4 bytes) times 2^14 as fp32 bits: exponent field
-    e + 14, exact for e <= 240 (the 14 undoes the decode's 2^-14)."""
-    if S4:
-        v = (v >> (8 * i)) & 0xFF
-    return ((v + 14) << 23).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _group_dot(wa, wb, x0, x1, x2, x3):
-    """One word of rows a and b dotted with its x pairs, summed over the quad (GPU: 2 mma from a zero accumulator);
-    portable: this lane's part. Both x 2^-14."""
-    if _ASM:
-        ga, gb = tl.inline_asm_elementwise(_MMA_GROUP_PTX, "=f,=f,r,r,r,r,r,r", [wa, wb, x0, x1, x2, x3],
-                                           dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
-    else:
-        ga = _word_dot(wa, 1.0, x0, x1, x2, x3)
-        gb = _word_dot(wb, 1.0, x0, x1, x2, x3)
-    return ga, gb
-
-
-@triton.jit
-def _piece_step_mx(d0, d1, d2, d3, f0, f1, f2, f3, H0, H1, xq, w0, q, KW, RB: tl.constexpr, S4: tl.constexpr,
-                   FULL: tl.constexpr):
-    """An mxfp4 piece (_piece_load_mx) for row block 0 (H0, accumulators d0 / d2) and, when RB == 2, block 1 (H1,
-    f0 / f2): per word index one group dot per row, times its scale in fp32."""
-    for i in tl.static_range(4):
-        w = w0 + 4 * i
-        x0, x1, x2, x3 = _ld_x4(xq + 4 * (w + q), w < KW, FULL)
-        ga, gb = _group_dot(H0[i], H0[4 + i], x0, x1, x2, x3)
-        d0 += ga * _e8m0(H0[8 + i], i, S4)
-        d2 += gb * _e8m0(H0[12 + i], i, S4)
-        if RB == 2:
-            ga, gb = _group_dot(H1[i], H1[4 + i], x0, x1, x2, x3)
-            f0 += ga * _e8m0(H1[8 + i], i, S4)
-            f2 += gb * _e8m0(H1[12 + i], i, S4)
-    return d0, d1, d2, d3, f0, f1, f2, f3
-
-
-@triton.jit
-def _step_load(wq, sq, ra, rb, swn, stride_sn, st, q, KW, KG, MX: tl.constexpr, S4: tl.constexpr,
-               FULL: tl.constexpr):
-    if MX:
-        return (_piece_load_mx(wq, sq, ra, rb, swn, stride_sn, st, q, KW, KG, 0, S4, FULL),
-                _piece_load_mx(wq, sq, ra, rb, swn, stride_sn, st, q, KW, KG, 1, S4, FULL))
-    else:
-        return (_piece_load(wq, sq, ra, rb, swn, stride_sn, st, q, KW, KG, 0, FULL),
-                _piece_load(wq, sq, ra, rb, swn, stride_sn, st, q, KW, KG, 1, FULL))
+def _step_load(wq, sq, ra, rb, swn, stride_sn, st, q, KW, KG, MX: tl.constexpr):
+    return (_piece_load(wq, sq, ra, rb, swn, stride_sn, st, q, KW, KG, 0, MX),
+            _piece_load(wq, sq, ra, rb, swn, stride_sn, st, q, KW, KG, 1, MX))
 
 
 @triton.jit
@@ -408,8 +267,7 @@ def _quad_sum(v, NW: tl.constexpr):
 @triton.jit
 def _fp4_mma_kernel(xh_ptr, w_ptr, stride_wn, s_ptr, stride_sn, gs_ptr, bias_ptr, res_ptr, y_ptr, N, K,
                     MX: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, RB: tl.constexpr,
-                    NW: tl.constexpr, S4: tl.constexpr = False, FULL: tl.constexpr = False,
-                    PDL: tl.constexpr = False):
+                    NW: tl.constexpr, PDL: tl.constexpr = False):
     """grid (cdiv(N, 16 * RB * NW),): y = W @ x for fp4 W [N, K/2] u8 with group scales [N, K/16] e4m3 (nvfp4) or
     [N, K/32] E8M0 (mxfp4, MX), xh from prepare_xh, K % 32 == 0. Each warp owns 16 * RB rows and the whole K in
     256-code steps, the next step's loads issued before the current step's mma (module docstring)."""
@@ -423,7 +281,7 @@ def _fp4_mma_kernel(xh_ptr, w_ptr, stride_wn, s_ptr, stride_sn, gs_ptr, bias_ptr
     n_steps = tl.cdiv(KW, 32)
     wq = w_ptr.to(tl.pointer_type(tl.uint32))
     xq = xh_ptr.to(tl.pointer_type(tl.uint32))
-    sq = s_ptr.to(tl.pointer_type(tl.uint8))  # nvfp4: e4m3 bytes read as such (_scale bitcasts)
+    sq = s_ptr.to(tl.pointer_type(tl.uint8))
     # Rows (clamped: rows past N read row N - 1 and are not stored), int64 offsets.
     ra0 = tl.minimum(base + r, N - 1).to(tl.int64)
     rb0 = tl.minimum(base + r + 8, N - 1).to(tl.int64)
@@ -433,34 +291,27 @@ def _fp4_mma_kernel(xh_ptr, w_ptr, stride_wn, s_ptr, stride_sn, gs_ptr, bias_ptr
     zero = tl.zeros((NW * 32,), tl.float32)
     a0, a1, a2, a3, e0, e1, e2, e3 = zero, zero, zero, zero, zero, zero, zero, zero
     c0, c1, c2, c3, f0, f1, f2, f3 = zero, zero, zero, zero, zero, zero, zero, zero
-    P0 = _step_load(wq, sq, ra0, rb0, swn, stride_sn, 0, q, KW, KG, MX, S4, FULL)
+    P0 = _step_load(wq, sq, ra0, rb0, swn, stride_sn, 0, q, KW, KG, MX)
     if RB == 2:
-        P1 = _step_load(wq, sq, ra1, rb1, swn, stride_sn, 0, q, KW, KG, MX, S4, FULL)
+        P1 = _step_load(wq, sq, ra1, rb1, swn, stride_sn, 0, q, KW, KG, MX)
     for st in range(0, n_steps):
         sn = tl.minimum(st + 1, n_steps - 1)          # the last iteration re-reads its own step (L2 hits)
         C0 = P0
-        P0 = _step_load(wq, sq, ra0, rb0, swn, stride_sn, sn, q, KW, KG, MX, S4, FULL)
+        P0 = _step_load(wq, sq, ra0, rb0, swn, stride_sn, sn, q, KW, KG, MX)
         if RB == 2:
             C1 = P1
-            P1 = _step_load(wq, sq, ra1, rb1, swn, stride_sn, sn, q, KW, KG, MX, S4, FULL)
+            P1 = _step_load(wq, sq, ra1, rb1, swn, stride_sn, sn, q, KW, KG, MX)
         else:
             C1 = C0
         # Piece 0 feeds chains a (block 0) / c (block 1), piece 1 chains e / f.
-        if MX:
-            a0, a1, a2, a3, c0, c1, c2, c3 = _piece_step_mx(a0, a1, a2, a3, c0, c1, c2, c3, C0[0], C1[0], xq,
-                                                            32 * st, q, KW, RB, S4, FULL)
-            e0, e1, e2, e3, f0, f1, f2, f3 = _piece_step_mx(e0, e1, e2, e3, f0, f1, f2, f3, C0[1], C1[1], xq,
-                                                            32 * st + 16, q, KW, RB, S4, FULL)
-        else:
-            x_off = 32 * st + 4 * q
-            a0, a1, a2, a3, c0, c1, c2, c3 = _piece_step(a0, a1, a2, a3, c0, c1, c2, c3, C0[0], C1[0], xq, x_off,
-                                                         x_off < KW, RB, FULL)
-            e0, e1, e2, e3, f0, f1, f2, f3 = _piece_step(e0, e1, e2, e3, f0, f1, f2, f3, C0[1], C1[1], xq,
-                                                         x_off + 16, x_off + 16 < KW, RB, FULL)
-    # nvfp4: the decode's 2^-14 and the global scale undone once per row (mxfp4's scales did it); one lane per quad
-    # stores.
+        x_off = 32 * st + 4 * q
+        a0, a1, a2, a3, c0, c1, c2, c3 = _piece_step(a0, a1, a2, a3, c0, c1, c2, c3, C0[0], C1[0], xq, x_off,
+                                                     x_off < KW, RB)
+        e0, e1, e2, e3, f0, f1, f2, f3 = _piece_step(e0, e1, e2, e3, f0, f1, f2, f3, C0[1], C1[1], xq, x_off + 16,
+                                                     x_off + 16 < KW, RB)
+    # The decode's 2^-14 and the scale's offset undone once per row; one lane per quad stores.
     if MX:
-        g = 1.0
+        g = 16.0
     else:
         g = 16384.0 / tl.load(gs_ptr).to(tl.float32)
     lead = q == 0
@@ -492,12 +343,6 @@ def prepare_xh(x: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: fl
                                          HAS_NW=norm_weight is not None, BLOCK=BLOCK,
                                          BLOCK_X=min(1024, triton.next_power_of_2(K)), **launch_kw(x.device))
     return out
-
-
-def _scale4(w: WeightHandle) -> bool:
-    """mxfp4 scale rows readable as u32 (a piece's 4 scales in one load): K % 128 == 0, 4-byte aligned rows."""
-    return (w.fmt == "mxfp4" and w.in_features % 128 == 0 and w.scale.stride(-2) % 4 == 0
-            and w.scale.data_ptr() % 4 == 0)
 
 
 def check_mma_weight(w: WeightHandle, name: str = "gemv_fp4_mma"):
@@ -539,6 +384,6 @@ def gemv_fp4_mma(x: torch.Tensor, w: WeightHandle, *, bias: torch.Tensor | None 
         xh, w.weight, w.weight.stride(-2), w.scale.view(torch.uint8), w.scale.stride(-2),
         w.global_scale if w.global_scale is not None else y,
         bias if bias is not None else y, residual if residual is not None else y, y, N, K,
-        MX=w.fmt == "mxfp4", S4=_scale4(w), FULL=K % 256 == 0, HAS_BIAS=bias is not None, HAS_RES=residual is not None, RB=row_blocks, NW=num_warps,
+        MX=w.fmt == "mxfp4", HAS_BIAS=bias is not None, HAS_RES=residual is not None, RB=row_blocks, NW=num_warps,
         num_warps=num_warps, **launch_kw(x.device), **cap)
     return y
