@@ -3,10 +3,10 @@
 Why: the CUDA-core fp4 tile (tiles.py) is issue-bound at ~61% of the read probe: each code needs its own fp32
 convert and FFMA (~33 SASS instructions per u32 word of 8 codes). Here a word's 8 codes stay f16 (the byte-plane
 decode of tiles.py: 7 integer ops + 4 byte permutes give four f16x2 registers), get their group scale with 4 exact
-HMUL2, and the dot products run on `mma.sync.m16n8k16` with fp32 accumulation: ~21 instructions per word all told,
-and no shared memory (a plain `tl.dot` stages its operands there and measured 2-3x slower: NOTES.md session 6).
-Measured on the H200 (NOTES.md session 12): 74-75% of the read probe for a 65536 x 8192 nvfp4 GEMV against 61% for
-the CUDA-core tile in the same process.
+HMUL2, and the dot products run on `mma.sync.m16n8k16` with fp32 accumulation: ~21 instructions per word all told
+(4.7 per byte, sm_90 SASS), and no shared memory (a plain `tl.dot` stages its operands there and measured 2-3x
+slower: NOTES.md session 6). Measured on the H200 (BENCHMARKS.md session 12): a 65536 x 8192 GEMV streams 77.4%
+(nvfp4) / 76.6% (mxfp4) of the read probe against 61.8 / 63.8% for the CUDA-core tile in the same process.
 
 Lane roles (one warp = 16 * RB weight rows; lane l has r = l // 4, q = l % 4):
 - lane (r, q) holds rows `base + r` and `base + r + 8` of each 16-row block as the mma's A rows r and r + 8, and for
@@ -46,7 +46,7 @@ from .pdl import launch_kw, pdl_begin
 from .tiles import _ASM, _e2m1_word, _normed_block, _store_out
 from .weights import WeightHandle
 
-__all__ = ["prepare_xh", "gemv_fp4_mma", "MMA_ROW_BLOCKS", "MMA_WARPS"]
+__all__ = ["prepare_xh", "gemv_fp4_mma", "mma_unreadable", "MMA_ROW_BLOCKS", "MMA_WARPS"]
 
 # Launch shape measured best on the H200 (NOTES.md session 12): 2 row blocks (32 rows) per warp, 4 warps per program,
 # 128 registers (ptxas wants 134: capped, no spill) -> 16 warps per SM and a 65536-row GEMV in one wave.
@@ -345,18 +345,19 @@ def prepare_xh(x: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: fl
     return out
 
 
-def check_mma_weight(w: WeightHandle, name: str = "gemv_fp4_mma"):
-    """Raise unless the mma kernel can read w (an nvfp4 / mxfp4 Linear, K % 32 == 0, 16-byte aligned rows)."""
+def mma_unreadable(w: WeightHandle) -> str | None:
+    """Why the mma kernel cannot read w, or None (an nvfp4 / mxfp4 Linear, K % 32 == 0, 16-byte aligned rows)."""
     if w.fmt not in ("nvfp4", "mxfp4"):
-        raise ValueError(f"{name}: weight format {w.fmt!r}, expected 'nvfp4' or 'mxfp4'")
+        return f"weight format {w.fmt!r}, expected 'nvfp4' or 'mxfp4'"
     if w.num_experts:
-        raise ValueError(f"{name}: weight handle is an expert stack")
+        return "weight handle is an expert stack"
     if w.in_features % 32:
-        raise ValueError(f"{name}: in_features {w.in_features} is not a multiple of 32 (16-byte row pieces)")
+        return f"in_features {w.in_features} is not a multiple of 32 (16-byte row pieces)"
     if w.weight.stride(-1) != 1 or w.weight.stride(-2) % 16 or w.weight.data_ptr() % 16:
-        raise ValueError(f"{name}: weight rows must be contiguous and 16-byte aligned")
+        return "weight rows must be contiguous and 16-byte aligned"
     if w.scale.stride(-1) != 1:
-        raise ValueError(f"{name}: weight_scale must be contiguous along in_features, stride {w.scale.stride()}")
+        return f"weight_scale must be contiguous along in_features, stride {w.scale.stride()}"
+    return None
 
 
 def gemv_fp4_mma(x: torch.Tensor, w: WeightHandle, *, bias: torch.Tensor | None = None,
@@ -365,7 +366,9 @@ def gemv_fp4_mma(x: torch.Tensor, w: WeightHandle, *, bias: torch.Tensor | None 
                  row_blocks: int = MMA_ROW_BLOCKS, num_warps: int = MMA_WARPS) -> torch.Tensor:
     """y = W @ x (+ bias) (+ residual) for one nvfp4 / mxfp4 Linear on the tensor cores (module docstring). Same
     contract as kernels.gemv.gemv; xh = prepare_xh(x, norm_weight, eps) when already made (else made here)."""
-    check_mma_weight(w)
+    why = mma_unreadable(w)
+    if why:
+        raise ValueError(f"gemv_fp4_mma: {why}")
     N, K = w.out_features, w.in_features
     if row_blocks not in (1, 2) or num_warps not in (1, 2, 4, 8):
         raise ValueError(f"gemv_fp4_mma: row_blocks {row_blocks} (1 or 2), num_warps {num_warps} (1, 2, 4, 8)")

@@ -357,8 +357,8 @@ def use_mma(w: WeightHandle, x8: torch.Tensor | None, config: TileConfig | None)
     rows, K % 32 == 0 and 16-byte aligned rows."""
     if not MMA_GEMV or w.fmt != "nvfp4" or x8 is not None or config is not None or w.out_features < MMA_MIN_ROWS:
         return False
-    return (w.in_features % 32 == 0 and w.weight.stride(-1) == 1 and w.weight.stride(-2) % 16 == 0
-            and w.weight.data_ptr() % 16 == 0 and w.scale.stride(-1) == 1)
+    from .fp4_mma import mma_unreadable  # fp4_mma imports this module's checks
+    return mma_unreadable(w) is None
 
 
 def rows_first(cfg: TileConfig, N: int, K: int, fmt: str, device: torch.device) -> TileConfig:
