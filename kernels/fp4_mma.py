@@ -43,7 +43,7 @@ import triton.language as tl
 
 from .gemv import check_vec, check_x, make_out
 from .pdl import launch_kw, pdl_begin
-from .tiles import _ASM, _e2m1_word, _normed_block, _store_out
+from .tiles import _ASM, E2M1_F16X2_PTX, _e2m1_word, _normed_block, _store_out
 from .weights import WeightHandle
 
 __all__ = ["prepare_xh", "gemv_fp4_mma", "mma_unreadable", "MMA_ROW_BLOCKS", "MMA_WARPS"]
@@ -53,22 +53,9 @@ __all__ = ["prepare_xh", "gemv_fp4_mma", "mma_unreadable", "MMA_ROW_BLOCKS", "MM
 MMA_ROW_BLOCKS = 2
 MMA_WARPS = 4
 
-# Byte-plane decode of one word W (tiles.py _E2M1_WORD_PTX) into f16x2 P0 = {e0, e2}, P1 = {e4, e6}, P2 = {e1, e3},
+# Byte-plane decode of one word W (tiles.py E2M1_F16X2_PTX) into f16x2 P0 = {e0, e2}, P1 = {e4, e6}, P2 = {e1, e3},
 # P3 = {e5, e7}, each 2^-14 x its e2m1 value, then times the f16x2 scale pair S.
-_DECODE = """shl.b32 t, {W}, 4;
-and.b32 t, t, 0x80808080;
-shl.b32 u, {W}, 1;
-and.b32 u, u, 0x0E0E0E0E;
-or.b32 lo, t, u;
-shr.b32 t, {W}, 3;
-and.b32 t, t, 0x0E0E0E0E;
-and.b32 u, {W}, 0x80808080;
-or.b32 hi, t, u;
-prmt.b32 {P}0, lo, z, 0x1404;
-prmt.b32 {P}1, lo, z, 0x3424;
-prmt.b32 {P}2, hi, z, 0x1404;
-prmt.b32 {P}3, hi, z, 0x3424;
-mul.rn.f16x2 {P}0, {P}0, {S};
+_DECODE = E2M1_F16X2_PTX + """mul.rn.f16x2 {P}0, {P}0, {S};
 mul.rn.f16x2 {P}1, {P}1, {S};
 mul.rn.f16x2 {P}2, {P}2, {S};
 mul.rn.f16x2 {P}3, {P}3, {S};

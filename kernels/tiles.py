@@ -179,25 +179,29 @@ def _byte_f32(v, SHIFT: tl.constexpr):
 
 # The decode in PTX (GPU): ptxas turns the shift/and/or lines into ~7 SHF/LOP3/IMAD.SHL, each `prmt` places two
 # planes' bytes as the high bytes of an f16x2 (one PRMT per 2 codes; the portable code's byte shifts compile to
-# more), `cvt.f32.f16` is one HADD2.F32 each. $8 = the word; $0..$7 = elements 0..7.
+# more). E2M1_F16X2_PTX is that much, a template: word {W} -> f16x2 {P}0 = {e0, e2}, {P}1 = {e4, e6}, {P}2 = {e1, e3},
+# {P}3 = {e5, e7}, each 2^-14 x its value (needs .b32 registers t, u, lo, hi and z = 0); the tensor-core GEMV
+# (fp4_mma.py) feeds those pairs to mma as they are. Here `cvt.f32.f16` (one HADD2.F32 each) widens them:
+# $8 = the word; $0..$7 = elements 0..7.
+E2M1_F16X2_PTX = """shl.b32 t, {W}, 4;
+and.b32 t, t, 0x80808080;
+shl.b32 u, {W}, 1;
+and.b32 u, u, 0x0E0E0E0E;
+or.b32 lo, t, u;
+shr.b32 t, {W}, 3;
+and.b32 t, t, 0x0E0E0E0E;
+and.b32 u, {W}, 0x80808080;
+or.b32 hi, t, u;
+prmt.b32 {P}0, lo, z, 0x1404;
+prmt.b32 {P}1, lo, z, 0x3424;
+prmt.b32 {P}2, hi, z, 0x1404;
+prmt.b32 {P}3, hi, z, 0x3424;
+"""
 _E2M1_WORD_PTX = tl.constexpr("""{
 .reg .b32 t, u, lo, hi, z, h0, h1, h2, h3;
 .reg .b16 f<8>;
 mov.b32 z, 0;
-shl.b32 t, $8, 4;
-and.b32 t, t, 0x80808080;
-shl.b32 u, $8, 1;
-and.b32 u, u, 0x0E0E0E0E;
-or.b32 lo, t, u;
-shr.b32 t, $8, 3;
-and.b32 t, t, 0x0E0E0E0E;
-and.b32 u, $8, 0x80808080;
-or.b32 hi, t, u;
-prmt.b32 h0, lo, z, 0x1404;
-prmt.b32 h1, lo, z, 0x3424;
-prmt.b32 h2, hi, z, 0x1404;
-prmt.b32 h3, hi, z, 0x3424;
-mov.b32 {f0, f1}, h0;
+""" + E2M1_F16X2_PTX.format(W="$8", P="h") + """mov.b32 {f0, f1}, h0;
 mov.b32 {f2, f3}, h1;
 mov.b32 {f4, f5}, h2;
 mov.b32 {f6, f7}, h3;
