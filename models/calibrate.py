@@ -203,6 +203,12 @@ def _slice_maps(refs, shapes: dict) -> tuple[dict[tuple, list[str]], dict[tuple,
     return by_slice, {k: v[0] for k, v in seen.items() if len(v) == 1}
 
 
+def _stack(t, shapes: dict) -> int | None:
+    """How many stacked slices (experts) LinearTarget t converts one by one, or None for a single Linear."""
+    out_shape = t.out_shape(shapes[t.source])
+    return out_shape[0] if t.layout != "split" and len(out_shape) == 3 else None
+
+
 def _slice_keys(t, i: int, stacked: bool) -> tuple[tuple, tuple]:
     """Slice i of LinearTarget t -> (its key in by_slice, its key in exact) (_slice_maps)."""
     if t.layout == "split":
@@ -229,10 +235,9 @@ def gptq_calibrator(model, refs, scheme, opts: GptqOptions, progress: Callable[[
         want: set[str] = set()
         need_h: set[str] = set()
         for t in targets:
-            out_shape = t.out_shape(shapes[t.source])
-            stacked = t.layout != "split" and len(out_shape) == 3
-            for i in range(out_shape[0] if stacked else 1):
-                coarse, fine = _slice_keys(t, i, stacked)
+            n = _stack(t, shapes)
+            for i in range(1 if n is None else n):
+                coarse, fine = _slice_keys(t, i, n is not None)
                 names = by_slice.get(coarse, ())
                 want.update(names)
                 if fine not in exact:
@@ -241,7 +246,7 @@ def gptq_calibrator(model, refs, scheme, opts: GptqOptions, progress: Callable[[
                              damp=opts.damp, progress=progress, keep_hessian=need_h.__contains__)
 
         def solve(t, i: int, w: torch.Tensor, g, name: str):
-            coarse, fine = _slice_keys(t, i, t.layout != "split" and len(t.out_shape(shapes[t.source])) == 3)
+            coarse, fine = _slice_keys(t, i, _stack(t, shapes) is not None)
             if fine in exact:
                 q = cal.solved.get(exact[fine])
                 if q is None:
