@@ -350,9 +350,11 @@ def mma_unreadable(w: WeightHandle) -> str | None:
 def gemv_fp4_mma(x: torch.Tensor, w: WeightHandle, *, bias: torch.Tensor | None = None,
                  residual: torch.Tensor | None = None, out: torch.Tensor | None = None,
                  norm_weight: torch.Tensor | None = None, eps: float = 1e-6, xh: torch.Tensor | None = None,
-                 row_blocks: int = MMA_ROW_BLOCKS, num_warps: int = MMA_WARPS) -> torch.Tensor:
+                 row_blocks: int = MMA_ROW_BLOCKS, num_warps: int = MMA_WARPS, variant: str = "shared",
+                 maxnreg: int | None = None) -> torch.Tensor:
     """y = W @ x (+ bias) (+ residual) for one nvfp4 / mxfp4 Linear on the tensor cores (module docstring). Same
-    contract as kernels.gemv.gemv; xh = prepare_xh(x, norm_weight, eps) when already made (else made here)."""
+    contract as kernels.gemv.gemv; xh = prepare_xh(x, norm_weight, eps) when already made (else made here).
+    variant "own": the group scale after the mma (_fp4_own_kernel); maxnreg: a register cap (CUDA)."""
     why = mma_unreadable(w)
     if why:
         raise ValueError(f"gemv_fp4_mma: {why}")
@@ -368,12 +370,198 @@ def gemv_fp4_mma(x: torch.Tensor, w: WeightHandle, *, bias: torch.Tensor | None 
     elif xh.shape != (K,) or xh.dtype != torch.float16 or not xh.is_contiguous() or xh.data_ptr() % 16:
         raise ValueError(f"xh: expected a contiguous, 16-byte aligned fp16 [{K}] (prepare_xh), got {xh.dtype} "
                          f"{tuple(xh.shape)}")
+    if variant not in ("shared", "own"):
+        raise ValueError(f"gemv_fp4_mma: variant {variant!r}: 'shared' or 'own'")
     # Two row blocks compile to 134 registers on sm_90 (triton 3.6): capped at 128 (no spill in the SASS).
-    cap = {"maxnreg": 128} if x.device.type == "cuda" and row_blocks == 2 else {}
-    _fp4_mma_kernel[(triton.cdiv(N, 16 * row_blocks * num_warps),)](
+    if maxnreg is None and variant == "shared" and row_blocks == 2:
+        maxnreg = 128
+    cap = {"maxnreg": maxnreg} if x.device.type == "cuda" and maxnreg else {}
+    kernel = _fp4_own_kernel if variant == "own" else _fp4_mma_kernel
+    kernel[(triton.cdiv(N, 16 * row_blocks * num_warps),)](
         xh, w.weight, w.weight.stride(-2), w.scale.view(torch.uint8), w.scale.stride(-2),
         w.global_scale if w.global_scale is not None else y,
         bias if bias is not None else y, residual if residual is not None else y, y, N, K,
         MX=w.fmt == "mxfp4", HAS_BIAS=bias is not None, HAS_RES=residual is not None, RB=row_blocks, NW=num_warps,
         num_warps=num_warps, **launch_kw(x.device), **cap)
     return y
+
+
+# ---- Variant "own columns": the group scale after the mma (session 13, A/B against the kernel above) -------------
+# B column n is non-zero only for n = 2 g, where it holds x of quad lane g's word (supplied by lane (2g, g), the
+# others pass zeros), so D[row][2q] is lane (r, q)'s own word's dot and each lane's D holds only its own words:
+# the f16 codes need no scale (no HMUL2: 4 per word), a group's mma chain (nvfp4: 2 words = 4 mma, mxfp4: 4 words)
+# starts from zero and its result gets the group scale in one fp32 FFMA per row, and the quad is summed once at the
+# end with two shuffles. mxfp4 becomes exact for every E8M0 scale (an fp32 power of two).
+def _own_ptx(words: int, chained: bool) -> str:
+    """`words` words of rows a and b through 2 mma each, chained: $0..$3 out; (chained) $4..$7 in; then the words
+    of row a, those of row b, and 4 x pairs per word."""
+    c0 = 8 if chained else 4
+    wa, wb, xs = c0, c0 + words, c0 + 2 * words
+    body = "{\n.reg .b32 t, u, lo, hi, z, a<4>, b<4>;\n.reg .f32 d<4>;\nmov.b32 z, 0;\n"
+    for j in range(words):
+        body += E2M1_F16X2_PTX.format(W=f"${wa + j}", P="a") + E2M1_F16X2_PTX.format(W=f"${wb + j}", P="b")
+        c = ("$4, $5, $6, $7" if chained else "0f00000000, 0f00000000, 0f00000000, 0f00000000") if j == 0 \
+            else "d0, d1, d2, d3"
+        body += _MMA.format(A="a", B="b", X0=f"${xs + 4 * j}", X1=f"${xs + 4 * j + 1}", C=c)
+        body += _MMA_HI.format(A="a", B="b", X0=f"${xs + 4 * j + 2}", X1=f"${xs + 4 * j + 3}")
+    return body + "mov.f32 $0, d0;\nmov.f32 $1, d1;\nmov.f32 $2, d2;\nmov.f32 $3, d3;\n}"
+
+
+_OWN_2 = tl.constexpr(_own_ptx(2, False))
+_OWN_2C = tl.constexpr(_own_ptx(2, True))
+
+
+@triton.jit
+def _scale32(ptr, MX: tl.constexpr):
+    """One group scale byte at ptr as fp32: nvfp4 the e4m3 value; mxfp4 2^(e - 127) x 2^14, the decode's 2^-14 undone
+    here so that a row whose groups all have e = 0 keeps fp32's normal range: exact for e <= 240, inf above."""
+    b = tl.load(ptr)
+    if MX:
+        return (tl.minimum(b.to(tl.int32) + 14, 255) << 23).to(tl.float32, bitcast=True)
+    else:
+        return b.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _piece_load_own(wq, sq, ra, rb, swn, stride_sn, st, q, KW, KG, h: tl.constexpr, MX: tl.constexpr):
+    """_piece_load with fp32 scales (_scale32): (words a, words b, sa0, sa1, sb0, sb1), nvfp4 scale 0 for words
+    0-1 and 1 for words 2-3, mxfp4 one scale for all 4."""
+    w = tl.minimum(32 * st + 16 * h + 4 * q, KW - 4)
+    a0, a1, a2, a3 = _ld_words(wq + ra * swn + w)
+    b0, b1, b2, b3 = _ld_words(wq + rb * swn + w)
+    if MX:
+        g = tl.minimum(w // 4, KG - 1)
+        sa0 = _scale32(sq + ra * stride_sn + g, MX)
+        sb0 = _scale32(sq + rb * stride_sn + g, MX)
+        sa1 = sa0
+        sb1 = sb0
+    else:
+        g = tl.minimum(w // 2, KG - 2)
+        sa0 = _scale32(sq + ra * stride_sn + g, MX)
+        sa1 = _scale32(sq + ra * stride_sn + g + 1, MX)
+        sb0 = _scale32(sq + rb * stride_sn + g, MX)
+        sb1 = _scale32(sq + rb * stride_sn + g + 1, MX)
+    return a0, a1, a2, a3, b0, b1, b2, b3, sa0, sa1, sb0, sb1
+
+
+@triton.jit
+def _group_own(acc_a, acc_b, H, X, j: tl.constexpr, MX: tl.constexpr):
+    """Words j, j + 1 of piece H (rows a, b; mxfp4: j = 0 and all 4 words) into acc += dot x group scale. X = the 16
+    x pairs of this lane's 4 words (GPU: zeros unless this lane supplies B)."""
+    if _ASM:
+        d0, d1, d2, d3 = tl.inline_asm_elementwise(
+            _OWN_2, "=f,=f,=f,=f" + ",r" * 12,
+            [H[j], H[j + 1], H[4 + j], H[5 + j], X[4 * j], X[4 * j + 1], X[4 * j + 2], X[4 * j + 3], X[4 * j + 4],
+             X[4 * j + 5], X[4 * j + 6], X[4 * j + 7]],
+            dtype=(tl.float32,) * 4, is_pure=True, pack=1)
+        if MX:
+            d0, d1, d2, d3 = tl.inline_asm_elementwise(
+                _OWN_2C, "=f,=f,=f,=f,f,f,f,f" + ",r" * 12,
+                [d0, d1, d2, d3, H[2], H[3], H[6], H[7], X[8], X[9], X[10], X[11], X[12], X[13], X[14], X[15]],
+                dtype=(tl.float32,) * 4, is_pure=True, pack=1)
+        acc_a += d0 * H[8 + j // 2]
+        acc_b += d2 * H[10 + j // 2]
+    else:
+        one = 1.0
+        da = _word_dot(H[j], one, X[4 * j], X[4 * j + 1], X[4 * j + 2], X[4 * j + 3])
+        da += _word_dot(H[j + 1], one, X[4 * j + 4], X[4 * j + 5], X[4 * j + 6], X[4 * j + 7])
+        db = _word_dot(H[4 + j], one, X[4 * j], X[4 * j + 1], X[4 * j + 2], X[4 * j + 3])
+        db += _word_dot(H[5 + j], one, X[4 * j + 4], X[4 * j + 5], X[4 * j + 6], X[4 * j + 7])
+        if MX:
+            da += _word_dot(H[2], one, X[8], X[9], X[10], X[11]) + _word_dot(H[3], one, X[12], X[13], X[14], X[15])
+            db += _word_dot(H[6], one, X[8], X[9], X[10], X[11]) + _word_dot(H[7], one, X[12], X[13], X[14], X[15])
+        acc_a += da * H[8 + j // 2]
+        acc_b += db * H[10 + j // 2]
+    return acc_a, acc_b
+
+
+@triton.jit
+def _piece_step_own(a0, a1, c0, c1, H0, H1, xq, x_off, valid, RB: tl.constexpr, MX: tl.constexpr):
+    """One piece (4 words per lane) for row block 0 (H0; accumulators a0 / a1 = rows r / r + 8) and, when RB == 2,
+    block 1 (H1; c0 / c1); x loaded once for both (GPU: only by the lanes that supply B, `valid` says so)."""
+    X = _ld_x(xq + 4 * x_off, valid) + _ld_x(xq + 4 * x_off + 8, valid)
+    a0, a1 = _group_own(a0, a1, H0, X, 0, MX)
+    if RB == 2:
+        c0, c1 = _group_own(c0, c1, H1, X, 0, MX)
+    if not MX:
+        a0, a1 = _group_own(a0, a1, H0, X, 2, MX)
+        if RB == 2:
+            c0, c1 = _group_own(c0, c1, H1, X, 2, MX)
+    return a0, a1, c0, c1
+
+
+@triton.jit
+def _quad_sum_own(v, NW: tl.constexpr):
+    """The sum over each quad of lanes, given back to all 4 (GPU: two butterfly shuffles)."""
+    if _ASM:
+        return tl.inline_asm_elementwise(
+            "{\n.reg .f32 t;\nshfl.sync.bfly.b32 t, $1, 1, 0x1f, 0xffffffff;\nadd.f32 t, t, $1;\n"
+            "shfl.sync.bfly.b32 $0, t, 2, 0x1f, 0xffffffff;\nadd.f32 $0, $0, t;\n}",
+            "=f,f", [v], dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        return _quad_sum(v, NW)
+
+
+@triton.jit
+def _step_load_own(wq, sq, ra, rb, swn, stride_sn, st, q, KW, KG, MX: tl.constexpr):
+    return (_piece_load_own(wq, sq, ra, rb, swn, stride_sn, st, q, KW, KG, 0, MX),
+            _piece_load_own(wq, sq, ra, rb, swn, stride_sn, st, q, KW, KG, 1, MX))
+
+
+@triton.jit
+def _fp4_own_kernel(xh_ptr, w_ptr, stride_wn, s_ptr, stride_sn, gs_ptr, bias_ptr, res_ptr, y_ptr, N, K,
+                    MX: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, RB: tl.constexpr,
+                    NW: tl.constexpr, PDL: tl.constexpr = False):
+    """_fp4_mma_kernel's contract and loop, "own columns" fragments (section comment above)."""
+    pdl_begin(PDL)
+    lane, warp = _lane_warp(NW)
+    r = lane >> 2
+    q = lane & 3
+    base = (tl.program_id(0) * NW + warp) * (16 * RB)
+    KW = K // 8
+    KG = K // 32 if MX else K // 16
+    n_steps = tl.cdiv(KW, 32)
+    wq = w_ptr.to(tl.pointer_type(tl.uint32))
+    xq = xh_ptr.to(tl.pointer_type(tl.uint32))
+    sq = s_ptr.to(tl.pointer_type(tl.uint8))
+    ra0 = tl.minimum(base + r, N - 1).to(tl.int64)
+    rb0 = tl.minimum(base + r + 8, N - 1).to(tl.int64)
+    ra1 = tl.minimum(base + 16 + r, N - 1).to(tl.int64)
+    rb1 = tl.minimum(base + 24 + r, N - 1).to(tl.int64)
+    swn = stride_wn // 4
+    if _ASM:
+        mine = r == 2 * q     # the lanes whose x goes into B (column 2q)
+    else:
+        mine = r >= 0         # portable: every lane dots its own words itself
+    zero = tl.zeros((NW * 32,), tl.float32)
+    a0, a1, c0, c1, e0, e1, f0, f1 = zero, zero, zero, zero, zero, zero, zero, zero
+    P0 = _step_load_own(wq, sq, ra0, rb0, swn, stride_sn, 0, q, KW, KG, MX)
+    if RB == 2:
+        P1 = _step_load_own(wq, sq, ra1, rb1, swn, stride_sn, 0, q, KW, KG, MX)
+    for st in range(0, n_steps):
+        sn = tl.minimum(st + 1, n_steps - 1)
+        C0 = P0
+        P0 = _step_load_own(wq, sq, ra0, rb0, swn, stride_sn, sn, q, KW, KG, MX)
+        if RB == 2:
+            C1 = P1
+            P1 = _step_load_own(wq, sq, ra1, rb1, swn, stride_sn, sn, q, KW, KG, MX)
+        else:
+            C1 = C0
+        x_off = 32 * st + 4 * q
+        a0, a1, c0, c1 = _piece_step_own(a0, a1, c0, c1, C0[0], C1[0], xq, x_off, (x_off < KW) & mine, RB, MX)
+        e0, e1, f0, f1 = _piece_step_own(e0, e1, f0, f1, C0[1], C1[1], xq, x_off + 16, (x_off + 16 < KW) & mine,
+                                         RB, MX)
+    if MX:
+        g = 1.0      # in the scales
+    else:
+        g = 16384.0 / tl.load(gs_ptr).to(tl.float32)  # the decode's 2^-14 and the global scale
+    lead = q == 0
+    n = base + r
+    _store_out(_quad_sum_own(a0 + e0, NW) * g, n, lead & (n < N), y_ptr, bias_ptr, res_ptr, HAS_BIAS, HAS_RES)
+    _store_out(_quad_sum_own(a1 + e1, NW) * g, n + 8, lead & (n + 8 < N), y_ptr, bias_ptr, res_ptr, HAS_BIAS,
+               HAS_RES)
+    if RB == 2:
+        _store_out(_quad_sum_own(c0 + f0, NW) * g, n + 16, lead & (n + 16 < N), y_ptr, bias_ptr, res_ptr, HAS_BIAS,
+                   HAS_RES)
+        _store_out(_quad_sum_own(c1 + f1, NW) * g, n + 24, lead & (n + 24 < N), y_ptr, bias_ptr, res_ptr, HAS_BIAS,
+                   HAS_RES)
