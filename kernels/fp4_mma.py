@@ -344,6 +344,8 @@ def mma_unreadable(w: WeightHandle) -> str | None:
         return "weight rows must be contiguous and 16-byte aligned"
     if w.scale.stride(-1) != 1:
         return f"weight_scale must be contiguous along in_features, stride {w.scale.stride()}"
+    if w.scale.data_ptr() % 2 or w.scale.stride(-2) % 2:
+        return "weight_scale rows must be 2-byte aligned (one u16 load per two nvfp4 groups)"
     return None
 
 
@@ -435,13 +437,23 @@ def _piece_load_own(wq, sq, ra, rb, swn, stride_sn, st, q, KW, KG, h: tl.constex
         sb0 = _scale32(sq + rb * stride_sn + g, MX)
         sa1 = sa0
         sb1 = sb0
-    else:
+    else:  # both groups' e4m3 bytes in one u16 load per row (g is even), widened where used (_group_scale)
         g = tl.minimum(w // 2, KG - 2)
-        sa0 = _scale32(sq + ra * stride_sn + g, MX)
-        sa1 = _scale32(sq + ra * stride_sn + g + 1, MX)
-        sb0 = _scale32(sq + rb * stride_sn + g, MX)
-        sb1 = _scale32(sq + rb * stride_sn + g + 1, MX)
+        sa0 = tl.load((sq + ra * stride_sn + g).to(tl.pointer_type(tl.uint16))).to(tl.int32)
+        sb0 = tl.load((sq + rb * stride_sn + g).to(tl.pointer_type(tl.uint16))).to(tl.int32)
+        sa1 = sa0
+        sb1 = sb0
     return a0, a1, a2, a3, b0, b1, b2, b3, sa0, sa1, sb0, sb1
+
+
+@triton.jit
+def _group_scale(s, HALF: tl.constexpr, MX: tl.constexpr):
+    """The fp32 scale of a piece's group HALF (0: words 0-1, 1: words 2-3): mxfp4 s itself, nvfp4 byte HALF of the
+    u16 pair."""
+    if MX:
+        return s
+    else:
+        return ((s >> (8 * HALF)) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
 
 
 @triton.jit
@@ -459,8 +471,8 @@ def _group_own(acc_a, acc_b, H, X, j: tl.constexpr, MX: tl.constexpr):
                 _OWN_2C, "=f,=f,=f,=f,f,f,f,f" + ",r" * 12,
                 [d0, d1, d2, d3, H[2], H[3], H[6], H[7], X[8], X[9], X[10], X[11], X[12], X[13], X[14], X[15]],
                 dtype=(tl.float32,) * 4, is_pure=True, pack=1)
-        acc_a += d0 * H[8 + j // 2]
-        acc_b += d2 * H[10 + j // 2]
+        acc_a += d0 * _group_scale(H[8], j // 2, MX)
+        acc_b += d2 * _group_scale(H[10], j // 2, MX)
     else:
         one = 1.0
         da = _word_dot(H[j], one, X[4 * j], X[4 * j + 1], X[4 * j + 2], X[4 * j + 3])
@@ -470,8 +482,8 @@ def _group_own(acc_a, acc_b, H, X, j: tl.constexpr, MX: tl.constexpr):
         if MX:
             da += _word_dot(H[2], one, X[8], X[9], X[10], X[11]) + _word_dot(H[3], one, X[12], X[13], X[14], X[15])
             db += _word_dot(H[6], one, X[8], X[9], X[10], X[11]) + _word_dot(H[7], one, X[12], X[13], X[14], X[15])
-        acc_a += da * H[8 + j // 2]
-        acc_b += db * H[10 + j // 2]
+        acc_a += da * _group_scale(H[8], j // 2, MX)
+        acc_b += db * _group_scale(H[10], j // 2, MX)
     return acc_a, acc_b
 
 
