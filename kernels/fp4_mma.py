@@ -1,36 +1,36 @@
 """fp4 GEMV (nvfp4, mxfp4) on the tensor cores: e2m1 codes decoded in registers straight into mma.sync A fragments.
 
 Why: the CUDA-core fp4 tile (tiles.py) is issue-bound at ~61% of the read probe: each code needs its own fp32
-convert and FFMA (~33 SASS instructions per u32 word of 8 codes). Here a word's 8 codes stay f16 (the byte-plane
-decode of tiles.py: 7 integer ops + 4 byte permutes give four f16x2 registers), get their group scale with 4 exact
-HMUL2, and the dot products run on `mma.sync.m16n8k16` with fp32 accumulation: ~21 instructions per word all told
-(4.7 per byte, sm_90 SASS), and no shared memory (a plain `tl.dot` stages its operands there and measured 2-3x
-slower: NOTES.md session 6). Measured on the H200 (BENCHMARKS.md session 12): a 65536 x 8192 GEMV streams 77.4%
-(nvfp4) / 76.6% (mxfp4) of the read probe against 61.8 / 63.8% for the CUDA-core tile in the same process.
+convert and FFMA (~33 SASS instructions per u32 word of 8 codes). Here a word's 8 codes become four f16x2 registers
+(the byte-plane decode of tiles.py: 7 integer ops + 4 byte permutes), the dot products run on `mma.sync.m16n8k16`
+with fp32 accumulation, and the group scale is one fp32 FFMA per group and row on the mma's result: ~17 SASS
+instructions per word all told (sm_90), no shared memory (a plain `tl.dot` stages its operands there and measured
+2-3x slower: NOTES.md session 6). H200, 65536 x 8192 (BENCHMARKS.md session 13): 81.8-83.2% (nvfp4) / 79.1-80.8%
+(mxfp4) of the read probe against 60.4-62.0 / 62.5-63.9% for the CUDA-core tile in the same process.
 
 Lane roles (one warp = 16 * RB weight rows; lane l has r = l // 4, q = l % 4):
 - lane (r, q) holds rows `base + r` and `base + r + 8` of each 16-row block as the mma's A rows r and r + 8, and for
   each 256-code step of K two 16-byte pieces of each row: piece h = words 16h + 4q .. + 3 (one load instruction per
   piece and row covers 64 contiguous bytes of the row across the quad), with their group scales (nvfp4: a group =
-  16 codes = 2 words, one per mma pair step; mxfp4: a group = 32 codes = the piece's 4 words);
-- an mma sums, per A row, the 4 codes each quad lane puts in its fragment. A word's codes land as f16x2 pairs
-  {e0, e2}, {e4, e6}, {e1, e3}, {e5, e7} (the byte-plane order), so the input is stored per 8 elements in the order
-  0, 2, 1, 3, 4, 6, 5, 7 ("xh", fp16; prepare_xh) and every lane's B fragment is its own word's x: all 8 B columns
-  are equal, D[r][c] is row r's running dot for every c, and each lane ends with the full sums of its two rows.
-  Each piece feeds its own accumulator chain, so one piece's mma never waits for the other's.
-Exactness: the decode gives 2^-14 x e2m1 in f16 (subnormals included), a multiple of 2^-15.
-- nvfp4: times the e4m3 scale (a multiple of 2^-9, <= 448): a multiple of 2^-24 below 0.17 with <= 6 significant
-  bits, exact in f16; 2^14 / global_scale is applied once per row.
-- mxfp4: times 2^(e - 117) (the E8M0 scale 2^(e - 127) times 2^10, an f16 power of two): exact for group scales
-  2^-19 .. 2^5 (e = 108 .. 132: groups whose largest |w| lies between ~1e-5 and 192); smaller scales round their
-  groups' smallest codes to f16's 2^-24 grid, larger ones overflow (inf: loud). 2^4 is applied once per row.
-f16 x f16 products are exact in the mma's fp32 sums. x is rounded to fp16 once (after the RMSNorm when fused): exact
-for bf16 inputs with 2^-14 <= |x| <= 65504; smaller values keep fp16's 2^-24 absolute precision, larger overflow.
+  16 codes = 2 words, both groups of a piece in one u16 load; mxfp4: a group = 32 codes = the piece's 4 words).
+- a word's codes land in the A fragment as f16x2 pairs {e0, e2}, {e4, e6}, {e1, e3}, {e5, e7} (the byte-plane order),
+  so the input is stored per 8 elements in the order 0, 2, 1, 3, 4, 6, 5, 7 ("xh", fp16; prepare_xh).
+- "own columns": B column n is non-zero only for n = 2g, where it holds the x pairs of quad lane g's word (supplied
+  by lane (2g, g); every other lane passes zeros). So D[row][2q] is lane (r, q)'s own word's dot: each lane's D
+  holds only its own words, a group's mma chain (nvfp4: 2 words = 4 mma, mxfp4: 4 words = 8) starts from zero and
+  its result gets the group scale in one fp32 FFMA per row, and the quad is summed once at the end (two shuffles).
+  (Session 12's kernel put the scale into the A fragment with 4 HMUL2 per word and kept all 8 B columns equal:
+  ~21 instructions per word, 76-77%.)
+Exactness: the decode gives 2^-14 x e2m1 in f16 (subnormals included); f16 x f16 products are exact in the mma's
+fp32 sums, and the scales are exact fp32: nvfp4's e4m3 value (2^14 / global_scale applied once per row); mxfp4's
+2^(e - 127) x 2^14 (the decode's factor folded in), exact for every E8M0 e <= 240 (2^-127 .. 2^113), inf above.
+x is rounded to fp16 once (after the RMSNorm when fused): exact for bf16 inputs with 2^-14 <= |x| <= 65504; smaller
+values keep fp16's 2^-24 absolute precision, larger overflow.
 
 Lane ids come from `%laneid` / `%tid.x` and every address is built from them, so the kernel never depends on which
 element of a Triton tensor a thread holds: tensors are [32 * NW], one element per thread. Under the interpreter
-(or KIE_TILES_ASM=0) the same loop runs with lane = element index, the decode of tiles.py and plain fp32 FMAs; the
-quad's sum then happens once at the end (`_quad_sum`).
+(or KIE_TILES_ASM=0) the same loop runs with lane = element index, the decode of tiles.py and plain fp32 FMAs over
+the lane's own words; the quad's sum is the same.
 """
 
 from __future__ import annotations
@@ -46,42 +46,46 @@ from .pdl import launch_kw, pdl_begin
 from .tiles import _ASM, E2M1_F16X2_PTX, _e2m1_word, _normed_block, _store_out
 from .weights import WeightHandle
 
-__all__ = ["prepare_xh", "gemv_fp4_mma", "mma_unreadable", "MMA_ROW_BLOCKS", "MMA_WARPS"]
+__all__ = ["prepare_xh", "gemv_fp4_mma", "mma_unreadable", "MMA_ROW_BLOCKS", "MMA_WARPS", "MMA_MAXNREG"]
 
-# Launch shape measured best on the H200 (NOTES.md session 12): 2 row blocks (32 rows) per warp, 4 warps per program,
-# 128 registers (ptxas wants 134: capped, no spill) -> 16 warps per SM and a 65536-row GEMV in one wave.
+# Launch shape measured best on the H200 (NOTES.md sessions 12-13): 2 row blocks (32 rows) per warp, 4 warps per
+# program, registers capped at 128 (uncapped, the device's ptxas takes more and the GEMV drops to 73%) -> 16 warps
+# per SM and a 65536-row GEMV in one wave.
 MMA_ROW_BLOCKS = 2
 MMA_WARPS = 4
+MMA_MAXNREG = 128
 
-# Byte-plane decode of one word W (tiles.py E2M1_F16X2_PTX) into f16x2 P0 = {e0, e2}, P1 = {e4, e6}, P2 = {e1, e3},
-# P3 = {e5, e7}, each 2^-14 x its e2m1 value, then times the f16x2 scale pair S.
-_DECODE = E2M1_F16X2_PTX + """mul.rn.f16x2 {P}0, {P}0, {S};
-mul.rn.f16x2 {P}1, {P}1, {S};
-mul.rn.f16x2 {P}2, {P}2, {S};
-mul.rn.f16x2 {P}3, {P}3, {S};
-"""
 # A fragment {row r k0-1, row r+8 k0-1, row r k8-9, row r+8 k8-9} = {a0, b0, a2, b2}: codes {e0, e2} | {e1, e3} of
 # both rows against x pairs {x0, x2} | {x1, x3}; then {a1, b1, a3, b3} = codes 4-7 against {x4, x6} | {x5, x7}.
 _MMA = "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {{d0, d1, d2, d3}}, {{{A}0, {B}0, {A}2, {B}2}}, " \
        "{{{X0}, {X1}}}, {{{C}}};\n"
 _MMA_HI = "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {{d0, d1, d2, d3}}, {{{A}1, {B}1, {A}3, {B}3}}, " \
           "{{{X0}, {X1}}}, {{d0, d1, d2, d3}};\n"
-# Operands: $0..$3 out accumulators; $4..$7 in accumulators; $8, $9 row a's words; $10, $11 row b's; $12, $13 the
-# f16x2 scale pairs of rows a and b; $14..$21 the x pairs of the two words (4 per word).
-_MMA_PAIR_PTX = tl.constexpr(
-    "{\n.reg .b32 t, u, lo, hi, z, a<4>, b<4>;\n.reg .f32 d<4>;\nmov.b32 z, 0;\n"
-    + _DECODE.format(W="$8", P="a", S="$12") + _DECODE.format(W="$10", P="b", S="$13")
-    + _MMA.format(A="a", B="b", X0="$14", X1="$15", C="$4, $5, $6, $7")
-    + _MMA_HI.format(A="a", B="b", X0="$16", X1="$17")
-    + _DECODE.format(W="$9", P="a", S="$12") + _DECODE.format(W="$11", P="b", S="$13")
-    + _MMA.format(A="a", B="b", X0="$18", X1="$19", C="d0, d1, d2, d3")
-    + _MMA_HI.format(A="a", B="b", X0="$20", X1="$21")
-    + "mov.f32 $0, d0;\nmov.f32 $1, d1;\nmov.f32 $2, d2;\nmov.f32 $3, d3;\n}")
-
 # Weights stream through once: they skip L1 (L1::no_allocate), so the x fragments every warp of an SM re-reads stay
 # there (71.0 -> 74.3% of the probe, NOTES.md session 12). KIE_MMA_L1_NA=0 loads them like any read-only data (A/B).
 _W_LOAD = tl.constexpr("ld.global.nc" + (".L1::no_allocate" if os.environ.get("KIE_MMA_L1_NA", "1") == "1" else "")
                        + ".v4.u32 {$0, $1, $2, $3}, [$4];")
+
+
+# One group's mma chain: each word of rows a and b decoded (E2M1_F16X2_PTX) and multiplied in two mma (codes 0-3, then
+# 4-7, against the lane's B registers), the first starting from zero (or from $4..$7 when chained).
+def _group_ptx(words: int, chained: bool) -> str:
+    """`words` words of rows a and b through 2 mma each, chained: $0..$3 out; (chained) $4..$7 in; then the words
+    of row a, those of row b, and 4 x pairs per word."""
+    c0 = 8 if chained else 4
+    wa, wb, xs = c0, c0 + words, c0 + 2 * words
+    body = "{\n.reg .b32 t, u, lo, hi, z, a<4>, b<4>;\n.reg .f32 d<4>;\nmov.b32 z, 0;\n"
+    for j in range(words):
+        body += E2M1_F16X2_PTX.format(W=f"${wa + j}", P="a") + E2M1_F16X2_PTX.format(W=f"${wb + j}", P="b")
+        c = ("$4, $5, $6, $7" if chained else "0f00000000, 0f00000000, 0f00000000, 0f00000000") if j == 0 \
+            else "d0, d1, d2, d3"
+        body += _MMA.format(A="a", B="b", X0=f"${xs + 4 * j}", X1=f"${xs + 4 * j + 1}", C=c)
+        body += _MMA_HI.format(A="a", B="b", X0=f"${xs + 4 * j + 2}", X1=f"${xs + 4 * j + 3}")
+    return body + "mov.f32 $0, d0;\nmov.f32 $1, d1;\nmov.f32 $2, d2;\nmov.f32 $3, d3;\n}"
+
+
+_MMA_GROUP = tl.constexpr(_group_ptx(2, False))
+_MMA_GROUP_C = tl.constexpr(_group_ptx(2, True))
 
 
 @triton.jit
@@ -146,44 +150,6 @@ def _ld_x(ptr, valid):
 
 
 @triton.jit
-def _scale(ptr, MX: tl.constexpr):
-    """One group scale byte at ptr as the f16 multiplier of the decoded codes: GPU an f16x2 pair {s, s} (u32),
-    portable fp32 s. nvfp4: the e4m3 value; mxfp4: 2^(e - 117) (module docstring: exact for e = 108 .. 132)."""
-    b = tl.load(ptr).to(tl.int32)
-    if MX:
-        t = b - 102                                   # f16 exponent field of 2^(e - 117); 31 = inf
-        h = tl.where(t >= 1, tl.minimum(t, 31) << 10, tl.where(t >= -9, 1 << tl.maximum(t + 9, 0), 0))
-    else:
-        h = b.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16).to(tl.uint16, bitcast=True).to(tl.int32)
-    if _ASM:
-        return (h | (h << 16)).to(tl.uint32)
-    else:
-        return h.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-
-
-@triton.jit
-def _piece_load(wq, sq, ra, rb, swn, stride_sn, st, q, KW, KG, h: tl.constexpr, MX: tl.constexpr):
-    """Piece h of step st for rows ra, rb: words 32 st + 16 h + 4q .. + 3 (clamped in-row: K % 32 == 0 lets a ragged
-    last step end after either piece; its missing words multiply x = 0) and the scales of its two pair steps."""
-    w = tl.minimum(32 * st + 16 * h + 4 * q, KW - 4)
-    a0, a1, a2, a3 = _ld_words(wq + ra * swn + w)
-    b0, b1, b2, b3 = _ld_words(wq + rb * swn + w)
-    if MX:  # one 32-code group per piece
-        g = tl.minimum(w // 4, KG - 1)
-        sa0 = _scale(sq + ra * stride_sn + g, MX)
-        sb0 = _scale(sq + rb * stride_sn + g, MX)
-        sa1 = sa0
-        sb1 = sb0
-    else:  # two 16-code groups per piece
-        g = tl.minimum(w // 2, KG - 2)
-        sa0 = _scale(sq + ra * stride_sn + g, MX)
-        sa1 = _scale(sq + ra * stride_sn + g + 1, MX)
-        sb0 = _scale(sq + rb * stride_sn + g, MX)
-        sb1 = _scale(sq + rb * stride_sn + g + 1, MX)
-    return a0, a1, a2, a3, b0, b1, b2, b3, sa0, sa1, sb0, sb1
-
-
-@triton.jit
 def _h(v, HI: tl.constexpr):
     """Half HI of an f16x2 pair (u32) as fp32 (portable path)."""
     if HI:
@@ -192,63 +158,121 @@ def _h(v, HI: tl.constexpr):
 
 
 @triton.jit
-def _word_dot(w, s, x0, x1, x2, x3):
-    """Portable: one word's 8 codes (x 2^-14) times scale s, dotted with its x pairs {x0, x2} {x1, x3} {x4, x6}
-    {x5, x7} (x0..x3 here are those four u32 pairs)."""
+def _word_dot(w, x0, x1, x2, x3):
+    """Portable: one word's 8 codes (x 2^-14) dotted with its x pairs {x0, x2} {x1, x3} {x4, x6} {x5, x7} (x0..x3
+    here are those four u32 pairs)."""
     e0, e1, e2, e3, e4, e5, e6, e7 = _e2m1_word(w)
     p = e0 * _h(x0, False) + e2 * _h(x0, True) + e1 * _h(x1, False) + e3 * _h(x1, True)
     p += e4 * _h(x2, False) + e6 * _h(x2, True) + e5 * _h(x3, False) + e7 * _h(x3, True)
-    return p * s
+    return p
 
 
 @triton.jit
-def _pair_step(d0, d1, d2, d3, wa0, wa1, wb0, wb1, sa, sb, x0, x1, x2, x3, x4, x5, x6, x7):
-    """Accumulate two words of rows a (d0, d1) and b (d2, d3) with their scales sa / sb (_scale) and x pairs x0..x7.
-    GPU: 4 mma (the quad's sums included); portable: this lane's part only."""
+def _scale32(ptr, MX: tl.constexpr):
+    """One group scale byte at ptr as fp32: nvfp4 the e4m3 value; mxfp4 2^(e - 127) x 2^14, the decode's 2^-14 undone
+    here so that a row whose groups all have e = 0 keeps fp32's normal range: exact for e <= 240, inf above."""
+    b = tl.load(ptr)
+    if MX:
+        return (tl.minimum(b.to(tl.int32) + 14, 255) << 23).to(tl.float32, bitcast=True)
+    else:
+        return b.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _piece_load(wq, sq, ra, rb, swn, stride_sn, st, q, KW, KG, h: tl.constexpr, MX: tl.constexpr):
+    """Piece h of step st for rows ra, rb: words 32 st + 16 h + 4q .. + 3 (clamped in-row: K % 32 == 0 lets a ragged
+    last step end after either piece; its missing words multiply x = 0) and their scales: (words a, words b, sa, sa,
+    sb, sb), mxfp4 sa / sb the fp32 group scale, nvfp4 the u16 pair of e4m3 scales (words 0-1, words 2-3)."""
+    w = tl.minimum(32 * st + 16 * h + 4 * q, KW - 4)
+    a0, a1, a2, a3 = _ld_words(wq + ra * swn + w)
+    b0, b1, b2, b3 = _ld_words(wq + rb * swn + w)
+    if MX:
+        g = tl.minimum(w // 4, KG - 1)
+        sa0 = _scale32(sq + ra * stride_sn + g, MX)
+        sb0 = _scale32(sq + rb * stride_sn + g, MX)
+        sa1 = sa0
+        sb1 = sb0
+    else:  # both groups' e4m3 bytes in one u16 load per row (g is even), widened where used (_group_scale)
+        g = tl.minimum(w // 2, KG - 2)
+        sa0 = tl.load((sq + ra * stride_sn + g).to(tl.pointer_type(tl.uint16))).to(tl.int32)
+        sb0 = tl.load((sq + rb * stride_sn + g).to(tl.pointer_type(tl.uint16))).to(tl.int32)
+        sa1 = sa0
+        sb1 = sb0
+    return a0, a1, a2, a3, b0, b1, b2, b3, sa0, sa1, sb0, sb1
+
+
+@triton.jit
+def _group_scale(s, HALF: tl.constexpr, MX: tl.constexpr):
+    """The fp32 scale of a piece's group HALF (0: words 0-1, 1: words 2-3): mxfp4 s itself, nvfp4 byte HALF of the
+    u16 pair."""
+    if MX:
+        return s
+    else:
+        return ((s >> (8 * HALF)) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _group(acc_a, acc_b, H, X, j: tl.constexpr, MX: tl.constexpr):
+    """Words j, j + 1 of piece H (rows a, b; mxfp4: j = 0 and all 4 words) into acc += dot x group scale. X = the 16
+    x pairs of this lane's 4 words (GPU: zeros unless this lane supplies B)."""
     if _ASM:
         d0, d1, d2, d3 = tl.inline_asm_elementwise(
-            _MMA_PAIR_PTX, "=f,=f,=f,=f,f,f,f,f,r,r,r,r,r,r,r,r,r,r,r,r,r,r",
-            [d0, d1, d2, d3, wa0, wa1, wb0, wb1, sa, sb, x0, x1, x2, x3, x4, x5, x6, x7],
+            _MMA_GROUP, "=f,=f,=f,=f" + ",r" * 12,
+            [H[j], H[j + 1], H[4 + j], H[5 + j], X[4 * j], X[4 * j + 1], X[4 * j + 2], X[4 * j + 3], X[4 * j + 4],
+             X[4 * j + 5], X[4 * j + 6], X[4 * j + 7]],
             dtype=(tl.float32,) * 4, is_pure=True, pack=1)
+        if MX:
+            d0, d1, d2, d3 = tl.inline_asm_elementwise(
+                _MMA_GROUP_C, "=f,=f,=f,=f,f,f,f,f" + ",r" * 12,
+                [d0, d1, d2, d3, H[2], H[3], H[6], H[7], X[8], X[9], X[10], X[11], X[12], X[13], X[14], X[15]],
+                dtype=(tl.float32,) * 4, is_pure=True, pack=1)
+        acc_a += d0 * _group_scale(H[8], j // 2, MX)
+        acc_b += d2 * _group_scale(H[10], j // 2, MX)
     else:
-        d0 += _word_dot(wa0, sa, x0, x1, x2, x3) + _word_dot(wa1, sa, x4, x5, x6, x7)
-        d2 += _word_dot(wb0, sb, x0, x1, x2, x3) + _word_dot(wb1, sb, x4, x5, x6, x7)
-    return d0, d1, d2, d3
+        da = _word_dot(H[j], X[4 * j], X[4 * j + 1], X[4 * j + 2], X[4 * j + 3])
+        da += _word_dot(H[j + 1], X[4 * j + 4], X[4 * j + 5], X[4 * j + 6], X[4 * j + 7])
+        db = _word_dot(H[4 + j], X[4 * j], X[4 * j + 1], X[4 * j + 2], X[4 * j + 3])
+        db += _word_dot(H[5 + j], X[4 * j + 4], X[4 * j + 5], X[4 * j + 6], X[4 * j + 7])
+        if MX:
+            da += _word_dot(H[2], X[8], X[9], X[10], X[11]) + _word_dot(H[3], X[12], X[13], X[14], X[15])
+            db += _word_dot(H[6], X[8], X[9], X[10], X[11]) + _word_dot(H[7], X[12], X[13], X[14], X[15])
+        acc_a += da * _group_scale(H[8], j // 2, MX)
+        acc_b += db * _group_scale(H[10], j // 2, MX)
+    return acc_a, acc_b
 
 
 @triton.jit
-def _piece_step(d0, d1, d2, d3, f0, f1, f2, f3, H0, H1, xq, x_off, valid, RB: tl.constexpr):
-    """One piece for row block 0 (H0, accumulators d) and, when RB == 2, block 1 (H1, f): two pair steps; each x
-    fragment is loaded once for both blocks. H = _piece_load's tuple."""
-    x0, x1, x2, x3, x4, x5, x6, x7 = _ld_x(xq + 4 * x_off, valid)
-    d0, d1, d2, d3 = _pair_step(d0, d1, d2, d3, H0[0], H0[1], H0[4], H0[5], H0[8], H0[10],
-                                x0, x1, x2, x3, x4, x5, x6, x7)
+def _piece_step(a0, a1, c0, c1, H0, H1, xq, x_off, valid, RB: tl.constexpr, MX: tl.constexpr):
+    """One piece (4 words per lane) for row block 0 (H0; accumulators a0 / a1 = rows r / r + 8) and, when RB == 2,
+    block 1 (H1; c0 / c1); x loaded once for both (GPU: only by the lanes that supply B, `valid` says so)."""
+    X = _ld_x(xq + 4 * x_off, valid) + _ld_x(xq + 4 * x_off + 8, valid)
+    a0, a1 = _group(a0, a1, H0, X, 0, MX)
     if RB == 2:
-        f0, f1, f2, f3 = _pair_step(f0, f1, f2, f3, H1[0], H1[1], H1[4], H1[5], H1[8], H1[10],
-                                    x0, x1, x2, x3, x4, x5, x6, x7)
-    x0, x1, x2, x3, x4, x5, x6, x7 = _ld_x(xq + 4 * x_off + 8, valid)
-    d0, d1, d2, d3 = _pair_step(d0, d1, d2, d3, H0[2], H0[3], H0[6], H0[7], H0[9], H0[11],
-                                x0, x1, x2, x3, x4, x5, x6, x7)
-    if RB == 2:
-        f0, f1, f2, f3 = _pair_step(f0, f1, f2, f3, H1[2], H1[3], H1[6], H1[7], H1[9], H1[11],
-                                    x0, x1, x2, x3, x4, x5, x6, x7)
-    return d0, d1, d2, d3, f0, f1, f2, f3
+        c0, c1 = _group(c0, c1, H1, X, 0, MX)
+    if not MX:
+        a0, a1 = _group(a0, a1, H0, X, 2, MX)
+        if RB == 2:
+            c0, c1 = _group(c0, c1, H1, X, 2, MX)
+    return a0, a1, c0, c1
+
+
+@triton.jit
+def _quad_sum(v, NW: tl.constexpr):
+    """The sum over each quad of lanes, given back to all 4 (GPU: two butterfly shuffles)."""
+    if _ASM:
+        return tl.inline_asm_elementwise(
+            "{\n.reg .f32 t;\nshfl.sync.bfly.b32 t, $1, 1, 0x1f, 0xffffffff;\nadd.f32 t, t, $1;\n"
+            "shfl.sync.bfly.b32 $0, t, 2, 0x1f, 0xffffffff;\nadd.f32 $0, $0, t;\n}",
+            "=f,f", [v], dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        s = tl.sum(tl.reshape(v, (NW * 8, 4)), axis=1)
+        return tl.reshape(tl.broadcast_to(s[:, None], (NW * 8, 4)), (NW * 32,))
 
 
 @triton.jit
 def _step_load(wq, sq, ra, rb, swn, stride_sn, st, q, KW, KG, MX: tl.constexpr):
     return (_piece_load(wq, sq, ra, rb, swn, stride_sn, st, q, KW, KG, 0, MX),
             _piece_load(wq, sq, ra, rb, swn, stride_sn, st, q, KW, KG, 1, MX))
-
-
-@triton.jit
-def _quad_sum(v, NW: tl.constexpr):
-    """Portable path: the sum over each quad of lanes (4 consecutive elements), given back to all 4."""
-    if _ASM:
-        return v
-    else:
-        s = tl.sum(tl.reshape(v, (NW * 8, 4)), axis=1)
-        return tl.reshape(tl.broadcast_to(s[:, None], (NW * 8, 4)), (NW * 32,))
 
 
 @triton.jit
@@ -263,26 +287,29 @@ def _fp4_mma_kernel(xh_ptr, w_ptr, stride_wn, s_ptr, stride_sn, gs_ptr, bias_ptr
     r = lane >> 2
     q = lane & 3
     base = (tl.program_id(0) * NW + warp) * (16 * RB)
-    KW = K // 8                      # u32 words per row, a multiple of 4
-    KG = K // 32 if MX else K // 16  # scale groups per row
+    KW = K // 8
+    KG = K // 32 if MX else K // 16
     n_steps = tl.cdiv(KW, 32)
     wq = w_ptr.to(tl.pointer_type(tl.uint32))
     xq = xh_ptr.to(tl.pointer_type(tl.uint32))
     sq = s_ptr.to(tl.pointer_type(tl.uint8))
-    # Rows (clamped: rows past N read row N - 1 and are not stored), int64 offsets.
     ra0 = tl.minimum(base + r, N - 1).to(tl.int64)
     rb0 = tl.minimum(base + r + 8, N - 1).to(tl.int64)
     ra1 = tl.minimum(base + 16 + r, N - 1).to(tl.int64)
     rb1 = tl.minimum(base + 24 + r, N - 1).to(tl.int64)
     swn = stride_wn // 4
+    if _ASM:
+        mine = r == 2 * q     # the lanes whose x goes into B (column 2q)
+    else:
+        mine = r >= 0         # portable: every lane dots its own words itself
+    # Accumulators: a / c rows r, r + 8 of blocks 0 / 1 from piece 0, e / f the same from piece 1.
     zero = tl.zeros((NW * 32,), tl.float32)
-    a0, a1, a2, a3, e0, e1, e2, e3 = zero, zero, zero, zero, zero, zero, zero, zero
-    c0, c1, c2, c3, f0, f1, f2, f3 = zero, zero, zero, zero, zero, zero, zero, zero
+    a0, a1, c0, c1, e0, e1, f0, f1 = zero, zero, zero, zero, zero, zero, zero, zero
     P0 = _step_load(wq, sq, ra0, rb0, swn, stride_sn, 0, q, KW, KG, MX)
     if RB == 2:
         P1 = _step_load(wq, sq, ra1, rb1, swn, stride_sn, 0, q, KW, KG, MX)
     for st in range(0, n_steps):
-        sn = tl.minimum(st + 1, n_steps - 1)          # the last iteration re-reads its own step (L2 hits)
+        sn = tl.minimum(st + 1, n_steps - 1)
         C0 = P0
         P0 = _step_load(wq, sq, ra0, rb0, swn, stride_sn, sn, q, KW, KG, MX)
         if RB == 2:
@@ -290,25 +317,24 @@ def _fp4_mma_kernel(xh_ptr, w_ptr, stride_wn, s_ptr, stride_sn, gs_ptr, bias_ptr
             P1 = _step_load(wq, sq, ra1, rb1, swn, stride_sn, sn, q, KW, KG, MX)
         else:
             C1 = C0
-        # Piece 0 feeds chains a (block 0) / c (block 1), piece 1 chains e / f.
         x_off = 32 * st + 4 * q
-        a0, a1, a2, a3, c0, c1, c2, c3 = _piece_step(a0, a1, a2, a3, c0, c1, c2, c3, C0[0], C1[0], xq, x_off,
-                                                     x_off < KW, RB)
-        e0, e1, e2, e3, f0, f1, f2, f3 = _piece_step(e0, e1, e2, e3, f0, f1, f2, f3, C0[1], C1[1], xq, x_off + 16,
-                                                     x_off + 16 < KW, RB)
-    # The decode's 2^-14 and the scale's offset undone once per row; one lane per quad stores.
+        a0, a1, c0, c1 = _piece_step(a0, a1, c0, c1, C0[0], C1[0], xq, x_off, (x_off < KW) & mine, RB, MX)
+        e0, e1, f0, f1 = _piece_step(e0, e1, f0, f1, C0[1], C1[1], xq, x_off + 16, (x_off + 16 < KW) & mine, RB,
+                                     MX)
+    # The decode's 2^-14 (mxfp4: already in the scales) and nvfp4's global scale, once per row; one lane per quad stores.
     if MX:
-        g = 16.0
+        g = 1.0
     else:
         g = 16384.0 / tl.load(gs_ptr).to(tl.float32)
     lead = q == 0
     n = base + r
     _store_out(_quad_sum(a0 + e0, NW) * g, n, lead & (n < N), y_ptr, bias_ptr, res_ptr, HAS_BIAS, HAS_RES)
-    _store_out(_quad_sum(a2 + e2, NW) * g, n + 8, lead & (n + 8 < N), y_ptr, bias_ptr, res_ptr, HAS_BIAS, HAS_RES)
+    _store_out(_quad_sum(a1 + e1, NW) * g, n + 8, lead & (n + 8 < N), y_ptr, bias_ptr, res_ptr, HAS_BIAS,
+               HAS_RES)
     if RB == 2:
         _store_out(_quad_sum(c0 + f0, NW) * g, n + 16, lead & (n + 16 < N), y_ptr, bias_ptr, res_ptr, HAS_BIAS,
                    HAS_RES)
-        _store_out(_quad_sum(c2 + f2, NW) * g, n + 24, lead & (n + 24 < N), y_ptr, bias_ptr, res_ptr, HAS_BIAS,
+        _store_out(_quad_sum(c1 + f1, NW) * g, n + 24, lead & (n + 24 < N), y_ptr, bias_ptr, res_ptr, HAS_BIAS,
                    HAS_RES)
 
 
@@ -344,7 +370,7 @@ def mma_unreadable(w: WeightHandle) -> str | None:
         return "weight rows must be contiguous and 16-byte aligned"
     if w.scale.stride(-1) != 1:
         return f"weight_scale must be contiguous along in_features, stride {w.scale.stride()}"
-    if w.scale.data_ptr() % 2 or w.scale.stride(-2) % 2:
+    if w.fmt == "nvfp4" and (w.scale.data_ptr() % 2 or w.scale.stride(-2) % 2):
         return "weight_scale rows must be 2-byte aligned (one u16 load per two nvfp4 groups)"
     return None
 
@@ -352,11 +378,11 @@ def mma_unreadable(w: WeightHandle) -> str | None:
 def gemv_fp4_mma(x: torch.Tensor, w: WeightHandle, *, bias: torch.Tensor | None = None,
                  residual: torch.Tensor | None = None, out: torch.Tensor | None = None,
                  norm_weight: torch.Tensor | None = None, eps: float = 1e-6, xh: torch.Tensor | None = None,
-                 row_blocks: int = MMA_ROW_BLOCKS, num_warps: int = MMA_WARPS, variant: str = "shared",
-                 maxnreg: int | None = None) -> torch.Tensor:
+                 row_blocks: int = MMA_ROW_BLOCKS, num_warps: int = MMA_WARPS,
+                 maxnreg: int | None = MMA_MAXNREG) -> torch.Tensor:
     """y = W @ x (+ bias) (+ residual) for one nvfp4 / mxfp4 Linear on the tensor cores (module docstring). Same
     contract as kernels.gemv.gemv; xh = prepare_xh(x, norm_weight, eps) when already made (else made here).
-    variant "own": the group scale after the mma (_fp4_own_kernel); maxnreg: a register cap (CUDA)."""
+    maxnreg: the register cap of the launch on CUDA (None: ptxas's choice)."""
     why = mma_unreadable(w)
     if why:
         raise ValueError(f"gemv_fp4_mma: {why}")
@@ -372,208 +398,11 @@ def gemv_fp4_mma(x: torch.Tensor, w: WeightHandle, *, bias: torch.Tensor | None 
     elif xh.shape != (K,) or xh.dtype != torch.float16 or not xh.is_contiguous() or xh.data_ptr() % 16:
         raise ValueError(f"xh: expected a contiguous, 16-byte aligned fp16 [{K}] (prepare_xh), got {xh.dtype} "
                          f"{tuple(xh.shape)}")
-    if variant not in ("shared", "own"):
-        raise ValueError(f"gemv_fp4_mma: variant {variant!r}: 'shared' or 'own'")
-    # Two row blocks compile to 134 registers on sm_90 (triton 3.6): capped at 128 (no spill in the SASS).
-    if maxnreg is None and variant == "shared" and row_blocks == 2:
-        maxnreg = 128
     cap = {"maxnreg": maxnreg} if x.device.type == "cuda" and maxnreg else {}
-    kernel = _fp4_own_kernel if variant == "own" else _fp4_mma_kernel
-    kernel[(triton.cdiv(N, 16 * row_blocks * num_warps),)](
+    _fp4_mma_kernel[(triton.cdiv(N, 16 * row_blocks * num_warps),)](
         xh, w.weight, w.weight.stride(-2), w.scale.view(torch.uint8), w.scale.stride(-2),
         w.global_scale if w.global_scale is not None else y,
         bias if bias is not None else y, residual if residual is not None else y, y, N, K,
         MX=w.fmt == "mxfp4", HAS_BIAS=bias is not None, HAS_RES=residual is not None, RB=row_blocks, NW=num_warps,
         num_warps=num_warps, **launch_kw(x.device), **cap)
     return y
-
-
-# ---- Variant "own columns": the group scale after the mma (session 13, A/B against the kernel above) -------------
-# B column n is non-zero only for n = 2 g, where it holds x of quad lane g's word (supplied by lane (2g, g), the
-# others pass zeros), so D[row][2q] is lane (r, q)'s own word's dot and each lane's D holds only its own words:
-# the f16 codes need no scale (no HMUL2: 4 per word), a group's mma chain (nvfp4: 2 words = 4 mma, mxfp4: 4 words)
-# starts from zero and its result gets the group scale in one fp32 FFMA per row, and the quad is summed once at the
-# end with two shuffles. mxfp4 becomes exact for every E8M0 scale (an fp32 power of two).
-def _own_ptx(words: int, chained: bool) -> str:
-    """`words` words of rows a and b through 2 mma each, chained: $0..$3 out; (chained) $4..$7 in; then the words
-    of row a, those of row b, and 4 x pairs per word."""
-    c0 = 8 if chained else 4
-    wa, wb, xs = c0, c0 + words, c0 + 2 * words
-    body = "{\n.reg .b32 t, u, lo, hi, z, a<4>, b<4>;\n.reg .f32 d<4>;\nmov.b32 z, 0;\n"
-    for j in range(words):
-        body += E2M1_F16X2_PTX.format(W=f"${wa + j}", P="a") + E2M1_F16X2_PTX.format(W=f"${wb + j}", P="b")
-        c = ("$4, $5, $6, $7" if chained else "0f00000000, 0f00000000, 0f00000000, 0f00000000") if j == 0 \
-            else "d0, d1, d2, d3"
-        body += _MMA.format(A="a", B="b", X0=f"${xs + 4 * j}", X1=f"${xs + 4 * j + 1}", C=c)
-        body += _MMA_HI.format(A="a", B="b", X0=f"${xs + 4 * j + 2}", X1=f"${xs + 4 * j + 3}")
-    return body + "mov.f32 $0, d0;\nmov.f32 $1, d1;\nmov.f32 $2, d2;\nmov.f32 $3, d3;\n}"
-
-
-_OWN_2 = tl.constexpr(_own_ptx(2, False))
-_OWN_2C = tl.constexpr(_own_ptx(2, True))
-
-
-@triton.jit
-def _scale32(ptr, MX: tl.constexpr):
-    """One group scale byte at ptr as fp32: nvfp4 the e4m3 value; mxfp4 2^(e - 127) x 2^14, the decode's 2^-14 undone
-    here so that a row whose groups all have e = 0 keeps fp32's normal range: exact for e <= 240, inf above."""
-    b = tl.load(ptr)
-    if MX:
-        return (tl.minimum(b.to(tl.int32) + 14, 255) << 23).to(tl.float32, bitcast=True)
-    else:
-        return b.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-
-
-@triton.jit
-def _piece_load_own(wq, sq, ra, rb, swn, stride_sn, st, q, KW, KG, h: tl.constexpr, MX: tl.constexpr):
-    """_piece_load with fp32 scales (_scale32): (words a, words b, sa0, sa1, sb0, sb1), nvfp4 scale 0 for words
-    0-1 and 1 for words 2-3, mxfp4 one scale for all 4."""
-    w = tl.minimum(32 * st + 16 * h + 4 * q, KW - 4)
-    a0, a1, a2, a3 = _ld_words(wq + ra * swn + w)
-    b0, b1, b2, b3 = _ld_words(wq + rb * swn + w)
-    if MX:
-        g = tl.minimum(w // 4, KG - 1)
-        sa0 = _scale32(sq + ra * stride_sn + g, MX)
-        sb0 = _scale32(sq + rb * stride_sn + g, MX)
-        sa1 = sa0
-        sb1 = sb0
-    else:  # both groups' e4m3 bytes in one u16 load per row (g is even), widened where used (_group_scale)
-        g = tl.minimum(w // 2, KG - 2)
-        sa0 = tl.load((sq + ra * stride_sn + g).to(tl.pointer_type(tl.uint16))).to(tl.int32)
-        sb0 = tl.load((sq + rb * stride_sn + g).to(tl.pointer_type(tl.uint16))).to(tl.int32)
-        sa1 = sa0
-        sb1 = sb0
-    return a0, a1, a2, a3, b0, b1, b2, b3, sa0, sa1, sb0, sb1
-
-
-@triton.jit
-def _group_scale(s, HALF: tl.constexpr, MX: tl.constexpr):
-    """The fp32 scale of a piece's group HALF (0: words 0-1, 1: words 2-3): mxfp4 s itself, nvfp4 byte HALF of the
-    u16 pair."""
-    if MX:
-        return s
-    else:
-        return ((s >> (8 * HALF)) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
-
-
-@triton.jit
-def _group_own(acc_a, acc_b, H, X, j: tl.constexpr, MX: tl.constexpr):
-    """Words j, j + 1 of piece H (rows a, b; mxfp4: j = 0 and all 4 words) into acc += dot x group scale. X = the 16
-    x pairs of this lane's 4 words (GPU: zeros unless this lane supplies B)."""
-    if _ASM:
-        d0, d1, d2, d3 = tl.inline_asm_elementwise(
-            _OWN_2, "=f,=f,=f,=f" + ",r" * 12,
-            [H[j], H[j + 1], H[4 + j], H[5 + j], X[4 * j], X[4 * j + 1], X[4 * j + 2], X[4 * j + 3], X[4 * j + 4],
-             X[4 * j + 5], X[4 * j + 6], X[4 * j + 7]],
-            dtype=(tl.float32,) * 4, is_pure=True, pack=1)
-        if MX:
-            d0, d1, d2, d3 = tl.inline_asm_elementwise(
-                _OWN_2C, "=f,=f,=f,=f,f,f,f,f" + ",r" * 12,
-                [d0, d1, d2, d3, H[2], H[3], H[6], H[7], X[8], X[9], X[10], X[11], X[12], X[13], X[14], X[15]],
-                dtype=(tl.float32,) * 4, is_pure=True, pack=1)
-        acc_a += d0 * _group_scale(H[8], j // 2, MX)
-        acc_b += d2 * _group_scale(H[10], j // 2, MX)
-    else:
-        one = 1.0
-        da = _word_dot(H[j], one, X[4 * j], X[4 * j + 1], X[4 * j + 2], X[4 * j + 3])
-        da += _word_dot(H[j + 1], one, X[4 * j + 4], X[4 * j + 5], X[4 * j + 6], X[4 * j + 7])
-        db = _word_dot(H[4 + j], one, X[4 * j], X[4 * j + 1], X[4 * j + 2], X[4 * j + 3])
-        db += _word_dot(H[5 + j], one, X[4 * j + 4], X[4 * j + 5], X[4 * j + 6], X[4 * j + 7])
-        if MX:
-            da += _word_dot(H[2], one, X[8], X[9], X[10], X[11]) + _word_dot(H[3], one, X[12], X[13], X[14], X[15])
-            db += _word_dot(H[6], one, X[8], X[9], X[10], X[11]) + _word_dot(H[7], one, X[12], X[13], X[14], X[15])
-        acc_a += da * _group_scale(H[8], j // 2, MX)
-        acc_b += db * _group_scale(H[10], j // 2, MX)
-    return acc_a, acc_b
-
-
-@triton.jit
-def _piece_step_own(a0, a1, c0, c1, H0, H1, xq, x_off, valid, RB: tl.constexpr, MX: tl.constexpr):
-    """One piece (4 words per lane) for row block 0 (H0; accumulators a0 / a1 = rows r / r + 8) and, when RB == 2,
-    block 1 (H1; c0 / c1); x loaded once for both (GPU: only by the lanes that supply B, `valid` says so)."""
-    X = _ld_x(xq + 4 * x_off, valid) + _ld_x(xq + 4 * x_off + 8, valid)
-    a0, a1 = _group_own(a0, a1, H0, X, 0, MX)
-    if RB == 2:
-        c0, c1 = _group_own(c0, c1, H1, X, 0, MX)
-    if not MX:
-        a0, a1 = _group_own(a0, a1, H0, X, 2, MX)
-        if RB == 2:
-            c0, c1 = _group_own(c0, c1, H1, X, 2, MX)
-    return a0, a1, c0, c1
-
-
-@triton.jit
-def _quad_sum_own(v, NW: tl.constexpr):
-    """The sum over each quad of lanes, given back to all 4 (GPU: two butterfly shuffles)."""
-    if _ASM:
-        return tl.inline_asm_elementwise(
-            "{\n.reg .f32 t;\nshfl.sync.bfly.b32 t, $1, 1, 0x1f, 0xffffffff;\nadd.f32 t, t, $1;\n"
-            "shfl.sync.bfly.b32 $0, t, 2, 0x1f, 0xffffffff;\nadd.f32 $0, $0, t;\n}",
-            "=f,f", [v], dtype=tl.float32, is_pure=True, pack=1)
-    else:
-        return _quad_sum(v, NW)
-
-
-@triton.jit
-def _step_load_own(wq, sq, ra, rb, swn, stride_sn, st, q, KW, KG, MX: tl.constexpr):
-    return (_piece_load_own(wq, sq, ra, rb, swn, stride_sn, st, q, KW, KG, 0, MX),
-            _piece_load_own(wq, sq, ra, rb, swn, stride_sn, st, q, KW, KG, 1, MX))
-
-
-@triton.jit
-def _fp4_own_kernel(xh_ptr, w_ptr, stride_wn, s_ptr, stride_sn, gs_ptr, bias_ptr, res_ptr, y_ptr, N, K,
-                    MX: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, RB: tl.constexpr,
-                    NW: tl.constexpr, PDL: tl.constexpr = False):
-    """_fp4_mma_kernel's contract and loop, "own columns" fragments (section comment above)."""
-    pdl_begin(PDL)
-    lane, warp = _lane_warp(NW)
-    r = lane >> 2
-    q = lane & 3
-    base = (tl.program_id(0) * NW + warp) * (16 * RB)
-    KW = K // 8
-    KG = K // 32 if MX else K // 16
-    n_steps = tl.cdiv(KW, 32)
-    wq = w_ptr.to(tl.pointer_type(tl.uint32))
-    xq = xh_ptr.to(tl.pointer_type(tl.uint32))
-    sq = s_ptr.to(tl.pointer_type(tl.uint8))
-    ra0 = tl.minimum(base + r, N - 1).to(tl.int64)
-    rb0 = tl.minimum(base + r + 8, N - 1).to(tl.int64)
-    ra1 = tl.minimum(base + 16 + r, N - 1).to(tl.int64)
-    rb1 = tl.minimum(base + 24 + r, N - 1).to(tl.int64)
-    swn = stride_wn // 4
-    if _ASM:
-        mine = r == 2 * q     # the lanes whose x goes into B (column 2q)
-    else:
-        mine = r >= 0         # portable: every lane dots its own words itself
-    zero = tl.zeros((NW * 32,), tl.float32)
-    a0, a1, c0, c1, e0, e1, f0, f1 = zero, zero, zero, zero, zero, zero, zero, zero
-    P0 = _step_load_own(wq, sq, ra0, rb0, swn, stride_sn, 0, q, KW, KG, MX)
-    if RB == 2:
-        P1 = _step_load_own(wq, sq, ra1, rb1, swn, stride_sn, 0, q, KW, KG, MX)
-    for st in range(0, n_steps):
-        sn = tl.minimum(st + 1, n_steps - 1)
-        C0 = P0
-        P0 = _step_load_own(wq, sq, ra0, rb0, swn, stride_sn, sn, q, KW, KG, MX)
-        if RB == 2:
-            C1 = P1
-            P1 = _step_load_own(wq, sq, ra1, rb1, swn, stride_sn, sn, q, KW, KG, MX)
-        else:
-            C1 = C0
-        x_off = 32 * st + 4 * q
-        a0, a1, c0, c1 = _piece_step_own(a0, a1, c0, c1, C0[0], C1[0], xq, x_off, (x_off < KW) & mine, RB, MX)
-        e0, e1, f0, f1 = _piece_step_own(e0, e1, f0, f1, C0[1], C1[1], xq, x_off + 16, (x_off + 16 < KW) & mine,
-                                         RB, MX)
-    if MX:
-        g = 1.0      # in the scales
-    else:
-        g = 16384.0 / tl.load(gs_ptr).to(tl.float32)  # the decode's 2^-14 and the global scale
-    lead = q == 0
-    n = base + r
-    _store_out(_quad_sum_own(a0 + e0, NW) * g, n, lead & (n < N), y_ptr, bias_ptr, res_ptr, HAS_BIAS, HAS_RES)
-    _store_out(_quad_sum_own(a1 + e1, NW) * g, n + 8, lead & (n + 8 < N), y_ptr, bias_ptr, res_ptr, HAS_BIAS,
-               HAS_RES)
-    if RB == 2:
-        _store_out(_quad_sum_own(c0 + f0, NW) * g, n + 16, lead & (n + 16 < N), y_ptr, bias_ptr, res_ptr, HAS_BIAS,
-                   HAS_RES)
-        _store_out(_quad_sum_own(c1 + f1, NW) * g, n + 24, lead & (n + 24 < N), y_ptr, bias_ptr, res_ptr, HAS_BIAS,
-                   HAS_RES)

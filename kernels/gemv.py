@@ -82,12 +82,12 @@ PROGRAMS_PER_SM = 4  # split-K / slot-split target: enough resident programs per
 # (H200, separate processes, results/2026-12-04-h200-s10-rows-first-ab) qwen3-30b-a3b graph fp8 450.8 -> 460.2
 # tok/s, llama-3.2-1b bf16 1,032.5 -> 1,078.6. On by default since; KIE_GEMV_ROWS_FIRST=0 restores split-K.
 ROWS_FIRST = os.environ.get("KIE_GEMV_ROWS_FIRST", "1") == "1"
-# An nvfp4 GEMV of >= MMA_MIN_ROWS rows whose caller has no x8 runs on the tensor cores (kernels/fp4_mma.py). H200,
-# same process (results/2026-12-04-h200-s12-mma/run9): 65536 x 8192 62.8 -> 77.6% of the probe, 151936 x 2048 (a
-# quantized lm_head) 59.3 -> 68.3%, 32768 x 4096 53.7 -> 56.5%; at 16384 rows and fewer it loses (each warp walks
-# its 32 rows' whole K: too few warps). mxfp4 stays on the CUDA cores by default: the mma path is exact only for
-# E8M0 scales 2^-19 .. 2^5 (gemv_fp4_mma takes it on request; a variant exact for every scale, each mma one group
-# with lanes reading strided words, measured 43% of the probe: run10). KIE_GEMV_MMA=0 turns the dispatch off (A/B).
+# An nvfp4 / mxfp4 GEMV of >= MMA_MIN_ROWS rows whose caller has no x8 runs on the tensor cores (kernels/fp4_mma.py).
+# H200, same process (results/2026-12-04-h200-s13-mma): 65536 x 8192 nvfp4 62.0 -> 83.2%, mxfp4 63.9 -> 80.8% of the
+# probe; 151936 x 2048 (a quantized lm_head) 57.6 -> 73.8% / 60.2 -> 74.2%; 32768 x 4096 52.1 -> 57.1% / 54.2 ->
+# 59.5%; at 16384 rows and fewer it loses (each warp walks its 32 rows' whole K: too few warps). Session 12 kept
+# mxfp4 off (its HMUL2 scale was exact only for E8M0 2^-19 .. 2^5); the scale is an fp32 FFMA since session 13.
+# KIE_GEMV_MMA=0 turns the dispatch off (A/B).
 MMA_MIN_ROWS = 32768
 MMA_GEMV = os.environ.get("KIE_GEMV_MMA", "1") == "1"
 
@@ -353,9 +353,9 @@ def gemv(x: torch.Tensor, w: WeightHandle, *, bias: torch.Tensor | None = None, 
 
 
 def use_mma(w: WeightHandle, x8: torch.Tensor | None, config: TileConfig | None) -> bool:
-    """gemv's dispatch to the tensor-core fp4 kernel (MMA_MIN_ROWS): nvfp4, no caller x8 or tile config, >= 32768
-    rows, K % 32 == 0 and 16-byte aligned rows."""
-    if not MMA_GEMV or w.fmt != "nvfp4" or x8 is not None or config is not None or w.out_features < MMA_MIN_ROWS:
+    """gemv's dispatch to the tensor-core fp4 kernel (MMA_MIN_ROWS): nvfp4 / mxfp4, no caller x8 or tile config,
+    >= 32768 rows, K % 32 == 0 and aligned rows (mma_unreadable)."""
+    if not MMA_GEMV or w.fmt not in ("nvfp4", "mxfp4") or x8 is not None or config is not None or w.out_features < MMA_MIN_ROWS:
         return False
     from .fp4_mma import mma_unreadable  # fp4_mma imports this module's checks
     return mma_unreadable(w) is None

@@ -14,7 +14,6 @@ from .helpers import DEV, assert_close, needs_device
 
 pytestmark = needs_device
 FP4 = ["nvfp4", "mxfp4"]
-VARIANTS = ["shared", "own"]  # the group scale in the A fragment / after the mma (fp4_mma.py)
 
 
 def _x(n, seed, dtype=torch.bfloat16):
@@ -28,30 +27,27 @@ CASES = [(37, 160, 2, 1), (16, 64, 1, 1), (70, 224, 1, 2), (130, 96, 2, 2), (1, 
          (19, 512, 2, 1), (29, 800, 1, 1), (50, 1152, 1, 2)]
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("fmt", FP4)
 @pytest.mark.parametrize("N,K,rb,nw", CASES, ids=[f"{n}x{k}-rb{r}-w{w}" for n, k, r, w in CASES])
-def test_matches_reference(fmt, N, K, rb, nw, variant):
+def test_matches_reference(fmt, N, K, rb, nw):
     w = random_weight(fmt, N, K, seed=N * K, device=DEV)
     x, bias, res = _x(K, 1), _x(N, 2, torch.float32), _x(N, 3)
-    y = gemv_fp4_mma(x, w, bias=bias, residual=res, out=torch.empty(N, device=DEV), row_blocks=rb, num_warps=nw,
-                     variant=variant)
+    y = gemv_fp4_mma(x, w, bias=bias, residual=res, out=torch.empty(N, device=DEV), row_blocks=rb, num_warps=nw)
     assert_close(y, gemv_ref(x, w, bias=bias, residual=res, out_dtype=torch.float32), what=f"{fmt} {N}x{K}")
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("fmt", FP4)
-def test_rmsnorm_fused_and_bf16_out(fmt, variant):
+def test_rmsnorm_fused_and_bf16_out(fmt):
     N, K = 45, 192
     w = random_weight(fmt, N, K, seed=11, device=DEV)
     x, nw = _x(K, 4), _x(K, 5)
-    y = gemv_fp4_mma(x, w, norm_weight=nw, eps=1e-6, out=torch.empty(N, device=DEV), num_warps=1, variant=variant)
+    y = gemv_fp4_mma(x, w, norm_weight=nw, eps=1e-6, out=torch.empty(N, device=DEV), num_warps=1)
     # The normed input is rounded to fp16 once (xh): exact against that, within fp16 rounding of the fp32 norm.
     xf = x.float()
     xn = (xf * torch.rsqrt(xf.square().mean() + 1e-6) * nw.float()).half()
     assert_close(y, gemv_ref(xn, w, out_dtype=torch.float32), what="mma rmsnorm vs fp16-rounded input")
     assert_close(y, rmsnorm_gemv_ref(x, nw, 1e-6, w, out_dtype=torch.float32), rel=2e-3, what="mma rmsnorm")
-    yb = gemv_fp4_mma(x, w, norm_weight=nw, eps=1e-6, num_warps=1, variant=variant)
+    yb = gemv_fp4_mma(x, w, norm_weight=nw, eps=1e-6, num_warps=1)
     assert yb.dtype == torch.bfloat16 and yb.shape == (N,)
     assert_close(yb, y, rel=1e-2, what="bf16 out")
 
@@ -86,15 +82,13 @@ def test_bad_input_is_named():
         gemv_fp4_mma(_x(48, 1), random_weight("nvfp4", 8, 48, seed=1, device=DEV))
     with pytest.raises(ValueError, match="row_blocks 3"):
         gemv_fp4_mma(_x(64, 1), w, row_blocks=3)
-    with pytest.raises(ValueError, match="variant 'fast'"):
-        gemv_fp4_mma(_x(64, 1), w, variant="fast")
     with pytest.raises(ValueError, match="expert stack"):
         gemv_fp4_mma(_x(64, 1), random_weight("nvfp4", 8, 64, seed=1, device=DEV, experts=2))
 
 
 def _extreme_weight(fmt, N, K, seed):
-    """Every code, and group scales at both ends of what the kernel keeps exact: e4m3 2^-9 (subnormal) .. 448;
-    E8M0 2^-19 .. 2^5 (module docstring)."""
+    """Every code, and group scales at both ends of the formats' ranges: e4m3 2^-9 (subnormal) .. 448; E8M0
+    2^-19 .. 2^5 mixed in one row (test_mxfp4_every_scale_exact covers the rest of E8M0)."""
     g = torch.Generator().manual_seed(seed)
     packed = torch.randint(0, 256, (N, K // 2), generator=g, dtype=torch.uint8)
     if fmt == "nvfp4":
@@ -106,28 +100,27 @@ def _extreme_weight(fmt, N, K, seed):
     return WeightHandle("mxfp4", packed.to(DEV), scale.to(DEV), None, N, K)
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("fmt", FP4)
-def test_extreme_scales_exact(fmt, variant):
+def test_extreme_scales_exact(fmt):
     w = _extreme_weight(fmt, 48, 256, 3)
     x = _x(256, 8)
-    y = gemv_fp4_mma(x, w, out=torch.empty(48, device=DEV), num_warps=1, variant=variant)
+    y = gemv_fp4_mma(x, w, out=torch.empty(48, device=DEV), num_warps=1)
     assert_close(y, gemv_ref(x, w, out_dtype=torch.float32), what=f"{fmt} extreme scales")
 
 
-def test_own_mxfp4_every_scale_exact():
-    """The own-columns variant scales in fp32: rows with every E8M0 scale 2^-127 .. 2^113 stay exact (each row
-    compared in units of its own scale, which is a power of two)."""
+def test_mxfp4_every_scale_exact():
+    """mxfp4 scales are fp32 powers of two: rows with every E8M0 scale 2^-127 .. 2^113 stay exact (each row compared
+    in units of its own scale)."""
     N, K = 241, 64
     g = torch.Generator().manual_seed(4)
     packed = torch.randint(0, 256, (N, K // 2), generator=g, dtype=torch.uint8)
     e = torch.arange(N, dtype=torch.uint8)
     w = WeightHandle("mxfp4", packed.to(DEV), e[:, None].repeat(1, K // 32).to(DEV), None, N, K)
     x = _x(K, 10)
-    y = gemv_fp4_mma(x, w, out=torch.empty(N, device=DEV), num_warps=1, variant="own")
+    y = gemv_fp4_mma(x, w, out=torch.empty(N, device=DEV), num_warps=1)
     want = gemv_ref(x, w, out_dtype=torch.float32)
     unit = torch.exp2(e.double() - 127)
-    assert_close(y.cpu().double() / unit, want.cpu().double() / unit, what="mxfp4 own, every E8M0 scale")
+    assert_close(y.cpu().double() / unit, want.cpu().double() / unit, what="mxfp4, every E8M0 scale")
 
 
 @pytest.mark.gpu
@@ -135,18 +128,18 @@ def test_own_mxfp4_every_scale_exact():
 @pytest.mark.parametrize("fmt", FP4)
 @pytest.mark.parametrize("shape", [(65536, 8192), (151936, 2048), (5120, 2880), (2048, 768)],
                          ids=["big-65536x8192", "lm-head-151936x2048", "gpt-oss-qkv-5120x2880", "2048x768"])
-@pytest.mark.parametrize("rb,nw,variant", [(2, 4, "shared"), (1, 4, "shared"), (2, 8, "shared"), (2, 4, "own"),
-                                           (1, 4, "own"), (2, 8, "own")])
-def test_real_sizes_gpu(fmt, shape, rb, nw, variant):
+@pytest.mark.parametrize("rb,nw", [(2, 4), (1, 4), (2, 8)])
+def test_real_sizes_gpu(fmt, shape, rb, nw):
     N, K = shape
     w = random_weight(fmt, N, K, seed=N + K, device="cuda")
     x = _x(K, 9).cuda()
-    y = gemv_fp4_mma(x, w, out=torch.empty(N, device="cuda"), row_blocks=rb, num_warps=nw, variant=variant)
+    y = gemv_fp4_mma(x, w, out=torch.empty(N, device="cuda"), row_blocks=rb, num_warps=nw)
     assert_close(y, gemv_ref(x, w, out_dtype=torch.float32), rel=2e-5, what=f"{fmt} {shape}")
 
 
 def test_gemv_dispatches_large_nvfp4(monkeypatch):
-    """gemv() sends an nvfp4 GEMV of >= MMA_MIN_ROWS rows without a caller x8 to the mma kernel, and nothing else."""
+    """gemv() sends an nvfp4 / mxfp4 GEMV of >= MMA_MIN_ROWS rows without a caller x8 to the mma kernel, and nothing
+    else."""
     from kie_moe.kernels import fp4_mma
     from kie_moe.kernels import gemv as G
 
@@ -169,7 +162,11 @@ def test_gemv_dispatches_large_nvfp4(monkeypatch):
     assert_close(y, gemv_ref(xn, w, residual=res, out_dtype=torch.float32), what="dispatched gemv")
     G.gemv(x, w, x8=G.prepare_x8(x), out=torch.empty(N, device=DEV))          # caller's x8: CUDA-core tile
     G.gemv(x, w.rows(0, 39), out=torch.empty(39, device=DEV))                 # below the row threshold
-    G.gemv(x, random_weight("mxfp4", N, K, seed=5, device=DEV), out=torch.empty(N, device=DEV))  # mxfp4
+    G.gemv(x, random_weight("fp8", N, K, seed=5, device=DEV), out=torch.empty(N, device=DEV))    # not fp4
+    wm = random_weight("mxfp4", N, K, seed=5, device=DEV)
+    assert_close(G.gemv(x, wm, out=torch.empty(N, device=DEV)), gemv_ref(x, wm, out_dtype=torch.float32),
+                 what="dispatched mxfp4 gemv")
+    assert calls == ["nvfp4", "mxfp4"]
     monkeypatch.setattr(G, "MMA_GEMV", False)
     G.gemv(x, w, out=torch.empty(N, device=DEV))                               # KIE_GEMV_MMA=0
-    assert calls == ["nvfp4"]
+    assert calls == ["nvfp4", "mxfp4"]
