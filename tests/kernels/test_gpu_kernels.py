@@ -39,7 +39,7 @@ def test_gemv_real_sizes(fmt, shape):
     assert_close(y, rmsnorm_gemv_ref(x, nw, 1e-6, w, out_dtype=torch.float32), rel=2e-5, what=f"norm {fmt}")
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "fp8", "nvfp4"])  # nvfp4: gemv's tensor-core dispatch (>= 32768 rows)
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "nvfp4", "mxfp4"])  # fp4: gemv's tensor-core dispatch (>= 32768 rows)
 def test_lm_head_size(fmt):
     N, K = 151936, 2048
     w = random_weight(fmt, N, K, seed=5, device=DEV)
