@@ -1,7 +1,9 @@
 """Graph backend (and monokernel, when it takes the format) on real shapes, random weights built on the GPU,
 beside the read-bandwidth probe of the same run. Batch 1, 32-token prompt, 128 new tokens, median of 3.
 
-    python benchmarks/graph_bench.py --out graph.json [--runs llama-3.2-1b:bf16,qwen3-30b-a3b:fp8]
+    python benchmarks/graph_bench.py --out graph.json [--runs llama-3.2-1b:bf16,qwen3-30b-a3b:fp8,qwen3-30b-a3b:nvfp4+head]
+
+(FMT+head: the lm_head quantized too, as `kie convert --quantize-lm-head` writes it.)
 """
 from __future__ import annotations
 
@@ -47,7 +49,9 @@ def run(arch: str, fmt: str, probe: float, backends: list[str], prompt_len=32, n
     from kie_moe.models.synth import synth_weights_on_device
     rows = []
     spec, store = synth_weights_on_device(arch, "cuda", torch.bfloat16)
-    model = LoadedModel(f"<synth {arch}>", {}, spec, QuantizingStore(store, fmt))
+    # FMT+head: the lm_head quantized too (kie convert --quantize-lm-head)
+    model = LoadedModel(f"<synth {arch}>", {}, spec, QuantizingStore(store, fmt.removesuffix("+head"),
+                                                                     lm_head=fmt.endswith("+head")))
     prompt = list(range(100, 100 + prompt_len))
     for name in backends:
         r = {"arch": arch, "fmt": fmt, "backend": name, "prompt_len": prompt_len, "new_tokens": new_tokens}

@@ -155,7 +155,8 @@ def bench_row(src: Source, backend: str, device: torch.device, probe: dict, *, p
     if world > 1 and device.type == "cpu":
         note = "; ".join(x for x in (note, f"{world} CPU processes share one memory system: the {world}-device "
                                            f"roofline ({world} x the read probe) is nominal") if x)
-    row = {"model": src.name, "source": src.kind, "family": spec.family, "scheme": src.scheme, "backend": be.name,
+    row = {"model": src.name, "source": src.kind, "family": spec.family, "scheme": src.scheme,
+           "lm_head_scheme": src.scheme_of("lm_head"), "backend": be.name,
            "backend_note": note, "device": str(device), "devices": world, "parallel": getattr(be, "path", ""),
            "prompt_len": n_prompt, "context_len": context_len,
            "context_fill": fill, "new_tokens": new_tokens, "runs": len(t.tok_per_s_runs),
@@ -184,7 +185,8 @@ def run(model: str | None, *, backend: str = "auto", device: str | None = None, 
         tiny: bool = False, all_: bool = False, archs: list[str] | None = None, prompt_len: int = 32,
         new_tokens: int = 128,
         context_len: int | None = None, runs: int = 3, context_fill: str = "auto", probe_bytes: int | None = None,
-        argv: list[str] | None = None, log=None, prepared: tuple | None = None, out: str | None = None) -> dict:
+        argv: list[str] | None = None, log=None, prepared: tuple | None = None, out: str | None = None,
+        quantize_lm_head: bool = False) -> dict:
     """`prepared`: (Source, backend) already opened and built (rank 0 of --devices N: its backend leads the
     other ranks); else MODEL is opened and `backend` built here. `out` (with --all): the JSON so far is rewritten
     after every row, so a suite cut short (a time limit, a crash) keeps the rows it measured."""
@@ -194,6 +196,8 @@ def run(model: str | None, *, backend: str = "auto", device: str | None = None, 
         dev = torch.device("cuda", torch.cuda.current_device())
     if (model is None) == (not all_):
         raise InputError("give MODEL (a checkpoint directory or preset) or --all, not both")
+    if quantize_lm_head and all_:
+        raise InputError("--quantize-lm-head applies to one MODEL, not to the --all matrix")
     res = {"schema": SCHEMA, "env": R.environment(dev, argv), "read_probe": R.read_probe(dev, probe_bytes), "rows": []}
     kw = dict(prompt_len=prompt_len, new_tokens=new_tokens, context_len=context_len, runs=runs,
               context_fill=context_fill)
@@ -202,7 +206,7 @@ def run(model: str | None, *, backend: str = "auto", device: str | None = None, 
         res["rows"].append(bench_row(src, be.name, dev, res["read_probe"], be=be, **kw))
         return res
     if not all_:
-        src = open_model(model, dev, scheme=scheme, tiny=tiny)
+        src = open_model(model, dev, scheme=scheme, tiny=tiny, quantize_lm_head=quantize_lm_head)
         res["rows"].append(bench_row(src, backend, dev, res["read_probe"], **kw))
         return res
     base = None                              # one bf16 synthetic model per arch, wrapped per scheme
@@ -272,7 +276,7 @@ def table(res: dict) -> str:
         runs = r["tok_per_s_runs"]
         ctx = f"context {r['prompt_len']}..{r['prompt_len'] + r['new_tokens'] - 1}"
         devs = r.get("devices", 1)
-        lines += [f"{r['model']}  scheme {r['scheme']}  backend {r['backend']}  {r['device']}"
+        lines += [f"{r['model']}  scheme {r['scheme']}{_head(r)}  backend {r['backend']}  {r['device']}"
                   + (f"  x{devs} devices" if devs > 1 else "")]
         if devs > 1:
             lines.append(f"  parallel      {r['parallel']}")
@@ -302,6 +306,12 @@ def table(res: dict) -> str:
                      f"{r['ms_per_token']:8.3f} {r['ttft_s'] * 1e3:8.1f} {R.fmt_bytes(r['bytes_per_token']):>10} "
                      f"{r['achieved_gbps']:8.1f} {r['pct_roofline']:6.1f}")
     return "\n".join(lines)
+
+
+def _head(r: dict) -> str:
+    """' (lm_head SCHEME)' where the lm_head is quantized too."""
+    h = r.get("lm_head_scheme", "bf16")
+    return "" if h == "bf16" else f" (lm_head {h})"
 
 
 def write_json(res: dict, path: str):
@@ -336,7 +346,8 @@ def cmd_bench(a) -> int:
             raise InputError("give MODEL (a checkpoint directory or preset) with --devices N")
 
     def prepare(group):
-        src = open_model(a.model, group.device, scheme=a.scheme, tiny=a.tiny)
+        src = open_model(a.model, group.device, scheme=a.scheme, tiny=a.tiny,
+                         quantize_lm_head=getattr(a, "quantize_lm_head", False))
         return src, ranks.rank_backend(src.model, group, a.backend,
                                            expert_split=getattr(a, "expert_split", None))
 
@@ -354,7 +365,8 @@ def _bench(a, prepared: tuple | None = None) -> int:
               archs=[x for x in a.archs.split(",") if x] if a.archs else None,
               prompt_len=a.prompt_len, new_tokens=a.new_tokens, context_len=a.context_len, runs=a.runs,
               context_fill=a.context_fill, probe_bytes=a.probe_mb << 20 if a.probe_mb else None,
-              argv=getattr(a, "argv", None), log=log, prepared=prepared, out=a.out)
+              argv=getattr(a, "argv", None), log=log, prepared=prepared, out=a.out,
+              quantize_lm_head=getattr(a, "quantize_lm_head", False))
     if a.out:
         write_json(res, a.out)
     print(json.dumps(res) if a.json else table(res))

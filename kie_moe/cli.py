@@ -312,6 +312,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --all: only the matrix rows of these presets (the suite in several sittings)")
     b.add_argument("--scheme", default="bf16", choices=["bf16", "fp8", "fp8-block", "nvfp4", "mxfp4"],
                    help="quantize a float model's Linear weights in memory first (default bf16: as stored)")
+    b.add_argument("--quantize-lm-head", action="store_true",
+                   help="with --scheme: quantize the lm_head too (as `kie convert --quantize-lm-head`)")
     b.add_argument("--tiny", action="store_true", help="a preset's tiny variant (tests, CPU)")
     _measure_args(b, 128)
     b.add_argument("--context-len", type=int, default=None,

@@ -24,8 +24,9 @@ _LINEAR = re.compile(r"layers\.\d+\.(attn\.(q|k|v|o|q_a|q_b|kv_a|kv_b)|mlp\.(gat
 SCHEMES = ("bf16", "fp8", "fp8-block", "nvfp4", "mxfp4")
 
 
-def is_quantized_linear(canonical: str) -> bool:
-    return _LINEAR.fullmatch(canonical) is not None
+def is_quantized_linear(canonical: str, lm_head: bool = False) -> bool:
+    """Whether `canonical` is a Linear weight kie convert quantizes (lm_head only with --quantize-lm-head)."""
+    return _LINEAR.fullmatch(canonical) is not None or (lm_head and canonical == "lm_head")
 
 
 def check_scheme(scheme: str, where: str = "--scheme") -> str:
@@ -40,8 +41,8 @@ class QuantizingStore:
     Nothing is cached: the graph backend keeps the codes it asked for (stacked per expert), and caching here too
     would hold a second quantized copy (30 GB for qwen3-30b-a3b in fp8) next to the bf16 original."""
 
-    def __init__(self, store, scheme: str):
-        self.store, self.scheme = store, check_scheme(scheme)
+    def __init__(self, store, scheme: str, lm_head: bool = False):
+        self.store, self.scheme, self.lm_head = store, check_scheme(scheme), lm_head
         self.path = getattr(store, "path", "<memory>")
 
     def names(self):
@@ -60,13 +61,13 @@ class QuantizingStore:
             return None
 
     def quantized_tensor(self, n):
-        if self.scheme == "bf16" or not is_quantized_linear(n):
+        if self.scheme == "bf16" or not is_quantized_linear(n, self.lm_head):
             return None
         return self._quantize(n, self.store.get(n))
 
     def get(self, n):
         w = self.store.get(n)
-        if self.scheme == "bf16" or not is_quantized_linear(n):
+        if self.scheme == "bf16" or not is_quantized_linear(n, self.lm_head):
             return w
         q = self._quantize(n, w)
         return w if q is None else q.dequantize(w.dtype)
@@ -104,8 +105,8 @@ def checkpoint_schemes(cfg: dict, spec, refs) -> tuple[str, dict]:
         return "bf16", {}
     method = qc.get("quant_method", "compressed-tensors")
     per: dict[str, str] = {}
-    for r in refs:
-        if r.optional or not is_quantized_linear(r.name):
+    for r in refs:                      # lm_head too: `kie convert --quantize-lm-head` may have quantized it
+        if r.optional or not is_quantized_linear(r.name, lm_head=True):
             continue
         hf = r.layouts[0].hf_name
         if method == "compressed-tensors":
@@ -125,12 +126,15 @@ def checkpoint_schemes(cfg: dict, spec, refs) -> tuple[str, dict]:
 
 
 def open_model(model: str, device: torch.device, *, scheme: str = "bf16", tiny: bool = False,
-               dtype: torch.dtype | None = None, seed: int = 0) -> Source:
+               dtype: torch.dtype | None = None, seed: int = 0, quantize_lm_head: bool = False) -> Source:
     """MODEL (a checkpoint directory or a preset name) -> Source. Presets are built on `device` in `dtype`
     (default bf16); `scheme` quantizes float Linear weights in memory (a quantized checkpoint must not be
-    quantized again: its own scheme is reported instead)."""
+    quantized again: its own scheme is reported instead), and the lm_head too with quantize_lm_head (as
+    `kie convert --quantize-lm-head` would)."""
     from kie_moe.models.registry import LoadedModel, adapter_for, load_model
     check_scheme(scheme)
+    if quantize_lm_head and scheme == "bf16":
+        raise InputError("--quantize-lm-head needs a quantization --scheme (fp8, fp8-block, nvfp4, mxfp4)")
     model = resolve_model(model)
     if is_checkpoint_dir(model):
         if tiny:
@@ -144,8 +148,9 @@ def open_model(model: str, device: torch.device, *, scheme: str = "bf16", tiny: 
                                  f"quantize it twice (leave --scheme out)")
             return Source(m, "checkpoint", model, ck, lambda n: per.get(n, "bf16"))
         if scheme != "bf16":
-            m = LoadedModel(m.path, m.config, m.spec, QuantizingStore(m.weights, scheme))
-        return Source(m, "checkpoint", model, scheme, _scheme_fn(scheme))
+            _check_head(m.spec, model, quantize_lm_head)
+            m = LoadedModel(m.path, m.config, m.spec, QuantizingStore(m.weights, scheme, quantize_lm_head))
+        return Source(m, "checkpoint", model, scheme, _scheme_fn(scheme, quantize_lm_head))
     if os.path.exists(model):
         raise InputError(f"{model}: not a checkpoint directory (no config.json there)")
     from kie_moe.models.presets import preset_names
@@ -156,9 +161,18 @@ def open_model(model: str, device: torch.device, *, scheme: str = "bf16", tiny: 
     spec, store = synth_weights_on_device(model, device, dtype or torch.bfloat16, tiny=tiny, seed=seed,
                                           lazy=_too_big_to_hold(model, device, dtype or torch.bfloat16, tiny))
     name = model + (" (tiny)" if tiny else "")
-    w = QuantizingStore(store, scheme) if scheme != "bf16" else store
-    return Source(LoadedModel(f"<synthetic {name}>", {}, spec, w), "synthetic", name, scheme, _scheme_fn(scheme),
-                  "random weights with the preset's shapes, built on the device")
+    _check_head(spec, name, quantize_lm_head)
+    w = QuantizingStore(store, scheme, quantize_lm_head) if scheme != "bf16" else store
+    return Source(LoadedModel(f"<synthetic {name}>", {}, spec, w), "synthetic", name, scheme,
+                  _scheme_fn(scheme, quantize_lm_head),
+                  "random weights with the preset's shapes, built on the device"
+                  + ("; lm_head quantized too" if quantize_lm_head else ""))
+
+
+def _check_head(spec, name: str, quantize_lm_head: bool) -> None:
+    if quantize_lm_head and getattr(spec, "tie_word_embeddings", False):
+        raise InputError(f"--quantize-lm-head: {name} ties its lm_head to the embedding (tie_word_embeddings); "
+                         f"there is no separate lm_head to quantize")
 
 
 def _too_big_to_hold(preset: str, device: torch.device, dtype: torch.dtype, tiny: bool) -> bool:
@@ -174,5 +188,5 @@ def _too_big_to_hold(preset: str, device: torch.device, dtype: torch.dtype, tiny
     return total * torch.finfo(dtype).bits // 8 > free // 2
 
 
-def _scheme_fn(scheme: str):
-    return lambda n: scheme if (scheme != "bf16" and is_quantized_linear(n)) else "bf16"
+def _scheme_fn(scheme: str, lm_head: bool = False):
+    return lambda n: scheme if (scheme != "bf16" and is_quantized_linear(n, lm_head)) else "bf16"

@@ -93,6 +93,62 @@ def test_bench_synthetic_scheme(capsys):
     assert "dequantizes fp8" in r["backend_note"] and r["bytes"]["scales"] == 0
 
 
+def test_quantized_lm_head_bytes_and_store():
+    """--quantize-lm-head: the roofline counts the head in the scheme's bytes (an independent count: nvfp4 codes
+    V x H / 2, e4m3 scales V x H / 16, one fp32 global scale), and the store hands out its codes."""
+    from kie_moe import synthetic as S
+    from kie_moe.models.presets import preset
+    from kie_moe.models.registry import spec_from_config
+    spec = spec_from_config(preset("qwen3-30b-a3b"))
+    V, H = 151936, 2048
+    plain = R.weight_bytes(spec, S._scheme_fn("nvfp4"))
+    head = R.weight_bytes(spec, S._scheme_fn("nvfp4", lm_head=True))
+    assert plain.detail["head"] == V * H * 2
+    assert head.detail["head"] == V * H // 2 + V * H // 16 + 4
+    assert plain.total - head.total == plain.detail["head"] - head.detail["head"]
+    src = S.open_model("qwen3-30b-a3b", torch.device("cpu"), scheme="nvfp4", tiny=True, quantize_lm_head=True)
+    store = src.model.weights
+    q = store.quantized_tensor("lm_head")
+    assert q is not None and q.scheme == "nvfp4"
+    raw = store.store.get("lm_head")
+    assert torch.equal(store.get("lm_head"), q.dequantize(raw.dtype)) and not torch.equal(store.get("lm_head"), raw)
+    assert src.scheme_of("lm_head") == "nvfp4" and src.scheme_of("embed") == "bf16"
+    off = S.open_model("qwen3-30b-a3b", torch.device("cpu"), scheme="nvfp4", tiny=True)
+    assert off.model.weights.quantized_tensor("lm_head") is None and off.scheme_of("lm_head") == "bf16"
+
+
+def test_bench_quantize_lm_head_cli(capsys):
+    rc, res = run_json(capsys, ["bench", "qwen3-30b-a3b", "--tiny", "--scheme", "fp8", "--quantize-lm-head", *RUN,
+                                "--json"])
+    assert rc == 0
+    (r,) = res["rows"]
+    check_row(r, 2)
+    assert (r["scheme"], r["lm_head_scheme"]) == ("fp8", "fp8")
+    assert main(["bench", "qwen3-30b-a3b", "--tiny", *RUN]) == 0
+    assert "(lm_head" not in capsys.readouterr().out
+    assert main(["bench", "qwen3-30b-a3b", "--tiny", "--scheme", "fp8", "--quantize-lm-head", *RUN]) == 0
+    assert "scheme fp8 (lm_head fp8)" in capsys.readouterr().out
+    assert main(["bench", "qwen3-30b-a3b", "--tiny", "--quantize-lm-head", *RUN]) == 2
+    assert "--quantize-lm-head needs a quantization --scheme" in capsys.readouterr().err
+    assert main(["bench", "llama-3.2-1b", "--tiny", "--scheme", "fp8", "--quantize-lm-head", *RUN]) == 2
+    assert "ties its lm_head to the embedding" in capsys.readouterr().err
+    assert main(["bench", "--all", "--quantize-lm-head", "--scheme", "fp8", *RUN]) == 2
+    assert "--quantize-lm-head applies to one MODEL" in capsys.readouterr().err
+
+
+def test_checkpoint_with_quantized_lm_head_counts_it(ckpt, tmp_path):
+    """A checkpoint converted with --quantize-lm-head: bench's byte count takes the head's scheme from its
+    config.json (it counted the head as float before)."""
+    from kie_moe import synthetic as S
+    dst = tmp_path / "fp8-head"
+    assert main(["convert", ckpt, str(dst), "--scheme", "fp8", "--quantize-lm-head", "--quiet"]) == 0
+    src = S.open_model(str(dst), torch.device("cpu"))
+    assert src.scheme == "fp8" and src.scheme_of("lm_head") == "fp8"
+    plain = tmp_path / "fp8"
+    assert main(["convert", ckpt, str(plain), "--scheme", "fp8", "--quiet"]) == 0
+    assert S.open_model(str(plain), torch.device("cpu")).scheme_of("lm_head") == "bf16"
+
+
 def test_weight_bytes_against_param_counts():
     from kie_moe.models.synth import build, count_params
     from kie_moe.models.presets import preset
