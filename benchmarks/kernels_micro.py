@@ -48,7 +48,7 @@ import torch
 import triton
 
 from kie_moe.kernels.attention import gqa_decode
-from kie_moe.kernels.fp4_mma import MMA_MAXNREG, MMA_ROW_BLOCKS, MMA_WARPS, gemv_fp4_mma, prepare_xh
+from kie_moe.kernels.fp4_mma import MMA_MAXNREG, MMA_ROW_BLOCKS, MMA_WARPS, gemv_fp4_mma, prepare_xh, repack_e2m1
 from kie_moe.kernels.gemv import DEFAULT_TILES, TileConfig, gemv, gemv_glu, gemv_ref, prepare_x8, rmsnorm_gemv
 from kie_moe.kernels.moe import RouterConfig, moe_experts, route
 from kie_moe.kernels.rope import rope_append
@@ -391,6 +391,8 @@ def mma_config(text: str) -> dict:
         for p in parts[1:]:
             if p.startswith("r"):
                 kw["maxnreg"] = int(p[1:])
+            elif p == "p":
+                kw["repacked"] = True
             else:
                 raise ValueError(p)
     except ValueError:
@@ -399,29 +401,32 @@ def mma_config(text: str) -> dict:
 
 
 def big_mma(fmt: str, mb: float | None, probe: float, rep_ms: int, row_blocks: int, num_warps: int,
-            K: int = 8192, shape: tuple[int, int] | None = None, maxnreg: int | None = MMA_MAXNREG) -> dict:
+            K: int = 8192, shape: tuple[int, int] | None = None, maxnreg: int | None = MMA_MAXNREG,
+            repacked: bool = False) -> dict:
     """An fp4 GEMV on the tensor cores (kernels/fp4_mma.py): by default the same shape and byte count as
     big_section's row of that format (or `shape`); its xh input made once outside the timing, as that row's x8."""
     if shape is not None:
         N, K = shape
     else:
         N = int(math.ceil(mb * (1 << 20) / (0.5 * K) / 128) * 128)
-    name = f"gemv {fmt} mma {N}x{K} rb{row_blocks} w{num_warps} r{maxnreg or 'auto'}"
+    name = f"gemv {fmt} mma {N}x{K} rb{row_blocks} w{num_warps} r{maxnreg or 'auto'}" + (" repacked" if repacked else "")
     probe_w = random_weight(fmt, N, K, seed=0, device=DEV)
     copies = [probe_w] + [random_weight(fmt, N, K, seed=i, device=DEV) for i in range(1, n_copies(probe_w.nbytes))]
+    if repacked:
+        copies = [repack_e2m1(c) for c in copies]
     x = _x(K)
     xh = prepare_xh(x)
     y = torch.empty(N, dtype=x.dtype, device=DEV)
 
     def call(i):
         return gemv_fp4_mma(x, copies[i], xh=xh, out=y, row_blocks=row_blocks, num_warps=num_warps,
-                            maxnreg=maxnreg)
+                            maxnreg=maxnreg, repacked=repacked)
 
     us = time_graph(call, len(copies), rep_ms)
     r = row(name, us, probe_w.nbytes, probe, fmt=fmt, impl="mma", shape=[N, K], row_blocks=row_blocks,
             num_warps=num_warps, maxnreg=maxnreg)
-    got = gemv_fp4_mma(x, probe_w, out=torch.empty(N, device=DEV), row_blocks=row_blocks, num_warps=num_warps,
-                       maxnreg=maxnreg)
+    got = gemv_fp4_mma(x, copies[0], out=torch.empty(N, device=DEV), row_blocks=row_blocks, num_warps=num_warps,
+                       maxnreg=maxnreg, repacked=repacked)
     want = gemv_ref(x, probe_w, out_dtype=torch.float32)
     r["check_rel_err"] = float((got - want).abs().max() / want.abs().max())
     del copies

@@ -70,14 +70,27 @@ _W_LOAD = tl.constexpr("ld.global.nc" + (".L1::no_allocate" if os.environ.get("K
 
 # One group's mma chain: each word of rows a and b decoded (E2M1_F16X2_PTX) and multiplied in two mma (codes 0-3, then
 # 4-7, against the lane's B registers), the first starting from zero (or from $4..$7 when chained).
-def _group_ptx(words: int, chained: bool) -> str:
+# Experiment (NOTES.md session 13): a load-time repacked word whose byte b holds code 2b already as its plane byte
+# (s at bit 7, e1 e0 m at bits 3..1) and code 2b+1 as e1 e0 m at bits 6..4, s at bit 0 (repack_e2m1): the low plane
+# is one AND, the high plane one shift pair + merge, then the same 4 PRMT.
+_E2M1_REPACKED_PTX = """and.b32 lo, {W}, 0x8E8E8E8E;
+shr.b32 t, {W}, 3;
+and.b32 t, t, 0x0E0E0E0E;
+shl.b32 u, {W}, 7;
+and.b32 u, u, 0x80808080;
+or.b32 hi, t, u;
+""" + E2M1_F16X2_PTX[E2M1_F16X2_PTX.index("prmt.b32"):]
+
+
+def _group_ptx(words: int, chained: bool, repacked: bool = False) -> str:
     """`words` words of rows a and b through 2 mma each, chained: $0..$3 out; (chained) $4..$7 in; then the words
     of row a, those of row b, and 4 x pairs per word."""
     c0 = 8 if chained else 4
     wa, wb, xs = c0, c0 + words, c0 + 2 * words
     body = "{\n.reg .b32 t, u, lo, hi, z, a<4>, b<4>;\n.reg .f32 d<4>;\nmov.b32 z, 0;\n"
     for j in range(words):
-        body += E2M1_F16X2_PTX.format(W=f"${wa + j}", P="a") + E2M1_F16X2_PTX.format(W=f"${wb + j}", P="b")
+        dec = _E2M1_REPACKED_PTX if repacked else E2M1_F16X2_PTX
+        body += dec.format(W=f"${wa + j}", P="a") + dec.format(W=f"${wb + j}", P="b")
         c = ("$4, $5, $6, $7" if chained else "0f00000000, 0f00000000, 0f00000000, 0f00000000") if j == 0 \
             else "d0, d1, d2, d3"
         body += _MMA.format(A="a", B="b", X0=f"${xs + 4 * j}", X1=f"${xs + 4 * j + 1}", C=c)
@@ -87,6 +100,8 @@ def _group_ptx(words: int, chained: bool) -> str:
 
 _MMA_GROUP = tl.constexpr(_group_ptx(2, False))
 _MMA_GROUP_C = tl.constexpr(_group_ptx(2, True))
+_MMA_GROUP_R = tl.constexpr(_group_ptx(2, False, True))
+_MMA_GROUP_CR = tl.constexpr(_group_ptx(2, True, True))
 
 
 @triton.jit
@@ -213,18 +228,27 @@ def _group_scale(s, HALF: tl.constexpr, MX: tl.constexpr):
 
 
 @triton.jit
-def _group(acc_a, acc_b, H, X, j: tl.constexpr, MX: tl.constexpr):
+def _unrepack(w):
+    """repack_e2m1's word back to the checkpoint's nibbles (portable path)."""
+    return ((w >> 4) & 0x08080808) | ((w >> 1) & 0x07070707) | (w & 0x70707070) | ((w << 7) & 0x80808080)
+
+
+@triton.jit
+def _group(acc_a, acc_b, H, X, j: tl.constexpr, MX: tl.constexpr, RP: tl.constexpr = False):
     """Words j, j + 1 of piece H (rows a, b; mxfp4: j = 0 and all 4 words) into acc += dot x group scale. X = the 16
     x pairs of this lane's 4 words (GPU: zeros unless this lane supplies B)."""
+    if not _ASM and RP:
+        H = (_unrepack(H[0]), _unrepack(H[1]), _unrepack(H[2]), _unrepack(H[3]), _unrepack(H[4]), _unrepack(H[5]),
+             _unrepack(H[6]), _unrepack(H[7]), H[8], H[9], H[10], H[11])
     if _ASM:
         d0, d1, d2, d3 = tl.inline_asm_elementwise(
-            _MMA_GROUP, "=f,=f,=f,=f" + ",r" * 12,
+            _MMA_GROUP_R if RP else _MMA_GROUP, "=f,=f,=f,=f" + ",r" * 12,
             [H[j], H[j + 1], H[4 + j], H[5 + j], X[4 * j], X[4 * j + 1], X[4 * j + 2], X[4 * j + 3], X[4 * j + 4],
              X[4 * j + 5], X[4 * j + 6], X[4 * j + 7]],
             dtype=(tl.float32,) * 4, is_pure=True, pack=1)
         if MX:
             d0, d1, d2, d3 = tl.inline_asm_elementwise(
-                _MMA_GROUP_C, "=f,=f,=f,=f,f,f,f,f" + ",r" * 12,
+                _MMA_GROUP_CR if RP else _MMA_GROUP_C, "=f,=f,=f,=f,f,f,f,f" + ",r" * 12,
                 [d0, d1, d2, d3, H[2], H[3], H[6], H[7], X[8], X[9], X[10], X[11], X[12], X[13], X[14], X[15]],
                 dtype=(tl.float32,) * 4, is_pure=True, pack=1)
         acc_a += d0 * _group_scale(H[8], j // 2, MX)
@@ -243,17 +267,18 @@ def _group(acc_a, acc_b, H, X, j: tl.constexpr, MX: tl.constexpr):
 
 
 @triton.jit
-def _piece_step(a0, a1, c0, c1, H0, H1, xq, x_off, valid, RB: tl.constexpr, MX: tl.constexpr):
+def _piece_step(a0, a1, c0, c1, H0, H1, xq, x_off, valid, RB: tl.constexpr, MX: tl.constexpr,
+                RP: tl.constexpr = False):
     """One piece (4 words per lane) for row block 0 (H0; accumulators a0 / a1 = rows r / r + 8) and, when RB == 2,
     block 1 (H1; c0 / c1); x loaded once for both (GPU: only by the lanes that supply B, `valid` says so)."""
     X = _ld_x(xq + 4 * x_off, valid) + _ld_x(xq + 4 * x_off + 8, valid)
-    a0, a1 = _group(a0, a1, H0, X, 0, MX)
+    a0, a1 = _group(a0, a1, H0, X, 0, MX, RP)
     if RB == 2:
-        c0, c1 = _group(c0, c1, H1, X, 0, MX)
+        c0, c1 = _group(c0, c1, H1, X, 0, MX, RP)
     if not MX:
-        a0, a1 = _group(a0, a1, H0, X, 2, MX)
+        a0, a1 = _group(a0, a1, H0, X, 2, MX, RP)
         if RB == 2:
-            c0, c1 = _group(c0, c1, H1, X, 2, MX)
+            c0, c1 = _group(c0, c1, H1, X, 2, MX, RP)
     return a0, a1, c0, c1
 
 
@@ -279,7 +304,7 @@ def _step_load(wq, sq, ra, rb, swn, stride_sn, st, q, KW, KG, MX: tl.constexpr):
 @triton.jit
 def _fp4_mma_kernel(xh_ptr, w_ptr, stride_wn, s_ptr, stride_sn, gs_ptr, bias_ptr, res_ptr, y_ptr, N, K,
                     MX: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, RB: tl.constexpr,
-                    NW: tl.constexpr, PDL: tl.constexpr = False):
+                    NW: tl.constexpr, RP: tl.constexpr = False, PDL: tl.constexpr = False):
     """grid (cdiv(N, 16 * RB * NW),): y = W @ x for fp4 W [N, K/2] u8 with group scales [N, K/16] e4m3 (nvfp4) or
     [N, K/32] E8M0 (mxfp4, MX), xh from prepare_xh, K % 32 == 0. Each warp owns 16 * RB rows and the whole K in
     256-code steps, the next step's loads issued before the current step's mma (module docstring)."""
@@ -319,9 +344,9 @@ def _fp4_mma_kernel(xh_ptr, w_ptr, stride_wn, s_ptr, stride_sn, gs_ptr, bias_ptr
         else:
             C1 = C0
         x_off = 32 * st + 4 * q
-        a0, a1, c0, c1 = _piece_step(a0, a1, c0, c1, C0[0], C1[0], xq, x_off, (x_off < KW) & mine, RB, MX)
+        a0, a1, c0, c1 = _piece_step(a0, a1, c0, c1, C0[0], C1[0], xq, x_off, (x_off < KW) & mine, RB, MX, RP)
         e0, e1, f0, f1 = _piece_step(e0, e1, f0, f1, C0[1], C1[1], xq, x_off + 16, (x_off + 16 < KW) & mine, RB,
-                                     MX)
+                                     MX, RP)
     # The decode's 2^-14 (mxfp4: already in the scales) and nvfp4's global scale, once per row; one lane per quad stores.
     if MX:
         g = 1.0
@@ -380,7 +405,7 @@ def gemv_fp4_mma(x: torch.Tensor, w: WeightHandle, *, bias: torch.Tensor | None 
                  residual: torch.Tensor | None = None, out: torch.Tensor | None = None,
                  norm_weight: torch.Tensor | None = None, eps: float = 1e-6, xh: torch.Tensor | None = None,
                  row_blocks: int = MMA_ROW_BLOCKS, num_warps: int = MMA_WARPS,
-                 maxnreg: int | None = MMA_MAXNREG) -> torch.Tensor:
+                 maxnreg: int | None = MMA_MAXNREG, repacked: bool = False) -> torch.Tensor:
     """y = W @ x (+ bias) (+ residual) for one nvfp4 / mxfp4 Linear on the tensor cores (module docstring). Same
     contract as kernels.gemv.gemv; xh = prepare_xh(x, norm_weight, eps) when already made (else made here).
     maxnreg: the register cap of the launch on CUDA (None: ptxas's choice)."""
@@ -405,5 +430,15 @@ def gemv_fp4_mma(x: torch.Tensor, w: WeightHandle, *, bias: torch.Tensor | None 
         w.global_scale if w.global_scale is not None else y,
         bias if bias is not None else y, residual if residual is not None else y, y, N, K,
         MX=w.fmt == "mxfp4", HAS_BIAS=bias is not None, HAS_RES=residual is not None, RB=row_blocks, NW=num_warps,
-        num_warps=num_warps, **launch_kw(x.device), **cap)
+        num_warps=num_warps, RP=repacked, **launch_kw(x.device), **cap)
     return y
+
+
+def repack_e2m1(w: WeightHandle) -> WeightHandle:
+    """Experiment (NOTES.md session 13): w with each code byte re-laid for the cheaper decode of
+    gemv_fp4_mma(..., repacked=True): code 2b's sign to bit 7 and e1 e0 m to bits 3..1, code 2b+1's e1 e0 m to bits
+    6..4 and sign to bit 0."""
+    b = w.weight
+    lo, hi = b & 0x0F, b >> 4
+    t = ((lo & 8) << 4) | ((lo & 7) << 1) | ((hi & 7) << 4) | ((hi & 8) >> 3)
+    return WeightHandle(w.fmt, t.to(torch.uint8), w.scale, w.global_scale, w.out_features, w.in_features)
