@@ -36,6 +36,7 @@ the lane's own words; the quad's sum is the same.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import torch
@@ -45,9 +46,10 @@ import triton.language as tl
 from .gemv import check_vec, check_x, make_out
 from .pdl import launch_kw, pdl_begin
 from .tiles import _ASM, E2M1_F16X2_PTX, _e2m1_word, _normed_block, _store_out
-from .weights import WeightHandle
+from .weights import WeightHandle, mma_bytes
 
-__all__ = ["prepare_xh", "gemv_fp4_mma", "mma_unreadable", "MMA_ROW_BLOCKS", "MMA_WARPS", "MMA_MAXNREG"]
+__all__ = ["prepare_xh", "gemv_fp4_mma", "mma_unreadable", "pack_for_mma", "MMA_ROW_BLOCKS", "MMA_WARPS",
+           "MMA_MAXNREG"]
 
 # Launch shape measured best on the H200 (NOTES.md sessions 12-13): 2 row blocks (32 rows) per warp, 4 warps per
 # program, registers capped at 128 (uncapped, the device's ptxas takes more and the GEMV drops to 73%) -> 16 warps
@@ -70,10 +72,10 @@ _W_LOAD = tl.constexpr("ld.global.nc" + (".L1::no_allocate" if os.environ.get("K
 
 # One group's mma chain: each word of rows a and b decoded (E2M1_F16X2_PTX) and multiplied in two mma (codes 0-3, then
 # 4-7, against the lane's B registers), the first starting from zero (or from $4..$7 when chained).
-# Experiment (NOTES.md session 13): a load-time repacked word whose byte b holds code 2b already as its plane byte
-# (s at bit 7, e1 e0 m at bits 3..1) and code 2b+1 as e1 e0 m at bits 6..4, s at bit 0 (repack_e2m1): the low plane
-# is one AND, the high plane one shift pair + merge, then the same 4 PRMT.
-_E2M1_REPACKED_PTX = """and.b32 lo, {W}, 0x8E8E8E8E;
+# Packing "mma" (pack_for_mma, weights.mma_bytes): byte b already holds code 2b as its plane byte (s at bit 7,
+# e1 e0 m at bits 3..1) and code 2b+1 as e1 e0 m at bits 6..4, s at bit 0: the low plane is one AND, the high plane
+# one shift pair + merge, then the same 4 PRMT (15.7 SASS per word instead of 17.7).
+_E2M1_MMA_PACKED_PTX = """and.b32 lo, {W}, 0x8E8E8E8E;
 shr.b32 t, {W}, 3;
 and.b32 t, t, 0x0E0E0E0E;
 shl.b32 u, {W}, 7;
@@ -82,14 +84,14 @@ or.b32 hi, t, u;
 """ + E2M1_F16X2_PTX[E2M1_F16X2_PTX.index("prmt.b32"):]
 
 
-def _group_ptx(words: int, chained: bool, repacked: bool = False) -> str:
+def _group_ptx(words: int, chained: bool, packed: bool = False) -> str:
     """`words` words of rows a and b through 2 mma each, chained: $0..$3 out; (chained) $4..$7 in; then the words
     of row a, those of row b, and 4 x pairs per word."""
     c0 = 8 if chained else 4
     wa, wb, xs = c0, c0 + words, c0 + 2 * words
     body = "{\n.reg .b32 t, u, lo, hi, z, a<4>, b<4>;\n.reg .f32 d<4>;\nmov.b32 z, 0;\n"
     for j in range(words):
-        dec = _E2M1_REPACKED_PTX if repacked else E2M1_F16X2_PTX
+        dec = _E2M1_MMA_PACKED_PTX if packed else E2M1_F16X2_PTX
         body += dec.format(W=f"${wa + j}", P="a") + dec.format(W=f"${wb + j}", P="b")
         c = ("$4, $5, $6, $7" if chained else "0f00000000, 0f00000000, 0f00000000, 0f00000000") if j == 0 \
             else "d0, d1, d2, d3"
@@ -228,8 +230,8 @@ def _group_scale(s, HALF: tl.constexpr, MX: tl.constexpr):
 
 
 @triton.jit
-def _unrepack(w):
-    """repack_e2m1's word back to the checkpoint's nibbles (portable path)."""
+def _unpack_mma(w):
+    """A packing "mma" word back to the checkpoint's nibbles (portable path; weights.checkpoint_bytes per u32)."""
     return ((w >> 4) & 0x08080808) | ((w >> 1) & 0x07070707) | (w & 0x70707070) | ((w << 7) & 0x80808080)
 
 
@@ -238,8 +240,8 @@ def _group(acc_a, acc_b, H, X, j: tl.constexpr, MX: tl.constexpr, RP: tl.constex
     """Words j, j + 1 of piece H (rows a, b; mxfp4: j = 0 and all 4 words) into acc += dot x group scale. X = the 16
     x pairs of this lane's 4 words (GPU: zeros unless this lane supplies B)."""
     if not _ASM and RP:
-        H = (_unrepack(H[0]), _unrepack(H[1]), _unrepack(H[2]), _unrepack(H[3]), _unrepack(H[4]), _unrepack(H[5]),
-             _unrepack(H[6]), _unrepack(H[7]), H[8], H[9], H[10], H[11])
+        H = (_unpack_mma(H[0]), _unpack_mma(H[1]), _unpack_mma(H[2]), _unpack_mma(H[3]), _unpack_mma(H[4]),
+             _unpack_mma(H[5]), _unpack_mma(H[6]), _unpack_mma(H[7]), H[8], H[9], H[10], H[11])
     if _ASM:
         d0, d1, d2, d3 = tl.inline_asm_elementwise(
             _MMA_GROUP_R if RP else _MMA_GROUP, "=f,=f,=f,=f" + ",r" * 12,
@@ -306,8 +308,9 @@ def _fp4_mma_kernel(xh_ptr, w_ptr, stride_wn, s_ptr, stride_sn, gs_ptr, bias_ptr
                     MX: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, RB: tl.constexpr,
                     NW: tl.constexpr, RP: tl.constexpr = False, PDL: tl.constexpr = False):
     """grid (cdiv(N, 16 * RB * NW),): y = W @ x for fp4 W [N, K/2] u8 with group scales [N, K/16] e4m3 (nvfp4) or
-    [N, K/32] E8M0 (mxfp4, MX), xh from prepare_xh, K % 32 == 0. Each warp owns 16 * RB rows and the whole K in
-    256-code steps, the next step's loads issued before the current step's mma (module docstring)."""
+    [N, K/32] E8M0 (mxfp4, MX), xh from prepare_xh, K % 32 == 0; RP: W's bytes in packing "mma". Each warp owns
+    16 * RB rows and the whole K in 256-code steps, the next step's loads issued before the current step's mma
+    (module docstring)."""
     pdl_begin(PDL)
     lane, warp = _lane_warp(NW)
     r = lane >> 2
@@ -347,7 +350,8 @@ def _fp4_mma_kernel(xh_ptr, w_ptr, stride_wn, s_ptr, stride_sn, gs_ptr, bias_ptr
         a0, a1, c0, c1 = _piece_step(a0, a1, c0, c1, C0[0], C1[0], xq, x_off, (x_off < KW) & mine, RB, MX, RP)
         e0, e1, f0, f1 = _piece_step(e0, e1, f0, f1, C0[1], C1[1], xq, x_off + 16, (x_off + 16 < KW) & mine, RB,
                                      MX, RP)
-    # The decode's 2^-14 (mxfp4: already in the scales) and nvfp4's global scale, once per row; one lane per quad stores.
+    # The decode's 2^-14 (mxfp4: already in the scales) and nvfp4's global scale, once per row; one lane per quad
+    # stores.
     if MX:
         g = 1.0
     else:
@@ -405,7 +409,7 @@ def gemv_fp4_mma(x: torch.Tensor, w: WeightHandle, *, bias: torch.Tensor | None 
                  residual: torch.Tensor | None = None, out: torch.Tensor | None = None,
                  norm_weight: torch.Tensor | None = None, eps: float = 1e-6, xh: torch.Tensor | None = None,
                  row_blocks: int = MMA_ROW_BLOCKS, num_warps: int = MMA_WARPS,
-                 maxnreg: int | None = MMA_MAXNREG, repacked: bool = False) -> torch.Tensor:
+                 maxnreg: int | None = MMA_MAXNREG) -> torch.Tensor:
     """y = W @ x (+ bias) (+ residual) for one nvfp4 / mxfp4 Linear on the tensor cores (module docstring). Same
     contract as kernels.gemv.gemv; xh = prepare_xh(x, norm_weight, eps) when already made (else made here).
     maxnreg: the register cap of the launch on CUDA (None: ptxas's choice)."""
@@ -430,15 +434,17 @@ def gemv_fp4_mma(x: torch.Tensor, w: WeightHandle, *, bias: torch.Tensor | None 
         w.global_scale if w.global_scale is not None else y,
         bias if bias is not None else y, residual if residual is not None else y, y, N, K,
         MX=w.fmt == "mxfp4", HAS_BIAS=bias is not None, HAS_RES=residual is not None, RB=row_blocks, NW=num_warps,
-        num_warps=num_warps, RP=repacked, **launch_kw(x.device), **cap)
+        num_warps=num_warps, RP=w.packing == "mma", **launch_kw(x.device), **cap)
     return y
 
 
-def repack_e2m1(w: WeightHandle) -> WeightHandle:
-    """Experiment (NOTES.md session 13): w with each code byte re-laid for the cheaper decode of
-    gemv_fp4_mma(..., repacked=True): code 2b's sign to bit 7 and e1 e0 m to bits 3..1, code 2b+1's e1 e0 m to bits
-    6..4 and sign to bit 0."""
-    b = w.weight
-    lo, hi = b & 0x0F, b >> 4
-    t = ((lo & 8) << 4) | ((lo & 7) << 1) | ((hi & 7) << 4) | ((hi & 8) >> 3)
-    return WeightHandle(w.fmt, t.to(torch.uint8), w.scale, w.global_scale, w.out_features, w.in_features)
+def pack_for_mma(w: WeightHandle) -> WeightHandle:
+    """w (nvfp4 / mxfp4, checkpoint bytes) as packing "mma": a new code tensor re-laid for this kernel's cheaper
+    decode (one AND for the low plane), same scales. Done once at load for a weight only this kernel reads (the
+    graph backend's lm_head): H200, 65536 x 8192 nvfp4 83.1 -> 86.1% of the probe (NOTES.md session 13)."""
+    why = mma_unreadable(w)
+    if why:
+        raise ValueError(f"pack_for_mma: {why}")
+    if w.packing == "mma":
+        return w
+    return dataclasses.replace(w, weight=mma_bytes(w.weight).contiguous(), packing="mma")

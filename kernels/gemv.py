@@ -197,6 +197,10 @@ def counters(device: torch.device, n: int) -> torch.Tensor:
 
 def weight_args(w: WeightHandle) -> tuple:
     """(w_ptr, stride_wn, s_ptr, stride_sn, stride_sk, gs_ptr) of a handle, in the tile functions' order."""
+    if w.packing != "checkpoint":
+        raise ValueError(f"{w.fmt} weight [{w.out_features}, {w.in_features}] is packed for the tensor-core GEMV "
+                         f"(packing {w.packing!r}): only gemv() on >= {MMA_MIN_ROWS} rows without x8 or a tile config "
+                         f"reads it (kernels/fp4_mma.py)")
     s = w.scale if w.scale is not None else w.weight
     has_s = w.scale is not None
     gs = w.global_scale if w.global_scale is not None else w.weight
@@ -355,7 +359,8 @@ def gemv(x: torch.Tensor, w: WeightHandle, *, bias: torch.Tensor | None = None, 
 def use_mma(w: WeightHandle, x8: torch.Tensor | None, config: TileConfig | None) -> bool:
     """gemv's dispatch to the tensor-core fp4 kernel (MMA_MIN_ROWS): nvfp4 / mxfp4, no caller x8 or tile config,
     >= 32768 rows, K % 32 == 0 and aligned rows (mma_unreadable)."""
-    if not MMA_GEMV or w.fmt not in ("nvfp4", "mxfp4") or x8 is not None or config is not None or w.out_features < MMA_MIN_ROWS:
+    if (not MMA_GEMV or w.fmt not in ("nvfp4", "mxfp4") or x8 is not None or config is not None
+            or w.out_features < MMA_MIN_ROWS):
         return False
     from .fp4_mma import mma_unreadable  # fp4_mma imports this module's checks
     return mma_unreadable(w) is None

@@ -26,7 +26,8 @@ from kie_moe.models.reference import ReferenceDecoder
 from kie_moe.models.spec import canonical
 
 from .attention import gqa_decode, mla_decode, rope_gqa_decode
-from .gemv import gemv, gemv_glu
+from .fp4_mma import pack_for_mma
+from .gemv import gemv, gemv_glu, use_mma
 from .moe import RouterConfig, Routing, moe_experts, route
 from .prefill import Prefill
 from .rope import mla_rope_append, rope_append, rope_tables
@@ -124,7 +125,10 @@ class GraphBackend:
         D, V = spec.hidden_size, spec.vocab_size
         self.embed = model.weights.get("embed").to(self.device, dtype)
         W.dense["embed"] = self.embed
-        self.lm_head = W.handle("lm_head" if "lm_head" in model.weights else "embed")
+        head = "lm_head" if "lm_head" in model.weights else "embed"
+        self.lm_head = W.handle(head)
+        if use_mma(self.lm_head, None, None):     # a quantized head on the tensor cores: its codes re-laid once
+            self.lm_head = W.h[head] = pack_for_mma(self.lm_head)
         self.layers = []
         for i, lay in enumerate(spec.layers):
             c = lambda n: canonical(i, n)  # noqa: E731

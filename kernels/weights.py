@@ -12,7 +12,10 @@ checkpoint bytes as loaded (no repacking):
 | mxfp4     | [.., out, in/2] u8 (2 x e2m1) | [.., out, in/32] u8 E8M0                 | -            |
 
 ".." is an optional leading expert axis E (stacked experts). Element 2k of a row sits in the LOW nibble of byte k;
-nibble = sign << 3 | index into E2M1_VALUES. nvfp4: w = e2m1 * scale / global; mxfp4: w = e2m1 * 2^(e - 127);
+nibble = sign << 3 | index into E2M1_VALUES. The one exception to "as loaded": `packing="mma"`, an nvfp4 / mxfp4
+Linear re-laid once for the tensor-core GEMV's cheaper decode (kernels/fp4_mma.pack_for_mma: byte k holds element
+2k as s 0 0 0 e1 e0 m 0 and element 2k+1's e1 e0 m at bits 6..4, its sign at bit 0); only that kernel reads it.
+nvfp4: w = e2m1 * scale / global; mxfp4: w = e2m1 * 2^(e - 127);
 fp8-block (and native `weight_scale_inv`): w = e4m3 * scale of its 128x128 block.
 """
 
@@ -24,7 +27,8 @@ from typing import Mapping
 
 import torch
 
-__all__ = ["WeightHandle", "FORMATS", "E2M1_VALUES", "FP8_BLOCK", "dequantize", "random_weight"]
+__all__ = ["WeightHandle", "FORMATS", "E2M1_VALUES", "FP8_BLOCK", "dequantize", "random_weight", "mma_bytes",
+           "checkpoint_bytes"]
 
 FORMATS = ("bf16", "fp16", "fp32", "fp8", "fp8_block", "nvfp4", "mxfp4")
 FP8_BLOCK = 128  # block_structure [128, 128] of compressed-tensors FP8_BLOCK
@@ -48,6 +52,7 @@ class WeightHandle:
     global_scale: torch.Tensor | None
     out_features: int
     in_features: int
+    packing: str = "checkpoint"  # or "mma" (module docstring)
 
     # ---- construction -------------------------------------------------------------------------------------------
     def __post_init__(self):
@@ -185,6 +190,8 @@ class WeightHandle:
         if w.stride(-1) != 1:
             raise ValueError(f"{name}: weight rows must be contiguous (stride(-1) == 1), got strides {w.stride()}")
         lead = tuple(w.shape[:-2])
+        if self.fmt not in _GROUP and self.packing != "checkpoint":
+            raise ValueError(f"{name}: packing {self.packing!r} applies to nvfp4 / mxfp4 only")
         if self.fmt in ("bf16", "fp16", "fp32"):
             want = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[self.fmt]
             _expect(name, "weight", w, want, (*lead, out, in_))
@@ -198,6 +205,8 @@ class WeightHandle:
             _expect(name, "weight_scale", s, None, want_s)
             return
         g = _GROUP[self.fmt]
+        if self.packing not in ("checkpoint", "mma") or (self.packing == "mma" and lead):
+            raise ValueError(f"{name}: packing {self.packing!r}: 'checkpoint', or 'mma' for a plain Linear")
         if in_ % g:
             raise ValueError(f"{name}: in_features {in_} is not a multiple of the group size {g}")
         _expect(name, "weight_packed", w, torch.uint8, (*lead, out, in_ // 2))
@@ -246,6 +255,18 @@ def _expect(owner: str, what: str, t: torch.Tensor, dtype, shape):
 
 
 # ---- torch reference dequantization (independent of the kernels' bit tricks: lookup tables, exp2) -----------------
+def mma_bytes(packed: torch.Tensor) -> torch.Tensor:
+    """Checkpoint e2m1 bytes -> packing "mma" (module docstring): element 2k (low nibble) to s 0 0 0 e1 e0 m 0,
+    element 2k+1 (high nibble) to e1 e0 m at bits 6..4 and s at bit 0."""
+    lo, hi = packed & 0x0F, packed >> 4
+    return ((lo & 8) << 4) | ((lo & 7) << 1) | ((hi & 7) << 4) | ((hi & 8) >> 3)
+
+
+def checkpoint_bytes(packed: torch.Tensor) -> torch.Tensor:
+    """mma_bytes's inverse."""
+    return ((packed >> 4) & 0x08) | ((packed >> 1) & 0x07) | (packed & 0x70) | ((packed & 1) << 7)
+
+
 def _unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
     """u8 [.., out, in/2] -> fp32 [.., out, in]; element 2k from the low nibble of byte k."""
     lut = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), dtype=torch.float32, device=packed.device)
@@ -263,7 +284,7 @@ def dequantize(w: WeightHandle) -> torch.Tensor:
     if w.fmt == "fp8_block":
         s = w.scale.float().repeat_interleave(FP8_BLOCK, -2).repeat_interleave(FP8_BLOCK, -1)
         return w.weight.float() * s[..., : w.out_features, : w.in_features]
-    q = _unpack_e2m1(w.weight)
+    q = _unpack_e2m1(checkpoint_bytes(w.weight) if w.packing == "mma" else w.weight)
     if w.fmt == "nvfp4":
         gs = w.global_scale.float().reshape(*w.weight.shape[:-2], 1, 1)
         return q * w.scale.float().repeat_interleave(16, -1) / gs

@@ -6,9 +6,9 @@ Under TRITON_INTERPRET=1 the portable path runs (lane = element index, fp32 FMAs
 import pytest
 import torch
 
-from kie_moe.kernels.fp4_mma import gemv_fp4_mma, prepare_xh
+from kie_moe.kernels.fp4_mma import gemv_fp4_mma, pack_for_mma, prepare_xh
 from kie_moe.kernels.gemv import gemv_ref, rmsnorm_gemv_ref
-from kie_moe.kernels.weights import WeightHandle, random_weight
+from kie_moe.kernels.weights import WeightHandle, checkpoint_bytes, dequantize, mma_bytes, random_weight
 
 from .helpers import DEV, assert_close, needs_device
 
@@ -27,13 +27,36 @@ CASES = [(37, 160, 2, 1), (16, 64, 1, 1), (70, 224, 1, 2), (130, 96, 2, 2), (1, 
          (19, 512, 2, 1), (29, 800, 1, 1), (50, 1152, 1, 2)]
 
 
+@pytest.mark.parametrize("packing", ["checkpoint", "mma"])
 @pytest.mark.parametrize("fmt", FP4)
 @pytest.mark.parametrize("N,K,rb,nw", CASES, ids=[f"{n}x{k}-rb{r}-w{w}" for n, k, r, w in CASES])
-def test_matches_reference(fmt, N, K, rb, nw):
+def test_matches_reference(fmt, N, K, rb, nw, packing):
     w = random_weight(fmt, N, K, seed=N * K, device=DEV)
     x, bias, res = _x(K, 1), _x(N, 2, torch.float32), _x(N, 3)
-    y = gemv_fp4_mma(x, w, bias=bias, residual=res, out=torch.empty(N, device=DEV), row_blocks=rb, num_warps=nw)
+    wk = pack_for_mma(w) if packing == "mma" else w
+    y = gemv_fp4_mma(x, wk, bias=bias, residual=res, out=torch.empty(N, device=DEV), row_blocks=rb, num_warps=nw)
     assert_close(y, gemv_ref(x, w, bias=bias, residual=res, out_dtype=torch.float32), what=f"{fmt} {N}x{K}")
+
+
+def test_mma_packing_is_a_relabelling():
+    """Every byte maps to a distinct byte and back; a packed handle dequantizes (the torch oracle) to the same
+    weights, keeps its packing through row views, and only the mma kernel takes it."""
+    b = torch.arange(256, dtype=torch.uint8)
+    assert len(set(mma_bytes(b).tolist())) == 256 and torch.equal(checkpoint_bytes(mma_bytes(b)), b)
+    for fmt in FP4:
+        w = random_weight(fmt, 40, 96, seed=3, device=DEV)
+        p = pack_for_mma(w)
+        assert p.packing == "mma" and pack_for_mma(p) is p and not torch.equal(p.weight, w.weight)
+        assert torch.equal(dequantize(p), dequantize(w))
+        assert p.rows(8, 24).packing == "mma" and torch.equal(dequantize(p.rows(8, 24)), dequantize(w.rows(8, 24)))
+    from kie_moe.kernels import gemv as G
+    x = _x(96, 4)
+    with pytest.raises(ValueError, match="packed for the tensor-core GEMV"):
+        G.gemv(x, p, out=torch.empty(40, device=DEV))                      # below MMA_MIN_ROWS: the tile path
+    with pytest.raises(ValueError, match="packing 'mma' applies to nvfp4 / mxfp4 only"):
+        WeightHandle("bf16", torch.zeros(4, 32, dtype=torch.bfloat16), None, None, 4, 32, "mma")
+    with pytest.raises(ValueError, match="expert stack"):
+        pack_for_mma(random_weight("nvfp4", 8, 64, seed=1, device=DEV, experts=2))
 
 
 @pytest.mark.parametrize("fmt", FP4)
@@ -128,12 +151,14 @@ def test_mxfp4_every_scale_exact():
 @pytest.mark.parametrize("fmt", FP4)
 @pytest.mark.parametrize("shape", [(65536, 8192), (151936, 2048), (5120, 2880), (2048, 768)],
                          ids=["big-65536x8192", "lm-head-151936x2048", "gpt-oss-qkv-5120x2880", "2048x768"])
-@pytest.mark.parametrize("rb,nw", [(2, 4), (1, 4), (2, 8)])
-def test_real_sizes_gpu(fmt, shape, rb, nw):
+@pytest.mark.parametrize("rb,nw,packing", [(2, 4, "checkpoint"), (1, 4, "checkpoint"), (2, 8, "checkpoint"),
+                                           (2, 4, "mma"), (2, 8, "mma")])
+def test_real_sizes_gpu(fmt, shape, rb, nw, packing):
     N, K = shape
     w = random_weight(fmt, N, K, seed=N + K, device="cuda")
     x = _x(K, 9).cuda()
-    y = gemv_fp4_mma(x, w, out=torch.empty(N, device="cuda"), row_blocks=rb, num_warps=nw)
+    y = gemv_fp4_mma(x, pack_for_mma(w) if packing == "mma" else w, out=torch.empty(N, device="cuda"),
+                     row_blocks=rb, num_warps=nw)
     assert_close(y, gemv_ref(x, w, out_dtype=torch.float32), rel=2e-5, what=f"{fmt} {shape}")
 
 
@@ -167,6 +192,11 @@ def test_gemv_dispatches_large_nvfp4(monkeypatch):
     assert_close(G.gemv(x, wm, out=torch.empty(N, device=DEV)), gemv_ref(x, wm, out_dtype=torch.float32),
                  what="dispatched mxfp4 gemv")
     assert calls == ["nvfp4", "mxfp4"]
+    assert_close(G.gemv(x, pack_for_mma(w), norm_weight=nw, residual=res, out=torch.empty(N, device=DEV)),
+                 gemv_ref(xn, w, residual=res, out_dtype=torch.float32), what="dispatched gemv, packed")
+    with pytest.raises(ValueError, match="packed for the tensor-core GEMV"):
+        G.gemv(x, pack_for_mma(w), x8=G.prepare_x8(x), out=torch.empty(N, device=DEV))
+    calls.clear()
     monkeypatch.setattr(G, "MMA_GEMV", False)
     G.gemv(x, w, out=torch.empty(N, device=DEV))                               # KIE_GEMV_MMA=0
-    assert calls == ["nvfp4", "mxfp4"]
+    assert calls == []

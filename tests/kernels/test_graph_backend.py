@@ -51,3 +51,29 @@ def test_fused_rope_attention_step_equals_the_two_launches(case, tmp_path, monke
                        be.logits.float().clone())
     assert runs[True][0] == runs[False][0] == ref_greedy(m, prompt, STEPS)
     assert torch.equal(runs[True][1], runs[False][1])
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4"])  # mxfp4's packed path: tests/kernels/test_fp4_mma.py
+def test_quantized_lm_head_packed_for_the_tensor_cores(fmt, tmp_path, monkeypatch):
+    """A quantized lm_head big enough for gemv()'s tensor-core dispatch (threshold lowered to the tiny vocab) is
+    re-laid once (packing "mma"): greedy tokens equal the reference decoder's on the same (dequantized) weights,
+    and the last logits are those of the CUDA-core tile on the checkpoint bytes (KIE_GEMV_MMA=0) within the mma
+    path's one fp16 rounding of the normed input (fp4_mma's xh: 2^-11 relative)."""
+    import kie_moe.kernels.gemv as GV
+    from kie_moe.models.registry import LoadedModel
+    from kie_moe.synthetic import QuantizingStore
+    make_checkpoint("qwen3", str(tmp_path))
+    m0 = load_model(str(tmp_path))
+    m = LoadedModel(m0.path, m0.config, m0.spec, QuantizingStore(m0.weights, fmt, lm_head=True))
+    monkeypatch.setattr(GV, "MMA_MIN_ROWS", 64)
+    prompt = list(range(7, 15))
+    runs = {}
+    for on in (True, False):
+        monkeypatch.setattr(GV, "MMA_GEMV", on)
+        be = GraphBackend(m, torch.device("cpu"))
+        assert be.lm_head.fmt == fmt and be.lm_head.packing == ("mma" if on else "checkpoint")
+        runs[on] = (list(be.generate(prompt, SamplingParams(max_new_tokens=STEPS, ignore_eos=True), set())),
+                    be.logits.float().clone())
+    assert runs[True][0] == runs[False][0] == ref_greedy(m, prompt, STEPS)
+    torch.testing.assert_close(runs[True][1], runs[False][1], rtol=0, atol=2e-3 * runs[False][1].abs().max())
+
