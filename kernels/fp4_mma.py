@@ -5,8 +5,9 @@ convert and FFMA (~33 SASS instructions per u32 word of 8 codes). Here a word's 
 (the byte-plane decode of tiles.py: 7 integer ops + 4 byte permutes), the dot products run on `mma.sync.m16n8k16`
 with fp32 accumulation, and the group scale is one fp32 FFMA per group and row on the mma's result: ~17 SASS
 instructions per word all told (sm_90), no shared memory (a plain `tl.dot` stages its operands there and measured
-2-3x slower: NOTES.md session 6). H200, 65536 x 8192 (BENCHMARKS.md session 13, run 5): 82.5% (nvfp4) / 80.9%
-(mxfp4) of the read probe at 4 warps, 84.0 / 82.4% at 8, against 61.9 / 63.8% for the CUDA-core tile in the same
+2-3x slower: NOTES.md session 6). H200, 65536 x 8192 (BENCHMARKS.md session 13): 81.5-83.1% (nvfp4) / 80.4-80.9%
+(mxfp4) of the read probe at 4 warps on checkpoint bytes, 86.1-86.5% / 83.9% on bytes in packing "mma"
+(pack_for_mma: the low plane's decode becomes one AND), against ~62 / ~64% for the CUDA-core tile in the same
 process.
 
 Lane roles (one warp = 16 * RB weight rows; lane l has r = l // 4, q = l % 4):

@@ -86,7 +86,9 @@ ROWS_FIRST = os.environ.get("KIE_GEMV_ROWS_FIRST", "1") == "1"
 # H200, same process (results/2026-12-04-h200-s13-mma): 65536 x 8192 nvfp4 62.0 -> 83.2%, mxfp4 63.9 -> 80.8% of the
 # probe; 151936 x 2048 (a quantized lm_head) 57.6 -> 73.8% / 60.2 -> 74.2%; 32768 x 4096 52.1 -> 57.1% / 54.2 ->
 # 59.5%; at 16384 rows and fewer it loses (each warp walks its 32 rows' whole K: too few warps). Session 12 kept
-# mxfp4 off (its HMUL2 scale was exact only for E8M0 2^-19 .. 2^5); the scale is an fp32 FFMA since session 13.
+# mxfp4 off (its HMUL2 scale was exact only for E8M0 2^-19 .. 2^5); the scale is an fp32 FFMA since session 13. A
+# handle in packing "mma" (fp4_mma.pack_for_mma; the graph backend's quantized lm_head) must take this path: 86.1%
+# nvfp4 / 83.9% mxfp4 on 65536 x 8192.
 # KIE_GEMV_MMA=0 turns the dispatch off (A/B).
 MMA_MIN_ROWS = 32768
 MMA_GEMV = os.environ.get("KIE_GEMV_MMA", "1") == "1"
