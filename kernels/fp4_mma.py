@@ -448,4 +448,11 @@ def pack_for_mma(w: WeightHandle) -> WeightHandle:
         raise ValueError(f"pack_for_mma: {why}")
     if w.packing == "mma":
         return w
-    return dataclasses.replace(w, weight=mma_bytes(w.weight).contiguous(), packing="mma")
+    # In row chunks: mma_bytes' temporaries are a few times their input (an lm_head's codes are 150-300 MB).
+    out = torch.empty(w.weight.shape, dtype=torch.uint8, device=w.weight.device)
+    for r in range(0, w.out_features, _PACK_ROWS):
+        out[r:r + _PACK_ROWS] = mma_bytes(w.weight[r:r + _PACK_ROWS])
+    return dataclasses.replace(w, weight=out, packing="mma")
+
+
+_PACK_ROWS = 8192

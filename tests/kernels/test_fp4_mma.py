@@ -38,9 +38,11 @@ def test_matches_reference(fmt, N, K, rb, nw, packing):
     assert_close(y, gemv_ref(x, w, bias=bias, residual=res, out_dtype=torch.float32), what=f"{fmt} {N}x{K}")
 
 
-def test_mma_packing_is_a_relabelling():
-    """Every byte maps to a distinct byte and back; a packed handle dequantizes (the torch oracle) to the same
-    weights, keeps its packing through row views, and only the mma kernel takes it."""
+def test_mma_packing_is_a_relabelling(monkeypatch):
+    """Every byte maps to a distinct byte and back; a packed handle (packed in row chunks) dequantizes (the torch
+    oracle) to the same weights, keeps its packing through row views, and only the mma kernel takes it."""
+    from kie_moe.kernels import fp4_mma
+    monkeypatch.setattr(fp4_mma, "_PACK_ROWS", 7)
     b = torch.arange(256, dtype=torch.uint8)
     assert len(set(mma_bytes(b).tolist())) == 256 and torch.equal(checkpoint_bytes(mma_bytes(b)), b)
     for fmt in FP4:
