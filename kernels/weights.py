@@ -125,6 +125,9 @@ class WeightHandle:
         """Stack per-expert handles (same format and shape) into one [E, out, in] handle."""
         h0 = handles[0]
         for i, h in enumerate(handles):
+            if h.packing != "checkpoint":
+                raise ValueError(f"WeightHandle.stack: expert {i} is in packing {h.packing!r}; stacks hold checkpoint "
+                                 f"bytes (the expert kernels read those)")
             if (h.fmt, h.out_features, h.in_features) != (h0.fmt, h0.out_features, h0.in_features):
                 raise ValueError(f"WeightHandle.stack: expert {i} is {h.fmt} [{h.out_features}, {h.in_features}], "
                                  f"expert 0 is {h0.fmt} [{h0.out_features}, {h0.in_features}]")

@@ -59,6 +59,8 @@ def test_mma_packing_is_a_relabelling(monkeypatch):
         WeightHandle("bf16", torch.zeros(4, 32, dtype=torch.bfloat16), None, None, 4, 32, "mma")
     with pytest.raises(ValueError, match="expert stack"):
         pack_for_mma(random_weight("nvfp4", 8, 64, seed=1, device=DEV, experts=2))
+    with pytest.raises(ValueError, match="stack: expert 1 is in packing 'mma'"):
+        WeightHandle.stack([w, pack_for_mma(w)])
 
 
 @pytest.mark.parametrize("fmt", FP4)
