@@ -143,6 +143,9 @@ def open_model(model: str, device: torch.device, *, scheme: str = "bf16", tiny: 
         refs = adapter_for(m.spec.family).tensor_refs(m.spec)
         ck, per = checkpoint_schemes(m.config, m.spec, refs)
         if ck != "bf16":
+            if quantize_lm_head:
+                raise InputError(f"{model}/config.json: the checkpoint is already {ck}; its lm_head is as converted "
+                                 f"(kie convert --quantize-lm-head), --quantize-lm-head cannot change it")
             if scheme not in ("bf16", ck):
                 raise InputError(f"{model}/config.json: the checkpoint is already {ck}; --scheme {scheme} would "
                                  f"quantize it twice (leave --scheme out)")

@@ -147,6 +147,8 @@ def test_checkpoint_with_quantized_lm_head_counts_it(ckpt, tmp_path):
     plain = tmp_path / "fp8"
     assert main(["convert", ckpt, str(plain), "--scheme", "fp8", "--quiet"]) == 0
     assert S.open_model(str(plain), torch.device("cpu")).scheme_of("lm_head") == "bf16"
+    with pytest.raises(B.InputError, match="already fp8; its lm_head"):
+        S.open_model(str(plain), torch.device("cpu"), scheme="fp8", quantize_lm_head=True)
 
 
 def test_weight_bytes_against_param_counts():
