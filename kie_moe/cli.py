@@ -99,6 +99,8 @@ def cmd_convert(a) -> int:
     from kie_moe.models.quantizable import convert_checkpoint
     say = (lambda m: None) if a.quiet else (lambda m: tqdm.write(f"kie convert: {m}", file=sys.stderr))
     from kie_moe.heldout import gptq_options
+    from kie_moe.synthetic import resolve_model
+    a.src = resolve_model(a.src)      # `demo`: the embedded model, as kie bench / sweep / demo take it
     gptq = gptq_options(a.src, a.calib, a.calib_tokens, a.device, a.damp, enabled=a.gptq)
     if gptq is not None:
         say(f"GPTQ calibration on {gptq.device}: {gptq.label}")
@@ -231,7 +233,8 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Write SRC's weights quantized to DST (compressed-tensors format), shard by shard. "
                                    "Attention, dense MLP and expert Linears are quantized; routers, embeddings, norms "
                                    "and lm_head stay as stored.")
-    c.add_argument("src", metavar="SRC", help="checkpoint directory (float, or already FP8 / MXFP4)")
+    c.add_argument("src", metavar="SRC", help="checkpoint directory (float, or already FP8 / MXFP4), or demo (the "
+                   "embedded model)")
     c.add_argument("dst", metavar="DST", help="output directory (must not exist unless --force)")
     c.add_argument("--scheme", required=True, help="fp8 | fp8-block | nvfp4 | mxfp4")
     c.add_argument("--force", action="store_true", help="replace DST if it exists (only once the new one is complete)")

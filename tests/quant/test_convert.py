@@ -509,3 +509,15 @@ def test_cli_convert_mse_observer(tiny, converted, tmp_path, capsys):
     assert differ > 0
     rc, out, err = run_cli(capsys, ["convert", src, str(tmp_path / "x"), "--scheme", "fp8", "--observer", "mse"])
     assert rc != 0 and "fp4 schemes" in err
+
+
+def test_convert_takes_the_embedded_demo_model_by_name(tmp_path, capsys, monkeypatch):
+    """`kie convert demo DST` converts the embedded model, as kie bench / sweep / demo take `demo`."""
+    from kie_moe.cli import main
+    from kie_moe.synthetic import EMBEDDED_DEMO, open_model
+    monkeypatch.chdir(tmp_path)                   # no local directory named demo
+    dst = tmp_path / "demo-fp8"
+    assert main(["convert", "demo", str(dst), "--scheme", "fp8", "--quiet"]) == 0
+    assert capsys.readouterr().out.strip() == str(dst)
+    src = open_model(str(dst), torch.device("cpu"))
+    assert src.scheme == "fp8" and src.model.spec == open_model(EMBEDDED_DEMO, torch.device("cpu")).model.spec
