@@ -348,6 +348,8 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--tiny", action="store_true", help="a preset's tiny variant (tests, CPU)")
     w.add_argument("--observer", default="minmax", choices=["minmax", "mse"],
                    help="how the nvfp4 / mxfp4 conversions pick their scales (kie convert --observer)")
+    w.add_argument("--experts-only", action="store_true",
+                   help="quantize only the routed and shared experts (kie convert --experts-only)")
     _gptq_args(w)
     w.add_argument("--window", type=int, default=256, help="scored tokens per teacher-forced window (default 256)")
     w.add_argument("--max-tokens", type=int, default=None,

@@ -170,9 +170,11 @@ def converter():
     return convert_checkpoint
 
 
-def _stamp(src: str, scheme: str, observer: str = "minmax", gptq=None) -> dict:
+def _stamp(src: str, scheme: str, observer: str = "minmax", gptq=None, experts_only: bool = False) -> dict:
     cfg = os.path.join(src, "config.json")
     out = {"source": os.path.abspath(src), "scheme": scheme, "source_config_mtime": os.path.getmtime(cfg)}
+    if experts_only:                # stamps written before --experts-only existed stay valid without it
+        out["experts_only"] = True
     if observer != "minmax":        # stamps written before observers existed stay valid for minmax
         out["observer"] = observer
     if gptq is not None:
@@ -181,14 +183,14 @@ def _stamp(src: str, scheme: str, observer: str = "minmax", gptq=None) -> dict:
 
 
 def scheme_checkpoint(src: str, scheme: str, cache_dir: str, convert, observer: str = "minmax",
-                      gptq=None) -> tuple[str, str]:
+                      gptq=None, experts_only: bool = False) -> tuple[str, str]:
     """-> (directory of `src` in `scheme`, "converted" | "cached"). A cached conversion is reused only when its
-    stamp names the same source, scheme, observer, GPTQ calibration (models.calibrate.GptqOptions.fingerprint)
-    and source config.json mtime; otherwise it is converted again. GPTQ conversions are cached
-    under SCHEME-gptq."""
-    dst = os.path.join(cache_dir, scheme + ("-gptq" if gptq is not None else ""))
+    stamp names the same source, scheme, observer, GPTQ calibration (models.calibrate.GptqOptions.fingerprint),
+    experts-only choice and source config.json mtime; otherwise it is converted again. GPTQ conversions are cached
+    under SCHEME-gptq, experts-only ones under SCHEME[-gptq]-experts."""
+    dst = os.path.join(cache_dir, scheme + ("-gptq" if gptq is not None else "") + ("-experts" if experts_only else ""))
     stamp_path = os.path.join(dst, _STAMP)
-    want = _stamp(src, scheme, observer, gptq)
+    want = _stamp(src, scheme, observer, gptq, experts_only)
     if os.path.exists(os.path.join(dst, "config.json")) and os.path.exists(stamp_path):
         try:
             with open(stamp_path) as f:
@@ -199,6 +201,8 @@ def scheme_checkpoint(src: str, scheme: str, cache_dir: str, convert, observer: 
     kw = {"observer": observer} if observer != "minmax" else {}
     if gptq is not None:
         kw["gptq"] = gptq
+    if experts_only:
+        kw["experts_only"] = True
     convert(src, dst, scheme, force=os.path.exists(dst), progress=False, on_warning=lambda m: None, **kw)
     with open(stamp_path, "w") as f:
         json.dump(want, f)
@@ -224,7 +228,7 @@ def run(model: str, schemes: list[str], out_dir: str, *, text: str | None = None
         prompt_len: int = 32, new_tokens: int = 64, runs: int = 3, probe_bytes: int | None = None,
         cache_dir: str | None = None, progress: bool = True, argv: list[str] | None = None,
         observer: str = "minmax", gptq: bool = False, calib: str | None = None,
-        calib_tokens: int | None = None, damp: float = 0.01) -> dict:
+        calib_tokens: int | None = None, damp: float = 0.01, experts_only: bool = False) -> dict:
     from tqdm.auto import tqdm
     from kie_moe.engine import resolve_device
 
@@ -240,6 +244,9 @@ def run(model: str, schemes: list[str], out_dir: str, *, text: str | None = None
     if gptq and not ckpt:
         raise InputError(f"--gptq: needs a checkpoint with a tokenizer (GPTQ calibrates on text); {model} is "
                          f"quantized in memory, rounded to nearest")
+    if experts_only and not ckpt:
+        raise InputError(f"--experts-only: needs a checkpoint (kie convert --experts-only); {model} is quantized in "
+                         f"memory, every Linear")
     gptq_opts = H.gptq_options(model, calib, calib_tokens, device, damp, enabled=gptq)
     bar = tqdm(total=2 * len(schemes) + 2, desc="kie sweep", file=sys.stderr, disable=not progress, leave=False)
     bar.set_postfix_str("read probe")
@@ -266,7 +273,7 @@ def run(model: str, schemes: list[str], out_dir: str, *, text: str | None = None
     # not support, e.g. mixed formats in one kind); the title names them, or the request until a row has run
     res.update(quality_data=data_label, quality_dtype=str(qdtype).removeprefix("torch."),
                converter="kie convert" if convert else ("in-memory quantization (kie convert is not in this build)" if ckpt else "in-memory quantization"),
-               backend=backend, observer=observer, rows=[],
+               backend=backend, observer=observer, experts_only=experts_only, rows=[],
                gptq=None if gptq_opts is None else {"calibration": gptq_opts.label, "damp": gptq_opts.damp,
                                                     "device": gptq_opts.device})
 
@@ -279,7 +286,7 @@ def run(model: str, schemes: list[str], out_dir: str, *, text: str | None = None
             elif ckpt and convert is not None:
                 from kie_moe.quant.schemes import takes_observer
                 d, how = scheme_checkpoint(model, scheme, cache_dir or os.path.join(out_dir, "checkpoints"), convert,
-                                           observer if takes_observer(scheme) else "minmax", gptq_opts)
+                                           observer if takes_observer(scheme) else "minmax", gptq_opts, experts_only)
                 src, origin = open_model(d, dev), f"{how}: {d}"      # its config.json says which modules are quantized
             else:
                 src, origin = B.with_scheme(base, scheme), "quantized in memory"
@@ -371,7 +378,9 @@ def md_table(res: dict) -> str:
              f"Quality data: {res['quality_data']}; {res.get('quality_dtype', 'float32')} activations. Schemes from: {res['converter']}"
              + (f" (fp4 scales: {res['observer']} observer)" if res.get("observer", "minmax") != "minmax" else "")
              + (f"; codes by GPTQ, calibrated on {res['gptq']['calibration']} (damp {res['gptq']['damp']:g}, "
-                f"{res['gptq']['device']})" if res.get("gptq") else "") + ".", "",
+                f"{res['gptq']['device']})" if res.get("gptq") else "")
+             + ("; routed and shared experts only (attention and dense MLPs in float: kie convert --experts-only)"
+                if res.get("experts_only") else "") + ".", "",
              "| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for r in res["rows"]:
         if "error" in r:
@@ -407,7 +416,7 @@ def cmd_sweep(a) -> int:
               window=a.window, max_tokens=a.max_tokens, prompt_len=a.prompt_len, new_tokens=a.new_tokens,
               runs=a.runs, probe_bytes=a.probe_mb << 20 if a.probe_mb else None, cache_dir=a.cache,
               progress=not a.quiet, observer=a.observer, gptq=a.gptq, calib=a.calib, calib_tokens=a.calib_tokens,
-              damp=a.damp, argv=getattr(a, "argv", None))
+              damp=a.damp, argv=getattr(a, "argv", None), experts_only=a.experts_only)
     print(md_table(res))
     print(f"[wrote {os.path.join(a.out, 'results.md')}, results.csv, results.json, {PLOT_FILE}]", file=sys.stderr)
     return 1 if any("error" in r for r in res["rows"]) else 0

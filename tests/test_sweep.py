@@ -212,3 +212,26 @@ def test_gptq_sweep_converts_with_gptq_and_says_so(ckpt, text_file, tmp_path, ca
     assert main(["sweep", "qwen3-30b-a3b", "--tiny", "--schemes", "bf16,nvfp4", "--out", str(tmp_path / "syn"),
                  "--gptq", *FAST]) == 2
     assert "--gptq: needs a checkpoint" in capsys.readouterr().err
+
+
+def test_experts_only_sweep_keeps_attention_in_float(tmp_path, capsys):
+    """--experts-only: each scheme is converted by `kie convert --experts-only` (cached under SCHEME-experts, its
+    stamp says so): the scored checkpoint holds the scheme in the experts and float attention, and the table says
+    so; a synthetic ARCH (quantized in memory, every Linear) refuses it."""
+    if S.converter() is None:
+        pytest.skip("kie convert is not in this build")
+    from kie_moe.synthetic import open_model
+    cache = str(tmp_path / "cache")
+    assert main(["sweep", "demo", "--schemes", "bf16,fp8", "--out", str(tmp_path / "eo"), "--cache", cache,
+                 "--experts-only", *FAST]) == 0
+    res = json.load(open(tmp_path / "eo" / "results.json"))
+    d = os.path.join(cache, "fp8-experts")
+    assert res["experts_only"] is True and res["rows"][1]["model_source"] == f"converted: {d}"
+    assert json.load(open(os.path.join(d, S._STAMP)))["experts_only"] is True
+    assert "routed and shared experts only" in (tmp_path / "eo" / "results.md").read_text()
+    src = open_model(d, torch.device("cpu"))
+    assert src.scheme_of("layers.0.moe.experts.0.up") == "fp8" and src.scheme_of("layers.0.attn.q") == "bf16"
+    capsys.readouterr()
+    assert main(["sweep", "qwen3-30b-a3b", "--tiny", "--schemes", "bf16,fp8", "--out", str(tmp_path / "syn"),
+                 "--experts-only", *FAST]) == 2
+    assert "--experts-only: needs a checkpoint" in capsys.readouterr().err
