@@ -723,8 +723,8 @@ def main(argv=None):
         save()
     if "big" not in skip:
         result["big"] = big_section(big_formats, args.big_mb, probe, args.rep_ms, budget=budget)
+        configs = [mma_config(c) for c in args.mma_configs.split(",") if c]
         for fmt in (f for f in FP4 if f in big_formats):
-            configs = [mma_config(c) for c in args.mma_configs.split(",") if c]
             for kw in configs:
                 result["big"].append(big_mma(fmt, args.big_mb, probe, args.rep_ms, **kw))
             for shp in (v for v in args.mma_shapes.split(",") if v):

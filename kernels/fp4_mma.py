@@ -71,8 +71,6 @@ _W_LOAD = tl.constexpr("ld.global.nc" + (".L1::no_allocate" if os.environ.get("K
                        + ".v4.u32 {$0, $1, $2, $3}, [$4];")
 
 
-# One group's mma chain: each word of rows a and b decoded (E2M1_F16X2_PTX) and multiplied in two mma (codes 0-3, then
-# 4-7, against the lane's B registers), the first starting from zero (or from $4..$7 when chained).
 # Packing "mma" (pack_for_mma, weights.mma_bytes): byte b already holds code 2b as its plane byte (s at bit 7,
 # e1 e0 m at bits 3..1) and code 2b+1 as e1 e0 m at bits 6..4, s at bit 0: the low plane is one AND, the high plane
 # one shift pair + merge, then the same 4 PRMT (15.7 SASS per word instead of 17.7).
@@ -85,14 +83,16 @@ or.b32 hi, t, u;
 """ + E2M1_F16X2_PTX[E2M1_F16X2_PTX.index("prmt.b32"):]
 
 
+# One group's mma chain: each word of rows a and b decoded (E2M1_F16X2_PTX, or the packed decode) and multiplied in two
+# mma (codes 0-3, then 4-7, against the lane's B registers), the first starting from zero (or from $4..$7 when chained).
 def _group_ptx(words: int, chained: bool, packed: bool = False) -> str:
     """`words` words of rows a and b through 2 mma each, chained: $0..$3 out; (chained) $4..$7 in; then the words
     of row a, those of row b, and 4 x pairs per word."""
     c0 = 8 if chained else 4
     wa, wb, xs = c0, c0 + words, c0 + 2 * words
+    dec = _E2M1_MMA_PACKED_PTX if packed else E2M1_F16X2_PTX
     body = "{\n.reg .b32 t, u, lo, hi, z, a<4>, b<4>;\n.reg .f32 d<4>;\nmov.b32 z, 0;\n"
     for j in range(words):
-        dec = _E2M1_MMA_PACKED_PTX if packed else E2M1_F16X2_PTX
         body += dec.format(W=f"${wa + j}", P="a") + dec.format(W=f"${wb + j}", P="b")
         c = ("$4, $5, $6, $7" if chained else "0f00000000, 0f00000000, 0f00000000, 0f00000000") if j == 0 \
             else "d0, d1, d2, d3"
@@ -187,37 +187,29 @@ def _word_dot(w, x0, x1, x2, x3):
 
 
 @triton.jit
-def _scale32(ptr, MX: tl.constexpr):
-    """One group scale byte at ptr as fp32: nvfp4 the e4m3 value; mxfp4 2^(e - 127) x 2^14, the decode's 2^-14 undone
-    here so that a row whose groups all have e = 0 keeps fp32's normal range: exact for e <= 240, inf above."""
-    b = tl.load(ptr)
-    if MX:
-        return (tl.minimum(b.to(tl.int32) + 14, 255) << 23).to(tl.float32, bitcast=True)
-    else:
-        return b.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+def _e8m0_scale(ptr):
+    """One mxfp4 group scale byte e at ptr as fp32 2^(e - 127) x 2^14: the decode's 2^-14 undone here so that a row
+    whose groups all have e = 0 keeps fp32's normal range: exact for e <= 240, inf above."""
+    return (tl.minimum(tl.load(ptr).to(tl.int32) + 14, 255) << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit
 def _piece_load(wq, sq, ra, rb, swn, stride_sn, st, q, KW, KG, h: tl.constexpr, MX: tl.constexpr):
     """Piece h of step st for rows ra, rb: words 32 st + 16 h + 4q .. + 3 (clamped in-row: K % 32 == 0 lets a ragged
-    last step end after either piece; its missing words multiply x = 0) and their scales: (words a, words b, sa, sa,
-    sb, sb), mxfp4 sa / sb the fp32 group scale, nvfp4 the u16 pair of e4m3 scales (words 0-1, words 2-3)."""
+    last step end after either piece; its missing words multiply x = 0) and their scales: (words a, words b, sa, sb),
+    mxfp4 sa / sb the fp32 group scale, nvfp4 the u16 pair of e4m3 scales (words 0-1, words 2-3)."""
     w = tl.minimum(32 * st + 16 * h + 4 * q, KW - 4)
     a0, a1, a2, a3 = _ld_words(wq + ra * swn + w)
     b0, b1, b2, b3 = _ld_words(wq + rb * swn + w)
     if MX:
         g = tl.minimum(w // 4, KG - 1)
-        sa0 = _scale32(sq + ra * stride_sn + g, MX)
-        sb0 = _scale32(sq + rb * stride_sn + g, MX)
-        sa1 = sa0
-        sb1 = sb0
+        sa = _e8m0_scale(sq + ra * stride_sn + g)
+        sb = _e8m0_scale(sq + rb * stride_sn + g)
     else:  # both groups' e4m3 bytes in one u16 load per row (g is even), widened where used (_group_scale)
         g = tl.minimum(w // 2, KG - 2)
-        sa0 = tl.load((sq + ra * stride_sn + g).to(tl.pointer_type(tl.uint16))).to(tl.int32)
-        sb0 = tl.load((sq + rb * stride_sn + g).to(tl.pointer_type(tl.uint16))).to(tl.int32)
-        sa1 = sa0
-        sb1 = sb0
-    return a0, a1, a2, a3, b0, b1, b2, b3, sa0, sa1, sb0, sb1
+        sa = tl.load((sq + ra * stride_sn + g).to(tl.pointer_type(tl.uint16))).to(tl.int32)
+        sb = tl.load((sq + rb * stride_sn + g).to(tl.pointer_type(tl.uint16))).to(tl.int32)
+    return a0, a1, a2, a3, b0, b1, b2, b3, sa, sb
 
 
 @triton.jit
@@ -242,7 +234,7 @@ def _group(acc_a, acc_b, H, X, j: tl.constexpr, MX: tl.constexpr, RP: tl.constex
     x pairs of this lane's 4 words (GPU: zeros unless this lane supplies B)."""
     if not _ASM and RP:
         H = (_unpack_mma(H[0]), _unpack_mma(H[1]), _unpack_mma(H[2]), _unpack_mma(H[3]), _unpack_mma(H[4]),
-             _unpack_mma(H[5]), _unpack_mma(H[6]), _unpack_mma(H[7]), H[8], H[9], H[10], H[11])
+             _unpack_mma(H[5]), _unpack_mma(H[6]), _unpack_mma(H[7]), H[8], H[9])
     if _ASM:
         d0, d1, d2, d3 = tl.inline_asm_elementwise(
             _MMA_GROUP_R if RP else _MMA_GROUP, "=f,=f,=f,=f" + ",r" * 12,
@@ -255,7 +247,7 @@ def _group(acc_a, acc_b, H, X, j: tl.constexpr, MX: tl.constexpr, RP: tl.constex
                 [d0, d1, d2, d3, H[2], H[3], H[6], H[7], X[8], X[9], X[10], X[11], X[12], X[13], X[14], X[15]],
                 dtype=(tl.float32,) * 4, is_pure=True, pack=1)
         acc_a += d0 * _group_scale(H[8], j // 2, MX)
-        acc_b += d2 * _group_scale(H[10], j // 2, MX)
+        acc_b += d2 * _group_scale(H[9], j // 2, MX)
     else:
         da = _word_dot(H[j], X[4 * j], X[4 * j + 1], X[4 * j + 2], X[4 * j + 3])
         da += _word_dot(H[j + 1], X[4 * j + 4], X[4 * j + 5], X[4 * j + 6], X[4 * j + 7])
@@ -265,7 +257,7 @@ def _group(acc_a, acc_b, H, X, j: tl.constexpr, MX: tl.constexpr, RP: tl.constex
             da += _word_dot(H[2], X[8], X[9], X[10], X[11]) + _word_dot(H[3], X[12], X[13], X[14], X[15])
             db += _word_dot(H[6], X[8], X[9], X[10], X[11]) + _word_dot(H[7], X[12], X[13], X[14], X[15])
         acc_a += da * _group_scale(H[8], j // 2, MX)
-        acc_b += db * _group_scale(H[10], j // 2, MX)
+        acc_b += db * _group_scale(H[9], j // 2, MX)
     return acc_a, acc_b
 
 

@@ -327,7 +327,7 @@ def gemv(x: torch.Tensor, w: WeightHandle, *, bias: torch.Tensor | None = None, 
     """y = W @ x (+ bias) (+ residual) for a batch-1 x [K] or [1, K]; y has x's leading shape and dtype (or out's).
     With norm_weight, x is RMS-normalised first: W @ (x * rstd(x) * norm_weight) (see rmsnorm_gemv).
     fp4 weights: x8 = prepare_x8(x, norm_weight, eps) if already made (else made here, one extra launch); a large
-    nvfp4 GEMV without x8 runs on the tensor cores instead (use_mma)."""
+    nvfp4 / mxfp4 GEMV without x8 runs on the tensor cores instead (use_mma)."""
     if w.num_experts:
         raise ValueError("gemv: weight handle is an expert stack; use kie_moe.kernels.moe.moe_experts")
     N, K = w.out_features, w.in_features
