@@ -34,14 +34,14 @@ def time_backend(be, prompt, new_tokens, runs=3):
     for _ in range(runs):
         torch.cuda.synchronize()
         first = None
-        n = 0
-        for _t in be.generate(prompt, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True), set()):
-            n += 1
+        toks = []
+        for t in be.generate(prompt, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True), set()):
+            toks.append(int(t))
             if first is None:
                 first = time.perf_counter()
         torch.cuda.synchronize()
-        out.append((n - 1) / (time.perf_counter() - first))
-    return sorted(out)[len(out) // 2], out
+        out.append((len(toks) - 1) / (time.perf_counter() - first))
+    return sorted(out)[len(out) // 2], out, toks
 
 
 def run(arch: str, fmt: str, probe: float, backends: list[str], prompt_len=32, new_tokens=128) -> list[dict]:
@@ -66,8 +66,8 @@ def run(arch: str, fmt: str, probe: float, backends: list[str], prompt_len=32, n
                 be = MonokernelBackend(model, torch.device("cuda"))
                 bpt = getattr(be, "bytes_per_token", None) or getattr(be.plan, "bytes_per_token", None)
             r["build_s"] = time.perf_counter() - t0
-            tps, runs = time_backend(be, prompt, new_tokens)
-            r.update(tok_per_s=tps, runs=runs, bytes_per_token=bpt)
+            tps, runs, toks = time_backend(be, prompt, new_tokens)
+            r.update(tok_per_s=tps, runs=runs, bytes_per_token=bpt, token_ids=toks)   # greedy: A/Bs compare them
             if bpt:
                 r.update(gbps=tps * bpt / 1e9, pct_roofline=100 * tps * bpt / 1e9 / probe)
             del be

@@ -16,6 +16,8 @@ driver of tests/kernels/test_compile_sm90.py: compile, never launch), finds the 
 It runs in a subprocess without TRITON_INTERPRET (kernels imported under the interpreter are wrappers).
 Usage: python benchmarks/sass_count.py [--formats nvfp4,mxfp4] [--configs 16x512,16x512:np,8x1024:w8] [--hist]
   config syntax: BNxBK[:np (no prefetch)][:wN (num_warps)]; default: each format's DEFAULT_TILES entry.
+  --mma RBxW[:rN][:p][:cN],..  instead: kernels/fp4_mma.py's kernel (nvfp4 / mxfp4 only) in those launch shapes
+  (benchmarks/kernels_micro.py's --mma-configs syntax); i/B is then instructions per u32 word of codes (`i/word`).
 """
 
 from __future__ import annotations
@@ -122,9 +124,63 @@ def measure(fmt: str, cfg, K: int = 8192, N: int = 4096) -> dict:
                 hist=dict(hist.most_common()))
 
 
+def measure_mma(fmt: str, cfg: dict, K: int = 8192, N: int = 4096) -> dict:
+    """kernels/fp4_mma.py's loop: SASS per step (32 words of K per lane row pair), per u32 word, HMMA count, regs."""
+    import torch
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime.driver import driver
+
+    class _Sm90:
+        def get_current_target(self):
+            return GPUTarget("cuda", 90, 32)
+
+        def get_current_device(self):
+            return 0
+
+        def get_current_stream(self, device=None):
+            return 0
+
+    driver.set_active(_Sm90())
+    from kie_moe.kernels import fp4_mma as M
+
+    rb, nw = cfg["row_blocks"], cfg["num_warps"]
+    w = torch.empty(N, K // 2, dtype=torch.uint8)
+    s = torch.empty(N, K // (32 if fmt == "mxfp4" else 16), dtype=torch.uint8)
+    xh = torch.empty(K, dtype=torch.float16)
+    y = torch.empty(N, dtype=torch.bfloat16)
+    k = M._fp4_mma_kernel.warmup(xh, w, K // 2, s, s.shape[1], y, y, y, y, N, K, MX=fmt == "mxfp4", HAS_BIAS=False,
+                                 HAS_RES=False, RB=rb, NW=nw, RP=cfg.get("packed", False),
+                                 MXC=cfg.get("mx_chains", M.MMA_MX_CHAINS), num_warps=nw, grid=(1,),
+                                 maxnreg=cfg.get("maxnreg", M.MMA_MAXNREG) or None)
+    bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    with tempfile.TemporaryDirectory() as d:
+        cub = Path(d) / "k.cubin"
+        cub.write_bytes(k.asm["cubin"])
+        sass = subprocess.run([str(bin_dir / "cuobjdump"), "-sass", str(cub)], capture_output=True, text=True).stdout
+        res = subprocess.run([str(bin_dir / "cuobjdump"), "-res-usage", str(cub)], capture_output=True,
+                             text=True).stdout
+    body = main_loop(sass)
+    hist = collections.Counter(opcode(t) for t in body)
+    words = 16 * rb  # per lane and step: 2 pieces x 4 words x rows r, r + 8 x RB row blocks
+    alu = sum(n for op, n in hist.items() if op.split(".")[0] in ALU)
+    return dict(fmt=fmt, config=cfg["text"], instr=len(body), bytes_per_thread=words * 4.0,
+                instr_per_byte=round(len(body) / words, 2), alu_share=round(alu / max(len(body), 1), 2),
+                regs=int(re.search(r"REG:(\d+)", res).group(1)), ctas=0, kb_in_flight=0.0,
+                hmma=sum(n for op, n in hist.items() if op.startswith("HMMA")), hist=dict(hist.most_common()))
+
+
 def _child(args):
     from kie_moe.kernels.gemv import DEFAULT_TILES
     rows = []
+    if args.mma:
+        sys.path.insert(0, str(Path(__file__).parent))
+        from kernels_micro import mma_config
+        for fmt in args.formats.split(","):
+            for c in args.mma.split(","):
+                rows.append(measure_mma(fmt, dict(mma_config(c), text=c), K=args.k))
+        print(json.dumps(rows))
+        return
     for fmt in args.formats.split(","):
         for c in args.configs.split(","):
             rows.append(measure(fmt, parse_config(c, DEFAULT_TILES[fmt]), K=args.k))
@@ -137,17 +193,27 @@ def main(argv=None):
     p.add_argument("--configs", default="default", help="comma list of BNxBK[:np][:wN], or 'default'")
     p.add_argument("--k", type=int, default=8192, help="K of the compiled shape (strides specialise on it)")
     p.add_argument("--hist", action="store_true", help="print the opcode histogram of each loop")
+    p.add_argument("--mma", default="", help="comma list of RBxW[:rN][:p][:cN]: the fp4 mma kernel instead")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
         return _child(args)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     cmd = [sys.executable, __file__, "--child", "--formats", args.formats, "--configs", args.configs,
-           "--k", str(args.k)]
+           "--k", str(args.k), "--mma", args.mma]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode:
         raise SystemExit(proc.stderr[-4000:])
     rows = json.loads(proc.stdout.strip().splitlines()[-1])
+    if args.mma:
+        print(f"{'fmt':10s} {'config':12s} {'instr':>6s} {'words':>6s} {'i/word':>6s} {'alu':>5s} {'regs':>5s} "
+              f"{'hmma':>5s}")
+        for r in rows:
+            print(f"{r['fmt']:10s} {r['config']:12s} {r['instr']:6d} {r['bytes_per_thread'] / 4:6.0f} "
+                  f"{r['instr_per_byte']:6.2f} {r['alu_share']:5.2f} {r['regs']:5d} {r['hmma']:5d}")
+            if args.hist:
+                print("   ", r["hist"])
+        return
     print(f"{'fmt':10s} {'config':12s} {'instr':>6s} {'B/thr':>6s} {'i/B':>6s} {'alu':>5s} {'regs':>5s} "
           f"{'ctas':>5s} {'kb':>6s}")
     for r in rows:

@@ -4,7 +4,7 @@ same weight buffers, quantized ones dequantized per layer into scratch) and fill
 
 Per step (position and token live on the device, so the graph replays unchanged):
     x = embed[token]                                   (fp32 residual stream [D])
-    per layer:  q, k, v = rmsnorm_gemv(x, attn_norm, W_q|W_k|W_v)         (biases fused)
+    per layer:  q, k, v = rmsnorm_gemv(x, attn_norm, W_q|W_k|W_v)         (one launch: _fuse_rows; biases fused)
                 rope_append(q, k, v -> cache[pos])                        (q/k norm, RoPE, clip fused)
                 o = gqa_decode(q, cache, pos)          or the MLA path (absorbed decode)
                 (the two as one launch, attention.rope_gqa_decode, unless KIE_FUSED_ROPE_ATTN=0 or OLMoE's
@@ -27,16 +27,19 @@ from kie_moe.models.spec import canonical
 
 from .attention import gqa_decode, mla_decode, rope_gqa_decode
 from .fp4_mma import pack_for_mma
-from .gemv import gemv, gemv_glu, use_mma
+from .gemv import gemv, gemv_glu, is_fp4, prepare_x8, use_mma
 from .moe import RouterConfig, Routing, moe_experts, route
 from .prefill import Prefill
 from .rope import mla_rope_append, rope_append, rope_tables
 from .sampling import DeviceSampler
-from .weights import WeightHandle, dequantize, stored_codes
+from .weights import FP8_BLOCK, WeightHandle, dequantize, stored_codes
 
 # RoPE + KV append + decode attention as one launch per layer (attention.rope_gqa_decode; not for OLMoE's
 # full-projection q/k norm). On unless KIE_FUSED_ROPE_ATTN=0 (timed: NOTES.md session 9); read at import.
 FUSED_ROPE_ATTN = os.environ.get("KIE_FUSED_ROPE_ATTN", "1") != "0"
+# q/k/v of fp8_block / mxfp4 / nvfp4 as one launch too (_fuse_rows), and one x8 for unfused fp4 q/k/v; read at
+# import, KIE_FUSE_QKV=0 for the A/B (NOTES.md session 14).
+FUSE_QKV = os.environ.get("KIE_FUSE_QKV", "1") != "0"
 
 
 class HandleStore:
@@ -93,14 +96,30 @@ class HandleStore:
 
 
 def _fuse_rows(hs: list[WeightHandle], biases: list) -> tuple[WeightHandle | None, torch.Tensor | None]:
-    """q/k/v as one [Nq + 2 Nkv, D] handle (one launch instead of three) when their format allows a plain row
-    concatenation (float, or fp8 with per-row scales); None otherwise."""
+    """q/k/v as one [Nq + 2 Nkv, D] handle (one launch instead of three, and for fp4 one x8 input) when their format
+    allows a plain row concatenation: float, fp8 (per-row scales), fp8_block (every part a whole number of
+    128-row scale blocks), mxfp4, and nvfp4 whose parts share one global scale (what kie convert and llm-compressor
+    write for fused partners: quant.schemes.shared_global_scale); None otherwise (KIE_FUSE_QKV=0: float and fp8
+    only, as before session 14)."""
     fmt = hs[0].fmt
-    if any(h.fmt != fmt for h in hs) or fmt not in ("bf16", "fp16", "fp32", "fp8"):
+    if any(h.fmt != fmt or h.packing != "checkpoint" or h.num_experts for h in hs):
         return None, None
+    if fmt not in (("bf16", "fp16", "fp32", "fp8", "fp8_block", "nvfp4", "mxfp4") if FUSE_QKV
+                   else ("bf16", "fp16", "fp32", "fp8")):
+        return None, None
+    if fmt == "fp8_block" and any(h.out_features % FP8_BLOCK for h in hs):
+        return None, None
+    gs = None
+    if fmt == "nvfp4":
+        gs = hs[0].global_scale
+        if any(not torch.equal(h.global_scale.reshape(-1), gs.reshape(-1)) for h in hs[1:]):
+            return None, None
     w = torch.cat([h.weight for h in hs])
-    scale = torch.cat([h.scale.expand(h.out_features, 1) for h in hs]).contiguous() if fmt == "fp8" else None
-    h = WeightHandle(fmt, w, scale, None, w.shape[0], hs[0].in_features)
+    if fmt == "fp8":
+        scale = torch.cat([h.scale.expand(h.out_features, 1) for h in hs]).contiguous()
+    else:
+        scale = None if hs[0].scale is None else torch.cat([h.scale for h in hs])
+    h = WeightHandle(fmt, w, scale, gs, w.shape[0], hs[0].in_features)
     b = None if biases[0] is None else torch.cat(biases)
     return h, b
 
@@ -230,10 +249,12 @@ class GraphBackend:
                 qkv = gemv(x, L["qkv"], bias=L["qkv_bias"], norm_weight=L["attn_norm"], eps=eps)
                 nq, nkv = a.q_size, a.kv_size
                 q, k, v = qkv[:nq], qkv[nq:nq + nkv], qkv[nq + nkv:]
-            else:
-                q = gemv(x, L["q"], bias=L["q_bias"], norm_weight=L["attn_norm"], eps=eps)
-                k = gemv(x, L["k"], bias=L["k_bias"], norm_weight=L["attn_norm"], eps=eps)
-                v = gemv(x, L["v"], bias=L["v_bias"], norm_weight=L["attn_norm"], eps=eps)
+            else:   # fp4 parts read one x8 (made once, the norm applied there) instead of one each
+                fp4 = [n for n in ("q", "k", "v") if is_fp4(L[n].fmt)]
+                x8 = prepare_x8(x, L["attn_norm"], eps) if FUSE_QKV and len(fp4) > 1 else None
+                q, k, v = (gemv(x, L[n], bias=L[n + "_bias"], eps=eps,
+                                **(dict(x8=x8) if x8 is not None and n in fp4 else dict(norm_weight=L["attn_norm"])))
+                           for n in ("q", "k", "v"))
             q, k, v = q.view(a.num_heads, a.head_dim), k.view(a.num_kv_heads, a.head_dim), v.view(a.num_kv_heads, a.head_dim)
             kc, vc = self.caches[i]
             rope_kw = dict(style=a.rope.style, qk_norm=a.qk_norm, q_norm=L["q_norm"], k_norm=L["k_norm"], eps=eps,

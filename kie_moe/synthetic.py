@@ -44,6 +44,8 @@ class QuantizingStore:
     def __init__(self, store, scheme: str, lm_head: bool = False):
         self.store, self.scheme, self.lm_head = store, check_scheme(scheme), lm_head
         self.path = getattr(store, "path", "<memory>")
+        self._groups: dict[str, list[str]] | None = None     # partner group -> its quantized Linears (nvfp4)
+        self._globals: dict[str, torch.Tensor | None] = {}
 
     def names(self):
         return self.store.names()
@@ -56,9 +58,35 @@ class QuantizingStore:
         such weights stay in float, as kie convert keeps them (roofline.weight_bytes counts them so too)."""
         from kie_moe.quant.schemes import NotQuantizable, quantize
         try:
-            return quantize(w, self.scheme, name=n)
+            return quantize(w, self.scheme, self._group_global(n), name=n)
         except NotQuantizable:
             return None
+
+    def _group_global(self, n):
+        """nvfp4: the global scale n shares with its fused partners (q/k/v, an expert's gate/up), as kie convert
+        writes it (quant/convert._Converter.group_global: shared_global_scale over the partners it quantizes);
+        None for other schemes and for Linears without partners."""
+        from kie_moe.models.quantizable import partner_group
+        from kie_moe.quant.schemes import NotQuantizable, get_scheme, shared_global_scale
+        if self.scheme != "nvfp4" or (key := partner_group(n)) is None:
+            return None
+        if self._groups is None:
+            self._groups = {}
+            for m in self.store.names():
+                if is_quantized_linear(m, self.lm_head) and (k := partner_group(m)) is not None:
+                    self._groups.setdefault(k, []).append(m)
+        if key not in self._globals:
+            members = []
+            for m in self._groups.get(key, []):
+                w = self.store.get(m)
+                try:
+                    get_scheme("nvfp4").check(tuple(w.shape), m)
+                except NotQuantizable:
+                    continue
+                members.append((m, w))
+            self._globals[key] = (shared_global_scale([w for _, w in members], [m for m, _ in members])
+                                  if len(members) > 1 else None)
+        return self._globals[key]
 
     def quantized_tensor(self, n):
         if self.scheme == "bf16" or not is_quantized_linear(n, self.lm_head):

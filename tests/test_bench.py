@@ -406,3 +406,34 @@ def test_auto_backend_moves_past_a_model_the_monokernel_does_not_support(monkeyp
     # a model it supports still gets the monokernel first
     ok = open_model("qwen3-30b-a3b", cpu, tiny=True)
     assert engine.make_backend("auto", ok.model, cpu).name == "monokernel"
+
+
+def test_quantizing_store_shares_nvfp4_globals_as_convert_writes(tmp_path):
+    """QuantizingStore (kie bench ARCH --scheme nvfp4) gives fused partners (q/k/v, an expert's gate/up) the global
+    scale kie convert writes for them (the graph backend can then fuse q/k/v into one launch); other schemes and
+    partner-less Linears keep their own."""
+    import glob
+
+    from safetensors.torch import load_file
+
+    from kie_moe.models.registry import load_model
+    from kie_moe.synthetic import QuantizingStore
+    from tests.models.hf_tiny import make_checkpoint
+    src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
+    make_checkpoint("qwen3_moe_mixed", src)
+    assert main(["convert", src, dst, "--scheme", "nvfp4", "--quiet"]) == 0
+    written = {}
+    for f in glob.glob(f"{dst}/*.safetensors"):
+        written.update(load_file(f))
+    store = QuantizingStore(load_model(src).weights, "nvfp4")
+    pairs = {"layers.0.attn.q": "model.layers.0.self_attn.q_proj", "layers.0.attn.v": "model.layers.0.self_attn.v_proj",
+             "layers.1.moe.experts.3.gate": "model.layers.1.mlp.experts.3.gate_proj",
+             "layers.1.moe.experts.3.up": "model.layers.1.mlp.experts.3.up_proj"}
+    for canon, hf in pairs.items():
+        got = store.quantized_tensor(canon).tensors["weight_global_scale"]
+        assert torch.equal(got.reshape(-1), written[f"{hf}.weight_global_scale"].reshape(-1)), canon
+    g = lambda n: store.quantized_tensor(n).tensors["weight_global_scale"]  # noqa: E731
+    assert torch.equal(g("layers.0.attn.q"), g("layers.0.attn.k"))
+    assert not torch.equal(g("layers.0.attn.q"), g("layers.0.attn.o"))      # o has no partner
+    assert "weight_global_scale" not in QuantizingStore(load_model(src).weights, "mxfp4").quantized_tensor(
+        "layers.0.attn.q").tensors

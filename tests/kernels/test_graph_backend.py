@@ -77,3 +77,82 @@ def test_quantized_lm_head_packed_for_the_tensor_cores(fmt, tmp_path, monkeypatc
     assert runs[True][0] == runs[False][0] == ref_greedy(m, prompt, STEPS)
     torch.testing.assert_close(runs[True][1], runs[False][1], rtol=0, atol=2e-3 * runs[False][1].abs().max())
 
+
+
+def _parts(fmt, sizes, K, shared_global=True):
+    import dataclasses
+
+    from kie_moe.kernels.weights import random_weight
+    hs = [random_weight(fmt, n, K, seed=7 + i) for i, n in enumerate(sizes)]
+    if fmt == "nvfp4" and shared_global:
+        hs = [dataclasses.replace(h, global_scale=hs[0].global_scale) for h in hs]
+    return hs
+
+
+@pytest.mark.parametrize("fmt,sizes,K", [("bf16", (40, 24, 24), 64), ("fp8", (40, 24, 24), 64),
+                                         ("fp8_block", (256, 128, 128), 192), ("nvfp4", (40, 24, 24), 96),
+                                         ("mxfp4", (40, 8, 8), 96)])
+def test_fused_qkv_is_the_parts_concatenated(fmt, sizes, K):
+    """_fuse_rows: the fused handle dequantizes to the parts' rows exactly, and its one GEMV (norm and bias fused)
+    gives the three reference GEMVs."""
+    from kie_moe.kernels.gemv import gemv, gemv_ref
+    from kie_moe.kernels.graph import _fuse_rows
+    from kie_moe.kernels.weights import dequantize
+    from tests.kernels.helpers import assert_close
+    hs = _parts(fmt, sizes, K)
+    g = torch.Generator().manual_seed(3)
+    biases = [torch.randn(n, generator=g) for n in sizes]
+    h, b = _fuse_rows(hs, biases)
+    assert h is not None and h.fmt == fmt and h.out_features == sum(sizes)
+    assert torch.equal(dequantize(h), torch.cat([dequantize(p) for p in hs]))
+    x, nw = torch.randn(K, generator=g), torch.rand(K, generator=g) + 0.5
+    y = gemv(x, h, bias=b, norm_weight=nw, eps=1e-6)
+    want = torch.cat([gemv_ref(x, p, bias=bb, norm_weight=nw, eps=1e-6, out_dtype=torch.float32)
+                      for p, bb in zip(hs, biases)])
+    assert_close(y, want, what=f"fused q/k/v {fmt}")
+
+
+def test_fused_qkv_refusals(monkeypatch):
+    """Parts that cannot be concatenated stay three launches: nvfp4 with different global scales, fp8_block parts
+    that are not whole 128-row scale blocks, mixed formats; KIE_FUSE_QKV=0 keeps only float and fp8 fused."""
+    import kie_moe.kernels.graph as G
+    none = [None, None, None]
+    assert G._fuse_rows(_parts("nvfp4", (40, 24, 24), 96, shared_global=False), none) == (None, None)
+    assert G._fuse_rows(_parts("fp8_block", (256, 64, 64), 128), none) == (None, None)
+    assert G._fuse_rows(_parts("nvfp4", (32,), 64) + _parts("mxfp4", (32, 32), 64), none) == (None, None)
+    monkeypatch.setattr(G, "FUSE_QKV", False)
+    assert G._fuse_rows(_parts("mxfp4", (40, 8, 8), 96), none) == (None, None)
+    assert G._fuse_rows(_parts("fp8", (40, 24, 24), 64), none)[0] is not None
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_fp4_qkv_fused_in_the_decode_step(fmt, tmp_path, monkeypatch):
+    """A tiny Qwen3 quantized in memory (QuantizingStore: nvfp4 partners share one global scale, as kie convert
+    writes them): the step runs q/k/v as one fused launch; the greedy tokens equal the reference decoder's, and
+    those of three launches sharing one x8 (parts that cannot fuse) and of three launches with an x8 each
+    (KIE_FUSE_QKV=0); last logits equal within fp32 reassociation."""
+    import kie_moe.kernels.graph as G
+    from kie_moe.models.registry import LoadedModel
+    from kie_moe.synthetic import QuantizingStore
+    make_checkpoint("qwen3", str(tmp_path))
+    m0 = load_model(str(tmp_path))
+    m = LoadedModel(m0.path, m0.config, m0.spec, QuantizingStore(m0.weights, fmt))
+    prompt = list(range(7, 15))
+    fuse_rows, prepare_x8 = G._fuse_rows, G.prepare_x8
+    shared = []
+    monkeypatch.setattr(G, "prepare_x8", lambda *a, **k: shared.append(1) or prepare_x8(*a, **k))
+    runs = {}
+    for mode in ("fused", "shared x8", "x8 each"):
+        monkeypatch.setattr(G, "FUSE_QKV", mode != "x8 each")
+        monkeypatch.setattr(G, "_fuse_rows", (lambda hs, bs: (None, None)) if mode == "shared x8" else fuse_rows)
+        shared.clear()
+        be = GraphBackend(m, torch.device("cpu"))
+        assert all((L["qkv"] is not None) == (mode == "fused") for L in be.layers)
+        assert all(L["qkv"].fmt == fmt for L in be.layers if mode == "fused")
+        runs[mode] = (list(be.generate(prompt, SamplingParams(max_new_tokens=STEPS, ignore_eos=True), set())),
+                      be.logits.float().clone())
+        assert len(shared) == (STEPS * len(be.layers) if mode == "shared x8" else 0), mode   # one x8 per layer
+    want = runs["x8 each"]
+    assert runs["fused"][0] == runs["shared x8"][0] == want[0] == ref_greedy(m, prompt, STEPS)
+    for mode in ("fused", "shared x8"):
+        torch.testing.assert_close(runs[mode][1], want[1], rtol=1e-4, atol=1e-4 * want[1].abs().max())
