@@ -58,8 +58,9 @@ __all__ = ["prepare_xh", "gemv_fp4_mma", "mma_unreadable", "pack_for_mma", "MMA_
 MMA_ROW_BLOCKS = 2
 MMA_WARPS = 4
 MMA_MAXNREG = 128
-# mxfp4's group (4 words = 8 mma per row block) as two independent chains of 4, summed after (NOTES.md session 14).
-MMA_MX_CHAINS = 2
+# mxfp4's group is 4 words = 8 mma per row block: 1 = one dependent chain (measured, NOTES.md session 13), 2 = two
+# chains of 4 summed after (session 14: compiled offline, not yet run on a GPU, hence not the default).
+MMA_MX_CHAINS = 1
 
 # A fragment {row r k0-1, row r+8 k0-1, row r k8-9, row r+8 k8-9} = {a0, b0, a2, b2}: codes {e0, e2} | {e1, e3} of
 # both rows against x pairs {x0, x2} | {x1, x3}; then {a1, b1, a3, b3} = codes 4-7 against {x4, x6} | {x5, x7}.
