@@ -11,6 +11,7 @@ Per step (position and token live on the device, so the graph replays unchanged)
                  full-projection q/k norm: qwen3-30b-a3b fp8 +1.3%, llama-3.2-1b +1.8%, NOTES.md session 9)
                 x = W_o o + x
                 x = moe_experts(route(x), ...) + x     or dense gemv_glu + gemv, + shared expert
+                                                       (fp4 experts read the x8 the router writes)
     logits = rmsnorm_gemv(x, final_norm, lm_head);  token = sample(logits);  pos += 1
 Tokens stream back through a pinned host ring, one step behind the device (no host sync inside a step).
 """
@@ -40,6 +41,9 @@ FUSED_ROPE_ATTN = os.environ.get("KIE_FUSED_ROPE_ATTN", "1") != "0"
 # q/k/v of fp8_block / mxfp4 / nvfp4 as one launch too (_fuse_rows), and one x8 for unfused fp4 q/k/v; read at
 # import, KIE_FUSE_QKV=0 for the A/B (NOTES.md session 14).
 FUSE_QKV = os.environ.get("KIE_FUSE_QKV", "1") != "0"
+# fp4 routed experts (and an fp4 shared expert) read the x8 the router launch writes (route(x8_out=)) instead of
+# making their own: one launch less per MoE layer; KIE_ROUTER_X8=0 for the A/B (NOTES.md session 14).
+ROUTER_X8 = os.environ.get("KIE_ROUTER_X8", "1") != "0"
 
 
 class HandleStore:
@@ -205,6 +209,10 @@ class GraphBackend:
         self.token = torch.zeros(1, dtype=torch.int64, device=self.device)
         self.logits = torch.zeros(V, **f32)
         self.sampler = DeviceSampler(V, self.device, filter=True)
+        # the normed MoE input in the x8 layout, written by the router for fp4 experts (one buffer: a CUDA graph
+        # records its address)
+        self.x8 = torch.zeros(8, D // 8, **f32) if ROUTER_X8 and D % 8 == 0 and any(
+            lay.moe is not None and is_fp4(L["e_gate"].fmt) for L, lay in zip(self.layers, spec.layers)) else None
         self.max_len = 0
         self.graph = None
         self.last_launch = {}
@@ -289,14 +297,16 @@ class GraphBackend:
             self._swap()
             return
         m = lay.moe
+        x8 = self.x8 if self.x8 is not None and is_fp4(L["e_gate"].fmt) else None
         r = route(x, L["router"], L["rcfg"], router_bias=L["router_bias"], correction_bias=L["score_bias"],
-                  norm_weight=L["mlp_norm"], eps=eps, out=L["routing"])
+                  norm_weight=L["mlp_norm"], eps=eps, out=L["routing"], x8_out=x8)
         act = "gpt_oss" if m.expert_act == "gptoss_glu" else "silu"
         moe_experts(x, r.ids, r.weights, L["e_gate"], L["e_up"], L["e_down"], act=act, limit=m.swiglu_limit,
                     alpha=m.glu_alpha, gate_bias=L.get("eb_gate"), up_bias=L.get("eb_up"), down_bias=L.get("eb_down"),
-                    residual=x, norm_weight=L["mlp_norm"], eps=eps, out=self.x2)
+                    residual=x, norm_weight=L["mlp_norm"], eps=eps, out=self.x2, x8=x8)
         if m.shared_intermediate_size:
-            h = gemv_glu(x, L["s_gate"], L["s_up"], norm_weight=L["mlp_norm"], eps=eps)
+            h = gemv_glu(x, L["s_gate"], L["s_up"], norm_weight=L["mlp_norm"], eps=eps,
+                         x8=x8 if x8 is not None and is_fp4(L["s_gate"].fmt) else None)
             sh = gemv(h, L["s_down"])
             if m.shared_expert_gate:
                 g = gemv(x, L["s_gate_w"], norm_weight=L["mlp_norm"], eps=eps)

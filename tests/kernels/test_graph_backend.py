@@ -156,3 +156,35 @@ def test_fp4_qkv_fused_in_the_decode_step(fmt, tmp_path, monkeypatch):
     assert runs["fused"][0] == runs["shared x8"][0] == want[0] == ref_greedy(m, prompt, STEPS)
     for mode in ("fused", "shared x8"):
         torch.testing.assert_close(runs[mode][1], want[1], rtol=1e-4, atol=1e-4 * want[1].abs().max())
+
+
+@pytest.mark.parametrize("case,fmt", [("qwen2_moe", "nvfp4"), ("gpt_oss", "mxfp4")])
+def test_fp4_experts_read_the_routers_x8(case, fmt, tmp_path, monkeypatch):
+    """fp4 routed experts (and Qwen2-MoE's fp4 shared expert) read the x8 the router launch writes: one
+    prepare_x8 launch less per MoE layer (two with the shared expert), and the same greedy tokens as the
+    reference decoder and as KIE_ROUTER_X8=0 (last logits within fp32 reassociation)."""
+    import kie_moe.kernels.gemv as GV
+    import kie_moe.kernels.graph as G
+    from kie_moe.models.registry import LoadedModel
+    from kie_moe.synthetic import QuantizingStore
+    make_checkpoint(case, str(tmp_path))
+    m0 = load_model(str(tmp_path))
+    m = LoadedModel(m0.path, m0.config, m0.spec, QuantizingStore(m0.weights, fmt))
+    prompt = list(range(7, 15))
+    made = []
+    prepare_x8 = GV.prepare_x8
+    monkeypatch.setattr(GV, "prepare_x8", lambda *a, **k: made.append(1) or prepare_x8(*a, **k))
+    runs = {}
+    for on in (True, False):
+        monkeypatch.setattr(G, "ROUTER_X8", on)
+        be = GraphBackend(m, torch.device("cpu"))
+        assert (be.x8 is not None) == on
+        made.clear()
+        runs[on] = (list(be.generate(prompt, SamplingParams(max_new_tokens=STEPS, ignore_eos=True), set())),
+                    be.logits.float().clone(), len(made))
+    moe = [(L, lay) for L, lay in zip(be.layers, be.spec.layers) if lay.moe is not None]
+    assert moe and all(G.is_fp4(L["e_gate"].fmt) for L, _ in moe)
+    per_step = sum(1 + (lay.moe.shared_intermediate_size > 0 and G.is_fp4(L["s_gate"].fmt)) for L, lay in moe)
+    assert runs[False][2] - runs[True][2] == STEPS * per_step
+    assert runs[True][0] == runs[False][0] == ref_greedy(m, prompt, STEPS)
+    torch.testing.assert_close(runs[True][1], runs[False][1], rtol=1e-4, atol=1e-4 * runs[False][1].abs().max())
