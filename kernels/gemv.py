@@ -146,9 +146,11 @@ def _glu_kernel(
     bg_ptr, stride_bg, bu_ptr, stride_bu, y_ptr,
     N, K, eps, limit, alpha, stride_x8,
     FMT: tl.constexpr, HAS_NW: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_X: tl.constexpr, PIPE: tl.constexpr, PDL: tl.constexpr = False,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_X: tl.constexpr, PIPE: tl.constexpr,
+    Y_X8: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
-    """grid (cdiv(N, BLOCK_N),): y[N] = glu(Wg x + bg, Wu x + bu), x optionally RMS-normed in front."""
+    """grid (cdiv(N, BLOCK_N),): y[N] = glu(Wg x + bg, Wu x + bu), x optionally RMS-normed in front; Y_X8: y stored
+    as fp32 [8, N/8] in the x8 layout."""
     pdl_begin(PDL)
     pid_n = tl.program_id(0)
     n_start = pid_n * BLOCK_N
@@ -165,7 +167,11 @@ def _glu_kernel(
     if HAS_BIAS:
         g += tl.load(bg_ptr + offs_n * stride_bg, mask=n_mask, other=0.0).to(tl.float32)
         u += tl.load(bu_ptr + offs_n * stride_bu, mask=n_mask, other=0.0).to(tl.float32)
-    tl.store(y_ptr + offs_n, _glu(g, u, limit, alpha, ACT).to(y_ptr.dtype.element_ty), mask=n_mask)
+    if Y_X8:
+        y_offs = (offs_n % 8) * (N // 8) + offs_n // 8
+    else:
+        y_offs = offs_n
+    tl.store(y_ptr + y_offs, _glu(g, u, limit, alpha, ACT).to(y_ptr.dtype.element_ty), mask=n_mask)
 
 
 # ======================================================================================================================
@@ -311,7 +317,7 @@ def input_args(x: torch.Tensor, fmt: str, norm_weight: torch.Tensor | None, eps:
                x8: torch.Tensor | None) -> tuple:
     """(x_ptr, nw_ptr, HAS_NW, stride_x8) for a kernel reading x: float formats read x (norm fused in the GEMV);
     fp4 formats read x8, made here unless given (the norm then happens in prepare_x8)."""
-    K = x.shape[-1]
+    K = x.shape[-1] if x is not None else 8 * x8.shape[-1]
     if not is_fp4(fmt):
         return x, (norm_weight if norm_weight is not None else x), norm_weight is not None, 0
     if x8 is None:
@@ -326,26 +332,36 @@ def gemv(x: torch.Tensor, w: WeightHandle, *, bias: torch.Tensor | None = None, 
          x8: torch.Tensor | None = None, config: TileConfig | None = None) -> torch.Tensor:
     """y = W @ x (+ bias) (+ residual) for a batch-1 x [K] or [1, K]; y has x's leading shape and dtype (or out's).
     With norm_weight, x is RMS-normalised first: W @ (x * rstd(x) * norm_weight) (see rmsnorm_gemv).
-    fp4 weights: x8 = prepare_x8(x, norm_weight, eps) if already made (else made here, one extra launch); a large
+    fp4 weights: x8 = prepare_x8(x, norm_weight, eps) if already made (else made here, one extra launch), x may
+    then be None (with `out` given: e.g. gemv_glu(out_x8=True)'s output feeding an fp4 down projection); a large
     nvfp4 / mxfp4 GEMV without x8 runs on the tensor cores instead (use_mma)."""
     if w.num_experts:
         raise ValueError("gemv: weight handle is an expert stack; use kie_moe.kernels.moe.moe_experts")
     N, K = w.out_features, w.in_features
-    if use_mma(w, x8, config):
+    if x is None:
+        if x8 is None or not is_fp4(w.fmt) or out is None:
+            raise ValueError(f"gemv: x is None: only an fp4 weight (this is {w.fmt}) given x8 and out can do "
+                             "without it")
+        if x8.shape != (8, K // 8) or K % 8:
+            raise ValueError(f"x8: expected a contiguous fp32 [8, {K // 8}] (prepare_x8), got {x8.dtype} "
+                             f"{tuple(x8.shape)}")
+        check_vec(out, N, w.device, "out")
+    elif use_mma(w, x8, config):
         from .fp4_mma import gemv_fp4_mma  # fp4_mma imports this module's checks
         return gemv_fp4_mma(x, w, bias=bias, residual=residual, out=out, norm_weight=norm_weight, eps=eps)
-    check_x(x, K, w.device)
+    else:
+        check_x(x, K, w.device)
     check_vec(bias, N, w.device, "bias")
     check_vec(residual, N, w.device, "residual")
     check_vec(norm_weight, K, w.device, "norm_weight")
-    y = make_out(x, N, out)
+    y = make_out(x, N, out) if x is not None else out
     cfg = resolve_config(w, config)
     if ROWS_FIRST and config is None:
         cfg = rows_first(cfg, N, K, w.fmt, w.device)
     n_tiles = triton.cdiv(N, cfg.block_n)
     split, k_per_split = plan_split(n_tiles, K, cfg.block_k, cfg.split_k, w.device)
-    part = torch.empty((split, N), dtype=torch.float32, device=x.device) if split > 1 else y
-    cnt = counters(x.device, n_tiles) if split > 1 else y
+    part = torch.empty((split, N), dtype=torch.float32, device=w.device) if split > 1 else y
+    cnt = counters(w.device, n_tiles) if split > 1 else y
     x_in, nw_in, has_nw, stride_x8 = input_args(x, w.fmt, norm_weight, eps, x8)
     _gemv_kernel[(n_tiles, split)](
         x_in, nw_in, *weight_args(w),
@@ -353,7 +369,7 @@ def gemv(x: torch.Tensor, w: WeightHandle, *, bias: torch.Tensor | None = None, 
         N, K, k_per_split, eps, stride_x8,
         FMT=FMT_ID[w.fmt], HAS_NW=has_nw, HAS_BIAS=bias is not None, HAS_RES=residual is not None,
         SPLIT_K=split, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_X=min(1024, triton.next_power_of_2(K)),
-        PIPE=cfg.prefetch, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_kw(x.device)
+        PIPE=cfg.prefetch, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_kw(w.device)
     )
     return y
 
@@ -388,9 +404,11 @@ def rmsnorm_gemv(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, w: Weig
 def gemv_glu(x: torch.Tensor, w_gate: WeightHandle, w_up: WeightHandle, *, act: str = "silu", limit: float = 7.0,
              alpha: float = 1.702, gate_bias: torch.Tensor | None = None, up_bias: torch.Tensor | None = None,
              norm_weight: torch.Tensor | None = None, eps: float = 1e-6, out: torch.Tensor | None = None,
-             x8: torch.Tensor | None = None, config: TileConfig | None = None) -> torch.Tensor:
+             x8: torch.Tensor | None = None, config: TileConfig | None = None, out_x8: bool = False) -> torch.Tensor:
     """glu(W_gate x + b_g, W_up x + b_u): act "silu" -> silu(g) * u; "gpt_oss" -> g, u clamped at `limit`, then
-    (u + 1) * g * sigmoid(alpha g). Interleaved gate/up (gpt-oss): pass w.rows(0, None, 2), w.rows(1, None, 2) and bias[0::2], bias[1::2]."""
+    (u + 1) * g * sigmoid(alpha g). Interleaved gate/up (gpt-oss): pass w.rows(0, None, 2), w.rows(1, None, 2) and bias[0::2], bias[1::2].
+    out_x8: the result as fp32 [8, N/8] in the x8 layout, what an fp4 down projection reads (gemv(None, w_down,
+    x8=y, out=...)): no prepare_x8 launch between the two, and no rounding of h to x's dtype."""
     if act not in ACT_ID:
         raise ValueError(f"gemv_glu: act {act!r}, expected one of {sorted(ACT_ID)}")
     if w_gate.fmt != w_up.fmt and FMT_ID[w_gate.fmt] != FMT_ID[w_up.fmt]:
@@ -407,7 +425,17 @@ def gemv_glu(x: torch.Tensor, w_gate: WeightHandle, w_up: WeightHandle, *, act: 
         raise ValueError("gemv_glu: pass both gate_bias and up_bias or neither")
     check_vec(gate_bias, N, w_gate.device, "gate_bias", contiguous=False)
     check_vec(up_bias, N, w_gate.device, "up_bias", contiguous=False)
-    y = make_out(x, N, out)
+    if out_x8:
+        if N % 8:
+            raise ValueError(f"gemv_glu: out_x8 needs out_features % 8 == 0, got {N}")
+        if out is None:
+            out = torch.empty((8, N // 8), dtype=torch.float32, device=x.device)
+        elif out.shape != (8, N // 8) or out.dtype != torch.float32 or not out.is_contiguous():
+            raise ValueError(f"gemv_glu: out with out_x8 must be a contiguous fp32 [8, {N // 8}], got {out.dtype} "
+                             f"{tuple(out.shape)}")
+        y = out
+    else:
+        y = make_out(x, N, out)
     cfg = resolve_config(w_gate, config, DEFAULT_GLU_TILES)
     x_in, nw_in, has_nw, stride_x8 = input_args(x, w_gate.fmt, norm_weight, eps, x8)
     _glu_kernel[(triton.cdiv(N, cfg.block_n),)](
@@ -417,7 +445,7 @@ def gemv_glu(x: torch.Tensor, w_gate: WeightHandle, w_up: WeightHandle, *, act: 
         N, K, eps, limit, alpha, stride_x8,
         FMT=FMT_ID[w_gate.fmt], HAS_NW=has_nw, HAS_BIAS=gate_bias is not None, ACT=ACT_ID[act],
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_X=min(1024, triton.next_power_of_2(K)),
-        PIPE=cfg.prefetch, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_kw(x.device)
+        PIPE=cfg.prefetch, Y_X8=out_x8, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_kw(x.device)
     )
     return y
 

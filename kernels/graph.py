@@ -41,9 +41,10 @@ FUSED_ROPE_ATTN = os.environ.get("KIE_FUSED_ROPE_ATTN", "1") != "0"
 # q/k/v of fp8_block / mxfp4 / nvfp4 as one launch too (_fuse_rows), and one x8 for unfused fp4 q/k/v; read at
 # import, KIE_FUSE_QKV=0 for the A/B (NOTES.md session 14).
 FUSE_QKV = os.environ.get("KIE_FUSE_QKV", "1") != "0"
-# fp4 routed experts (and an fp4 shared expert) read the x8 the router launch writes (route(x8_out=)) instead of
-# making their own: one launch less per MoE layer; KIE_ROUTER_X8=0 for the A/B (NOTES.md session 14).
-ROUTER_X8 = os.environ.get("KIE_ROUTER_X8", "1") != "0"
+# fp4 inputs handed over in the x8 layout instead of each fp4 GEMV launching prepare_x8 for itself: the routed
+# experts (and an fp4 shared expert) read the x8 the router launch writes (route(x8_out=)), an fp4 down projection
+# reads its GLU's output written as x8 (gemv_glu(out_x8=)); KIE_SHARE_X8=0 for the A/B (NOTES.md session 14).
+SHARE_X8 = os.environ.get("KIE_SHARE_X8", "1") != "0"
 
 
 class HandleStore:
@@ -211,7 +212,7 @@ class GraphBackend:
         self.sampler = DeviceSampler(V, self.device, filter=True)
         # the normed MoE input in the x8 layout, written by the router for fp4 experts (one buffer: a CUDA graph
         # records its address)
-        self.x8 = torch.zeros(8, D // 8, **f32) if ROUTER_X8 and D % 8 == 0 and any(
+        self.x8 = torch.zeros(8, D // 8, **f32) if SHARE_X8 and D % 8 == 0 and any(
             lay.moe is not None and is_fp4(L["e_gate"].fmt) for L, lay in zip(self.layers, spec.layers)) else None
         self.max_len = 0
         self.graph = None
@@ -291,9 +292,10 @@ class GraphBackend:
     def _ffn(self, L, lay):
         eps, x = self.spec.norm_eps, self.x
         if lay.moe is None:
+            h8 = self._x8_out(L["m_down"])
             h = gemv_glu(x, L["m_gate"], L["m_up"], gate_bias=L["mb_gate"], up_bias=L["mb_up"],
-                         norm_weight=L["mlp_norm"], eps=eps)
-            gemv(h, L["m_down"], bias=L["mb_down"], residual=x, out=self.x2)
+                         norm_weight=L["mlp_norm"], eps=eps, out_x8=h8)
+            gemv(None if h8 else h, L["m_down"], bias=L["mb_down"], residual=x, out=self.x2, x8=h if h8 else None)
             self._swap()
             return
         m = lay.moe
@@ -305,14 +307,20 @@ class GraphBackend:
                     alpha=m.glu_alpha, gate_bias=L.get("eb_gate"), up_bias=L.get("eb_up"), down_bias=L.get("eb_down"),
                     residual=x, norm_weight=L["mlp_norm"], eps=eps, out=self.x2, x8=x8)
         if m.shared_intermediate_size:
+            h8 = self._x8_out(L["s_down"])
             h = gemv_glu(x, L["s_gate"], L["s_up"], norm_weight=L["mlp_norm"], eps=eps,
-                         x8=x8 if x8 is not None and is_fp4(L["s_gate"].fmt) else None)
-            sh = gemv(h, L["s_down"])
+                         x8=x8 if x8 is not None and is_fp4(L["s_gate"].fmt) else None, out_x8=h8)
+            sh = gemv(None, L["s_down"], x8=h, out=torch.empty_like(x)) if h8 else gemv(h, L["s_down"])
             if m.shared_expert_gate:
                 g = gemv(x, L["s_gate_w"], norm_weight=L["mlp_norm"], eps=eps)
                 sh = sh * torch.sigmoid(g)
             self.x2.add_(sh)
         self._swap()
+
+    @staticmethod
+    def _x8_out(down: WeightHandle) -> bool:
+        """Whether the GLU in front of `down` writes its output as x8 (an fp4 down projection's input layout)."""
+        return SHARE_X8 and is_fp4(down.fmt) and down.in_features % 8 == 0
 
     def _swap(self):
         """The residual stream ping-pongs between two buffers (the graph records whichever is current), so a

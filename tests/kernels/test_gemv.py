@@ -170,6 +170,32 @@ def test_prepare_x8_and_shared_x8():
         gemv(x, w, x8=x8[:, :-1].contiguous())
 
 
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "nvfp4", "mxfp4"])
+def test_glu_out_x8_feeds_an_fp4_down(fmt):
+    """gemv_glu(out_x8=True) writes h in the x8 layout (fp32); an fp4 down projection reads it with x=None: equal to
+    the references' glu then down, with an odd intermediate width and a split-K down."""
+    N, K, H = 40, 96, 37
+    wg, wu = random_weight(fmt, N, K, seed=30, device=DEV), random_weight(fmt, N, K, seed=31, device=DEV)
+    wd = random_weight("nvfp4", H, N - 8, seed=32, device=DEV)      # in 32 (nvfp4 groups of 16): h's first 32 rows
+    x, nw = _x(K, 33), _x(K, 34)
+    h8 = gemv_glu(x, wg, wu, norm_weight=nw, eps=1e-5, out_x8=True)
+    h = gemv_glu_ref(x, wg, wu, norm_weight=nw, eps=1e-5, out_dtype=torch.float32)
+    assert h8.shape == (8, N // 8) and h8.dtype == torch.float32
+    assert_close(h8, h.reshape(N // 8, 8).t(), what=f"{fmt} glu as x8")
+    h8 = gemv_glu(x, wg.rows(0, N - 8), wu.rows(0, N - 8), norm_weight=nw, eps=1e-5, out_x8=True)
+    res = _x(H, 35)
+    y = gemv(None, wd, x8=h8, residual=res, out=torch.empty(H, device=DEV), config=SMALL_SPLIT)
+    assert_close(y, gemv_ref(h[:N - 8], wd, residual=res, out_dtype=torch.float32), what=f"{fmt} glu -> fp4 down")
+    with pytest.raises(ValueError, match="out_features % 8"):
+        gemv_glu(x, wg.rows(0, 37), wu.rows(0, 37), out_x8=True)
+    with pytest.raises(ValueError, match="out with out_x8"):
+        gemv_glu(x, wg, wu, out_x8=True, out=torch.empty(N, device=DEV))
+    with pytest.raises(ValueError, match="x is None"):
+        gemv(None, random_weight("bf16", H, N, seed=1, device=DEV), x8=h8, out=torch.empty(H, device=DEV))
+    with pytest.raises(ValueError, match="x8: expected"):
+        gemv(None, wd, x8=torch.zeros(8, 3, device=DEV), out=torch.empty(H, device=DEV))
+
+
 def test_rmsnorm_gemv_split_k():
     w = random_weight("nvfp4", 37, 160, seed=7, device=DEV)
     x, nw = _x(160, 8), _x(160, 9)

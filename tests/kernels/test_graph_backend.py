@@ -158,11 +158,13 @@ def test_fp4_qkv_fused_in_the_decode_step(fmt, tmp_path, monkeypatch):
         torch.testing.assert_close(runs[mode][1], want[1], rtol=1e-4, atol=1e-4 * want[1].abs().max())
 
 
-@pytest.mark.parametrize("case,fmt", [("qwen2_moe", "nvfp4"), ("gpt_oss", "mxfp4")])
-def test_fp4_experts_read_the_routers_x8(case, fmt, tmp_path, monkeypatch):
-    """fp4 routed experts (and Qwen2-MoE's fp4 shared expert) read the x8 the router launch writes: one
-    prepare_x8 launch less per MoE layer (two with the shared expert), and the same greedy tokens as the
-    reference decoder and as KIE_ROUTER_X8=0 (last logits within fp32 reassociation)."""
+@pytest.mark.parametrize("case,fmt", [("qwen2_moe", "nvfp4"), ("gpt_oss", "mxfp4"), ("qwen3", "nvfp4"),
+                                      ("deepseek_v3", "mxfp4")])
+def test_fp4_inputs_handed_over_as_x8(case, fmt, tmp_path, monkeypatch):
+    """KIE_SHARE_X8: fp4 routed experts (and an fp4 shared expert's GLU) read the x8 the router launch writes, and
+    an fp4 down projection (dense MLP, shared expert) reads its GLU's output written as x8: one prepare_x8 launch
+    less for each; the same greedy tokens as the reference decoder and as KIE_SHARE_X8=0 (last logits within fp32
+    reassociation)."""
     import kie_moe.kernels.gemv as GV
     import kie_moe.kernels.graph as G
     from kie_moe.models.registry import LoadedModel
@@ -176,15 +178,22 @@ def test_fp4_experts_read_the_routers_x8(case, fmt, tmp_path, monkeypatch):
     monkeypatch.setattr(GV, "prepare_x8", lambda *a, **k: made.append(1) or prepare_x8(*a, **k))
     runs = {}
     for on in (True, False):
-        monkeypatch.setattr(G, "ROUTER_X8", on)
+        monkeypatch.setattr(G, "SHARE_X8", on)
         be = GraphBackend(m, torch.device("cpu"))
-        assert (be.x8 is not None) == on
         made.clear()
         runs[on] = (list(be.generate(prompt, SamplingParams(max_new_tokens=STEPS, ignore_eos=True), set())),
                     be.logits.float().clone(), len(made))
-    moe = [(L, lay) for L, lay in zip(be.layers, be.spec.layers) if lay.moe is not None]
-    assert moe and all(G.is_fp4(L["e_gate"].fmt) for L, _ in moe)
-    per_step = sum(1 + (lay.moe.shared_intermediate_size > 0 and G.is_fp4(L["s_gate"].fmt)) for L, lay in moe)
+
+    def fp4(L, n):
+        return n in L and G.is_fp4(L[n].fmt)
+
+    per_step = 0
+    for L, lay in zip(be.layers, be.spec.layers):
+        if lay.moe is None:
+            per_step += fp4(L, "m_down")
+        else:
+            per_step += fp4(L, "e_gate") + (fp4(L, "s_gate") and fp4(L, "e_gate")) + fp4(L, "s_down")
+    assert per_step > 0
     assert runs[False][2] - runs[True][2] == STEPS * per_step
     assert runs[True][0] == runs[False][0] == ref_greedy(m, prompt, STEPS)
     torch.testing.assert_close(runs[True][1], runs[False][1], rtol=1e-4, atol=1e-4 * runs[False][1].abs().max())
