@@ -71,9 +71,8 @@ def opcode(txt: str) -> str:
     return re.sub(r"^@!?U?P\w+\s+", "", txt).split()[0]
 
 
-def measure(fmt: str, cfg, K: int = 8192, N: int = 4096) -> dict:
-    import torch
-    import triton
+def _use_sm90():
+    """Compile for the H200 on a machine without a GPU: a stand-in driver that reports sm_90 (never launches)."""
     from triton.backends.compiler import GPUTarget
     from triton.runtime.driver import driver
 
@@ -88,6 +87,24 @@ def measure(fmt: str, cfg, K: int = 8192, N: int = 4096) -> dict:
             return 0
 
     driver.set_active(_Sm90())
+
+
+def _sass(kernel) -> tuple[str, str]:
+    """(cuobjdump -sass, cuobjdump -res-usage) of a compiled kernel's cubin."""
+    import triton
+    bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    with tempfile.TemporaryDirectory() as d:
+        cub = Path(d) / "k.cubin"
+        cub.write_bytes(kernel.asm["cubin"])
+        sass = subprocess.run([str(bin_dir / "cuobjdump"), "-sass", str(cub)], capture_output=True, text=True).stdout
+        res = subprocess.run([str(bin_dir / "cuobjdump"), "-res-usage", str(cub)], capture_output=True,
+                             text=True).stdout
+    return sass, res
+
+
+def measure(fmt: str, cfg, K: int = 8192, N: int = 4096) -> dict:
+    import torch
+    _use_sm90()
     from kie_moe.kernels import gemv as G
     from kie_moe.kernels.weights import random_weight
 
@@ -100,13 +117,7 @@ def measure(fmt: str, cfg, K: int = 8192, N: int = 4096) -> dict:
                               FMT=G.FMT_ID[fmt], HAS_NW=False, HAS_BIAS=False, HAS_RES=False, SPLIT_K=1,
                               BLOCK_X=1024, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PIPE=cfg.prefetch,
                               num_warps=cfg.num_warps, num_stages=cfg.num_stages, grid=(1,))
-    bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-    with tempfile.TemporaryDirectory() as d:
-        cub = Path(d) / "k.cubin"
-        cub.write_bytes(k.asm["cubin"])
-        sass = subprocess.run([str(bin_dir / "cuobjdump"), "-sass", str(cub)], capture_output=True, text=True).stdout
-        res = subprocess.run([str(bin_dir / "cuobjdump"), "-res-usage", str(cub)], capture_output=True,
-                             text=True).stdout
+    sass, res = _sass(k)
     regs = int(re.search(r"REG:(\d+)", res).group(1))
     body = main_loop(sass)
     hist = collections.Counter(opcode(t) for t in body)
@@ -127,21 +138,7 @@ def measure(fmt: str, cfg, K: int = 8192, N: int = 4096) -> dict:
 def measure_mma(fmt: str, cfg: dict, K: int = 8192, N: int = 4096) -> dict:
     """kernels/fp4_mma.py's loop: SASS per step (32 words of K per lane row pair), per u32 word, HMMA count, regs."""
     import torch
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.runtime.driver import driver
-
-    class _Sm90:
-        def get_current_target(self):
-            return GPUTarget("cuda", 90, 32)
-
-        def get_current_device(self):
-            return 0
-
-        def get_current_stream(self, device=None):
-            return 0
-
-    driver.set_active(_Sm90())
+    _use_sm90()
     from kie_moe.kernels import fp4_mma as M
 
     rb, nw = cfg["row_blocks"], cfg["num_warps"]
@@ -153,13 +150,7 @@ def measure_mma(fmt: str, cfg: dict, K: int = 8192, N: int = 4096) -> dict:
                                  HAS_RES=False, RB=rb, NW=nw, RP=cfg.get("packed", False),
                                  MXC=cfg.get("mx_chains", M.MMA_MX_CHAINS), num_warps=nw, grid=(1,),
                                  maxnreg=cfg.get("maxnreg", M.MMA_MAXNREG) or None)
-    bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-    with tempfile.TemporaryDirectory() as d:
-        cub = Path(d) / "k.cubin"
-        cub.write_bytes(k.asm["cubin"])
-        sass = subprocess.run([str(bin_dir / "cuobjdump"), "-sass", str(cub)], capture_output=True, text=True).stdout
-        res = subprocess.run([str(bin_dir / "cuobjdump"), "-res-usage", str(cub)], capture_output=True,
-                             text=True).stdout
+    sass, res = _sass(k)
     body = main_loop(sass)
     hist = collections.Counter(opcode(t) for t in body)
     words = 16 * rb  # per lane and step: 2 pieces x 4 words x rows r, r + 8 x RB row blocks
