@@ -1,0 +1,97 @@
+"""The GPU backends refuse, when they are built, weight formats the Triton kernels cannot compile for the GPU at hand
+(e4m3 before sm_89), with an error that names the format, the GPU and what to use instead; `--backend auto` then
+moves on. The list of formats is checked against Triton's own compiler for sm_80 (offline, no GPU needed)."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from kie_moe.kernels import device_caps as DC
+from kie_moe.models.errors import KieError, UnsupportedOnDevice
+
+CUDA = torch.device("cuda", 0)
+
+
+def _gpu(monkeypatch, cap, name="NVIDIA A100-SXM4-80GB"):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: cap)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: name)
+
+
+def test_e4m3_formats_refused_before_sm89(monkeypatch):
+    _gpu(monkeypatch, (8, 0))
+    for fmts in ({"fp8"}, {"bf16", "fp8_block"}, {"nvfp4", "mxfp4"}, {"fp8-block"}):
+        with pytest.raises(UnsupportedOnDevice) as e:
+            DC.check_formats(fmts, CUDA, "graph")
+        msg = str(e.value)
+        assert isinstance(e.value, KieError) and isinstance(e.value, NotImplementedError)
+        assert "graph backend" in msg and "A100" in msg and "8.0" in msg and "--backend reference" in msg
+        assert all(f.replace("_", "-") in msg for f in fmts if f.replace("-", "_") in DC.E4M3_FORMATS)
+    DC.check_formats({"bf16", "mxfp4", "fp16"}, CUDA, "graph")          # compile on sm_80
+    for cap in ((8, 9), (9, 0), (10, 0)):
+        _gpu(monkeypatch, cap, "NVIDIA H200")
+        DC.check_formats({"fp8", "nvfp4"}, CUDA, "monokernel")
+    DC.check_formats({"fp8"}, torch.device("cpu"), "graph")             # the interpreter takes every format
+
+
+def test_auto_moves_past_a_refusing_backend(monkeypatch, capsys):
+    from kie_moe import engine
+
+    class Reference:
+        name = "reference"
+
+    def build(name, model, device):
+        if name != "reference":
+            raise UnsupportedOnDevice(f"{name} backend: fp8 weights need ...")
+        return Reference()
+
+    monkeypatch.setattr(engine, "_build", build)
+    monkeypatch.setattr(engine, "_importable", lambda n: True)
+    be = engine.make_backend("auto", None, CUDA)
+    assert be.name == "reference" and "graph: graph backend: fp8" in be.auto_note
+    err = capsys.readouterr().err
+    assert "monokernel does not support this model" in err and "graph does not support" in err
+    with pytest.raises(KieError, match="graph backend: fp8"):
+        engine.make_backend("graph", None, CUDA)
+
+
+_SM80 = r"""
+import json, torch
+from triton.backends.compiler import GPUTarget
+from triton.runtime.driver import driver
+class D:
+    def get_current_target(self): return GPUTarget("cuda", 80, 32)
+    def get_current_device(self): return 0
+    def get_current_stream(self, device=None): return 0
+driver.set_active(D())
+from kie_moe.kernels import gemv as G
+from kie_moe.kernels.weights import random_weight
+N, K, out = 64, 256, {}
+for fmt in ("bf16", "fp8", "fp8_block", "nvfp4", "mxfp4"):
+    w, fp4 = random_weight(fmt, N, K), G.is_fp4(fmt)
+    x = torch.empty(8, K // 8) if fp4 else torch.empty(K, dtype=torch.bfloat16)
+    y, part, cnt = torch.empty(N, dtype=torch.bfloat16), torch.empty(4, N), torch.empty(N, dtype=torch.int32)
+    c = G.DEFAULT_TILES[fmt]
+    try:
+        G._gemv_kernel.warmup(x, x, *G.weight_args(w), y, y, y, part, cnt, N, K, K, 1e-6, K // 8, FMT=G.FMT_ID[fmt],
+                              HAS_NW=False, HAS_BIAS=False, HAS_RES=False, SPLIT_K=1, BLOCK_X=256,
+                              BLOCK_N=c.block_n, BLOCK_K=c.block_k, PIPE=c.prefetch, num_warps=c.num_warps,
+                              num_stages=c.num_stages, grid=(1,))
+        out[fmt] = "ok"
+    except Exception as e:
+        out[fmt] = str(e)
+print(json.dumps(out))
+"""
+
+
+def test_the_refused_formats_are_the_ones_triton_cannot_compile_for_sm80():
+    pytest.importorskip("triton.backends.nvidia")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", _SM80], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    failing = sorted(f for f, r in res.items() if r != "ok")
+    assert failing == sorted(DC.E4M3_FORMATS), res
+    assert all("fp8e4nv" in res[f] for f in failing)
