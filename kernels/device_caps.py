@@ -15,13 +15,19 @@ E4M3_FORMATS = ("fp8", "fp8_block", "nvfp4")
 E4M3_MIN_CAPABILITY = (8, 9)
 
 
+def e4m3_capable(device: torch.device, arch: int | None = None) -> bool:
+    """Whether kernels for `device` (or for sm_`arch` when given: offline compiles) may take e4m3 (fp8e4nv)
+    pointers. CPU (the interpreter): yes."""
+    if arch is not None:
+        return arch >= 10 * E4M3_MIN_CAPABILITY[0] + E4M3_MIN_CAPABILITY[1]
+    return device.type != "cuda" or torch.cuda.get_device_capability(device) >= E4M3_MIN_CAPABILITY
+
+
 def check_formats(fmts: Iterable[str], device: torch.device, backend: str) -> None:
     """Raise UnsupportedOnDevice when `device` is a CUDA GPU the kernels cannot compile `fmts` for."""
-    if device.type != "cuda":
-        return
     bad = sorted({f.replace('-', '_') for f in fmts} & set(E4M3_FORMATS))
-    cap = torch.cuda.get_device_capability(device)
-    if bad and cap < E4M3_MIN_CAPABILITY:
+    if bad and not e4m3_capable(device):
+        cap = torch.cuda.get_device_capability(device)
         name = torch.cuda.get_device_name(device)
         raise UnsupportedOnDevice(
             f"{backend} backend: {', '.join(f.replace('_', '-') for f in bad)} weights need a GPU of compute "

@@ -9,12 +9,14 @@ loads then hit L2 (50 MB on an H200; a phase is 8-40 MB).
 
 Each thread of the program issues one chunk of CH bytes (a [NCH] block: one element per thread at 8 warps), so a
 task of up to NCH * CH bytes is covered by one call; larger tasks get their first NCH * CH bytes. Interpreter and
-non-NVIDIA builds (USE_ASM False): nothing (a prefetch never changes a result).
+non-NVIDIA builds (USE_ASM False) and GPUs before sm_90 (no bulk prefetch): nothing (a prefetch never changes a
+result).
 """
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.target_info import cuda_capability_geq
 
 
 @triton.jit
@@ -22,7 +24,7 @@ def l2_prefetch(ptr, n_units, unit_bytes, USE_ASM: tl.constexpr, CH: tl.constexp
                 NCH: tl.constexpr = 256):
     """Prefetch [ptr, ptr + n_units) into L2; a unit is one element of ptr's type (unit_bytes bytes each: 2 for
     bf16, 1 for e4m3 codes, 4 for u32 words of e2m1 pairs). ptr must be 16-byte aligned (arena offsets are)."""
-    if USE_ASM:
+    if USE_ASM and cuda_capability_geq(9, 0):      # the bulk prefetch is sm_90 PTX; before it: no prefetch
         nbytes = n_units.to(tl.int64) * unit_bytes
         offs = tl.arange(0, NCH).to(tl.int64) * CH                     # [NCH] byte offsets, one per thread
         size = tl.minimum(tl.maximum(nbytes - offs, 0), CH).to(tl.int32) // 16 * 16

@@ -28,6 +28,7 @@ from kie_moe.models.errors import InputError
 from kie_moe.models.reference import ReferenceDecoder
 from kie_moe.models.rope import cos_sin
 
+from ..device_caps import e4m3_capable
 from ..prefill import Prefill
 from . import lanes
 from . import plan as P
@@ -345,15 +346,20 @@ class MonokernelBackend:
         self._run()
 
     def kernel_args(self, tasks, n_steps, start_pos, n_splits, n_eos, ignore_eos=False, temperature=0.0, seed=0,
-                    n_forced=0, trace_tasks=0):
-        """(positional args, constexpr kwargs) of one launch -- shared by launch() and compile_offline()."""
+                    n_forced=0, trace_tasks=0, arch: int | None = None):
+        """(positional args, constexpr kwargs) of one launch -- shared by launch() and compile_offline() (arch:
+        the target's sm number there; else this backend's GPU)."""
         d, pl, t = self.dims, self.plan, self.plan.tiles
         nq = d.HQ * d.DH
         bx = min(_pow2(max(d.D, nq)), 1024 if not self.interpret else 256)
         qb = pl.qbufs or self._no_qbufs()
+        # The e4m3 views of the quantized buffers: Triton compiles no fp8e4nv pointer before sm_89, so there they
+        # go in as their u8 bytes. Only e4m3 formats read them as e4m3, and the planner refuses those on such GPUs
+        # (device_caps.check_formats): a float or mxfp4 plan compiles and runs on an A100.
+        e4m3 = torch.float8_e4m3fn if e4m3_capable(self.device, arch) else torch.uint8
         args = [
-            tasks, pl.layers, pl.weights, qb["qw"].view(torch.float8_e4m3fn), qb["qw"].view(torch.uint32),
-            qb["qf32"], qb["qs8"].view(torch.float8_e4m3fn), qb["qs8"], self.kv, self.cos, self.sin,
+            tasks, pl.layers, pl.weights, qb["qw"].view(e4m3), qb["qw"].view(torch.uint32),
+            qb["qf32"], qb["qs8"].view(e4m3), qb["qs8"], self.kv, self.cos, self.sin,
             self.x, self.qkv, self.ao, self.am, self.al, self.acnt, self.h, self.rlog, self.rids, self.rwts,
             self.sg, self.pv, self.pi,
             self.counters, self.cursor, self.ctrl, self.ring, self.hostflag, self.eos, self.forced,
@@ -504,10 +510,11 @@ def compile_offline(backend: MonokernelBackend, arch: int = 90, n_splits: int = 
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
+    from triton.runtime.driver import driver
 
     backend._ensure_kv(64)
     tasks = backend.tasks(n_splits)
-    args, meta = backend.kernel_args(tasks, 8, 16, n_splits, 2)
+    args, meta = backend.kernel_args(tasks, 8, 16, n_splits, 2, arch=arch)
     names = monokernel.arg_names
     tys = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int32: "i32",
            torch.int64: "i64", torch.uint8: "u8", torch.uint32: "u32", torch.float8_e4m3fn: "fp8e4nv"}
@@ -524,6 +531,17 @@ def compile_offline(backend: MonokernelBackend, arch: int = 90, n_splits: int = 
         sig[k] = "constexpr"
     meta = {**meta, "USE_ASM": True, "MODE": mode}
     src = ASTSource(monokernel, sig, constexprs=meta, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                          options=dict(num_warps=backend.num_warps, launch_cooperative_grid=True,
-                                       **({} if backend.maxnreg is None else dict(maxnreg=backend.maxnreg))))
+    target = GPUTarget("cuda", arch, 32)
+
+    class _Target:   # what the kernel's target_info.cuda_capability_geq guards ask: the target, not this machine
+        def get_current_target(self):
+            return target
+
+    prev = driver._active
+    driver.set_active(_Target())
+    try:
+        return triton.compile(src, target=target,
+                              options=dict(num_warps=backend.num_warps, launch_cooperative_grid=True,
+                                           **({} if backend.maxnreg is None else dict(maxnreg=backend.maxnreg))))
+    finally:
+        driver._active = prev

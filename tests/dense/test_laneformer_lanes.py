@@ -37,8 +37,9 @@ def test_simulation_equals_single_device(lanes, world, switch, make_model):
     tokens, logits = greedy(sim, torch.tensor(PROMPT), 6)
     assert tokens == want_tokens and len(set(tokens)) >= 3
     for got, want in zip(logits, want_logits):
-        # the ranks sum partials in another grouping (per device, then across devices): rounding only
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        # the ranks sum partials in another grouping (per device, then across devices): rounding only, of the size
+        # of the logits (|logit| up to ~9 here: 1e-5 absolute was ~10 ulps and failed on some CPUs' BLAS)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
     # each rank really holds only its lanes
     r = sim.ranks[1]
     assert r.layers[0]["attn.q"].shape[0] == lanes // world and r.cache[0][0].shape[0] == lanes // world

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 
-def _compile_all() -> list[dict]:
+def _compile_all(arch: int = 90, formats=("bf16", "fp8", "fp8_block", "nvfp4", "mxfp4")) -> list[dict]:
     import torch
     import triton
     from triton.backends.compiler import GPUTarget
@@ -22,7 +22,7 @@ def _compile_all() -> list[dict]:
 
     class _Sm90:  # enough of a driver for JITFunction.warmup: compile, never launch
         def get_current_target(self):
-            return GPUTarget("cuda", 90, 32)
+            return GPUTarget("cuda", arch, 32)
 
         def get_current_device(self):
             return 0
@@ -57,7 +57,7 @@ def _compile_all() -> list[dict]:
     x = torch.empty(H, dtype=torch.bfloat16)
     y = torch.empty(N, dtype=torch.bfloat16)
     part, cnt = torch.empty(4, N), torch.empty(N, dtype=torch.int32)
-    for fmt in ("bf16", "fp8", "fp8_block", "nvfp4", "mxfp4"):
+    for fmt in formats:
         cfg = G.DEFAULT_TILES[fmt]
         fid = G.FMT_ID[fmt]
         fp4 = G.is_fp4(fmt)
@@ -70,7 +70,7 @@ def _compile_all() -> list[dict]:
                                       FMT=fid, HAS_NW=not fp4, HAS_BIAS=True, HAS_RES=True, SPLIT_K=split,
                                       BLOCK_X=1024, **common)
             record(f"gemv[{fmt},split={split}]", k)
-        if fmt == "bf16":   # the graph backend's launches on sm_90: griddepcontrol.wait first (kernels/pdl.py)
+        if fmt == "bf16" and arch >= 90:   # the graph backend's launches on sm_90: griddepcontrol.wait first (pdl.py)
             k = G._gemv_kernel.warmup(xin, xin, *G.weight_args(w), y, y, y, part, cnt, N, H, H, 1e-6, H // 8,
                                       FMT=fid, HAS_NW=True, HAS_BIAS=True, HAS_RES=True, SPLIT_K=1, BLOCK_X=1024,
                                       PDL=True, launch_pdl=True, **common)
@@ -144,5 +144,20 @@ def test_kernels_compile_for_sm90():
     assert not heavy, f"> 128 registers per thread (< 4 programs of 128 threads per SM): {heavy}"
 
 
+def test_graph_kernels_compile_for_sm80():
+    """An A100 (sm_80) builds every graph-backend kernel in the formats the backends do not refuse there (float,
+    mxfp4; kernels/device_caps.py): no sm_90-only PTX in them."""
+    pytest.importorskip("triton.backends.nvidia")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, __file__, "80", "bf16,mxfp4"], capture_output=True, text=True, env=env,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(rows) == 2 * 5 + 3 + 1 + 1
+
+
 if __name__ == "__main__":
-    print(json.dumps(_compile_all()))
+    if len(sys.argv) > 1:
+        print(json.dumps(_compile_all(int(sys.argv[1]), sys.argv[2].split(","))))
+    else:
+        print(json.dumps(_compile_all()))
