@@ -5,6 +5,7 @@ pure-PyTorch decoder (any family; the CPU path); GPU backends register here by n
 """
 from __future__ import annotations
 
+import glob
 import importlib
 import json
 import os
@@ -103,7 +104,25 @@ def _build(name: str, model, device: torch.device):
     if not _importable(name):
         raise InputError(f"backend {name!r} is not available in this build")
     mod, fn = BACKENDS[name].split(":")
-    return getattr(importlib.import_module(mod), fn)(model, device)
+    try:
+        return getattr(importlib.import_module(mod), fn)(model, device)
+    except torch.OutOfMemoryError:
+        raise _out_of_memory(name, model, device) from None
+
+
+def _out_of_memory(name: str, model, device: torch.device) -> InputError:
+    """What a user can do when a model does not fit: say how big it is against the GPU, and the ways out."""
+    import gc
+    gc.collect()
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    path = str(getattr(model, "path", "the model"))
+    files = glob.glob(os.path.join(path, "*.safetensors")) if os.path.isdir(path) else []
+    need = f"{sum(os.path.getsize(f) for f in files) / 1e9:.1f} GB of weights" if files else "its weights"
+    return InputError(f"{name} backend: out of GPU memory loading {path} ({need}) onto "
+                      f"{torch.cuda.get_device_name(device)} ({total / 1e9:.0f} GB, {free / 1e9:.1f} GB free after "
+                      f"the attempt). Convert it to fp8 or fp4 (kie convert MODEL DST --scheme fp8|nvfp4|mxfp4), "
+                      f"free the GPU, or spread it over GPUs (--devices N)")
 
 
 def generation_eos(model_dir: str) -> set[int]:

@@ -95,3 +95,30 @@ def test_the_refused_formats_are_the_ones_triton_cannot_compile_for_sm80():
     failing = sorted(f for f, r in res.items() if r != "ok")
     assert failing == sorted(DC.E4M3_FORMATS), res
     assert all("fp8e4nv" in res[f] for f in failing)
+
+
+def test_out_of_memory_while_building_names_the_model_and_the_ways_out(monkeypatch, tmp_path):
+    """A model too big for the GPU: one line naming the model, its size, the GPU and what to do (not a traceback
+    from deep inside the loader)."""
+    from kie_moe import engine
+    from kie_moe.models.registry import LoadedModel
+    with open(tmp_path / "model.safetensors", "wb") as f:     # sparse: a 2.5 GB size, no disk used
+        f.truncate(2_500_000_000)
+
+    def too_big(model, device):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    class Mod:
+        GraphBackend = staticmethod(too_big)
+
+    monkeypatch.setattr(engine.importlib, "import_module", lambda m: Mod)
+    monkeypatch.setattr(engine, "_importable", lambda n: True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d=None: (1.5e9, 80e9))
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    _gpu(monkeypatch, (9, 0), "NVIDIA H100 80GB HBM3")
+    model = LoadedModel(str(tmp_path), {}, None, None)
+    with pytest.raises(KieError) as e:
+        engine.make_backend("graph", model, CUDA)
+    msg = str(e.value)
+    assert str(tmp_path) in msg and "2.5 GB of weights" in msg and "H100" in msg and "80 GB" in msg
+    assert "1.5 GB free" in msg and "--scheme" in msg and "--devices" in msg
