@@ -111,13 +111,25 @@ def _combine_row(o_part_ptr, lse_part_ptr, row, n_active, sink, stride_oph, stri
 # ---- GQA ------------------------------------------------------------------------------------------------------
 
 @triton.jit
+def _store_o(out_ptr, head, offs_d, o, mask, stride_oh, DH: tl.constexpr, X8: tl.constexpr):
+    """Attention output rows `head` (broadcast against offs_d): out[head, d], or with X8 > 0 the flat [Hq * DH]
+    output in the x8 layout an fp4 o_proj reads (kernels/gemv.prepare_x8: element n at (n % 8) * X8 + n // 8,
+    X8 = Hq * DH / 8, fp32)."""
+    if X8 > 0:
+        n = head * DH + offs_d
+        tl.store(out_ptr + (n % 8) * X8 + n // 8, cast_to(o, out_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(out_ptr + head * stride_oh + offs_d, cast_to(o, out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def gqa_split_task(kv_head, split, q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, sinks_ptr, out_ptr,
                    o_part_ptr, lse_part_ptr, max_len, window, qk_scale,
                    stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_oh,
                    stride_oph, stride_ops, stride_lh,
                    DH: tl.constexpr, REP: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr,
                    HAS_SINKS: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
-                   BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+                   BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, X8: tl.constexpr = 0):
     """One program's share: the REP q heads of `kv_head` over split `split` of the visible keys.
 
     q [Hq, DH]; caches [max_len, Hkv, DH]; qk_scale = softmax_scale * log2(e). NUM_SPLITS == 1: writes
@@ -133,7 +145,7 @@ def gqa_split_task(kv_head, split, q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, sin
                 mask=(offs_r < REP)[:, None] & (offs_d < DH)[None, :], other=0.0).to(DOT_DTYPE)  # [BLOCK_R, BLOCK_D]
     _gqa_attend(q, kv_head, split, start, end, k_cache_ptr, v_cache_ptr, sinks_ptr, out_ptr, o_part_ptr,
                 lse_part_ptr, qk_scale, stride_kt, stride_kh, stride_vt, stride_vh, stride_oh, stride_oph, stride_ops,
-                stride_lh, DH, REP, NUM_SPLITS, HAS_SINKS, DOT_DTYPE, DOT_PREC, BLOCK_R, BLOCK_N, BLOCK_D)
+                stride_lh, DH, REP, NUM_SPLITS, HAS_SINKS, DOT_DTYPE, DOT_PREC, BLOCK_R, BLOCK_N, BLOCK_D, X8)
 
 
 @triton.jit
@@ -141,7 +153,7 @@ def _gqa_attend(q, kv_head, split, start, end, k_cache_ptr, v_cache_ptr, sinks_p
                 lse_part_ptr, qk_scale, stride_kt, stride_kh, stride_vt, stride_vh, stride_oh, stride_oph, stride_ops,
                 stride_lh, DH: tl.constexpr, REP: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_SINKS: tl.constexpr,
                 DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-                BLOCK_D: tl.constexpr):
+                BLOCK_D: tl.constexpr, X8: tl.constexpr = 0):
     """q [BLOCK_R, BLOCK_D] (DOT_DTYPE, the REP heads of kv_head) over keys [start, end) -> out or the split's
     partial (see gqa_split_task)."""
     offs_r = tl.arange(0, BLOCK_R)
@@ -171,8 +183,7 @@ def _gqa_attend(q, kv_head, split, start, end, k_cache_ptr, v_cache_ptr, sinks_p
             m_f = tl.maximum(m_i, sink)
             scale = tl.exp2(m_i - m_f) / (l_i * tl.exp2(m_i - m_f) + tl.exp2(sink - m_f))
         out = acc * scale[:, None]
-        tl.store(out_ptr + heads[:, None] * stride_oh + offs_d[None, :], cast_to(out, out_ptr.dtype.element_ty),
-                 mask=mask_r[:, None] & mask_d[None, :])
+        _store_o(out_ptr, heads[:, None], offs_d[None, :], out, mask_r[:, None] & mask_d[None, :], stride_oh, DH, X8)
     else:
         _store_partial(o_part_ptr, lse_part_ptr, heads, split, offs_d, m_i, l_i, acc, mask_r, mask_d,
                        stride_oph, stride_ops, stride_lh)
@@ -186,7 +197,7 @@ def rope_gqa_split_task(kv_head, split, q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cach
                         DH: tl.constexpr, ROT: tl.constexpr, PAIR: tl.constexpr, NORM: tl.constexpr,
                         CLIP: tl.constexpr, REP: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr,
                         HAS_SINKS: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
-                        BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+                        BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, X8: tl.constexpr = 0):
     """kernels/rope.py's rope_append_task and gqa_split_task in one program (one launch less per layer): the
     program whose key range holds `pos` norms + rotates k of `kv_head` and appends k, v at cache[pos] before it
     reads the range (the other splits never read row pos); every program norms + rotates its own REP q heads
@@ -217,15 +228,16 @@ def rope_gqa_split_task(kv_head, split, q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cach
     _gqa_attend(q, kv_head, split, start, end, k_cache_ptr, v_cache_ptr, sinks_ptr, out_ptr, o_part_ptr,
                 lse_part_ptr, qk_scale, stride_kt, stride_kch, stride_vt, stride_vch, stride_oh, stride_oph,
                 stride_ops, stride_lh, DH, REP, NUM_SPLITS, HAS_SINKS, DOT_DTYPE, DOT_PREC, BLOCK_R, BLOCK_N,
-                BLOCK_D)
+                BLOCK_D, X8)
 
 
 @triton.jit
 def gqa_combine_task(head, pos_ptr, sinks_ptr, out_ptr, o_part_ptr, lse_part_ptr, max_len, window,
                      stride_oh, stride_oph, stride_ops, stride_lh,
                      DH: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
-                     SPLIT_BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
-    """One program's share of the combine: q head `head` -> out[head] [DH]."""
+                     SPLIT_BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+                     X8: tl.constexpr = 0):
+    """One program's share of the combine: q head `head` -> out[head] [DH] (X8: see _store_o)."""
     lo, length, chunk, n_active = _split_geometry(pos_ptr, max_len, window, HAS_WINDOW, NUM_SPLITS, SPLIT_BLOCK_N)
     sink = 0.0
     if HAS_SINKS:
@@ -233,7 +245,7 @@ def gqa_combine_task(head, pos_ptr, sinks_ptr, out_ptr, o_part_ptr, lse_part_ptr
     o = _combine_row(o_part_ptr, lse_part_ptr, head, n_active, sink, stride_oph, stride_ops, stride_lh,
                      DH, HAS_SINKS, BLOCK_S, BLOCK_D)
     offs_d = tl.arange(0, BLOCK_D)
-    tl.store(out_ptr + head * stride_oh + offs_d, cast_to(o, out_ptr.dtype.element_ty), mask=offs_d < DH)
+    _store_o(out_ptr, head, offs_d, o, offs_d < DH, stride_oh, DH, X8)
 
 
 @triton.jit
@@ -242,12 +254,13 @@ def _gqa_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, sinks_ptr, out_p
                       stride_oph, stride_ops, stride_lh,
                       DH: tl.constexpr, REP: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr,
                       HAS_SINKS: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
-                      BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
+                      BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, X8: tl.constexpr = 0,
+                      PDL: tl.constexpr = False):
     pdl_begin(PDL)
     gqa_split_task(tl.program_id(0), tl.program_id(1), q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, sinks_ptr, out_ptr,
                    o_part_ptr, lse_part_ptr, max_len, window, qk_scale, stride_qh, stride_kt, stride_kh, stride_vt,
                    stride_vh, stride_oh, stride_oph, stride_ops, stride_lh,
-                   DH, REP, NUM_SPLITS, HAS_WINDOW, HAS_SINKS, DOT_DTYPE, DOT_PREC, BLOCK_R, BLOCK_N, BLOCK_D)
+                   DH, REP, NUM_SPLITS, HAS_WINDOW, HAS_SINKS, DOT_DTYPE, DOT_PREC, BLOCK_R, BLOCK_N, BLOCK_D, X8)
 
 
 @triton.jit
@@ -259,14 +272,14 @@ def _rope_gqa_split_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, pos_pt
                            CLIP: tl.constexpr, REP: tl.constexpr, NUM_SPLITS: tl.constexpr,
                            HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, DOT_DTYPE: tl.constexpr,
                            DOT_PREC: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-                           BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
+                           BLOCK_D: tl.constexpr, X8: tl.constexpr = 0, PDL: tl.constexpr = False):
     pdl_begin(PDL)
     rope_gqa_split_task(tl.program_id(0), tl.program_id(1), q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, pos_ptr,
                         cos_ptr, sin_ptr, q_norm_ptr, k_norm_ptr, sinks_ptr, out_ptr, o_part_ptr, lse_part_ptr,
                         max_len, window, qk_scale, eps, clip, stride_qh, stride_kh, stride_vh, stride_kt, stride_kch,
                         stride_vt, stride_vch, stride_cos, stride_oh, stride_oph, stride_ops, stride_lh,
                         DH, ROT, PAIR, NORM, CLIP, REP, NUM_SPLITS, HAS_WINDOW, HAS_SINKS, DOT_DTYPE, DOT_PREC,
-                        BLOCK_R, BLOCK_N, BLOCK_D)
+                        BLOCK_R, BLOCK_N, BLOCK_D, X8)
 
 
 @triton.jit
@@ -274,11 +287,11 @@ def _gqa_combine_kernel(pos_ptr, sinks_ptr, out_ptr, o_part_ptr, lse_part_ptr, m
                         stride_oh, stride_oph, stride_ops, stride_lh,
                         DH: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr,
                         HAS_SINKS: tl.constexpr, SPLIT_BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
-                        BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
+                        BLOCK_D: tl.constexpr, X8: tl.constexpr = 0, PDL: tl.constexpr = False):
     pdl_begin(PDL)
     gqa_combine_task(tl.program_id(0), pos_ptr, sinks_ptr, out_ptr, o_part_ptr, lse_part_ptr, max_len, window,
                      stride_oh, stride_oph, stride_ops, stride_lh,
-                     DH, NUM_SPLITS, HAS_WINDOW, HAS_SINKS, SPLIT_BLOCK_N, BLOCK_S, BLOCK_D)
+                     DH, NUM_SPLITS, HAS_WINDOW, HAS_SINKS, SPLIT_BLOCK_N, BLOCK_S, BLOCK_D, X8)
 
 
 # ---- MLA ------------------------------------------------------------------------------------------------------
@@ -426,12 +439,15 @@ def _dot_prec(cache_dtype: torch.dtype) -> str:
 def gqa_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor, *,
                softmax_scale: float, window: int | None = None, sinks: torch.Tensor | None = None,
                num_splits: int | None = None, out: torch.Tensor | None = None, block_n: int = 64,
-               num_warps: int = 4) -> torch.Tensor:
+               num_warps: int = 4, out_x8: bool = False) -> torch.Tensor:
     """q [Hq, Dh] (rotated), k_cache / v_cache [max_len, Hkv, Dh], pos device int32 [1] -> out [Hq, Dh] (q's dtype).
 
     window: sliding window (key j visible iff pos - window < j <= pos); sinks [Hq] (gpt-oss). Launches only.
+    out_x8: out is the flat [Hq * Dh] output as fp32 [8, Hq * Dh / 8] in the x8 layout, what an fp4 o_proj reads
+    (gemv(None, w_o, x8=out, ...)): no prepare_x8 launch between the two.
     """
-    return _gqa(q, k_cache, v_cache, pos, softmax_scale, window, sinks, num_splits, out, block_n, num_warps)
+    return _gqa(q, k_cache, v_cache, pos, softmax_scale, window, sinks, num_splits, out, block_n, num_warps,
+                out_x8=out_x8)
 
 
 def rope_gqa_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -439,7 +455,8 @@ def rope_gqa_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
                     style: str = "half", qk_norm: str | None = None, q_norm: torch.Tensor | None = None,
                     k_norm: torch.Tensor | None = None, eps: float = 1e-6, clip_qkv: float | None = None,
                     window: int | None = None, sinks: torch.Tensor | None = None, num_splits: int | None = None,
-                    out: torch.Tensor | None = None, block_n: int = 64, num_warps: int = 4) -> torch.Tensor:
+                    out: torch.Tensor | None = None, block_n: int = 64, num_warps: int = 4,
+                    out_x8: bool = False) -> torch.Tensor:
     """rope_append(q, k, v -> cache[pos]) then gqa_decode, as one split launch (+ the combine when split): the
     same outputs and cache rows, q and k left unrotated in their buffers. Arguments as the two functions';
     qk_norm "full" (OLMoE) is refused: it needs every head in one program (use the two launches)."""
@@ -450,10 +467,12 @@ def rope_gqa_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     fused = dict(k=k, v=v, cos=cos, sin=sin, q_norm=q_norm if norm else q, k_norm=k_norm if norm else k,
                  eps=float(eps), clip=float(clip_qkv or 0.0), ROT=2 * cos.shape[1], PAIR=_style_pair(style),
                  NORM=norm, CLIP=clip_qkv is not None)
-    return _gqa(q, k_cache, v_cache, pos, softmax_scale, window, sinks, num_splits, out, block_n, num_warps, fused)
+    return _gqa(q, k_cache, v_cache, pos, softmax_scale, window, sinks, num_splits, out, block_n, num_warps, fused,
+                out_x8)
 
 
-def _gqa(q, k_cache, v_cache, pos, softmax_scale, window, sinks, num_splits, out, block_n, num_warps, fused=None):
+def _gqa(q, k_cache, v_cache, pos, softmax_scale, window, sinks, num_splits, out, block_n, num_warps, fused=None,
+         out_x8=False):
     """gqa_decode's checks and launches; `fused` (rope_gqa_decode): the split launch norms, rotates and appends."""
     if q.dim() != 2 or k_cache.dim() != 3:
         raise ValueError(f"q must be [Hq, Dh] and k_cache [max_len, Hkv, Dh], got {tuple(q.shape)}, "
@@ -474,9 +493,17 @@ def _gqa(q, k_cache, v_cache, pos, softmax_scale, window, sinks, num_splits, out
         raise ValueError(f"window must be >= 1, got {window}")
     if sinks is not None and (tuple(sinks.shape) != (Hq,) or not sinks.is_contiguous() or sinks.device != dev):
         raise ValueError(f"sinks: expected a contiguous [{Hq}] tensor on {dev}, got {tuple(sinks.shape)}")
-    if out is None:
+    x8 = Hq * Dh // 8 if out_x8 else 0
+    if out_x8 and (Hq * Dh) % 8:
+        raise ValueError(f"out_x8: Hq * Dh = {Hq * Dh} is not a multiple of 8")
+    if out_x8 and out is None:
+        out = torch.empty(8, x8, device=dev, dtype=torch.float32)
+    elif out_x8 and (tuple(out.shape) != (8, x8) or out.dtype != torch.float32 or not out.is_contiguous()
+                     or out.device != dev):
+        raise ValueError(f"out: with out_x8 a contiguous fp32 [8, {x8}] on {dev}, got {out.dtype} {tuple(out.shape)}")
+    elif out is None:
         out = torch.empty_like(q)
-    elif tuple(out.shape) != (Hq, Dh) or out.stride(-1) != 1 or out.device != dev:
+    elif not out_x8 and (tuple(out.shape) != (Hq, Dh) or out.stride(-1) != 1 or out.device != dev):
         raise ValueError(f"out: expected [{Hq}, {Dh}] on {dev}, got {tuple(out.shape)}")
     span = min(max_len, window) if window is not None else max_len
     S = num_splits or default_num_splits(Hkv, span, dev, block_n)
@@ -490,7 +517,8 @@ def _gqa(q, k_cache, v_cache, pos, softmax_scale, window, sinks, num_splits, out
     sk = sinks if sinks is not None else q
     common = dict(HAS_WINDOW=window is not None, HAS_SINKS=sinks is not None)
     tiles = dict(DH=Dh, REP=rep, NUM_SPLITS=S, DOT_DTYPE=_dot_dtype(k_cache.dtype), DOT_PREC=_dot_prec(k_cache.dtype),
-                 BLOCK_R=max(16, triton.next_power_of_2(rep)), BLOCK_N=block_n, BLOCK_D=BLOCK_D, num_warps=num_warps)
+                 BLOCK_R=max(16, triton.next_power_of_2(rep)), BLOCK_N=block_n, BLOCK_D=BLOCK_D, X8=x8,
+                 num_warps=num_warps)
     part_strides = (out.stride(0), o_part.stride(0), o_part.stride(1) if S > 1 else 0, lse_part.stride(0))
     if fused is None:
         _gqa_split_kernel[(Hkv, S)](
@@ -510,7 +538,7 @@ def _gqa(q, k_cache, v_cache, pos, softmax_scale, window, sinks, num_splits, out
             pos, sk, out, o_part, lse_part, max_len, int(window or 0),
             out.stride(0), o_part.stride(0), o_part.stride(1), lse_part.stride(0),
             DH=Dh, NUM_SPLITS=S, SPLIT_BLOCK_N=block_n, BLOCK_S=triton.next_power_of_2(S), BLOCK_D=BLOCK_D,
-            num_warps=1, **common, **launch_kw(dev))
+            X8=x8, num_warps=1, **common, **launch_kw(dev))
     return out
 
 

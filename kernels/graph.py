@@ -44,7 +44,8 @@ FUSED_ROPE_ATTN = os.environ.get("KIE_FUSED_ROPE_ATTN", "1") != "0"
 FUSE_QKV = os.environ.get("KIE_FUSE_QKV", "1") != "0"
 # fp4 inputs handed over in the x8 layout instead of each fp4 GEMV launching prepare_x8 for itself: the routed
 # experts (and an fp4 shared expert) read the x8 the router launch writes (route(x8_out=)), an fp4 down projection
-# reads its GLU's output written as x8 (gemv_glu(out_x8=)); KIE_SHARE_X8=0 for the A/B (NOTES.md session 14).
+# reads its GLU's output written as x8 (gemv_glu(out_x8=)), an fp4 o_proj the attention output written as x8
+# (gqa_decode / rope_gqa_decode(out_x8=)); KIE_SHARE_X8=0 for the A/B (NOTES.md session 14).
 SHARE_X8 = os.environ.get("KIE_SHARE_X8", "1") != "0"
 
 
@@ -270,13 +271,16 @@ class GraphBackend:
             kc, vc = self.caches[i]
             rope_kw = dict(style=a.rope.style, qk_norm=a.qk_norm, q_norm=L["q_norm"], k_norm=L["k_norm"], eps=eps,
                            clip_qkv=a.clip_qkv)
-            attn_kw = dict(softmax_scale=a.softmax_scale, window=L["spec"].sliding_window, sinks=L["sinks"])
+            o8 = self._x8_out(L["o"])      # an fp4 o_proj reads the attention output written as x8
+            attn_kw = dict(softmax_scale=a.softmax_scale, window=L["spec"].sliding_window, sinks=L["sinks"],
+                           out_x8=o8)
             if FUSED_ROPE_ATTN and a.qk_norm != "full":
                 o = rope_gqa_decode(q, k, v, kc, vc, self.pos, self.cos, self.sin, **rope_kw, **attn_kw)
             else:
                 rope_append(q, k, v, kc, vc, self.pos, self.cos, self.sin, **rope_kw)
                 o = gqa_decode(q, kc, vc, self.pos, **attn_kw)
         else:
+            o8 = False
             if "q_a" in L:
                 qa = gemv(x, L["q_a"], norm_weight=L["attn_norm"], eps=eps)
                 q = gemv(qa, L["q_b"], norm_weight=L["q_a_norm"], eps=eps)
@@ -288,7 +292,8 @@ class GraphBackend:
                             style=a.rope.style, kv_norm=L["kv_a_norm"], eps=eps)
             o = mla_decode(q, self.caches[i], L["kv_b"], self.pos, nope=a.qk_nope_head_dim, v_head_dim=a.v_head_dim,
                            softmax_scale=a.softmax_scale, window=L["spec"].sliding_window)
-        gemv(o.reshape(-1), L["o"], bias=L.get("o_bias"), residual=x, out=self.x2)
+        gemv(None if o8 else o.reshape(-1), L["o"], bias=L.get("o_bias"), residual=x, out=self.x2,
+             x8=o if o8 else None)
         self._swap()
 
     def _ffn(self, L, lay):
@@ -320,9 +325,10 @@ class GraphBackend:
         self._swap()
 
     @staticmethod
-    def _x8_out(down: WeightHandle) -> bool:
-        """Whether the GLU in front of `down` writes its output as x8 (an fp4 down projection's input layout)."""
-        return SHARE_X8 and is_fp4(down.fmt) and down.in_features % 8 == 0
+    def _x8_out(w: WeightHandle) -> bool:
+        """Whether the launch in front of `w` (a GLU before a down projection, attention before o_proj) writes its
+        output as x8 (an fp4 GEMV's input layout) for w to read."""
+        return SHARE_X8 and is_fp4(w.fmt) and w.in_features % 8 == 0
 
     def _swap(self):
         """The residual stream ping-pongs between two buffers (the graph records whichever is current), so a

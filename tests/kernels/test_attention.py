@@ -58,6 +58,34 @@ def test_gqa_decode_matches_reference(dtype, window, sinks, splits):
         assert_close(got, want, dtype, f"len={length} window={window} sinks={sinks} splits={splits}")
 
 
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_out_x8_is_the_output_in_the_x8_layout(fused, splits):
+    """out_x8=True (what an fp4 o_proj reads): fp32 [8, Hq*Dh/8] holding the flat output at x8[e, j] = o[8j + e],
+    equal to the plain launch's output, from the split launch (1 split) and from the combine (3), with and
+    without the fused RoPE + append; out of the wrong shape is refused by name."""
+    from kie_moe.kernels.attention import rope_gqa_decode
+    from kie_moe.kernels.gemv import prepare_x8
+    g = torch.Generator().manual_seed(12)
+    q, k, v = (torch.randn(h, Dh, generator=g).to(DEV) for h in (Hq, Hkv, Hkv))
+    kc0, vc0 = (torch.randn(MAX_LEN, Hkv, Dh, generator=g).to(DEV) for _ in range(2))
+    caches = [kc0, vc0, kc0.clone(), vc0.clone()]     # each run appends into its own copy
+    cos, sin = rope_tables(RopeSpec(theta=10000.0, rotary_dim=Dh), MAX_LEN, DEV)
+    sk = torch.randn(Hq, generator=g).to(DEV)
+    kw = dict(softmax_scale=Dh ** -0.5, sinks=sk, num_splits=splits, block_n=16)
+    outs = []
+    for x8, (kc, vc) in ((False, caches[:2]), (True, caches[2:])):
+        if fused:
+            o = rope_gqa_decode(q, k, v, kc, vc, pos_t(20), cos, sin, out_x8=x8, **kw)
+        else:
+            o = gqa_decode(q, kc, vc, pos_t(20), out_x8=x8, **kw)
+        outs.append(o)
+    assert outs[1].shape == (8, Hq * Dh // 8) and outs[1].dtype == torch.float32
+    assert torch.equal(outs[1], prepare_x8(outs[0].reshape(-1)))
+    with pytest.raises(ValueError, match="with out_x8 a contiguous fp32"):
+        gqa_decode(q, caches[0], caches[1], pos_t(3), out_x8=True, out=torch.empty(Hq, Dh, device=DEV), **kw)
+
+
 def test_gqa_decode_many_splits_default_splits_and_mha():
     """More splits than key blocks (most splits empty), the launcher's default, and Hq == Hkv (REP 1)."""
     g = torch.Generator().manual_seed(12)

@@ -161,9 +161,9 @@ def test_fp4_qkv_fused_in_the_decode_step(fmt, tmp_path, monkeypatch):
 @pytest.mark.parametrize("case,fmt", [("qwen2_moe", "nvfp4"), ("gpt_oss", "mxfp4"), ("qwen3", "nvfp4"),
                                       ("deepseek_v3", "mxfp4")])
 def test_fp4_inputs_handed_over_as_x8(case, fmt, tmp_path, monkeypatch):
-    """KIE_SHARE_X8: fp4 routed experts (and an fp4 shared expert's GLU) read the x8 the router launch writes, and
-    an fp4 down projection (dense MLP, shared expert) reads its GLU's output written as x8: one prepare_x8 launch
-    less for each; the same greedy tokens as the reference decoder and as KIE_SHARE_X8=0 (last logits within fp32
+    """KIE_SHARE_X8: fp4 routed experts (and an fp4 shared expert's GLU) read the x8 the router launch writes, an
+    fp4 down projection (dense MLP, shared expert) reads its GLU's output written as x8, an fp4 o_proj the
+    attention output written as x8: one prepare_x8 launch less for each; the same greedy tokens as the reference decoder and as KIE_SHARE_X8=0 (last logits within fp32
     reassociation)."""
     import kie_moe.kernels.gemv as GV
     import kie_moe.kernels.graph as G
@@ -189,6 +189,7 @@ def test_fp4_inputs_handed_over_as_x8(case, fmt, tmp_path, monkeypatch):
 
     per_step = 0
     for L, lay in zip(be.layers, be.spec.layers):
+        per_step += lay.attn.kind == "gqa" and fp4(L, "o")
         if lay.moe is None:
             per_step += fp4(L, "m_down")
         else:
