@@ -284,6 +284,30 @@ def test_graph_greedy_parity_fp32_cuda(case, tmp_path, record_property):
     _gpu_case(case, tmp_path, record_property, torch.float32)
 
 
+# Quantized graph paths on the GPU (inline-PTX fp4 decode, fused q/k/v, x8 handovers): an fp32 checkpoint quantized
+# in memory (QuantizingStore: the reference reads the same codes dequantized to fp32), the strict fp32 run.
+QCASES = ["hf:qwen3", "hf:qwen2_moe", "hf:gpt_oss", "hf:deepseek_v3", "hf:mixtral"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("fmt", ["fp8", "fp8-block", "nvfp4", "mxfp4"])
+@pytest.mark.parametrize("case", QCASES)
+def test_graph_quantized_parity_fp32_cuda(case, fmt, tmp_path, record_property):
+    from kie_moe.models.registry import LoadedModel, load_model
+    from kie_moe.synthetic import QuantizingStore
+    from tests.models.hf_tiny import make_checkpoint
+    dev = torch.device("cuda", torch.cuda.current_device())
+    make_checkpoint(case.split(":", 1)[1], str(tmp_path), torch.float32)
+    m = load_model(str(tmp_path))
+    model = LoadedModel(m.path, m.config, m.spec, QuantizingStore(m.weights, fmt))
+    r = run_parity(model, dev, backend_dtype=torch.float32)
+    for k in ("equal", "first_divergence", "last_step_logit_err"):
+        record_property(k, r[k])
+    _report(f"{case} {fmt}", r)
+    check(r)
+
+
 @needs_device
 @pytest.mark.skipif(DEV != "cpu", reason="the interpreter run of the parity plumbing; the GPU runs the tests above")
 def test_parity_report_on_cpu(tmp_path):
