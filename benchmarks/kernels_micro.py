@@ -101,7 +101,7 @@ def parse_args(argv=None):
                    help=f"comma list of model shapes (default: %(default)s; known: {', '.join(MODELS)})")
     p.add_argument("--ctx", default="128,8192", help="comma list of context lengths for the attention launches; "
                    "the first is the one the layer sums use (kie bench decodes at context 32..159)")
-    p.add_argument("--skip", default="", help="comma list of sections to skip: probe,big,models")
+    p.add_argument("--skip", default="", help="comma list of sections to skip: probe,big,big-experts,models")
     p.add_argument("--big-mb", type=int, default=256, help="weight MB of the one-launch GEMV per format")
     p.add_argument("--mma-configs", default=f"{MMA_ROW_BLOCKS}x{MMA_WARPS}",
                    help="fp4 on the tensor cores (kernels/fp4_mma.py) in the big section, timed beside each fp4 "
@@ -379,6 +379,27 @@ def big_section(formats, mb: float, probe: float, rep_ms: int, K: int = 8192, bu
         r = bench_gemv(f"gemv {fmt} {N}x{K}", fmt, N, K, probe, rep_ms)
         r["check_rel_err"] = check_rows(fmt, N, K)
         out.append(r)
+        if DEV == "cuda":
+            torch.cuda.empty_cache()
+    return out
+
+
+def big_experts_section(formats, mb: float, probe: float, rep_ms: int, H: int = 4096, I: int = 4096,
+                        budget: Budget | None = None) -> list:
+    """Issue 5's routed-expert figure: both launches of moe_experts over >= mb MB of *active* expert bytes (top-k
+    experts of [I, H] gate / up and [H, I] down, k chosen per format; twice as many experts stored), bytes = the
+    active experts' weights + scales only."""
+    print(f"big experts: moe_experts over >= {mb} MB of active experts, H = {H}, I = {I}", flush=True)
+    out = []
+    for fmt in formats:
+        if budget is not None and budget.out():
+            out.append(dict(op=f"experts {fmt}", skipped="time budget"))
+            continue
+        per_expert = 3 * I * H * {"bf16": 2, "fp8": 1, "fp8_block": 1, "nvfp4": 0.5 + 1 / 16,
+                                  "mxfp4": 0.5 + 1 / 32}[fmt]
+        k = max(1, math.ceil(mb * (1 << 20) / per_expert))
+        m = dict(experts=max(8, 2 * k), top_k=k, inter=I, act="silu")
+        out.append(bench_experts(f"experts {fmt} top-{k} of {2 * k} [{I}x{H}]", fmt, m, H, probe, rep_ms))
         if DEV == "cuda":
             torch.cuda.empty_cache()
     return out
@@ -736,6 +757,9 @@ def main(argv=None):
                 result["big"].append(bench_gemv(f"gemv {fmt} {n}x{k}", fmt, n, k, probe, args.rep_ms, eager=False))
                 for kw in configs or [mma_config(f"{MMA_ROW_BLOCKS}x{MMA_WARPS}")]:
                     result["big"].append(big_mma(fmt, None, probe, args.rep_ms, shape=(n, k), **kw))
+        save()
+    if "big-experts" not in skip:
+        result["big_experts"] = big_experts_section(big_formats, args.big_mb, probe, args.rep_ms, budget=budget)
         save()
     if "models" not in skip:
         result["models"] = {}
