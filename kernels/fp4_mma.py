@@ -43,10 +43,11 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton.language.target_info import cuda_capability_geq
 
 from .gemv import check_vec, check_x, make_out
 from .pdl import launch_kw, pdl_begin
-from .tiles import _ASM, E2M1_F16X2_PTX, _e2m1_word, _normed_block, _store_out
+from .tiles import _ASM, E2M1_F16X2_PTX, _as_f32, _e2m1_word, _normed_block, _store_out
 from .weights import WeightHandle, mma_bytes
 
 __all__ = ["prepare_xh", "gemv_fp4_mma", "mma_unreadable", "pack_for_mma", "MMA_ROW_BLOCKS", "MMA_WARPS",
@@ -221,8 +222,10 @@ def _group_scale(s, HALF: tl.constexpr, MX: tl.constexpr):
     u16 pair."""
     if MX:
         return s
-    else:
+    elif cuda_capability_geq(8, 9):
         return ((s >> (8 * HALF)) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    else:       # no fp8e4nv before sm_89 (device_caps): the e4m3 bits decoded as the CUDA-core tiles do
+        return _as_f32(((s >> (8 * HALF)) & 0xFF).to(tl.uint8))
 
 
 @triton.jit

@@ -27,7 +27,6 @@ from kie_moe.models.reference import ReferenceDecoder
 from kie_moe.models.spec import canonical
 
 from .attention import gqa_decode, mla_decode, rope_gqa_decode
-from .device_caps import check_formats
 from .fp4_mma import pack_for_mma
 from .gemv import gemv, gemv_glu, is_fp4, prepare_x8, use_mma
 from .moe import RouterConfig, Routing, moe_experts, route
@@ -203,7 +202,6 @@ class GraphBackend:
                     L["m_" + part] = W.handle(c(f"mlp.{part}"))
                     L["mb_" + part] = W.vec(c(f"mlp.{part}_bias"))
             self.layers.append(L)
-        check_formats({h.fmt for h in W.h.values()}, self.device, "graph")
         self.bytes_per_token = self._bytes_per_token()
         self.final_norm = W.vec("final_norm")
         f32 = dict(dtype=torch.float32, device=self.device)

@@ -63,6 +63,19 @@ def _load_x(x_ptr, nw_ptr, offs, mask, HAS_NW: tl.constexpr, BLOCK_N: tl.constex
 
 
 @triton.jit
+def _as_f32(v):
+    """Weight values as fp32. e4m3 arrives as Triton's fp8e4nv (a native convert, sm_89+), or as uint8 holding the
+    e4m3fn bits: how e4m3 tensors reach GPUs before sm_89, which have no fp8e4nv type (weight_args,
+    device_caps). The bits become an fp16 with the same fields, exponent bias 15 instead of 7 (subnormals
+    included), times 2^8: exact for every e4m3fn value but NaN (checkpoints hold none)."""
+    if v.dtype == tl.uint8:
+        h = v.to(tl.uint16)
+        return (((h & 0x80) << 8) | ((h & 0x7F) << 7)).to(tl.float16, bitcast=True).to(tl.float32) * 256.0
+    else:
+        return v.to(tl.float32)
+
+
+@triton.jit
 def _row_ptrs(w_ptr, stride_wn, n_start, N, BLOCK_N: tl.constexpr):
     # Rows past N are clamped onto row N-1 instead of masked: loads stay unpredicated, their results are dropped.
     offs_n = tl.minimum(n_start + tl.arange(0, BLOCK_N), N - 1)
@@ -80,7 +93,7 @@ def _float_mac(acc, w, x_ptr, nw_ptr, s_row, stride_sk, k0, k_hi, HAS_NW: tl.con
     offs_k = k0 + tl.arange(0, BLOCK_K)
     k_mask = offs_k < k_hi
     x = _load_x(x_ptr, nw_ptr, offs_k, k_mask, HAS_NW, BLOCK_N, MASKED)  # [BLOCK_N, BLOCK_K]
-    p = w.to(tl.float32) * x
+    p = _as_f32(w) * x
     # A thread's 16-byte vector holds VEC consecutive columns: summing them is register-local and shrinks the
     # accumulator VEC-fold, leaving registers for weights in flight.
     part = tl.sum(tl.reshape(p, (BLOCK_N, BLOCK_K // VEC, VEC)), axis=2)
@@ -278,7 +291,7 @@ def _fp4_mac(acc, q, s, x8_ptr, stride_x8, k0, k_hi, BLOCK_N: tl.constexpr, BLOC
         # 2^(e - 127) * 2^14 built as fp32 bits: exponent field e + 14 (exact for every e <= 240, incl. e = 0).
         sf = ((s.to(tl.int32) + 14) << 23).to(tl.float32, bitcast=True)
     else:
-        sf = s.to(tl.float32)
+        sf = _as_f32(s)
     return acc + dots * sf
 
 

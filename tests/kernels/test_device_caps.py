@@ -1,6 +1,8 @@
-"""The GPU backends refuse, when they are built, weight formats the Triton kernels cannot compile for the GPU at hand
-(e4m3 before sm_89), with an error that names the format, the GPU and what to use instead; `--backend auto` then
-moves on. The list of formats is checked against Triton's own compiler for sm_80 (offline, no GPU needed)."""
+"""Before sm_89 Triton has no e4m3 type: e4m3 weights (fp8, fp8-block codes, nvfp4 scales) reach the graph
+backend's kernels as their bytes and are decoded from the bits (tiles._as_f32), while the monokernel refuses them
+when it is built, with an error that names the format, the GPU and what to use instead (`--backend auto` then moves
+on). Checked here: the refusal; the bits path equal to the native one (interpreter; KIE_E4M3_BITS forces it); and
+against Triton's own compiler for sm_80, offline: fp8e4nv pointers fail there, the bytes compile."""
 import json
 import os
 import subprocess
@@ -16,6 +18,7 @@ CUDA = torch.device("cuda", 0)
 
 
 def _gpu(monkeypatch, cap, name="NVIDIA A100-SXM4-80GB"):
+    monkeypatch.setattr(DC, "_NATIVE", {})
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: cap)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: name)
 
@@ -24,16 +27,16 @@ def test_e4m3_formats_refused_before_sm89(monkeypatch):
     _gpu(monkeypatch, (8, 0))
     for fmts in ({"fp8"}, {"bf16", "fp8_block"}, {"nvfp4", "mxfp4"}, {"fp8-block"}):
         with pytest.raises(UnsupportedOnDevice) as e:
-            DC.check_formats(fmts, CUDA, "graph")
+            DC.check_formats(fmts, CUDA, "monokernel")
         msg = str(e.value)
         assert isinstance(e.value, KieError) and isinstance(e.value, NotImplementedError)
-        assert "graph backend" in msg and "A100" in msg and "8.0" in msg and "--backend reference" in msg
+        assert "monokernel backend" in msg and "A100" in msg and "8.0" in msg and "--backend graph" in msg
         assert all(f.replace("_", "-") in msg for f in fmts if f.replace("-", "_") in DC.E4M3_FORMATS)
-    DC.check_formats({"bf16", "mxfp4", "fp16"}, CUDA, "graph")          # compile on sm_80
+    DC.check_formats({"bf16", "mxfp4", "fp16"}, CUDA, "monokernel")     # compile on sm_80
     for cap in ((8, 9), (9, 0), (10, 0)):
         _gpu(monkeypatch, cap, "NVIDIA H200")
         DC.check_formats({"fp8", "nvfp4"}, CUDA, "monokernel")
-    DC.check_formats({"fp8"}, torch.device("cpu"), "graph")             # the interpreter takes every format
+    DC.check_formats({"fp8"}, torch.device("cpu"), "monokernel")        # the interpreter takes every format
 
 
 def test_auto_moves_past_a_refusing_backend(monkeypatch, capsys):
@@ -58,7 +61,7 @@ def test_auto_moves_past_a_refusing_backend(monkeypatch, capsys):
 
 
 _SM80 = r"""
-import json, torch
+import json, os, torch
 from triton.backends.compiler import GPUTarget
 from triton.runtime.driver import driver
 class D:
@@ -66,7 +69,7 @@ class D:
     def get_current_device(self): return 0
     def get_current_stream(self, device=None): return 0
 driver.set_active(D())
-from kie_moe.kernels import gemv as G
+from kie_moe.kernels import fp4_mma as F, gemv as G
 from kie_moe.kernels.weights import random_weight
 N, K, out = 64, 256, {}
 for fmt in ("bf16", "fp8", "fp8_block", "nvfp4", "mxfp4"):
@@ -79,6 +82,10 @@ for fmt in ("bf16", "fp8", "fp8_block", "nvfp4", "mxfp4"):
                               HAS_NW=False, HAS_BIAS=False, HAS_RES=False, SPLIT_K=1, BLOCK_X=256,
                               BLOCK_N=c.block_n, BLOCK_K=c.block_k, PIPE=c.prefetch, num_warps=c.num_warps,
                               num_stages=c.num_stages, grid=(1,))
+        if fp4:   # the tensor-core GEMV (its scales are u8 views in any case)
+            F._fp4_mma_kernel.warmup(torch.empty(K, dtype=torch.float16), w.weight, K // 2, w.scale.view(torch.uint8),
+                                     w.scale.stride(0), y, y, y, y, N, K, MX=fmt == "mxfp4", HAS_BIAS=False,
+                                     HAS_RES=False, RB=2, NW=4, num_warps=4, grid=(1,), maxnreg=128)
         out[fmt] = "ok"
     except Exception as e:
         out[fmt] = str(e)
@@ -86,15 +93,52 @@ print(json.dumps(out))
 """
 
 
-def test_the_refused_formats_are_the_ones_triton_cannot_compile_for_sm80():
+@pytest.mark.parametrize("bits", [False, True])
+def test_sm80_compiles_e4m3_only_as_bytes(bits):
+    """Triton's compiler for sm_80: with fp8e4nv pointers (what an sm_89+ GPU gets) the e4m3 formats fail, and only
+    they; with the bytes weight_args hands such a GPU (KIE_E4M3_BITS=1 stands in for one here) every format and the
+    tensor-core fp4 GEMV compile."""
     pytest.importorskip("triton.backends.nvidia")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["KIE_E4M3_BITS"] = "1" if bits else "0"
     proc = subprocess.run([sys.executable, "-c", _SM80], capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(proc.stdout.strip().splitlines()[-1])
     failing = sorted(f for f, r in res.items() if r != "ok")
-    assert failing == sorted(DC.E4M3_FORMATS), res
+    assert failing == ([] if bits else sorted(DC.E4M3_FORMATS)), res
     assert all("fp8e4nv" in res[f] for f in failing)
+
+
+@pytest.mark.parametrize("fmt", DC.E4M3_FORMATS)
+def test_e4m3_from_its_bytes_equals_the_native_path(fmt, monkeypatch):
+    """The pre-sm_89 path (e4m3 as bytes, decoded from the bits) gives the native path's results bit for bit: the
+    GEMV (norm, bias, residual fused), the GLU, both routed-expert launches; nvfp4 also the tensor-core GEMV."""
+    from kie_moe.kernels.fp4_mma import gemv_fp4_mma
+    from kie_moe.kernels.gemv import gemv, gemv_glu, gemv_ref
+    from kie_moe.kernels.moe import moe_experts
+    from kie_moe.kernels.weights import random_weight
+    from tests.kernels.helpers import DEV, assert_close
+    g = torch.Generator().manual_seed(5)
+    N, K, E, I = 256, 256, 4, 128
+    w, wu = random_weight(fmt, N, K, seed=1, device=DEV), random_weight(fmt, N, K, seed=2, device=DEV)
+    eg, eu = (random_weight(fmt, I, K, seed=s, device=DEV, experts=E) for s in (3, 4))
+    ed = random_weight(fmt, K, I, seed=5, device=DEV, experts=E)
+    x, nw, b = (torch.randn(n, generator=g).to(DEV) for n in (K, K, N))
+    ids, wts = torch.tensor([3, 0], dtype=torch.int32, device=DEV), torch.tensor([0.7, 0.3], device=DEV)
+
+    def run():
+        out = [gemv(x, w, bias=b, residual=b, norm_weight=nw), gemv_glu(x, w, wu, norm_weight=nw),
+               moe_experts(x, ids, wts, eg, eu, ed, norm_weight=nw, residual=x)]
+        if fmt == "nvfp4":
+            out.append(gemv_fp4_mma(x, w, norm_weight=nw))
+        return out
+
+    native = run()
+    monkeypatch.setattr(DC, "FORCE_BITS", True)
+    bits = run()
+    for a, c in zip(native, bits):
+        assert torch.equal(a, c), fmt
+    assert_close(bits[0], gemv_ref(x, w, bias=b, residual=b, norm_weight=nw), what=f"{fmt} bits vs reference")
 
 
 def test_out_of_memory_while_building_names_the_model_and_the_ways_out(monkeypatch, tmp_path):
