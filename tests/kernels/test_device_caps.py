@@ -109,22 +109,17 @@ def test_sm80_compiles_e4m3_only_as_bytes(bits):
     assert all("fp8e4nv" in res[f] for f in failing)
 
 
-@pytest.mark.parametrize("fmt", DC.E4M3_FORMATS)
-def test_e4m3_from_its_bytes_equals_the_native_path(fmt, monkeypatch):
-    """The pre-sm_89 path (e4m3 as bytes, decoded from the bits) gives the native path's results bit for bit: the
-    GEMV (norm, bias, residual fused), the GLU, both routed-expert launches; nvfp4 also the tensor-core GEMV."""
+def _native_and_bits(fmt, monkeypatch, dev, N, K, E, I):
     from kie_moe.kernels.fp4_mma import gemv_fp4_mma
-    from kie_moe.kernels.gemv import gemv, gemv_glu, gemv_ref
+    from kie_moe.kernels.gemv import gemv, gemv_glu
     from kie_moe.kernels.moe import moe_experts
     from kie_moe.kernels.weights import random_weight
-    from tests.kernels.helpers import DEV, assert_close
     g = torch.Generator().manual_seed(5)
-    N, K, E, I = 256, 256, 4, 128
-    w, wu = random_weight(fmt, N, K, seed=1, device=DEV), random_weight(fmt, N, K, seed=2, device=DEV)
-    eg, eu = (random_weight(fmt, I, K, seed=s, device=DEV, experts=E) for s in (3, 4))
-    ed = random_weight(fmt, K, I, seed=5, device=DEV, experts=E)
-    x, nw, b = (torch.randn(n, generator=g).to(DEV) for n in (K, K, N))
-    ids, wts = torch.tensor([3, 0], dtype=torch.int32, device=DEV), torch.tensor([0.7, 0.3], device=DEV)
+    w, wu = random_weight(fmt, N, K, seed=1, device=dev), random_weight(fmt, N, K, seed=2, device=dev)
+    eg, eu = (random_weight(fmt, I, K, seed=s, device=dev, experts=E) for s in (3, 4))
+    ed = random_weight(fmt, K, I, seed=5, device=dev, experts=E)
+    x, nw, b = (torch.randn(n, generator=g).to(dev) for n in (K, K, N))
+    ids, wts = torch.tensor([3, 0], dtype=torch.int32, device=dev), torch.tensor([0.7, 0.3], device=dev)
 
     def run():
         out = [gemv(x, w, bias=b, residual=b, norm_weight=nw), gemv_glu(x, w, wu, norm_weight=nw),
@@ -135,10 +130,31 @@ def test_e4m3_from_its_bytes_equals_the_native_path(fmt, monkeypatch):
 
     native = run()
     monkeypatch.setattr(DC, "FORCE_BITS", True)
-    bits = run()
+    return native, run(), (w, x, b, nw)
+
+
+@pytest.mark.parametrize("fmt", DC.E4M3_FORMATS)
+def test_e4m3_from_its_bytes_equals_the_native_path(fmt, monkeypatch):
+    """The pre-sm_89 path (e4m3 as bytes, decoded from the bits) gives the native path's results bit for bit: the
+    GEMV (norm, bias, residual fused), the GLU, both routed-expert launches; nvfp4 also the tensor-core GEMV."""
+    from kie_moe.kernels.gemv import gemv_ref
+    from tests.kernels.helpers import DEV, assert_close
+    native, bits, (w, x, b, nw) = _native_and_bits(fmt, monkeypatch, DEV, 256, 256, 4, 128)
     for a, c in zip(native, bits):
         assert torch.equal(a, c), fmt
     assert_close(bits[0], gemv_ref(x, w, bias=b, residual=b, norm_weight=nw), what=f"{fmt} bits vs reference")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("fmt", DC.E4M3_FORMATS)
+def test_e4m3_bytes_path_on_the_gpu(fmt, monkeypatch):
+    """The same on the GPU at qwen3-30b-a3b's sizes (the inline-PTX and native-cvt paths against the bits decode):
+    equal up to fp32 contraction order."""
+    from tests.kernels.helpers import assert_close
+    native, bits, _ = _native_and_bits(fmt, monkeypatch, "cuda", 4096, 2048, 16, 768)
+    for a, c in zip(native, bits):
+        assert_close(c, a, rel=1e-6, what=f"{fmt} bits vs native on the GPU")
 
 
 def test_out_of_memory_while_building_names_the_model_and_the_ways_out(monkeypatch, tmp_path):
