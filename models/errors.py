@@ -17,7 +17,3 @@ class CheckpointError(KieError):
 class InputError(KieError):
     """A prompt or a generation option is out of range."""
 
-
-class UnsupportedOnDevice(InputError, NotImplementedError):
-    """A backend cannot run this model on this GPU (e.g. e4m3 weights on a GPU older than sm_89). A KieError for
-    the CLI (one line, exit 2) and a NotImplementedError for `--backend auto`, which then tries the next backend."""

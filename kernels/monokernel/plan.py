@@ -32,7 +32,6 @@ import torch
 
 from kie_moe.models.spec import ModelSpec, canonical
 
-from ..device_caps import check_formats
 from .qarena import FMT_ID, QArena
 from .synth import preset_spec, random_fill, random_qfill  # noqa: F401  (preset_spec: re-exported)
 
@@ -535,7 +534,6 @@ def build_plan(spec: ModelSpec, weights=None, device: str | torch.device = "cpu"
     fm.update({k: FMT_ID[v] for k, v in (formats or {}).items() if v not in (None, "bf16", "float")})
     if d.MLA:
         fm["attn"] = 0   # MLA's Linears stay float (a quantized checkpoint's store dequantizes them on read)
-    check_formats({f for f, i in FMT_ID.items() if i in fm.values()}, torch.device(device), "monokernel")
     d = dataclasses.replace(d, FMT_ATTN=fm.get("attn", 0), FMT_MLP=fm.get("mlp", 0), FMT_EXP=fm.get("exp", 0),
                             TP=tp[1] if tp else 0)
     if experts is not None:

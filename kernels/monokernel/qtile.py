@@ -21,7 +21,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kie_moe.kernels.tiles import _bcast_load, _e2m1_word
+from kie_moe.kernels.tiles import _as_f32, _bcast_load, _e2m1_word
 
 
 @triton.jit
@@ -120,7 +120,7 @@ def qload(w_ptr, s_ptr, rows, rmask, k0, K, FMT: tl.constexpr, BLOCK_K: tl.const
 def qdot(acc, w, s, x, FMT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr,
          XB: tl.constexpr):
     """acc += W_tile . x for an already loaded x tile (float / fp8 / fp8-block): lets a gate/up pair share x."""
-    p = w.to(tl.float32) * x
+    p = _as_f32(w) * x
     if FMT == 2:
         G: tl.constexpr = min(BLOCK_K, 128)
         acc += tl.sum(tl.reshape(p, (BLOCK_N, BLOCK_K // G, G)), axis=2) * s
@@ -161,7 +161,7 @@ def qstep(acc, ss, w, s, x_ptr, nw_ptr, xs, k0, K, do_ss, NORM: tl.constexpr, FM
             if do_ss:
                 ss = mac(ss, x * x, VEC, XB)
             x = x * x_load(nw_ptr, kk, km, BLOCK_N, XB)
-        p = w.to(tl.float32) * (x * xs)
+        p = _as_f32(w) * (x * xs)
         if FMT == 2:
             G: tl.constexpr = min(BLOCK_K, 128)
             acc += tl.sum(tl.reshape(p, (BLOCK_N, BLOCK_K // G, G)), axis=2) * s
@@ -191,7 +191,7 @@ def qstep(acc, ss, w, s, x_ptr, nw_ptr, xs, k0, K, do_ss, NORM: tl.constexpr, FM
             # 2^(e - 127) * 2^14 built as fp32 bits: exponent field e + 14 (exact for every e <= 240)
             sf = ((s.to(tl.int32) + 14) << 23).to(tl.float32, bitcast=True)
         else:
-            sf = s.to(tl.float32)
+            sf = _as_f32(s)          # e4m3 scales (fp8e4nv, or their bytes before sm_89)
         acc += dots * sf * xs
     return acc, ss
 

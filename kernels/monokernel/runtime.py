@@ -28,7 +28,7 @@ from kie_moe.models.errors import InputError
 from kie_moe.models.reference import ReferenceDecoder
 from kie_moe.models.rope import cos_sin
 
-from ..device_caps import has_fp8e4nv
+from ..device_caps import e4m3_native, has_fp8e4nv
 from ..prefill import Prefill
 from . import lanes
 from . import plan as P
@@ -354,9 +354,9 @@ class MonokernelBackend:
         bx = min(_pow2(max(d.D, nq)), 1024 if not self.interpret else 256)
         qb = pl.qbufs or self._no_qbufs()
         # The e4m3 views of the quantized buffers: Triton compiles no fp8e4nv pointer before sm_89, so there they
-        # go in as their u8 bytes. Only e4m3 formats read them as e4m3, and the planner refuses those on such GPUs
-        # (device_caps.check_formats): a float or mxfp4 plan compiles and runs on an A100.
-        e4m3 = torch.float8_e4m3fn if has_fp8e4nv(self.device, arch) else torch.uint8
+        # go in as their u8 bytes and qtile decodes the bits (tiles._as_f32; KIE_E4M3_BITS=1 forces it anywhere).
+        native = has_fp8e4nv(self.device, arch) if arch is not None else e4m3_native(self.device)
+        e4m3 = torch.float8_e4m3fn if native else torch.uint8
         args = [
             tasks, pl.layers, pl.weights, qb["qw"].view(e4m3), qb["qw"].view(torch.uint32),
             qb["qf32"], qb["qs8"].view(e4m3), qb["qs8"], self.kv, self.cos, self.sin,

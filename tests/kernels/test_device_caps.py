@@ -1,8 +1,8 @@
-"""Before sm_89 Triton has no e4m3 type: e4m3 weights (fp8, fp8-block codes, nvfp4 scales) reach the graph
-backend's kernels as their bytes and are decoded from the bits (tiles._as_f32), while the monokernel refuses them
-when it is built, with an error that names the format, the GPU and what to use instead (`--backend auto` then moves
-on). Checked here: the refusal; the bits path equal to the native one (interpreter; KIE_E4M3_BITS forces it); and
-against Triton's own compiler for sm_80, offline: fp8e4nv pointers fail there, the bytes compile."""
+"""Before sm_89 Triton has no e4m3 type: e4m3 weights (fp8, fp8-block codes, nvfp4 scales) reach the kernels as
+their bytes and are decoded from the bits (tiles._as_f32). Checked here: the bytes path equal to the native one
+(interpreter, and on the GPU; KIE_E4M3_BITS forces it), against Triton's own compiler for sm_80 offline (fp8e4nv
+pointers fail there, the bytes compile); the monokernel's side is in tests/monokernel. Also the error a user gets
+when a model does not fit the GPU."""
 import json
 import os
 import subprocess
@@ -12,52 +12,25 @@ import pytest
 import torch
 
 from kie_moe.kernels import device_caps as DC
-from kie_moe.models.errors import KieError, UnsupportedOnDevice
+from kie_moe.models.errors import KieError
 
 CUDA = torch.device("cuda", 0)
 
 
-def _gpu(monkeypatch, cap, name="NVIDIA A100-SXM4-80GB"):
+def _gpu(monkeypatch, cap, name):
     monkeypatch.setattr(DC, "_NATIVE", {})
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: cap)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: name)
 
 
-def test_e4m3_formats_refused_before_sm89(monkeypatch):
-    _gpu(monkeypatch, (8, 0))
-    for fmts in ({"fp8"}, {"bf16", "fp8_block"}, {"nvfp4", "mxfp4"}, {"fp8-block"}):
-        with pytest.raises(UnsupportedOnDevice) as e:
-            DC.check_formats(fmts, CUDA, "monokernel")
-        msg = str(e.value)
-        assert isinstance(e.value, KieError) and isinstance(e.value, NotImplementedError)
-        assert "monokernel backend" in msg and "A100" in msg and "8.0" in msg and "--backend graph" in msg
-        assert all(f.replace("_", "-") in msg for f in fmts if f.replace("-", "_") in DC.E4M3_FORMATS)
-    DC.check_formats({"bf16", "mxfp4", "fp16"}, CUDA, "monokernel")     # compile on sm_80
-    for cap in ((8, 9), (9, 0), (10, 0)):
-        _gpu(monkeypatch, cap, "NVIDIA H200")
-        DC.check_formats({"fp8", "nvfp4"}, CUDA, "monokernel")
-    DC.check_formats({"fp8"}, torch.device("cpu"), "monokernel")        # the interpreter takes every format
-
-
-def test_auto_moves_past_a_refusing_backend(monkeypatch, capsys):
-    from kie_moe import engine
-
-    class Reference:
-        name = "reference"
-
-    def build(name, model, device):
-        if name != "reference":
-            raise UnsupportedOnDevice(f"{name} backend: fp8 weights need ...")
-        return Reference()
-
-    monkeypatch.setattr(engine, "_build", build)
-    monkeypatch.setattr(engine, "_importable", lambda n: True)
-    be = engine.make_backend("auto", None, CUDA)
-    assert be.name == "reference" and "graph: graph backend: fp8" in be.auto_note
-    err = capsys.readouterr().err
-    assert "monokernel does not support this model" in err and "graph does not support" in err
-    with pytest.raises(KieError, match="graph backend: fp8"):
-        engine.make_backend("graph", None, CUDA)
+def test_e4m3_native_by_capability(monkeypatch):
+    """fp8e4nv for the kernels from sm_89 on, not before; the interpreter always; KIE_E4M3_BITS=1 never."""
+    for cap, native in (((8, 0), False), ((8, 6), False), ((8, 9), True), ((9, 0), True), ((10, 0), True)):
+        _gpu(monkeypatch, cap, "GPU")
+        assert DC.e4m3_native(CUDA) == native == DC.has_fp8e4nv(CUDA), cap
+    assert DC.e4m3_native(torch.device("cpu")) and DC.has_fp8e4nv(None, arch=90) and not DC.has_fp8e4nv(None, 80)
+    monkeypatch.setattr(DC, "FORCE_BITS", True)
+    assert not DC.e4m3_native(torch.device("cpu")) and not DC.e4m3_native(CUDA)
 
 
 _SM80 = r"""

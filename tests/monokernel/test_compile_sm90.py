@@ -29,7 +29,7 @@ for arg in sys.argv[1:]:
     for needle in ("ld.global.acquire.gpu", "red.release.gpu.global.add", "st.release.sys.global", "%globaltimer",
                    "ld.volatile.global", "atom.global.gpu.relaxed.add", "cp.async.bulk.prefetch.L2"):
         assert needle in ptx, (path, needle)
-    # an A100 (sm_80) takes the same float / mxfp4 plan: no fp8e4nv pointer, no sm_90 bulk prefetch
+    # an A100 (sm_80) takes the same plan: e4m3 buffers as bytes (no fp8e4nv pointer), no sm_90 bulk prefetch
     ptx80 = compile_offline(be, arch=80).asm["ptx"]
     assert "cp.async.bulk" not in ptx80 and "ld.global.acquire.gpu" in ptx80, path
     print("ok", arg, len(ptx))
@@ -39,9 +39,10 @@ for arg in sys.argv[1:]:
 @pytest.mark.skipif(not (os.path.exists(PTXAS) or shutil.which("ptxas")), reason="no ptxas in this triton build")
 def test_monokernel_compiles_for_sm90(tiny_model, tmp_path):
     # Every op is compiled for every model (the float paths of the router, LM head, experts come along); gpt-oss
-    # turns on the most flags; its attention in mxfp4 (the u32-word e2m1 path). (fp8 and MLA compile in the
-    # GPU run; `python benchmarks/monokernel_bench.py` compiles every format there too.)
-    paths = [tiny_model("gpt_oss").path + "@mxfp4"]
+    # turns on the most flags; its attention in mxfp4 (the u32-word e2m1 path); qwen2_moe's in fp8 (on sm_80 its
+    # codes go in as bytes). (MLA compiles in the GPU run; `python benchmarks/monokernel_bench.py` compiles every
+    # format there too.)
+    paths = [tiny_model("gpt_oss").path + "@mxfp4", tiny_model("qwen2_moe").path + "@fp8"]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")
     r = subprocess.run([sys.executable, "-c", SCRIPT, *paths], env=env, capture_output=True, text=True, timeout=600)

@@ -86,3 +86,22 @@ def test_store_that_quantizes_on_request_is_streamed_as_codes(tiny_model):
     assert (d.FMT_ATTN, d.FMT_EXP) == (1, 1)
     got = list(be.generate(PROMPT, SamplingParams(max_new_tokens=4, ignore_eos=True), set()))
     assert got == reference_greedy(qm, PROMPT, 4)
+
+
+@pytest.mark.parametrize("case,scheme,kinds,prefill", CASES[:3], ids=[f"{c}-{s}" for c, s, _, _ in CASES[:3]])
+def test_e4m3_as_bytes(case, scheme, kinds, prefill, tiny_model, monkeypatch):
+    """Before sm_89 (no fp8e4nv in Triton) the quantized buffers go in as uint8 and qtile decodes the e4m3 bits
+    (KIE_E4M3_BITS=1 forces that here): the reference's greedy tokens still."""
+    from kie_moe.kernels import device_caps
+    monkeypatch.setattr(device_caps, "FORCE_BITS", True)
+    m = tiny_model(case)
+    q = quantize_model(m, scheme, kinds)
+    be = MonokernelBackend(m, "cpu", quantized=q.get, prefill=prefill)
+    got = list(be.generate(PROMPT, SamplingParams(max_new_tokens=4, ignore_eos=True), set()))
+    args, _ = be.kernel_args(be.tasks(1), 1, 0, 1, 0)
+    assert args[3].dtype == torch.uint8 and args[6].dtype == torch.uint8    # qw8, qs8f: bytes, not fp8e4nv
+
+    class M:
+        spec = m.spec
+        weights = DequantStore(m.weights, q)
+    assert got == reference_greedy(M, PROMPT, 4)
