@@ -236,7 +236,7 @@ def _unpack_mma(w):
 
 @triton.jit
 def _group(acc_a, acc_b, H, X, j: tl.constexpr, MX: tl.constexpr, RP: tl.constexpr = False,
-           MXC: tl.constexpr = 2):
+           MXC: tl.constexpr = 1):
     """Words j, j + 1 of piece H (rows a, b; mxfp4: j = 0 and all 4 words) into acc += dot x group scale. X = the 16
     x pairs of this lane's 4 words (GPU: zeros unless this lane supplies B)."""
     if not _ASM and RP:
@@ -277,7 +277,7 @@ def _group(acc_a, acc_b, H, X, j: tl.constexpr, MX: tl.constexpr, RP: tl.constex
 
 @triton.jit
 def _piece_step(a0, a1, c0, c1, H0, H1, xq, x_off, valid, RB: tl.constexpr, MX: tl.constexpr,
-                RP: tl.constexpr = False, MXC: tl.constexpr = 2):
+                RP: tl.constexpr = False, MXC: tl.constexpr = 1):
     """One piece (4 words per lane) for row block 0 (H0; accumulators a0 / a1 = rows r / r + 8) and, when RB == 2,
     block 1 (H1; c0 / c1); x loaded once for both (GPU: only by the lanes that supply B, `valid` says so)."""
     X = _ld_x(xq + 4 * x_off, valid) + _ld_x(xq + 4 * x_off + 8, valid)
@@ -313,7 +313,7 @@ def _step_load(wq, sq, ra, rb, swn, stride_sn, st, q, KW, KG, MX: tl.constexpr):
 @triton.jit
 def _fp4_mma_kernel(xh_ptr, w_ptr, stride_wn, s_ptr, stride_sn, gs_ptr, bias_ptr, res_ptr, y_ptr, N, K,
                     MX: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, RB: tl.constexpr,
-                    NW: tl.constexpr, RP: tl.constexpr = False, MXC: tl.constexpr = 2, PDL: tl.constexpr = False):
+                    NW: tl.constexpr, RP: tl.constexpr = False, MXC: tl.constexpr = 1, PDL: tl.constexpr = False):
     """grid (cdiv(N, 16 * RB * NW),): y = W @ x for fp4 W [N, K/2] u8 with group scales [N, K/16] e4m3 (nvfp4) or
     [N, K/32] E8M0 (mxfp4, MX), xh from prepare_xh, K % 32 == 0; RP: W's bytes in packing "mma". Each warp owns
     16 * RB rows and the whole K in 256-code steps, the next step's loads issued before the current step's mma
