@@ -82,6 +82,11 @@ def _compile_all(arch: int = 90, formats=("bf16", "fp8", "fp8_block", "nvfp4", "
         k = G._glu_kernel.warmup(xin, xin, *G.weight_args(w), *G.weight_args(w), y, 2, y, 2, y, N, H, 1e-6, 7.0,
                                  1.702, H // 8, FMT=fid, HAS_NW=not fp4, HAS_BIAS=True, ACT=1, BLOCK_X=1024, **gl)
         record(f"glu[{fmt}]", k)
+        if fp4:      # the GLU writing its output as x8 for an fp4 down projection (graph backend, KIE_SHARE_X8)
+            k = G._glu_kernel.warmup(xin, xin, *G.weight_args(w), *G.weight_args(w), y, 2, y, 2, torch.empty(8, N // 8),
+                                     N, H, 1e-6, 7.0, 1.702, H // 8, FMT=fid, HAS_NW=False, HAS_BIAS=True, ACT=0,
+                                     BLOCK_X=1024, Y_X8=True, **gl)
+            record(f"glu[{fmt},x8 out]", k)
         wg, wd = random_weight(fmt, I, H, experts=E), random_weight(fmt, H, I, experts=E)
         ids = torch.empty(4, dtype=torch.int32)
         h = torch.empty(4, I)
@@ -126,6 +131,13 @@ def _compile_all(arch: int = 90, formats=("bf16", "fp8", "fp8_block", "nvfp4", "
                                         DOT_PREC="tf32", BLOCK_R=16, BLOCK_N=64, BLOCK_D=128, num_warps=4,
                                         grid=(1,))
     record("rope_gqa_split[head norm]", k)
+    k = A._rope_gqa_split_kernel.warmup(qh, kh, kh, kc, kc, cnt, cs, cs, nw, nw, cs, torch.empty(8, 32 * dh // 8), po,
+                                        cs, 256, 0, 0.1, 1e-6, 0.0, dh, dh, dh, 4 * dh, dh, 4 * dh, dh, 64, dh,
+                                        2 * dh, dh, 2, DH=dh, ROT=dh, PAIR=False, NORM=1, CLIP=False, REP=8,
+                                        NUM_SPLITS=1, HAS_WINDOW=False, HAS_SINKS=False,
+                                        DOT_DTYPE=A._TL_DTYPE[torch.bfloat16], DOT_PREC="tf32", BLOCK_R=16,
+                                        BLOCK_N=64, BLOCK_D=128, X8=32 * dh // 8, num_warps=4, grid=(1,))
+    record("rope_gqa_split[one split, x8 out]", k)
     k = A._gqa_combine_kernel.warmup(cnt, cs, torch.empty(8, 32 * dh // 8), po, cs, 256, 0, dh, 2 * dh, dh, 2,
                                      DH=dh, NUM_SPLITS=2, HAS_WINDOW=False, HAS_SINKS=False, SPLIT_BLOCK_N=64,
                                      BLOCK_S=2, BLOCK_D=128, X8=32 * dh // 8, num_warps=1, grid=(1,))
@@ -141,7 +153,7 @@ def test_kernels_compile_for_sm90():
     proc = subprocess.run([sys.executable, __file__], capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(rows) == 5 * 5 + 1 + 3 + 1 + 1 + 1
+    assert len(rows) == 5 * 5 + 2 + 1 + 3 + 1 + 1 + 1 + 1
     spills = [r for r in rows if r["local_bytes"]]
     assert not spills, f"register spills to local memory: {spills}"
     heavy = [r for r in rows if r["regs"] and r["regs"] > 128]
@@ -157,7 +169,7 @@ def test_graph_kernels_compile_for_sm80():
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(rows) == 2 * 5 + 3 + 1 + 1 + 1
+    assert len(rows) == 2 * 5 + 1 + 3 + 1 + 1 + 1 + 1
 
 
 if __name__ == "__main__":
