@@ -367,21 +367,30 @@ def probe_section(gb: float, rep_ms: int) -> dict:
     return dict(gb=gb, ms=round(ms, 3), gbps=round(gbps, 1))
 
 
-def big_section(formats, mb: float, probe: float, rep_ms: int, K: int = 8192, budget: Budget | None = None) -> list:
-    print(f"big: one GEMV launch per format, >= {mb} MB of weights, K = {K}", flush=True)
+def _each_format(formats, budget: Budget | None, op: str, run) -> list:
+    """run(fmt) -> row for each format until the time budget is out (then a `skipped` row per format)."""
     out = []
     for fmt in formats:
         if budget is not None and budget.out():
-            out.append(dict(op=f"gemv {fmt}", skipped="time budget"))
+            out.append(dict(op=f"{op} {fmt}", skipped="time budget"))
             continue
+        out.append(run(fmt))
+        if DEV == "cuda":
+            torch.cuda.empty_cache()
+    return out
+
+
+def big_section(formats, mb: float, probe: float, rep_ms: int, K: int = 8192, budget: Budget | None = None) -> list:
+    print(f"big: one GEMV launch per format, >= {mb} MB of weights, K = {K}", flush=True)
+
+    def run(fmt):
         per_row = {"bf16": 2, "fp8": 1, "fp8_block": 1, "nvfp4": 0.5, "mxfp4": 0.5}[fmt] * K
         N = int(math.ceil(mb * (1 << 20) / per_row / 128) * 128)
         r = bench_gemv(f"gemv {fmt} {N}x{K}", fmt, N, K, probe, rep_ms)
         r["check_rel_err"] = check_rows(fmt, N, K)
-        out.append(r)
-        if DEV == "cuda":
-            torch.cuda.empty_cache()
-    return out
+        return r
+
+    return _each_format(formats, budget, "gemv", run)
 
 
 def big_experts_section(formats, mb: float, probe: float, rep_ms: int, H: int = 4096, I: int = 4096,
@@ -390,19 +399,15 @@ def big_experts_section(formats, mb: float, probe: float, rep_ms: int, H: int = 
     experts of [I, H] gate / up and [H, I] down, k chosen per format; twice as many experts stored), bytes = the
     active experts' weights + scales only."""
     print(f"big experts: moe_experts over >= {mb} MB of active experts, H = {H}, I = {I}", flush=True)
-    out = []
-    for fmt in formats:
-        if budget is not None and budget.out():
-            out.append(dict(op=f"experts {fmt}", skipped="time budget"))
-            continue
+
+    def run(fmt):
         per_expert = 3 * I * H * {"bf16": 2, "fp8": 1, "fp8_block": 1, "nvfp4": 0.5 + 1 / 16,
                                   "mxfp4": 0.5 + 1 / 32}[fmt]
         k = max(1, math.ceil(mb * (1 << 20) / per_expert))
         m = dict(experts=max(8, 2 * k), top_k=k, inter=I, act="silu")
-        out.append(bench_experts(f"experts {fmt} top-{k} of {2 * k} [{I}x{H}]", fmt, m, H, probe, rep_ms))
-        if DEV == "cuda":
-            torch.cuda.empty_cache()
-    return out
+        return bench_experts(f"experts {fmt} top-{k} of {2 * k} [{I}x{H}]", fmt, m, H, probe, rep_ms)
+
+    return _each_format(formats, budget, "experts", run)
 
 
 def mma_config(text: str) -> dict:
