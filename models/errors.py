@@ -16,4 +16,3 @@ class CheckpointError(KieError):
 
 class InputError(KieError):
     """A prompt or a generation option is out of range."""
-
