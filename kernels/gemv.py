@@ -318,11 +318,12 @@ def prepare_x8(x: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: fl
     return out
 
 
-def input_args(x: torch.Tensor, fmt: str, norm_weight: torch.Tensor | None, eps: float,
-               x8: torch.Tensor | None) -> tuple:
+def input_args(x: torch.Tensor | None, fmt: str, norm_weight: torch.Tensor | None, eps: float,
+               x8: torch.Tensor | None, K: int | None = None) -> tuple:
     """(x_ptr, nw_ptr, HAS_NW, stride_x8) for a kernel reading x: float formats read x (norm fused in the GEMV);
-    fp4 formats read x8, made here unless given (the norm then happens in prepare_x8)."""
-    K = x.shape[-1] if x is not None else 8 * x8.shape[-1]
+    fp4 formats read x8, made here unless given (the norm then happens in prepare_x8). K: the weight's in_features
+    (default x's length; given, an x8 without x is checked against it)."""
+    K = x.shape[-1] if K is None else K
     if not is_fp4(fmt):
         return x, (norm_weight if norm_weight is not None else x), norm_weight is not None, 0
     if x8 is None:
@@ -347,9 +348,6 @@ def gemv(x: torch.Tensor, w: WeightHandle, *, bias: torch.Tensor | None = None, 
         if x8 is None or not is_fp4(w.fmt) or out is None:
             raise ValueError(f"gemv: x is None: only an fp4 weight (this is {w.fmt}) given x8 and out can do "
                              "without it")
-        if x8.shape != (8, K // 8) or K % 8:
-            raise ValueError(f"x8: expected a contiguous fp32 [8, {K // 8}] (prepare_x8), got {x8.dtype} "
-                             f"{tuple(x8.shape)}")
         check_vec(out, N, w.device, "out")
     elif use_mma(w, x8, config):
         from .fp4_mma import gemv_fp4_mma  # fp4_mma imports this module's checks
@@ -367,7 +365,7 @@ def gemv(x: torch.Tensor, w: WeightHandle, *, bias: torch.Tensor | None = None, 
     split, k_per_split = plan_split(n_tiles, K, cfg.block_k, cfg.split_k, w.device)
     part = torch.empty((split, N), dtype=torch.float32, device=w.device) if split > 1 else y
     cnt = counters(w.device, n_tiles) if split > 1 else y
-    x_in, nw_in, has_nw, stride_x8 = input_args(x, w.fmt, norm_weight, eps, x8)
+    x_in, nw_in, has_nw, stride_x8 = input_args(x, w.fmt, norm_weight, eps, x8, K)
     _gemv_kernel[(n_tiles, split)](
         x_in, nw_in, *weight_args(w),
         bias if bias is not None else y, residual if residual is not None else y, y, part, cnt,
