@@ -2,7 +2,7 @@
 """Instructions per weight byte of the GEMV inner loops, from sm_90 SASS compiled on a machine without a GPU.
 
 For each format and launch shape (TileConfig) it compiles kernels.gemv._gemv_kernel for the H200 (the stand-in
-driver of tests/kernels/test_compile_sm90.py: compile, never launch), finds the main K loop in `cuobjdump -sass`
+driver kernels/device_caps.offline_target: compile, never launch), finds the main K loop in `cuobjdump -sass`
 (the first backward branch: the unmasked, software-pipelined loop; the second is the masked tail) and reports
 
   instr   SASS instructions in the loop body (per thread per K step)
@@ -71,24 +71,6 @@ def opcode(txt: str) -> str:
     return re.sub(r"^@!?U?P\w+\s+", "", txt).split()[0]
 
 
-def _use_sm90():
-    """Compile for the H200 on a machine without a GPU: a stand-in driver that reports sm_90 (never launches)."""
-    from triton.backends.compiler import GPUTarget
-    from triton.runtime.driver import driver
-
-    class _Sm90:
-        def get_current_target(self):
-            return GPUTarget("cuda", 90, 32)
-
-        def get_current_device(self):
-            return 0
-
-        def get_current_stream(self, device=None):
-            return 0
-
-    driver.set_active(_Sm90())
-
-
 def _sass(kernel) -> tuple[str, str]:
     """(cuobjdump -sass, cuobjdump -res-usage) of a compiled kernel's cubin."""
     import triton
@@ -104,8 +86,8 @@ def _sass(kernel) -> tuple[str, str]:
 
 def measure(fmt: str, cfg, K: int = 8192, N: int = 4096) -> dict:
     import torch
-    _use_sm90()
     from kie_moe.kernels import gemv as G
+    from kie_moe.kernels.device_caps import offline_target
     from kie_moe.kernels.weights import random_weight
 
     w = random_weight(fmt, N, K)
@@ -113,10 +95,11 @@ def measure(fmt: str, cfg, K: int = 8192, N: int = 4096) -> dict:
     x = torch.empty(8, K // 8) if fp4 else torch.empty(K, dtype=torch.bfloat16)
     y = torch.empty(N, dtype=torch.bfloat16)
     part, cnt = torch.empty(4, N), torch.empty(N, dtype=torch.int32)
-    k = G._gemv_kernel.warmup(x, x, *G.weight_args(w), y, y, y, part, cnt, N, K, K, 1e-6, K // 8,
-                              FMT=G.FMT_ID[fmt], HAS_NW=False, HAS_BIAS=False, HAS_RES=False, SPLIT_K=1,
-                              BLOCK_X=1024, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PIPE=cfg.prefetch,
-                              num_warps=cfg.num_warps, num_stages=cfg.num_stages, grid=(1,))
+    with offline_target(90):
+        k = G._gemv_kernel.warmup(x, x, *G.weight_args(w), y, y, y, part, cnt, N, K, K, 1e-6, K // 8,
+                                  FMT=G.FMT_ID[fmt], HAS_NW=False, HAS_BIAS=False, HAS_RES=False, SPLIT_K=1,
+                                  BLOCK_X=1024, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PIPE=cfg.prefetch,
+                                  num_warps=cfg.num_warps, num_stages=cfg.num_stages, grid=(1,))
     sass, res = _sass(k)
     regs = int(re.search(r"REG:(\d+)", res).group(1))
     body = main_loop(sass)
@@ -138,18 +121,19 @@ def measure(fmt: str, cfg, K: int = 8192, N: int = 4096) -> dict:
 def measure_mma(fmt: str, cfg: dict, K: int = 8192, N: int = 4096) -> dict:
     """kernels/fp4_mma.py's loop: SASS per step (32 words of K per lane row pair), per u32 word, HMMA count, regs."""
     import torch
-    _use_sm90()
     from kie_moe.kernels import fp4_mma as M
+    from kie_moe.kernels.device_caps import offline_target
 
     rb, nw = cfg["row_blocks"], cfg["num_warps"]
     w = torch.empty(N, K // 2, dtype=torch.uint8)
     s = torch.empty(N, K // (32 if fmt == "mxfp4" else 16), dtype=torch.uint8)
     xh = torch.empty(K, dtype=torch.float16)
     y = torch.empty(N, dtype=torch.bfloat16)
-    k = M._fp4_mma_kernel.warmup(xh, w, K // 2, s, s.shape[1], y, y, y, y, N, K, MX=fmt == "mxfp4", HAS_BIAS=False,
-                                 HAS_RES=False, RB=rb, NW=nw, RP=cfg.get("packed", False),
-                                 MXC=cfg.get("mx_chains", M.MMA_MX_CHAINS), num_warps=nw, grid=(1,),
-                                 maxnreg=cfg.get("maxnreg", M.MMA_MAXNREG) or None)
+    with offline_target(90):
+        k = M._fp4_mma_kernel.warmup(xh, w, K // 2, s, s.shape[1], y, y, y, y, N, K, MX=fmt == "mxfp4",
+                                     HAS_BIAS=False, HAS_RES=False, RB=rb, NW=nw, RP=cfg.get("packed", False),
+                                     MXC=cfg.get("mx_chains", M.MMA_MX_CHAINS), num_warps=nw, grid=(1,),
+                                     maxnreg=cfg.get("maxnreg", M.MMA_MAXNREG) or None)
     sass, res = _sass(k)
     body = main_loop(sass)
     hist = collections.Counter(opcode(t) for t in body)

@@ -9,6 +9,7 @@ scales, the monokernel's qtile. mxfp4 (E8M0 scales) and float formats need neith
 """
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -37,3 +38,32 @@ def has_fp8e4nv(device: torch.device, arch: int | None = None) -> bool:
 def e4m3_native(device: torch.device) -> bool:
     """Whether the kernels get e4m3 tensors as fp8e4nv (else as their bytes): has_fp8e4nv, unless KIE_E4M3_BITS=1."""
     return has_fp8e4nv(device) and not FORCE_BITS
+
+
+@contextlib.contextmanager
+def offline_target(arch: int):
+    """Compile for sm_`arch` on a machine without that GPU (offline tests, SASS counts, compile_offline): inside, a
+    stand-in driver reports that target to Triton's JIT warmup and compile, and to the kernels'
+    target_info.cuda_capability_geq guards (which are not in Triton's cache key: compile under the target you mean).
+    Nothing can be launched through it."""
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime.driver import driver
+
+    target = GPUTarget("cuda", arch, 32)
+
+    class _Target:
+        def get_current_target(self):
+            return target
+
+        def get_current_device(self):
+            return 0
+
+        def get_current_stream(self, device=None):
+            return 0
+
+    prev = driver._active
+    driver.set_active(_Target())
+    try:
+        yield target
+    finally:
+        driver._active = prev

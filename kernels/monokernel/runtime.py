@@ -28,7 +28,7 @@ from kie_moe.models.errors import InputError
 from kie_moe.models.reference import ReferenceDecoder
 from kie_moe.models.rope import cos_sin
 
-from ..device_caps import e4m3_native, has_fp8e4nv
+from ..device_caps import e4m3_native, has_fp8e4nv, offline_target
 from ..prefill import Prefill
 from . import lanes
 from . import plan as P
@@ -508,9 +508,7 @@ def compile_offline(backend: MonokernelBackend, arch: int = 90, n_splits: int = 
     `backend` turned into a signature. Returns the CompiledKernel (metadata: registers, spills, shared memory).
     Needs the JIT (not interpreted) kernel: call in a process without TRITON_INTERPRET=1."""
     import triton
-    from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from triton.runtime.driver import driver
 
     backend._ensure_kv(64)
     tasks = backend.tasks(n_splits)
@@ -531,17 +529,7 @@ def compile_offline(backend: MonokernelBackend, arch: int = 90, n_splits: int = 
         sig[k] = "constexpr"
     meta = {**meta, "USE_ASM": True, "MODE": mode}
     src = ASTSource(monokernel, sig, constexprs=meta, attrs=attrs)
-    target = GPUTarget("cuda", arch, 32)
-
-    class _Target:   # what the kernel's target_info.cuda_capability_geq guards ask: the target, not this machine
-        def get_current_target(self):
-            return target
-
-    prev = driver._active
-    driver.set_active(_Target())
-    try:
+    with offline_target(arch) as target:    # the kernel's target_info guards ask the target, not this machine
         return triton.compile(src, target=target,
                               options=dict(num_warps=backend.num_warps, launch_cooperative_grid=True,
                                            **({} if backend.maxnreg is None else dict(maxnreg=backend.maxnreg))))
-    finally:
-        driver._active = prev

@@ -17,20 +17,6 @@ import pytest
 def _compile_all(arch: int = 90, formats=("bf16", "fp8", "fp8_block", "nvfp4", "mxfp4")) -> list[dict]:
     import torch
     import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.runtime.driver import driver
-
-    class _Sm90:  # enough of a driver for JITFunction.warmup: compile, never launch
-        def get_current_target(self):
-            return GPUTarget("cuda", arch, 32)
-
-        def get_current_device(self):
-            return 0
-
-        def get_current_stream(self, device=None):
-            return 0
-
-    driver.set_active(_Sm90())
     from kie_moe.kernels import gemv as G
     from kie_moe.kernels import moe as M
     from kie_moe.kernels.weights import random_weight
@@ -174,7 +160,7 @@ def test_graph_kernels_compile_for_sm80():
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1:
-        print(json.dumps(_compile_all(int(sys.argv[1]), sys.argv[2].split(","))))
-    else:
-        print(json.dumps(_compile_all()))
+    from kie_moe.kernels.device_caps import offline_target
+    arch = int(sys.argv[1]) if len(sys.argv) > 1 else 90
+    with offline_target(arch):           # compile for sm_`arch`, never launch
+        print(json.dumps(_compile_all(arch, *([sys.argv[2].split(",")] if len(sys.argv) > 2 else []))))

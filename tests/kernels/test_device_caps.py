@@ -35,33 +35,28 @@ def test_e4m3_native_by_capability(monkeypatch):
 
 _SM80 = r"""
 import json, os, torch
-from triton.backends.compiler import GPUTarget
-from triton.runtime.driver import driver
-class D:
-    def get_current_target(self): return GPUTarget("cuda", 80, 32)
-    def get_current_device(self): return 0
-    def get_current_stream(self, device=None): return 0
-driver.set_active(D())
+from kie_moe.kernels.device_caps import offline_target
 from kie_moe.kernels import fp4_mma as F, gemv as G
 from kie_moe.kernels.weights import random_weight
 N, K, out = 64, 256, {}
-for fmt in ("bf16", "fp8", "fp8_block", "nvfp4", "mxfp4"):
-    w, fp4 = random_weight(fmt, N, K), G.is_fp4(fmt)
-    x = torch.empty(8, K // 8) if fp4 else torch.empty(K, dtype=torch.bfloat16)
-    y, part, cnt = torch.empty(N, dtype=torch.bfloat16), torch.empty(4, N), torch.empty(N, dtype=torch.int32)
-    c = G.DEFAULT_TILES[fmt]
-    try:
-        G._gemv_kernel.warmup(x, x, *G.weight_args(w), y, y, y, part, cnt, N, K, K, 1e-6, K // 8, FMT=G.FMT_ID[fmt],
-                              HAS_NW=False, HAS_BIAS=False, HAS_RES=False, SPLIT_K=1, BLOCK_X=256,
-                              BLOCK_N=c.block_n, BLOCK_K=c.block_k, PIPE=c.prefetch, num_warps=c.num_warps,
-                              num_stages=c.num_stages, grid=(1,))
-        if fp4:   # the tensor-core GEMV (its scales are u8 views in any case)
-            F._fp4_mma_kernel.warmup(torch.empty(K, dtype=torch.float16), w.weight, K // 2, w.scale.view(torch.uint8),
-                                     w.scale.stride(0), y, y, y, y, N, K, MX=fmt == "mxfp4", HAS_BIAS=False,
-                                     HAS_RES=False, RB=2, NW=4, num_warps=4, grid=(1,), maxnreg=128)
-        out[fmt] = "ok"
-    except Exception as e:
-        out[fmt] = str(e)
+with offline_target(80):        # compile for an A100, never launch
+    for fmt in ("bf16", "fp8", "fp8_block", "nvfp4", "mxfp4"):
+        w, fp4 = random_weight(fmt, N, K), G.is_fp4(fmt)
+        x = torch.empty(8, K // 8) if fp4 else torch.empty(K, dtype=torch.bfloat16)
+        y, part, cnt = torch.empty(N, dtype=torch.bfloat16), torch.empty(4, N), torch.empty(N, dtype=torch.int32)
+        c = G.DEFAULT_TILES[fmt]
+        try:
+            G._gemv_kernel.warmup(x, x, *G.weight_args(w), y, y, y, part, cnt, N, K, K, 1e-6, K // 8, FMT=G.FMT_ID[fmt],
+                                  HAS_NW=False, HAS_BIAS=False, HAS_RES=False, SPLIT_K=1, BLOCK_X=256,
+                                  BLOCK_N=c.block_n, BLOCK_K=c.block_k, PIPE=c.prefetch, num_warps=c.num_warps,
+                                  num_stages=c.num_stages, grid=(1,))
+            if fp4:   # the tensor-core GEMV (its scales are u8 views in any case)
+                F._fp4_mma_kernel.warmup(torch.empty(K, dtype=torch.float16), w.weight, K // 2, w.scale.view(torch.uint8),
+                                         w.scale.stride(0), y, y, y, y, N, K, MX=fmt == "mxfp4", HAS_BIAS=False,
+                                         HAS_RES=False, RB=2, NW=4, num_warps=4, grid=(1,), maxnreg=128)
+            out[fmt] = "ok"
+        except Exception as e:
+            out[fmt] = str(e)
 print(json.dumps(out))
 """
 
