@@ -41,6 +41,7 @@ import triton.language as tl
 from ..models.reference import ReferenceDecoder
 from .pdl import launch_kw, pdl_begin
 from .rope import NORM_FULL, _norm_rope_rows, _style_pair, cast_to, check_rope_args, round_to
+from .tiles import _x8_offs
 
 __all__ = ["gqa_decode", "rope_gqa_decode", "mla_decode", "gqa_decode_ref", "mla_decode_ref", "default_num_splits",
            "gqa_split_task", "gqa_combine_task", "mla_absorb_task", "mla_split_task", "mla_combine_up_task"]
@@ -113,11 +114,9 @@ def _combine_row(o_part_ptr, lse_part_ptr, row, n_active, sink, stride_oph, stri
 @triton.jit
 def _store_o(out_ptr, head, offs_d, o, mask, stride_oh, DH: tl.constexpr, X8: tl.constexpr):
     """Attention output rows `head` (broadcast against offs_d): out[head, d], or with X8 > 0 the flat [Hq * DH]
-    output in the x8 layout an fp4 o_proj reads (kernels/gemv.prepare_x8: element n at (n % 8) * X8 + n // 8,
-    X8 = Hq * DH / 8, fp32)."""
+    output in the x8 layout an fp4 o_proj reads (tiles._x8_offs, X8 = Hq * DH / 8, fp32)."""
     if X8 > 0:
-        n = head * DH + offs_d
-        tl.store(out_ptr + (n % 8) * X8 + n // 8, cast_to(o, out_ptr.dtype.element_ty), mask=mask)
+        tl.store(out_ptr + _x8_offs(head * DH + offs_d, X8), cast_to(o, out_ptr.dtype.element_ty), mask=mask)
     else:
         tl.store(out_ptr + head * stride_oh + offs_d, cast_to(o, out_ptr.dtype.element_ty), mask=mask)
 

@@ -33,7 +33,7 @@ import triton.language as tl
 from .device_caps import E4M3_FORMATS, e4m3_native
 from .pdl import launch_kw, pdl_begin
 from .tiles import (ACT_ID, FMT_ID, _glu, _normed_block, _rstd, _split_reduce, _store_out, _tile,  # noqa: F401
-                    _tile_bf16, _tile_fp8, _tile_fp8_block, _tile_mxfp4, _tile_nvfp4)
+                    _tile_bf16, _tile_fp8, _tile_fp8_block, _tile_mxfp4, _tile_nvfp4, _x8_offs)
 from .weights import FP8_BLOCK, WeightHandle, dequantize
 
 __all__ = [
@@ -104,7 +104,7 @@ def _x8_kernel(x_ptr, nw_ptr, x8_ptr, K, eps, HAS_NW: tl.constexpr, BLOCK: tl.co
     """grid (cdiv(K, BLOCK),): x8[e, j] = (x * rstd * nw)[8j + e], fp32 [8, K/8]."""
     pdl_begin(PDL)
     offs, mask, x = _normed_block(x_ptr, nw_ptr, K, eps, HAS_NW, BLOCK, BLOCK_X)
-    tl.store(x8_ptr + (offs % 8) * (K // 8) + offs // 8, x, mask=mask)
+    tl.store(x8_ptr + _x8_offs(offs, K // 8), x, mask=mask)
 
 
 @triton.jit
@@ -168,10 +168,7 @@ def _glu_kernel(
     if HAS_BIAS:
         g += tl.load(bg_ptr + offs_n * stride_bg, mask=n_mask, other=0.0).to(tl.float32)
         u += tl.load(bu_ptr + offs_n * stride_bu, mask=n_mask, other=0.0).to(tl.float32)
-    if Y_X8:
-        y_offs = (offs_n % 8) * (N // 8) + offs_n // 8
-    else:
-        y_offs = offs_n
+    y_offs = _x8_offs(offs_n, N // 8) if Y_X8 else offs_n
     tl.store(y_ptr + y_offs, _glu(g, u, limit, alpha, ACT).to(y_ptr.dtype.element_ty), mask=n_mask)
 
 

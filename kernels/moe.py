@@ -20,7 +20,7 @@ import triton.language as tl
 from .gemv import (DEFAULT_GLU_TILES, TileConfig, check_vec, check_x, counters, glu_ref, input_args, is_fp4,
                    make_out, num_sms, plan_split, resolve_config, weight_args)
 from .pdl import launch_kw, pdl_begin
-from .tiles import ACT_ID, FMT_ID, _glu, _rstd, _split_reduce, _store_out, _tile, _tile_bf16
+from .tiles import ACT_ID, FMT_ID, _glu, _rstd, _split_reduce, _store_out, _tile, _tile_bf16, _x8_offs
 from .weights import WeightHandle, dequantize
 
 __all__ = ["RouterConfig", "Routing", "route", "route_ref", "moe_experts", "moe_experts_ref"]
@@ -191,7 +191,7 @@ def _router_kernel(
             xv = tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32) * r8
             if HAS_NW:
                 xv = xv * tl.load(nw_ptr + offs, mask=m, other=0.0).to(tl.float32)
-            tl.store(x8_ptr + (offs % 8) * (K // 8) + offs // 8, xv, mask=m)
+            tl.store(x8_ptr + _x8_offs(offs, K // 8), xv, mask=m)
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
     acc = _tile_bf16(w_ptr, stride_wn, x_ptr, nw_ptr, pid_n * BLOCK_N, E, k_lo, k_hi, HAS_NW, BLOCK_N, BLOCK_K, PIPE)
@@ -339,10 +339,7 @@ def _expert_glu_kernel(
     if HAS_BIAS:
         g += tl.load(bg_ptr + e * stride_bge + offs_n * stride_bgn, mask=n_mask, other=0.0).to(tl.float32)
         u += tl.load(bu_ptr + e * stride_bue + offs_n * stride_bun, mask=n_mask, other=0.0).to(tl.float32)
-    if H_X8:
-        h_offs = (offs_n % 8) * (I // 8) + offs_n // 8
-    else:
-        h_offs = offs_n
+    h_offs = _x8_offs(offs_n, I // 8) if H_X8 else offs_n
     tl.store(h_ptr + slot * I + h_offs, _glu(g, u, limit, alpha, ACT), mask=n_mask)
 
 

@@ -76,6 +76,13 @@ def _as_f32(v):
 
 
 @triton.jit
+def _x8_offs(n, K8):
+    """Offset of element n of a [K] vector in the x8 layout, fp32 [8, K8 = K / 8] with x8[e, j] = x[8j + e]: what
+    every producer of an fp4 GEMV's input writes (prepare_x8, the router, a GLU, attention)."""
+    return (n % 8) * K8 + n // 8
+
+
+@triton.jit
 def _row_ptrs(w_ptr, stride_wn, n_start, N, BLOCK_N: tl.constexpr):
     # Rows past N are clamped onto row N-1 instead of masked: loads stay unpredicated, their results are dropped.
     offs_n = tl.minimum(n_start + tl.arange(0, BLOCK_N), N - 1)
