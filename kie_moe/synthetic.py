@@ -64,28 +64,24 @@ class QuantizingStore:
 
     def _group_global(self, n):
         """nvfp4: the global scale n shares with its fused partners (q/k/v, an expert's gate/up), as kie convert
-        writes it (quant/convert._Converter.group_global: shared_global_scale over the partners it quantizes);
-        None for other schemes and for Linears without partners."""
-        from kie_moe.models.quantizable import partner_group
-        from kie_moe.quant.schemes import NotQuantizable, get_scheme, shared_global_scale
+        writes it (models.quantizable.partner_global over the partners the scheme can hold); None for other
+        schemes and for Linears without partners."""
+        from kie_moe.models.quantizable import partner_global, partner_group, partner_groups
+        from kie_moe.quant.schemes import NotQuantizable, get_scheme
         if self.scheme != "nvfp4" or (key := partner_group(n)) is None:
             return None
         if self._groups is None:
-            self._groups = {}
-            for m in self.store.names():
-                if is_quantized_linear(m, self.lm_head) and (k := partner_group(m)) is not None:
-                    self._groups.setdefault(k, []).append(m)
+            self._groups = partner_groups(m for m in self.store.names() if is_quantized_linear(m, self.lm_head))
         if key not in self._globals:
-            members = []
+            held = {}
             for m in self._groups.get(key, []):
                 w = self.store.get(m)
                 try:
                     get_scheme("nvfp4").check(tuple(w.shape), m)
+                    held[m] = w
                 except NotQuantizable:
-                    continue
-                members.append((m, w))
-            self._globals[key] = (shared_global_scale([w for _, w in members], [m for m, _ in members])
-                                  if len(members) > 1 else None)
+                    pass
+            self._globals[key] = partner_global(list(held), held.__getitem__)
         return self._globals[key]
 
     def quantized_tensor(self, n):

@@ -27,7 +27,7 @@ from typing import Callable
 
 import torch
 
-from .quantizable import is_linear, partner_group
+from .quantizable import is_linear, partner_global, partner_group, partner_groups
 from .spec import canonical
 
 __all__ = ["Calibration", "GptqOptions", "calibrate_gptq", "gptq_calibrator"]
@@ -64,19 +64,11 @@ class Calibration:
 
 def _global_scales(w: dict, names: list[str], scheme) -> dict[str, torch.Tensor | None]:
     """nvfp4: one global scale per fused-partner group of the Linears that will be quantized (`names`: those the
-    scheme can hold), as the converter shares it (convert._Converter.group_global)."""
-    from kie_moe.quant.schemes import shared_global_scale
+    scheme can hold), as the converter shares it (models.quantizable.partner_global)."""
     out: dict[str, torch.Tensor | None] = {n: None for n in names}
-    if scheme.name != "nvfp4":
-        return out
-    groups: dict[str, list[str]] = {}
-    for n in names:
-        g = partner_group(n)
-        if g is not None:
-            groups.setdefault(g, []).append(n)
-    for members in groups.values():
-        if len(members) > 1:
-            g = shared_global_scale([w[m].float() for m in members], members)
+    if scheme.name == "nvfp4":
+        for members in partner_groups(names).values():
+            g = partner_global(members, w.__getitem__)
             out.update({m: g for m in members})
     return out
 

@@ -31,7 +31,8 @@ from .families.common import Cfg
 from .loader import Layout, TensorRef, WeightStore, read_config
 from .registry import adapter_for, open_source
 
-__all__ = ["LINEAR_ROLES", "role", "is_linear", "partner_group", "linear_targets", "convert_checkpoint"]
+__all__ = ["LINEAR_ROLES", "role", "is_linear", "partner_group", "partner_groups", "partner_global", "linear_targets",
+           "convert_checkpoint"]
 
 LINEAR_ROLES = ("attn", "mlp", "expert", "shared_expert")
 
@@ -75,6 +76,25 @@ def partner_group(canonical: str) -> str | None:
         if pat.fullmatch(canonical):
             return pat.sub(repl, canonical)
     return None
+
+
+def partner_groups(names) -> dict[str, list[str]]:
+    """Fused-partner group -> its members among `names` (in their order); names without a group are left out."""
+    groups: dict[str, list[str]] = {}
+    for n in names:
+        if (g := partner_group(n)) is not None:
+            groups.setdefault(g, []).append(n)
+    return groups
+
+
+def partner_global(members: Sequence[str], weight_of: Callable[[str], "torch.Tensor"]):
+    """The nvfp4 global scale a group's quantized members share (kie convert's rule, quant/convert.py
+    _Converter.group_global): quant.schemes.shared_global_scale over their weights; None for a group of one
+    (it takes its own). `members`: those the scheme will quantize; weight_of(name) -> [out, in] weight."""
+    from kie_moe.quant.schemes import shared_global_scale
+    if len(members) < 2:
+        return None
+    return shared_global_scale([weight_of(m).float() for m in members], list(members))
 
 
 def resolve_layouts(refs: Sequence[TensorRef], shapes: dict) -> dict[str, Layout]:
