@@ -233,10 +233,7 @@ def stored_codes(store, name: str):
     QuantizingStore); None for a float weight. Both GPU backends stream these codes instead of dequantizing."""
     if hasattr(store, "quantized_tensor"):          # stores that quantize on the fly (benchmarks)
         return store.quantized_tensor(name)
-    try:
-        from kie_moe.quant.ingest import quantized
-    except ImportError:
-        return None
+    from kie_moe.quant.ingest import quantized
     try:
         return quantized(store, name)
     except (KeyError, TypeError, ValueError):

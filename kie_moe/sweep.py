@@ -161,12 +161,8 @@ def quality(ref: list[torch.Tensor], test: list[torch.Tensor], windows: torch.Te
 # ---- the model in each scheme ----------------------------------------------------------------------------------
 
 def converter():
-    """kie convert's entry point and the quantized-checkpoint reader, or None when this build lacks them."""
-    try:
-        from kie_moe.models.quantizable import convert_checkpoint
-        import kie_moe.quant.ingest  # noqa: F401  (load_model needs it to read what convert writes)
-    except ImportError:
-        return None
+    """kie convert's entry point (models.quantizable.convert_checkpoint): what a sweep of a checkpoint converts with."""
+    from kie_moe.models.quantizable import convert_checkpoint
     return convert_checkpoint
 
 
@@ -272,7 +268,7 @@ def run(model: str, schemes: list[str], out_dir: str, *, text: str | None = None
     # each row records the backend that ran it (auto moves to the next backend for a scheme the preferred one does
     # not support, e.g. mixed formats in one kind); the title names them, or the request until a row has run
     res.update(quality_data=data_label, quality_dtype=str(qdtype).removeprefix("torch."),
-               converter="kie convert" if convert else ("in-memory quantization (kie convert is not in this build)" if ckpt else "in-memory quantization"),
+               converter="kie convert" if convert else "in-memory quantization",
                backend=backend, observer=observer, experts_only=experts_only, rows=[],
                gptq=None if gptq_opts is None else {"calibration": gptq_opts.label, "damp": gptq_opts.damp,
                                                     "device": gptq_opts.device})
@@ -283,7 +279,7 @@ def run(model: str, schemes: list[str], out_dir: str, *, text: str | None = None
             bar.set_postfix_str(f"{scheme}: model")
             if scheme == "bf16":
                 src, origin = base, "bf16 source"
-            elif ckpt and convert is not None:
+            elif convert is not None:
                 from kie_moe.quant.schemes import takes_observer
                 d, how = scheme_checkpoint(model, scheme, cache_dir or os.path.join(out_dir, "checkpoints"), convert,
                                            observer if takes_observer(scheme) else "minmax", gptq_opts, experts_only)

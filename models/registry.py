@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import importlib
-import importlib.util
 from dataclasses import dataclass
 
 from .errors import ConfigError
@@ -32,24 +31,13 @@ def adapter_for(model_type: str | None, path: str = "config.json"):
     if model_type in FAMILIES:
         return importlib.import_module(f"kie_moe.models.families.{FAMILIES[model_type]}")
     if model_type in EXTERNAL_FAMILIES:
-        try:
-            return importlib.import_module(EXTERNAL_FAMILIES[model_type])
-        except ModuleNotFoundError:
-            pass
+        return importlib.import_module(EXTERNAL_FAMILIES[model_type])
     known = ", ".join(sorted(supported_model_types()))
     raise ConfigError(f"{path}: model_type {model_type!r} is not supported (supported: {known})")
 
 
 def supported_model_types() -> list[str]:
-    out = list(FAMILIES)
-    for mt, mod in EXTERNAL_FAMILIES.items():
-        if importlib.util.find_spec(mod.rsplit(".", 1)[0]) is not None:
-            try:
-                importlib.import_module(mod)
-                out.append(mt)
-            except ModuleNotFoundError:
-                pass
-    return out
+    return [*FAMILIES, *EXTERNAL_FAMILIES]
 
 
 def spec_from_config(cfg: dict, path: str = "config.json") -> ModelSpec:
@@ -81,9 +69,6 @@ def open_source(model_dir: str, cfg: dict):
     """Plain safetensors, or (when config.json carries a quantization_config) the quantized reader of quant/."""
     src = SafetensorsSource(model_dir)
     if cfg.get("quantization_config"):
-        try:
-            from kie_moe.quant.ingest import QuantizedSource
-        except ModuleNotFoundError:
-            raise ConfigError(f"{model_dir}/config.json: quantized checkpoints are not supported yet") from None
+        from kie_moe.quant.ingest import QuantizedSource
         return QuantizedSource(src, cfg["quantization_config"])
     return src

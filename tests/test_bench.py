@@ -204,7 +204,7 @@ def test_kv_bytes():
 
 
 def test_quantized_linear_table_matches_converter():
-    quantizable = pytest.importorskip("kie_moe.models.quantizable")
+    from kie_moe.models import quantizable
     from kie_moe.models.registry import adapter_for
     from kie_moe.models.synth import build
     from kie_moe.models.presets import tiny

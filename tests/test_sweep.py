@@ -104,8 +104,6 @@ def test_png_is_real_and_plots_the_table(swept):
 
 
 def test_conversions_are_cached(swept, ckpt):
-    if S.converter() is None:
-        pytest.skip("kie convert is not in this build (test_without_converter_quantizes_in_memory covers that path)")
     _, out, res = swept
     assert res["converter"] == "kie convert"
     assert res["rows"][1]["model_source"].startswith("converted: ")
@@ -113,15 +111,6 @@ def test_conversions_are_cached(swept, ckpt):
     assert how == "cached" and d == os.path.join(out, "checkpoints", "fp8")
     # fp8-block on a 64-wide model: every weight is smaller than one 128 x 128 block, kept in float, and said so
     assert "kept them in float" in res["rows"][2]["note"] and res["rows"][2]["kl"] == 0
-
-
-def test_without_converter_quantizes_in_memory(ckpt, text_file, tmp_path, monkeypatch):
-    monkeypatch.setattr(S, "converter", lambda: None)
-    res = S.run(ckpt, ["bf16", "nvfp4"], str(tmp_path), text=text_file, device="cpu", window=32, max_tokens=32,
-                new_tokens=3, runs=1, probe_bytes=16 << 20, progress=False)
-    assert "kie convert is not in this build" in res["converter"]
-    assert res["rows"][1]["model_source"] == "quantized in memory" and res["rows"][1]["kl"] > 0
-    assert not os.path.exists(tmp_path / "checkpoints")
 
 
 def test_synthetic_arch_is_labelled(tmp_path):
@@ -168,8 +157,6 @@ def test_mse_observer_sweep_converts_again_and_says_so(ckpt, text_file, tmp_path
     """--observer mse: the fp4 rows come from conversions with MSE-chosen scales (a cached minmax conversion is not
     reused: the stamp names the observer), the table and the checkpoint's config say so; a synthetic ARCH
     (quantized in memory) refuses it."""
-    if S.converter() is None:
-        pytest.skip("kie convert is not in this build")
     cache = str(tmp_path / "cache")
     common = ["--text", text_file, "--cache", cache, *FAST]
     assert main(["sweep", ckpt, "--schemes", "bf16,nvfp4", "--out", str(tmp_path / "mm"), *common]) == 0
@@ -192,8 +179,6 @@ def test_gptq_sweep_converts_with_gptq_and_says_so(ckpt, text_file, tmp_path, ca
     round-to-nearest conversion, under SCHEME-gptq, its stamp naming the calibration windows), the table says so,
     and the model it scores is a different one from RTN's; --calib without --gptq and --gptq on a synthetic ARCH
     are refused."""
-    if S.converter() is None:
-        pytest.skip("kie convert is not in this build")
     cache = str(tmp_path / "cache")
     common = ["--text", text_file, "--cache", cache, "--schemes", "bf16,nvfp4", *FAST]
     assert main(["sweep", ckpt, "--out", str(tmp_path / "rtn"), *common]) == 0
@@ -218,8 +203,6 @@ def test_experts_only_sweep_keeps_attention_in_float(tmp_path, capsys):
     """--experts-only: each scheme is converted by `kie convert --experts-only` (cached under SCHEME-experts, its
     stamp says so): the scored checkpoint holds the scheme in the experts and float attention, and the table says
     so; a synthetic ARCH (quantized in memory, every Linear) refuses it."""
-    if S.converter() is None:
-        pytest.skip("kie convert is not in this build")
     from kie_moe.synthetic import open_model
     cache = str(tmp_path / "cache")
     assert main(["sweep", "demo", "--schemes", "bf16,fp8", "--out", str(tmp_path / "eo"), "--cache", cache,

@@ -155,9 +155,8 @@ def test_tiny_preset_runs(make_model):
 
 
 def test_registered_as_a_models_preset():
-    """dense/presets.py is the provider models/presets.py imports lazily (skipped where that module is absent)."""
-    presets = pytest.importorskip("kie_moe.models.presets")
-    synth = pytest.importorskip("kie_moe.models.synth")
+    """dense/presets.py is the provider models/presets.py imports lazily."""
+    from kie_moe.models import presets, synth
     from kie_moe.models.registry import spec_from_config
     assert "laneformer-2b" in presets.preset_names()
     spec = spec_from_config(presets.preset("laneformer-2b"))
