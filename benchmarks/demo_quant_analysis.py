@@ -41,12 +41,21 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True, help="JSON file")
     ap.add_argument("--window", type=int, default=256)
     ap.add_argument("--train-windows", type=int, default=40)
+    ap.add_argument("--schemes", default=",".join(SCHEMES), help="comma list; fp8 is always converted (part 3 uses it)")
+    ap.add_argument("--noise-levels", default="",
+                    help="comma list of relative RMS errors (e.g. 0.026,0.013,0.0065): Gaussian noise of that size on "
+                         "the modules fp8 quantizes, for the error size a top-1 target needs (JSON key noise_curve)")
     a = ap.parse_args(argv)
+    schemes = ["fp8", *[x for x in a.schemes.split(",") if x and x != "fp8"]]
+    bad = [x for x in schemes if x not in SCHEMES]
+    if bad:
+        ap.error(f"--schemes: unknown {bad} (choose from {', '.join(SCHEMES)})")
 
     from safetensors.torch import load_file
     from transformers import AutoTokenizer, Qwen3MoeForCausalLM
 
     from kie_moe import demo, heldout as H
+    from kie_moe.hf_state import ct_decompressed, qwen3_moe_state
     from kie_moe.models.quantizable import convert_checkpoint
 
     torch.set_grad_enabled(False)
@@ -84,7 +93,6 @@ def main(argv=None) -> int:
                 "ppl_change_pct": 100 * (ppl_t / ppl_r - 1)}
 
     def hf_state(get) -> dict:
-        from kie_moe.hf_state import ct_decompressed, qwen3_moe_state
         return qwen3_moe_state(base, get, n_layers, n_experts)
 
     same = hf_state(lambda m: SRC[m + ".weight"])
@@ -117,7 +125,7 @@ def main(argv=None) -> int:
     # ---- each scheme: conversion error (compressed-tensors decompress) and quality through HF
     tmp = tempfile.mkdtemp(prefix="kie-quant-analysis-")
     decoded: dict[str, dict[str, torch.Tensor]] = {}
-    for scheme in SCHEMES:
+    for scheme in schemes:
         dst = os.path.join(tmp, scheme)
         rep = convert_checkpoint(src, dst, scheme, progress=False, on_warning=lambda m: None)
         written, dec = ct_decompressed(dst, scheme)
@@ -140,6 +148,16 @@ def main(argv=None) -> int:
         out["noise"][f"{tot * 100:.2f}% (= {scheme})"] = {k: compare(refs[k], logits(W), W) for k, W in sets.items()}
         print(f"{scheme}: weights {tot * 100:.2f}%; {json.dumps(out['quality'][scheme]['heldout'])}; noise "
               f"{json.dumps(out['noise'][f'{tot * 100:.2f}% (= {scheme})']['heldout'])}", file=sys.stderr, flush=True)
+
+    # ---- how small a weight error a top-1 target needs: Gaussian noise of each size on fp8's modules
+    out["noise_curve"] = {}
+    for lvl in [float(x) for x in a.noise_levels.split(",") if x]:
+        g = torch.Generator().manual_seed(0)
+        noisy = {m: SRC[m + ".weight"] + torch.randn(SRC[m + ".weight"].shape, generator=g)
+                 * SRC[m + ".weight"].pow(2).mean().sqrt() * lvl for m in decoded["fp8"]}
+        model.load_state_dict(hf_state(noisy.get))
+        out["noise_curve"][f"{lvl:g}"] = {k: compare(refs[k], logits(W), W) for k, W in sets.items()}
+        print(f"noise {lvl:g}: {json.dumps(out['noise_curve'][f'{lvl:g}']['heldout'])}", file=sys.stderr, flush=True)
 
     # ---- fp8: error growth through the layers, and where it comes from (held-out windows)
     W = held[:48]
@@ -168,7 +186,8 @@ def main(argv=None) -> int:
     with open(a.out, "w") as f:
         json.dump(out, f, indent=1)
         f.write("\n")
-    print(json.dumps({k: out[k] for k in ("quality", "noise", "fp8_hidden_rel_err_by_layer", "fp8_by_part")}, indent=1))
+    print(json.dumps({k: out[k] for k in ("quality", "noise", "noise_curve", "fp8_hidden_rel_err_by_layer",
+                                          "fp8_by_part")}, indent=1))
     return 0
 
 

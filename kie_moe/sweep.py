@@ -1,7 +1,7 @@
 """`kie sweep`: throughput vs quality, one row per quantization scheme.
 
 For each scheme: the model in that scheme (a checkpoint converted with `kie convert` and cached in --cache, default
-OUT/checkpoints, as <scheme>/; without the converter in this build, quantized in memory instead), its decode speed
+OUT/checkpoints, as <scheme>/; a synthetic ARCH is quantized in memory instead), its decode speed
 (kie_moe.bench: tok/s, bytes/token, % of the roofline measured in the same process) and its quality against the
 bf16 model, teacher-forced over the same token windows: mean KL(P_bf16 || P_scheme) of the next-token
 distributions, top-1 agreement and perplexity (quant/metrics). Quality is computed with the reference decoder over

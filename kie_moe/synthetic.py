@@ -2,9 +2,10 @@
 (models/synth: real shapes, random weights, no disk), optionally quantized in memory (QuantizingStore).
 
 QuantizingStore is what a converted checkpoint would give the backends, without writing one: the graph backend
-asks `quantized_tensor(name)` and streams the codes + scales; any backend that reads `get(name)` (reference,
-monokernel's bf16 arena, every prefill) gets the scheme's *dequantized* values, so quality numbers are the
-scheme's even where the bytes streamed are still bf16 (bench labels that case).
+and the monokernel ask `quantized_tensor(name)` (kernels/weights.stored_codes) and stream the codes + scales; any
+reader of `get(name)` (the reference backend, float weights of the GPU backends, every prefill) gets the scheme's
+*dequantized* values, so quality numbers are the scheme's even where the bytes streamed are still bf16 (bench
+labels that case).
 """
 from __future__ import annotations
 
