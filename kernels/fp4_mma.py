@@ -47,6 +47,7 @@ from triton.language.target_info import cuda_capability_geq
 
 from .gemv import check_vec, check_x, make_out
 from .pdl import launch_kw, pdl_begin
+from .device_caps import e4m3_native
 from .tiles import _ASM, E2M1_F16X2_PTX, _as_f32, _e2m1_word, _normed_block, _store_out
 from .weights import WeightHandle, mma_bytes
 
@@ -217,11 +218,14 @@ def _piece_load(wq, sq, ra, rb, swn, stride_sn, st, q, KW, KG, h: tl.constexpr, 
 
 
 @triton.jit
-def _group_scale(s, HALF: tl.constexpr, MX: tl.constexpr):
+def _group_scale(s, HALF: tl.constexpr, MX: tl.constexpr, E4B: tl.constexpr = False):
     """The fp32 scale of a piece's group HALF (0: words 0-1, 1: words 2-3): mxfp4 s itself, nvfp4 byte HALF of the
-    u16 pair."""
+    u16 pair. E4B (device_caps.e4m3_native False, e.g. KIE_E4M3_BITS=1): the bits decode on any GPU too, so the
+    GPU tests reach the branch an A100 takes."""
     if MX:
         return s
+    elif E4B:
+        return _as_f32(((s >> (8 * HALF)) & 0xFF).to(tl.uint8))
     elif cuda_capability_geq(8, 9):
         return ((s >> (8 * HALF)) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
     else:       # no fp8e4nv before sm_89 (device_caps): the e4m3 bits decoded as the CUDA-core tiles do
@@ -236,7 +240,7 @@ def _unpack_mma(w):
 
 @triton.jit
 def _group(acc_a, acc_b, H, X, j: tl.constexpr, MX: tl.constexpr, RP: tl.constexpr = False,
-           MXC: tl.constexpr = 1):
+           MXC: tl.constexpr = 1, E4B: tl.constexpr = False):
     """Words j, j + 1 of piece H (rows a, b; mxfp4: j = 0 and all 4 words) into acc += dot x group scale. X = the 16
     x pairs of this lane's 4 words (GPU: zeros unless this lane supplies B)."""
     if not _ASM and RP:
@@ -260,8 +264,8 @@ def _group(acc_a, acc_b, H, X, j: tl.constexpr, MX: tl.constexpr, RP: tl.constex
                 _MMA_GROUP_CR if RP else _MMA_GROUP_C, "=f,=f,=f,=f,f,f,f,f" + ",r" * 12,
                 [d0, d1, d2, d3, H[2], H[3], H[6], H[7], X[8], X[9], X[10], X[11], X[12], X[13], X[14], X[15]],
                 dtype=(tl.float32,) * 4, is_pure=True, pack=1)
-        acc_a += d0 * _group_scale(H[8], j // 2, MX)
-        acc_b += d2 * _group_scale(H[9], j // 2, MX)
+        acc_a += d0 * _group_scale(H[8], j // 2, MX, E4B)
+        acc_b += d2 * _group_scale(H[9], j // 2, MX, E4B)
     else:
         da = _word_dot(H[j], X[4 * j], X[4 * j + 1], X[4 * j + 2], X[4 * j + 3])
         da += _word_dot(H[j + 1], X[4 * j + 4], X[4 * j + 5], X[4 * j + 6], X[4 * j + 7])
@@ -270,24 +274,24 @@ def _group(acc_a, acc_b, H, X, j: tl.constexpr, MX: tl.constexpr, RP: tl.constex
         if MX:
             da += _word_dot(H[2], X[8], X[9], X[10], X[11]) + _word_dot(H[3], X[12], X[13], X[14], X[15])
             db += _word_dot(H[6], X[8], X[9], X[10], X[11]) + _word_dot(H[7], X[12], X[13], X[14], X[15])
-        acc_a += da * _group_scale(H[8], j // 2, MX)
-        acc_b += db * _group_scale(H[9], j // 2, MX)
+        acc_a += da * _group_scale(H[8], j // 2, MX, E4B)
+        acc_b += db * _group_scale(H[9], j // 2, MX, E4B)
     return acc_a, acc_b
 
 
 @triton.jit
 def _piece_step(a0, a1, c0, c1, H0, H1, xq, x_off, valid, RB: tl.constexpr, MX: tl.constexpr,
-                RP: tl.constexpr = False, MXC: tl.constexpr = 1):
+                RP: tl.constexpr = False, MXC: tl.constexpr = 1, E4B: tl.constexpr = False):
     """One piece (4 words per lane) for row block 0 (H0; accumulators a0 / a1 = rows r / r + 8) and, when RB == 2,
     block 1 (H1; c0 / c1); x loaded once for both (GPU: only by the lanes that supply B, `valid` says so)."""
     X = _ld_x(xq + 4 * x_off, valid) + _ld_x(xq + 4 * x_off + 8, valid)
-    a0, a1 = _group(a0, a1, H0, X, 0, MX, RP, MXC)
+    a0, a1 = _group(a0, a1, H0, X, 0, MX, RP, MXC, E4B)
     if RB == 2:
-        c0, c1 = _group(c0, c1, H1, X, 0, MX, RP, MXC)
+        c0, c1 = _group(c0, c1, H1, X, 0, MX, RP, MXC, E4B)
     if not MX:
-        a0, a1 = _group(a0, a1, H0, X, 2, MX, RP)
+        a0, a1 = _group(a0, a1, H0, X, 2, MX, RP, 1, E4B)
         if RB == 2:
-            c0, c1 = _group(c0, c1, H1, X, 2, MX, RP)
+            c0, c1 = _group(c0, c1, H1, X, 2, MX, RP, 1, E4B)
     return a0, a1, c0, c1
 
 
@@ -313,7 +317,8 @@ def _step_load(wq, sq, ra, rb, swn, stride_sn, st, q, KW, KG, MX: tl.constexpr):
 @triton.jit
 def _fp4_mma_kernel(xh_ptr, w_ptr, stride_wn, s_ptr, stride_sn, gs_ptr, bias_ptr, res_ptr, y_ptr, N, K,
                     MX: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, RB: tl.constexpr,
-                    NW: tl.constexpr, RP: tl.constexpr = False, MXC: tl.constexpr = 1, PDL: tl.constexpr = False):
+                    NW: tl.constexpr, RP: tl.constexpr = False, MXC: tl.constexpr = 1, PDL: tl.constexpr = False,
+                    E4B: tl.constexpr = False):
     """grid (cdiv(N, 16 * RB * NW),): y = W @ x for fp4 W [N, K/2] u8 with group scales [N, K/16] e4m3 (nvfp4) or
     [N, K/32] E8M0 (mxfp4, MX), xh from prepare_xh, K % 32 == 0; RP: W's bytes in packing "mma". Each warp owns
     16 * RB rows and the whole K in 256-code steps, the next step's loads issued before the current step's mma
@@ -355,9 +360,9 @@ def _fp4_mma_kernel(xh_ptr, w_ptr, stride_wn, s_ptr, stride_sn, gs_ptr, bias_ptr
             C1 = C0
         x_off = 32 * st + 4 * q
         a0, a1, c0, c1 = _piece_step(a0, a1, c0, c1, C0[0], C1[0], xq, x_off, (x_off < KW) & mine, RB, MX, RP,
-                                     MXC)
+                                     MXC, E4B)
         e0, e1, f0, f1 = _piece_step(e0, e1, f0, f1, C0[1], C1[1], xq, x_off + 16, (x_off + 16 < KW) & mine, RB,
-                                     MX, RP, MXC)
+                                     MX, RP, MXC, E4B)
     # The decode's 2^-14 (mxfp4: already in the scales) and nvfp4's global scale, once per row; one lane per quad
     # stores.
     if MX:
@@ -444,7 +449,8 @@ def gemv_fp4_mma(x: torch.Tensor, w: WeightHandle, *, bias: torch.Tensor | None 
         w.global_scale if w.global_scale is not None else y,
         bias if bias is not None else y, residual if residual is not None else y, y, N, K,
         MX=w.fmt == "mxfp4", HAS_BIAS=bias is not None, HAS_RES=residual is not None, RB=row_blocks, NW=num_warps,
-        num_warps=num_warps, RP=w.packing == "mma", MXC=mx_chains, **launch_kw(x.device), **cap)
+        num_warps=num_warps, RP=w.packing == "mma", MXC=mx_chains, E4B=not e4m3_native(x.device),
+        **launch_kw(x.device), **cap)
     return y
 
 

@@ -24,6 +24,8 @@ import triton.language as tl
 
 from kie_moe.models.spec import canonical
 
+from .device_caps import e4m3_native
+from .tiles import _as_f32
 from .weights import FP8_BLOCK, WeightHandle, dequantize
 
 FLOAT_FMTS = ("bf16", "fp16", "fp32")
@@ -35,7 +37,8 @@ _SLICE_ELEMS = 1 << 25            # fp32 temporaries of the generic dequantizati
 @triton.jit
 def _dequant_fp8_rows_kernel(w_ptr, s_ptr, o_ptr, R, C, n_rblocks, stride_wg, stride_wr, stride_sg, stride_sr,
                              stride_og, stride_or, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    """o[g, r, c] = (float(w[g, r, c]) * s[g, r]) rounded to o's dtype; grid (G * row blocks, column blocks)."""
+    """o[g, r, c] = (float(w[g, r, c]) * s[g, r]) rounded to o's dtype; grid (G * row blocks, column blocks). w: e4m3,
+    or its bytes before sm_89 (device_caps)."""
     pid = tl.program_id(0)
     g = (pid // n_rblocks).to(tl.int64)
     rows = (pid % n_rblocks) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -45,7 +48,7 @@ def _dequant_fp8_rows_kernel(w_ptr, s_ptr, o_ptr, R, C, n_rblocks, stride_wg, st
     r64 = rows.to(tl.int64)
     w = tl.load(w_ptr + g * stride_wg + r64[:, None] * stride_wr + cols[None, :], mask=m, other=0.0)
     s = tl.load(s_ptr + g * stride_sg + r64 * stride_sr, mask=rmask, other=0.0)
-    out = w.to(tl.float32) * s[:, None]
+    out = _as_f32(w) * s[:, None]
     tl.store(o_ptr + g * stride_og + r64[:, None] * stride_or + cols[None, :],
              out.to(o_ptr.dtype.element_ty),
              mask=m)
@@ -55,6 +58,8 @@ def dequant_fp8_rows(h: WeightHandle, out: torch.Tensor) -> torch.Tensor:
     """Triton: fp8 per-row handle ([out, in] or [G, out, in], rows contiguous) -> `out` (same shape, any float
     dtype, rows contiguous; may be a strided view such as half of a fused gate|up scratch)."""
     w = h.weight
+    if not e4m3_native(w.device):              # GPUs before sm_89 have no fp8e4nv type: the codes go as bytes
+        w = w.view(torch.uint8)
     w3 = w if w.dim() == 3 else w.unsqueeze(0)
     o3 = out if out.dim() == 3 else out.unsqueeze(0)
     s = h.scale.float()

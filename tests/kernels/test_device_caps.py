@@ -54,6 +54,13 @@ with offline_target(80):        # compile for an A100, never launch
                 F._fp4_mma_kernel.warmup(torch.empty(K, dtype=torch.float16), w.weight, K // 2, w.scale.view(torch.uint8),
                                          w.scale.stride(0), y, y, y, y, N, K, MX=fmt == "mxfp4", HAS_BIAS=False,
                                          HAS_RES=False, RB=2, NW=4, num_warps=4, grid=(1,), maxnreg=128)
+            if fmt == "fp8":  # the prefill's dequantization of fp8 per-row codes (kernels/prefill_weights.py)
+                from kie_moe.kernels import prefill_weights as PW
+                from kie_moe.kernels.device_caps import e4m3_native
+                c3 = w.weight if e4m3_native(w.weight.device) else w.weight.view(torch.uint8)
+                o3 = torch.empty(N, K, dtype=torch.bfloat16)
+                PW._dequant_fp8_rows_kernel.warmup(c3, w.scale[:, 0], o3, N, K, 4, 0, K, 0, 1, 0, K, BLOCK_R=16,
+                                                   BLOCK_C=256, grid=(1,))
             out[fmt] = "ok"
         except Exception as e:
             out[fmt] = str(e)
@@ -94,6 +101,9 @@ def _native_and_bits(fmt, monkeypatch, dev, N, K, E, I):
                moe_experts(x, ids, wts, eg, eu, ed, norm_weight=nw, residual=x)]
         if fmt == "nvfp4":
             out.append(gemv_fp4_mma(x, w, norm_weight=nw))
+        if fmt == "fp8":     # the prefill's Triton dequantization (the interpreter runs it when asked)
+            from kie_moe.kernels.prefill_weights import dequant_into
+            out.append(dequant_into(eg, torch.empty(E, I, K, dtype=torch.bfloat16, device=dev), use_triton=True))
         return out
 
     native = run()
@@ -104,7 +114,8 @@ def _native_and_bits(fmt, monkeypatch, dev, N, K, E, I):
 @pytest.mark.parametrize("fmt", DC.E4M3_FORMATS)
 def test_e4m3_from_its_bytes_equals_the_native_path(fmt, monkeypatch):
     """The pre-sm_89 path (e4m3 as bytes, decoded from the bits) gives the native path's results bit for bit: the
-    GEMV (norm, bias, residual fused), the GLU, both routed-expert launches; nvfp4 also the tensor-core GEMV."""
+    GEMV (norm, bias, residual fused), the GLU, both routed-expert launches; nvfp4 also the tensor-core GEMV, fp8 the
+    prefill's dequantization."""
     from kie_moe.kernels.gemv import gemv_ref
     from tests.kernels.helpers import DEV, assert_close
     native, bits, (w, x, b, nw) = _native_and_bits(fmt, monkeypatch, DEV, 256, 256, 4, 128)
