@@ -56,7 +56,10 @@ def offline_target(arch: int):
             return target
 
         def get_current_device(self):
-            return 0
+            # a device key of this target's own: Triton's JIT keeps a compiled kernel per device key (and the
+            # target it was first compiled for with it), so a shared key 0 would hand sm_90's kernel to a later
+            # sm_80 compile in the same process, or to a real launch on device 0 the other way round
+            return f"offline-sm{arch}"
 
         def get_current_stream(self, device=None):
             return 0

@@ -84,6 +84,31 @@ def test_sm80_compiles_e4m3_only_as_bytes(bits):
     assert all("fp8e4nv" in res[f] for f in failing)
 
 
+_TWO_TARGETS = r"""
+import json, torch
+from kie_moe.kernels.device_caps import offline_target
+from kie_moe.kernels import prefill_weights as PW
+w, s, o = torch.empty(64, 256, dtype=torch.uint8), torch.empty(64), torch.empty(64, 256, dtype=torch.bfloat16)
+got = []
+for arch in (90, 80, 90):
+    with offline_target(arch):
+        k = PW._dequant_fp8_rows_kernel.warmup(w, s, o, 64, 256, 4, 0, 256, 0, 1, 0, 256, BLOCK_R=16, BLOCK_C=256,
+                                               grid=(1,))
+        got.append(k.metadata.target.arch)
+print(json.dumps(got))
+"""
+
+
+def test_offline_targets_do_not_share_compiled_kernels():
+    """Two targets in one process each get a kernel compiled for themselves (Triton keeps compiled kernels per device
+    key: with one key for every target, the second target was handed the first one's kernel)."""
+    pytest.importorskip("triton.backends.nvidia")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", _TWO_TARGETS], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == [90, 80, 90]
+
+
 def _native_and_bits(fmt, monkeypatch, dev, N, K, E, I):
     from kie_moe.kernels.fp4_mma import gemv_fp4_mma
     from kie_moe.kernels.gemv import gemv, gemv_glu
