@@ -165,7 +165,11 @@ class GraphBackend:
                     L[n + "_bias"] = W.vec(c(f"attn.{n}_bias"))
                 L["qkv"], L["qkv_bias"] = _fuse_rows([L["q"], L["k"], L["v"]], [L["q_bias"], L["k_bias"], L["v_bias"]])
                 if L["qkv"] is not None:        # the step reads only the fused copy (bytes_per_token counts it once)
-                    for n in ("q", "k", "v"):
+                    r0 = 0
+                    for n in ("q", "k", "v"):    # and the prefill reads the parts as its row views: one copy held
+                        r1 = r0 + L[n].out_features
+                        W.h[c(f"attn.{n}")] = L["qkv"].rows(r0, r1)
+                        r0 = r1
                         del L[n]
                 L["q_norm"], L["k_norm"], L["sinks"] = W.vec(c("attn.q_norm")), W.vec(c("attn.k_norm")), W.vec(c("attn.sinks"))
             else:

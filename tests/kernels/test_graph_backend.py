@@ -149,6 +149,12 @@ def test_fp4_qkv_fused_in_the_decode_step(fmt, tmp_path, monkeypatch):
         be = GraphBackend(m, torch.device("cpu"))
         assert all((L["qkv"] is not None) == (mode == "fused") for L in be.layers)
         assert all(L["qkv"].fmt == fmt for L in be.layers if mode == "fused")
+        if mode == "fused":   # the parts (what the prefill reads) are row views of the fused copy, not a second one
+            from kie_moe.models.spec import canonical
+            for i, L in enumerate(be.layers):
+                for n in ("q", "k", "v"):
+                    part = be.W.h[canonical(i, f"attn.{n}")]
+                    assert part.weight.untyped_storage().data_ptr() == L["qkv"].weight.untyped_storage().data_ptr()
         runs[mode] = (list(be.generate(prompt, SamplingParams(max_new_tokens=STEPS, ignore_eos=True), set())),
                       be.logits.float().clone())
         assert len(shared) == (STEPS * len(be.layers) if mode == "shared x8" else 0), mode   # one x8 per layer
