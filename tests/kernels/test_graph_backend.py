@@ -79,11 +79,11 @@ def test_quantized_lm_head_packed_for_the_tensor_cores(fmt, tmp_path, monkeypatc
 
 
 
-def _parts(fmt, sizes, K, shared_global=True):
+def _parts(fmt, sizes, K, shared_global=True, device="cpu"):
     import dataclasses
 
     from kie_moe.kernels.weights import random_weight
-    hs = [random_weight(fmt, n, K, seed=7 + i) for i, n in enumerate(sizes)]
+    hs = [random_weight(fmt, n, K, seed=7 + i, device=device) for i, n in enumerate(sizes)]
     if fmt == "nvfp4" and shared_global:
         hs = [dataclasses.replace(h, global_scale=hs[0].global_scale) for h in hs]
     return hs
@@ -92,24 +92,33 @@ def _parts(fmt, sizes, K, shared_global=True):
 @pytest.mark.parametrize("fmt,sizes,K", [("bf16", (40, 24, 24), 64), ("fp8", (40, 24, 24), 64),
                                          ("fp8_block", (256, 128, 128), 192), ("nvfp4", (40, 24, 24), 96),
                                          ("mxfp4", (40, 8, 8), 96)])
-def test_fused_qkv_is_the_parts_concatenated(fmt, sizes, K):
+def test_fused_qkv_is_the_parts_concatenated(fmt, sizes, K, device="cpu"):
     """_fuse_rows: the fused handle dequantizes to the parts' rows exactly, and its one GEMV (norm and bias fused)
     gives the three reference GEMVs."""
     from kie_moe.kernels.gemv import gemv, gemv_ref
     from kie_moe.kernels.graph import _fuse_rows
     from kie_moe.kernels.weights import dequantize
     from tests.kernels.helpers import assert_close
-    hs = _parts(fmt, sizes, K)
+    hs = _parts(fmt, sizes, K, device=device)
     g = torch.Generator().manual_seed(3)
-    biases = [torch.randn(n, generator=g) for n in sizes]
+    biases = [torch.randn(n, generator=g).to(device) for n in sizes]
     h, b = _fuse_rows(hs, biases)
     assert h is not None and h.fmt == fmt and h.out_features == sum(sizes)
     assert torch.equal(dequantize(h), torch.cat([dequantize(p) for p in hs]))
-    x, nw = torch.randn(K, generator=g), torch.rand(K, generator=g) + 0.5
+    x, nw = torch.randn(K, generator=g).to(device), (torch.rand(K, generator=g) + 0.5).to(device)
     y = gemv(x, h, bias=b, norm_weight=nw, eps=1e-6)
     want = torch.cat([gemv_ref(x, p, bias=bb, norm_weight=nw, eps=1e-6, out_dtype=torch.float32)
                       for p, bb in zip(hs, biases)])
     assert_close(y, want, what=f"fused q/k/v {fmt}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "fp8_block", "nvfp4", "mxfp4"])
+def test_fused_qkv_at_qwen3_size_cuda(fmt):
+    """The same at qwen3-30b-a3b's q/k/v ([4096 + 512 + 512] x 2048) on the GPU: the tiny checkpoints of the decode
+    tests never fuse fp8_block (parts under 128 rows)."""
+    test_fused_qkv_is_the_parts_concatenated(fmt, (4096, 512, 512), 2048, device="cuda")
 
 
 def test_fused_qkv_refusals(monkeypatch):
