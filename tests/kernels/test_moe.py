@@ -197,3 +197,34 @@ def test_moe_experts_errors():
         moe_experts(x, torch.tensor([0, 1], dtype=torch.int32, device=DEV), wts, wg.expert(0), wu, wd)
     with pytest.raises(ValueError, match="topk_group"):
         RouterConfig(top_k=2, n_group=2, topk_group=3)
+
+
+@pytest.mark.parametrize("cfg,hf_group_score", [
+    (RouterConfig(top_k=2), "max"),                                                  # Qwen3-MoE / Mixtral
+    (RouterConfig(top_k=3, norm_topk_prob=False), "max"),                            # Qwen2-MoE / OLMoE
+    (RouterConfig(top_k=4, scoring="sigmoid", routed_scaling_factor=2.5, n_group=4, topk_group=2,
+                  group_score="top2"), "top2sum"),                                  # DeepSeek-V3
+    (RouterConfig(top_k=3, norm_topk_prob=False, routed_scaling_factor=16.0, n_group=4, topk_group=2,
+                  group_score="max"), "max"),                                       # DeepSeek-V2
+    (RouterConfig(top_k=2, scoring="softmax_topk"), "max"),                         # gpt-oss
+])
+def test_route_ref_is_the_reference_decoders_routing(cfg, hf_group_score):
+    """The kernels' oracle (route_ref) against the reference decoder's routing (models.reference.route, itself
+    checked against HF transformers' modeling code in tests/models): same experts, same weights, every family's
+    rule, over many random inputs."""
+    from types import SimpleNamespace
+
+    from kie_moe.models.reference import route as model_route
+    E, K = 32, 48
+    g = torch.Generator().manual_seed(11)
+    moe = SimpleNamespace(top_k=cfg.top_k, scoring=cfg.scoring, norm_topk_prob=cfg.norm_topk_prob,
+                          routed_scaling_factor=cfg.routed_scaling_factor, n_group=cfg.n_group,
+                          topk_group=cfg.topk_group, group_score=hf_group_score)
+    for _ in range(20):
+        x, w = torch.randn(K, generator=g), torch.randn(E, K, generator=g) * 0.3
+        bias = torch.rand(E, generator=g) * 0.1 if cfg.scoring == "sigmoid" else None
+        want = route_ref(x, w, cfg, correction_bias=bias)
+        ids, wts = model_route(moe, want.logits[None], bias)
+        order = torch.argsort(ids[0])
+        assert ids[0][order].tolist() == sorted(want.ids.tolist())
+        torch.testing.assert_close(wts[0][order], want.weights[torch.argsort(want.ids)], rtol=1e-6, atol=1e-7)
