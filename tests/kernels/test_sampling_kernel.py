@@ -68,6 +68,27 @@ def test_top_k_top_p_match_host_rules(kw, k_cand):
         assert (toks == 0).all()
 
 
+def test_reference_distribution_is_hf_transformers_warpers():
+    """sample_probs_ref, the distribution the draws above are checked against, is HF transformers' own
+    Temperature -> TopK -> TopP logits warpers (generate()'s order) followed by softmax, for the cases above and 40
+    random top_p at two temperatures."""
+    from transformers.generation.logits_process import (TemperatureLogitsWarper, TopKLogitsWarper,
+                                                        TopPLogitsWarper)
+    logits = torch.tensor([1.0, 0.0, -0.5, 0.7, 0.2, -2.0, 0.9, 0.1, -1.0, 0.4, 0.3])
+    g = torch.Generator().manual_seed(0)
+    cases = [dict(top_k=3), dict(top_p=0.6), dict(top_k=4, top_p=0.7), dict(top_k=1), dict(top_p=1e-6),
+             dict(top_k=5, top_p=0.95)] + [dict(top_p=p) for p in torch.rand(20, generator=g).tolist()]
+    for t in (0.8, 1.3):
+        for kw in cases:
+            z = TemperatureLogitsWarper(t)(None, logits[None].clone())
+            if "top_k" in kw:
+                z = TopKLogitsWarper(kw["top_k"])(None, z)
+            if "top_p" in kw:
+                z = TopPLogitsWarper(kw["top_p"])(None, z)
+            torch.testing.assert_close(sample_probs_ref(logits, t, **kw), torch.softmax(z[0], -1), rtol=0,
+                                       atol=1e-6, msg=lambda m: f"{t} {kw}: {m}")
+
+
 def test_top_p_wider_than_candidates_falls_back_and_counts():
     """A flat distribution whose nucleus exceeds the candidates: plain temperature sampling, status counts it."""
     logits = torch.zeros(37)
