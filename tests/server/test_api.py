@@ -52,6 +52,29 @@ def test_completion_default_max_tokens_and_greedy(client):
     assert a.usage.completion_tokens == 16 and a.choices[0].text == b.choices[0].text
 
 
+def _hf_greedy(ckpt, ids, n):
+    """HF transformers' own generate() on the same checkpoint (float32, greedy, EOS ignored): the oracle."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    m = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = m.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                         attention_mask=torch.ones(1, len(ids), dtype=torch.long), pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+
+def test_greedy_over_the_api_is_hf_transformers_generate(client, ckpt, tok):
+    """Greedy text and chat completions through the server (tokenizer, chat template, scheduler, engine) produce
+    the tokens HF transformers' generate() produces from the same prompt ids."""
+    r = client.completions.create(model=MODEL, prompt="The expert router", max_tokens=12, temperature=0,
+                                  extra_body={"ignore_eos": True, "return_token_ids": True})
+    assert r.choices[0].model_extra["token_ids"] == _hf_greedy(ckpt, tok.encode("The expert router"), 12)
+    msgs = [{"role": "user", "content": "Name a small model."}]
+    r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=12, temperature=0,
+                                       extra_body={"ignore_eos": True, "return_token_ids": True})
+    assert r.choices[0].model_extra["token_ids"] == _hf_greedy(ckpt, chat_ids(tok, msgs), 12)
+
+
 def test_completion_stream_matches(client):
     full = client.completions.create(model=MODEL, prompt="Kernel cache", max_tokens=24, **SAMPLED)
     chunks = list(client.completions.create(model=MODEL, prompt="Kernel cache", max_tokens=24, stream=True,
