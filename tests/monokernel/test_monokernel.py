@@ -39,22 +39,27 @@ def reference_greedy(m, prompt, n):
     return toks
 
 
-def check_against_reference(be, m, prompt, got):
+def check_against_reference(be, m, prompt, got, tol=1e-4):
+    """tol: relative and absolute, fp32 arenas; a bf16 arena keeps activations and K/V in bf16 (2^-8)."""
     want = reference_greedy(m, prompt, len(got))
     assert got == want
     logits, cache = reference_run(m, prompt, got)
     last = logits[-1]
     # the last step's LM-head partials: per-tile max logit
     for tile, (r0, n) in enumerate(be.plan.op_rows["lm"]):
-        assert float(be.pv[tile]) == pytest.approx(float(last[r0:r0 + n].max()), rel=1e-4, abs=1e-4)
+        assert float(be.pv[tile]) == pytest.approx(float(last[r0:r0 + n].max()), rel=tol, abs=tol)
     # every K/V row the kernel appended (positions len(prompt)-1 ..) equals the reference cache
     p0, p1 = len(prompt) - 1, len(prompt) - 1 + len(got)
+    def close(got_rows, want_rows):   # absolute slack scaled to the rows' magnitude (bf16 rounds to it)
+        torch.testing.assert_close(got_rows.float(), want_rows, rtol=tol,
+                                   atol=tol * max(1.0, float(want_rows.abs().max())))
+
     for i, (k, v) in enumerate(cache):
         if be.plan.dims.MLA:   # (latent, k_pe) rows
-            torch.testing.assert_close(be.kv[i, p0:p1].float(), torch.cat([k, v], -1)[p0:p1], rtol=1e-4, atol=1e-4)
+            close(be.kv[i, p0:p1], torch.cat([k, v], -1)[p0:p1])
             continue
-        torch.testing.assert_close(be.kv[i, 0, :, p0:p1].float(), k[p0:p1].transpose(0, 1), rtol=1e-4, atol=1e-4)
-        torch.testing.assert_close(be.kv[i, 1, :, p0:p1].float(), v[p0:p1].transpose(0, 1), rtol=1e-4, atol=1e-4)
+        close(be.kv[i, 0, :, p0:p1], k[p0:p1].transpose(0, 1))
+        close(be.kv[i, 1, :, p0:p1], v[p0:p1].transpose(0, 1))
 
 
 GREEDY = [  # (case, n_sms: programs the tiles are sized for -> several tiles per op)
@@ -113,7 +118,7 @@ def test_bf16_weights_and_stream_variants(tiny_model):
     m = tiny_model("llama", torch.bfloat16)
     be = MonokernelBackend(m, "cpu", wdtype=torch.bfloat16, n_sms=2, x_bcast=True, num_stages=3)
     got = list(be.generate(PROMPT, SamplingParams(max_new_tokens=8, ignore_eos=True), set()))
-    assert got == reference_greedy(m, PROMPT, 8)
+    check_against_reference(be, m, PROMPT, got, tol=2e-2)
 
 
 def test_temperature_sampling_replays_gumbel_max(tiny_model):
@@ -157,7 +162,7 @@ def test_engine_runs_the_monokernel_backend(tiny_model):
     be = make_backend("monokernel", m, torch.device("cpu"))
     assert be.name == "monokernel"
     got = list(be.generate(PROMPT, SamplingParams(max_new_tokens=4, ignore_eos=True), set()))
-    assert got == reference_greedy(m, PROMPT, 4)
+    check_against_reference(be, m, PROMPT, got)
     with pytest.raises(Exception, match="top-k"):
         list(be.generate(PROMPT, SamplingParams(max_new_tokens=4, temperature=1.0, top_k=5), set()))
 
@@ -183,4 +188,4 @@ def test_in_kernel_prefill(case, tiny_model):
     be = MonokernelBackend(m, "cpu", prefill="kernel")
     got = list(be.generate(PROMPT[:5], SamplingParams(max_new_tokens=4, ignore_eos=True), set()))
     assert be.last_launch["n_forced"] == 4
-    assert got == reference_greedy(m, PROMPT[:5], 4)
+    check_against_reference(be, m, PROMPT[:5], got)
