@@ -119,14 +119,18 @@ def test_single_chunk_and_single_token(preset_model):
 
 
 def test_bf16_compute_stays_close(preset_model):
-    """bf16 activations (what the GPU runs): same answer within bf16 noise."""
+    """bf16 activations (what the GPU runs): same answer within bf16 noise, i.e. no further from the fp32 reference
+    than twice the reference decoder's own bf16 run is (measured here: 0.78x of it)."""
     spec, store = preset_model("qwen3-30b-a3b")
     ids = prompt(spec)
     want_logits, _ = reference(spec, store, ids)
+    bf16_ref = ReferenceDecoder(spec, store, "cpu", torch.bfloat16).forward(ids)[-1].float()
+    noise = float((bf16_ref - want_logits).abs().max())
     caches = caches_for(spec, S, torch.bfloat16)
     logits = Prefill(spec, StoreWeights(store), "cpu", torch.bfloat16, chunk=CHUNK)(ids, caches, logits=True)
     assert logits.dtype == torch.float32
-    assert (logits - want_logits).abs().max() < 0.1 * want_logits.abs().max()
+    err = float((logits - want_logits).abs().max())
+    assert 0 < noise and err <= 2 * noise, (err, noise)
 
 
 # ---- through the backends' own buffers ------------------------------------------------------------------------------
