@@ -189,3 +189,41 @@ def test_in_kernel_prefill(case, tiny_model):
     got = list(be.generate(PROMPT[:5], SamplingParams(max_new_tokens=4, ignore_eos=True), set()))
     assert be.last_launch["n_forced"] == 4
     check_against_reference(be, m, PROMPT[:5], got)
+
+
+def prefill_within_bf16_noise(be, m, prompt, dev="cpu"):
+    """The backend's own prefill (the batched torch one over the plan's buffers, in the plan's weight dtype: what a
+    user's first request runs) writes K/V rows no further from the fp32 reference decoder's than twice the reference
+    decoder's own run in that dtype is, layer by layer. -> the worst ratio."""
+    ids = prompt[:-1]
+    be.prefill(ids)
+    caches = {}
+    for dt in (torch.float32, be.prefill_dtype):
+        ref = ReferenceDecoder(m.spec, m.weights, dev, dt)
+        ref.forward(torch.tensor(ids, device=dev))
+        caches[dt] = ref.cache
+    n, worst = len(ids), 0.0
+    for i, ((k32, v32), (kx, vx)) in enumerate(zip(caches[torch.float32], caches[be.prefill_dtype])):
+        if be.plan.dims.MLA:
+            got, want, other = be.kv[i, :n], torch.cat([k32, v32], -1)[:n], torch.cat([kx, vx], -1)[:n]
+        else:
+            got = torch.stack([be.kv[i, 0, :, :n].transpose(0, 1), be.kv[i, 1, :, :n].transpose(0, 1)])
+            want, other = torch.stack([k32[:n], v32[:n]]), torch.stack([kx[:n], vx[:n]])
+        err = float((got.float() - want.float()).abs().max())
+        noise = float((other.float() - want.float()).abs().max())
+        if noise == 0:     # fp32 weights: the prefill runs fp32 too, and must match the reference closely
+            assert err <= 1e-4 * max(1.0, float(want.abs().max())), (i, err)
+            continue
+        assert err <= 2 * noise, f"layer {i}: prefill K/V off by {err}, the reference in {be.prefill_dtype}: {noise}"
+        worst = max(worst, err / noise)
+    return worst
+
+
+@pytest.mark.parametrize("case", ["llama", "qwen3_moe_norm", "deepseek_v3"])
+def test_default_prefill_within_bf16_noise(case, tiny_model):
+    """The default prefill over a bf16 arena (the GPU's default; no oracle swapped in): its K/V rows within twice
+    the bf16 reference decoder's own error."""
+    m = tiny_model(case, torch.bfloat16)
+    be = MonokernelBackend(m, "cpu", wdtype=torch.bfloat16)
+    assert be.prefill_mode == "torch" and be.prefill_dtype == torch.bfloat16
+    prefill_within_bf16_noise(be, m, PROMPT)

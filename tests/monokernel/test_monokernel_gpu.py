@@ -16,7 +16,7 @@ from kie_moe.kernels.monokernel.runtime import ArenaStore, MonokernelBackend
 from kie_moe.models.reference import ReferenceDecoder
 from kie_moe.sampling import SamplingParams
 
-from .test_monokernel import GREEDY, PROMPT
+from .test_monokernel import GREEDY, PROMPT, prefill_within_bf16_noise
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")
@@ -90,6 +90,22 @@ def test_real_size_parity(arch, layers):
     be.n_splits_override = 4                     # attention split over the sequence at real sizes too
     got4 = list(be.generate(prompt, SamplingParams(max_new_tokens=16, ignore_eos=True), set()))
     assert_parity(be, ref, prompt, got4)
+
+
+@pytest.mark.parametrize("arch,layers,fmt", [("llama-3.2-1b", 4, None), ("qwen3-30b-a3b", 4, None),
+                                              ("qwen3-30b-a3b", 4, "nvfp4"), ("deepseek-v2-lite", 3, None)])
+def test_real_size_default_prefill_within_bf16_noise(arch, layers, fmt):
+    """The parity tests above swap in an fp32 oracle prefill; this one runs the backend's own (batched, bf16, over
+    the plan's buffers, quantized Linears dequantized per layer) and bounds its K/V rows by twice the bf16
+    reference decoder's own error against the fp32 one."""
+    from types import SimpleNamespace
+    spec = P.preset_spec(arch, layers)
+    plan = P.build_plan(spec, None, CUDA, random_seed=1,
+                        formats={"attn": fmt, "mlp": fmt, "exp": fmt} if fmt else None)
+    be = MonokernelBackend(None, CUDA, plan=plan)
+    assert be.prefill_mode == "torch" and be._prefill_decoder is None
+    prompt = [(37 * i + 11) % spec.vocab_size for i in range(200)]
+    prefill_within_bf16_noise(be, SimpleNamespace(spec=spec, weights=ArenaStore(plan)), prompt, CUDA)
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "fp8-block", "nvfp4", "mxfp4"])
