@@ -7,7 +7,7 @@ import json
 import os
 import sys
 
-from kie_moe.models.errors import KieError
+from kie_moe.models.errors import InputError, KieError
 
 
 def _device_args(p: argparse.ArgumentParser):
@@ -63,6 +63,8 @@ def _generate(a, eng=None) -> int:
 
     params = SamplingParams(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_p=a.top_p,
                             top_k=a.top_k, seed=a.seed, ignore_eos=a.ignore_eos)
+    if a.chat and a.prompt_ids is not None:
+        raise InputError("--chat wraps --prompt TEXT in the chat template; --prompt-ids are used as given")
     eng = Engine(a.model, device=a.device, backend=a.backend) if eng is None else eng
     if a.prompt_ids is not None:
         ids = _parse_ids(a.prompt_ids)
@@ -119,7 +121,8 @@ def cmd_synth(a) -> int:
     import torch
     from kie_moe.models import synth
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[a.dtype]
-    out = synth.write_synthetic(a.arch, a.out_dir, tiny=a.tiny, dtype=dtype, seed=a.seed, progress=not a.quiet)
+    out = synth.write_synthetic(a.arch, a.out_dir, tiny=a.tiny, dtype=dtype, seed=a.seed, progress=not a.quiet,
+                                overwrite=a.force)
     print(out if isinstance(out, str) else a.out_dir)
     return 0
 
@@ -159,6 +162,8 @@ def cmd_serve(a) -> int:
 
 def cmd_demo(a) -> int:
     from kie_moe import demo
+    if a.windows < 0:
+        raise InputError(f"--windows must be >= 0 (0: every window that fits), got {a.windows}")
     schemes = tuple(x for x in a.schemes.replace(" ", "").split(",") if x)
     log = lambda m: print(f"kie demo: {m}", file=sys.stderr)
     on_text = None if a.json else (lambda t: (sys.stdout.write(t), sys.stdout.flush()))
@@ -261,6 +266,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--quiet", action="store_true", help="no progress bar")
+    s.add_argument("--force", action="store_true", help="replace a checkpoint already in OUT_DIR")
     s.set_defaults(fn=cmd_synth)
 
     v = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)",

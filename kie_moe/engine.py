@@ -16,7 +16,7 @@ from typing import Iterator
 
 import torch
 
-from kie_moe.models.errors import ConfigError, InputError
+from kie_moe.models.errors import CheckpointError, ConfigError, InputError
 from kie_moe.models.registry import adapter_for, load_model
 from kie_moe.sampling import SamplingParams, sample
 from kie_moe.tokenizer import Tokenizer, has_tokenizer
@@ -36,6 +36,7 @@ class ReferenceBackend:
     name = "reference"
 
     def __init__(self, model, device: torch.device, dtype: torch.dtype | None = None):
+        self.path = str(getattr(model, "path", "the model"))
         adapter = adapter_for(model.spec.family)
         if hasattr(adapter, "reference_decoder"):
             self.decoder = adapter.reference_decoder(model.spec, model.weights, device, dtype)
@@ -48,6 +49,9 @@ class ReferenceBackend:
         self.decoder.reset()
         logits = self.decoder.forward(torch.tensor(prompt_ids, dtype=torch.long))[-1]
         for n in range(p.max_new_tokens):
+            if not bool(torch.isfinite(logits).all()):   # else argmax of NaN is token 0: a silent "EOS"
+                raise CheckpointError(f"{self.path}: the model's logits are not finite at step {n} (NaN / Inf "
+                                      "weights in the checkpoint, or settings that make them)")
             tid = sample(logits, p, gen)
             yield tid
             if (tid in eos_ids and not p.ignore_eos) or n + 1 == p.max_new_tokens:

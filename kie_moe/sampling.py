@@ -2,6 +2,7 @@
 backend; GPU backends implement the same rules in their kernels and are tested against this."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -22,8 +23,8 @@ class SamplingParams:
     def __post_init__(self):
         if self.max_new_tokens < 1:
             raise InputError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.temperature < 0:
-            raise InputError(f"temperature must be >= 0, got {self.temperature}")
+        if not (self.temperature >= 0 and math.isfinite(self.temperature)):   # NaN fails the first test
+            raise InputError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise InputError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:

@@ -123,6 +123,11 @@ class SafetensorsSource:
             if not os.path.exists(fpath):
                 raise CheckpointError(f"{fpath}: shard named in the index is missing")
             for name, info in _read_header(fpath).items():
+                if weight_map is not None and weight_map.get(name, fname) != fname:
+                    continue                  # the index says another shard holds it
+                if name in self._where:
+                    raise CheckpointError(f"{fpath}: tensor {name} is also in {self._where[name]} (two shards hold "
+                                          "it and there is no model.safetensors.index.json to say which counts)")
                 self._where[name] = fpath
                 self._shape[name] = tuple(info["shape"])
                 self._dtype[name] = info["dtype"]
@@ -165,6 +170,8 @@ class DictSource:
         return self.tensors[name]
 
 
+# safetensors dtypes a float (unquantized) checkpoint's weights may have
+FLOAT_DTYPES = ("BF16", "F16", "F32", "F64")
 # Names a checkpoint may hold that no backend needs (buffers saved by old code).
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -186,6 +193,11 @@ class WeightStore:
                         where = getattr(source, "file_of", lambda n: source.path)(lay.hf_name)
                         raise CheckpointError(
                             f"{where}: tensor {lay.hf_name} has shape {list(got)}, config.json implies {list(lay.hf_shape)}")
+                    if isinstance(source, SafetensorsSource) and source.dtype(lay.hf_name) not in FLOAT_DTYPES:
+                        raise CheckpointError(
+                            f"{source.file_of(lay.hf_name)}: tensor {lay.hf_name} is {source.dtype(lay.hf_name)}; a "
+                            f"float checkpoint holds {'/'.join(FLOAT_DTYPES)} weights (quantized ones need a "
+                            "quantization_config in config.json)")
                     self._layout[ref.name] = lay
                     used.add(lay.hf_name)
                     break
@@ -229,6 +241,9 @@ def read_config(model_dir: str) -> dict:
         raise ConfigError(f"{path}: missing (a model directory needs config.json and *.safetensors)")
     try:
         with open(path) as f:
-            return json.load(f)
+            cfg = json.load(f)
     except ValueError as e:
         raise ConfigError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"{path}: expected a JSON object of settings, got a {type(cfg).__name__}")
+    return cfg

@@ -27,9 +27,8 @@ import warnings
 from typing import Callable, Sequence
 
 from .errors import ConfigError
-from .families.common import Cfg
 from .loader import Layout, TensorRef, WeightStore, read_config
-from .registry import adapter_for, open_source
+from .registry import adapter_for, checked_spec, open_source
 
 __all__ = ["LINEAR_ROLES", "role", "is_linear", "partner_group", "partner_groups", "partner_global", "linear_targets",
            "convert_checkpoint"]
@@ -87,7 +86,7 @@ def partner_groups(names) -> dict[str, list[str]]:
     return groups
 
 
-def partner_global(members: Sequence[str], weight_of: Callable[[str], "torch.Tensor"]):
+def partner_global(members: Sequence[str], weight_of: Callable):
     """The nvfp4 global scale a group's quantized members share (kie convert's rule, quant/convert.py
     _Converter.group_global): quant.schemes.shared_global_scale over their weights; None for a group of one
     (it takes its own). `members`: those the scheme will quantize; weight_of(name) -> [out, in] weight."""
@@ -195,12 +194,12 @@ def convert_checkpoint(src: str, dst: str, scheme: str, *, force: bool = False, 
     try:
         scheme = with_observer(scheme, observer)  # before touching any file
     except ValueError as e:
-        raise InputError(f"kie convert: {e}") from None
+        raise InputError(str(e)) from None
     cfg = read_config(src)
     check_destination(src, dst, force)
     path = os.path.join(src, "config.json")
     adapter = adapter_for(cfg.get("model_type"), path)
-    spec = adapter.build_spec(Cfg(cfg, path))
+    spec = checked_spec(adapter, cfg, path)
     source = open_source(src, cfg)
     refs = adapter.tensor_refs(spec)
     ignore_fn = adapter.ignore(spec) if hasattr(adapter, "ignore") else (lambda n: False)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib
+import math
 from dataclasses import dataclass
 
 from .errors import ConfigError
@@ -41,8 +42,35 @@ def supported_model_types() -> list[str]:
 
 
 def spec_from_config(cfg: dict, path: str = "config.json") -> ModelSpec:
-    adapter = adapter_for(cfg.get("model_type"), path)
-    return adapter.build_spec(Cfg(cfg, path))
+    return checked_spec(adapter_for(cfg.get("model_type"), path), cfg, path)
+
+
+def checked_spec(adapter, cfg: dict, path: str = "config.json"):
+    """adapter.build_spec, with the settings no adapter checks on its own refused by name: a ValueError from a
+    field's conversion (a rope setting, a number given as text) as the ConfigError it is, a norm epsilon that is
+    not a positive number (NaN logits later), routing that asks for more experts than there are."""
+    try:
+        spec = adapter.build_spec(Cfg(cfg, path))
+    except ConfigError:
+        raise
+    except (ValueError, TypeError) as e:
+        msg = str(e).removeprefix("config.json: ")
+        raise ConfigError(msg if msg.startswith(path) else f"{path}: {msg}") from None
+    eps = getattr(spec, "norm_eps", None)
+    if eps is not None and not (isinstance(eps, (int, float)) and math.isfinite(eps) and eps > 0):
+        raise ConfigError(f"{path}: rms_norm_eps must be a positive number, got {eps!r}")
+    for i, lay in enumerate(getattr(spec, "layers", ())):
+        m = getattr(lay, "moe", None)
+        if m is None:
+            continue
+        if not 1 <= m.top_k <= m.num_experts:
+            raise ConfigError(f"{path}: layer {i} routes each token to {m.top_k} experts (num_experts_per_tok) "
+                              f"but has {m.num_experts}")
+        if m.n_group > 1 and not (1 <= m.topk_group <= m.n_group
+                                  and m.top_k <= m.topk_group * (m.num_experts // m.n_group)):
+            raise ConfigError(f"{path}: topk_group={m.topk_group} of n_group={m.n_group} groups cannot hold "
+                              f"num_experts_per_tok={m.top_k} experts")
+    return spec
 
 
 @dataclass
@@ -58,7 +86,7 @@ def load_model(model_dir: str) -> LoadedModel:
     cfg = read_config(model_dir)
     path = os.path.join(model_dir, "config.json")
     adapter = adapter_for(cfg.get("model_type"), path)
-    spec = adapter.build_spec(Cfg(cfg, path))
+    spec = checked_spec(adapter, cfg, path)
     source = open_source(model_dir, cfg)
     ignore = adapter.ignore(spec) if hasattr(adapter, "ignore") else (lambda n: False)
     store = WeightStore(source, adapter.tensor_refs(spec), ignore)

@@ -46,10 +46,9 @@ from typing import Iterator
 import torch
 
 from .errors import ConfigError
-from .families.common import Cfg
 from .loader import DictSource, Layout, TensorRef, WeightStore
 from . import presets as _presets
-from .registry import adapter_for
+from .registry import adapter_for, checked_spec
 from .spec import ModelSpec
 
 # Elements generated per step. Part of the value stream (see module docstring): changing it changes the weights.
@@ -97,7 +96,7 @@ def resolve_config(arch_or_config, tiny: bool = False) -> tuple[str, dict]:
 def build(cfg: dict, path: str = "config.json"):
     """config dict -> (adapter module, ModelSpec)."""
     adapter = adapter_for(cfg.get("model_type"), path)
-    return adapter, adapter.build_spec(Cfg(cfg, path))
+    return adapter, checked_spec(adapter, cfg, path)
 
 
 _OUTPUT_PROJ = re.compile(r"(^|\.)(attn\.o|down)$")
@@ -250,11 +249,14 @@ _OURS = re.compile(r"^(model(-\d{5}-of-\d{5})?\.safetensors(\.partial)?|model\.s
 
 
 def _prepare_dir(out_dir: str, overwrite: bool) -> None:
-    os.makedirs(out_dir, exist_ok=True)
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"{out_dir}: cannot create the directory ({e.strerror}: {e.filename})") from None
     present = [f for f in os.listdir(out_dir) if f.endswith((".safetensors", ".safetensors.index.json")) or f == "config.json"]
     if present and not overwrite:
         raise ConfigError(f"{out_dir}: already holds a checkpoint ({', '.join(sorted(present)[:3])}); "
-                          f"pass overwrite=True to replace it")
+                          f"pass --force (overwrite=True) to replace it")
     if present:
         strangers = [f for f in present if not _OURS.match(f)]
         if strangers:

@@ -412,8 +412,11 @@ def convert(
     out_names = ["model.safetensors"] if n_out == 1 else [f"model-{k + 1:05d}-of-{n_out:05d}.safetensors" for k in range(n_out)]
 
     parent = os.path.dirname(os.path.abspath(dst))
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(dst))}.kie-convert-", dir=parent)
+    try:
+        os.makedirs(parent, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(dst))}.kie-convert-", dir=parent)
+    except OSError as e:
+        raise InputError(f"{dst}: cannot create the destination ({e.strerror}: {e.filename})") from None
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it 0700; DST should look like any directory the user makes

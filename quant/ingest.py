@@ -239,11 +239,12 @@ def _normalize(t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     if s is not None:
         if packed and "weight_global_scale" in t and s.dtype == torch.uint8:
             t["weight_scale"] = s.view(torch.float8_e4m3fn)
-        elif not packed and s.dtype != torch.float32:
-            t["weight_scale"] = s.float()  # bf16 / f16 -> f32 is exact
+        elif not packed and s.dtype in (torch.bfloat16, torch.float16):
+            t["weight_scale"] = s.float()  # bf16 / f16 -> f32 is exact; any other dtype is refused by name later
     g = t.get("weight_global_scale")
     if g is not None:
-        g = g.float()
+        if g.dtype in (torch.bfloat16, torch.float16):
+            g = g.float()
         t["weight_global_scale"] = g.reshape(1) if g.ndim == 0 else g
     return t
 

@@ -131,3 +131,66 @@ def test_console_script_prints_no_traceback(good, tmp_path):
     out = json.loads(r.stdout)
     assert len(out["token_ids"]) == 4 and out["text"] is None and out["backend"] == "reference"
     assert out["tokens_per_s"] > 0
+
+
+# ---- session 15's bad-input audit: each of these ran silently wrong or ended in a traceback before ----------------
+
+def _edit_config(d, **kv):
+    cfg = json.load(open(f"{d}/config.json"))
+    cfg.update(kv)
+    json.dump(cfg, open(f"{d}/config.json", "w"))
+
+
+def _rewrite(d, fn):
+    p = f"{d}/model.safetensors"
+    save_file(fn(load_file(p)), p)
+
+
+def test_integer_weight_in_a_float_checkpoint_is_named(capsys, good, tmp_path):
+    d = clone(good, tmp_path)
+    name = "model.layers.1.self_attn.o_proj.weight"
+    _rewrite(d, lambda t: {**t, name: t[name].to(torch.int32)})
+    fails(capsys, gen(d), "model.safetensors", name, "I32")
+
+
+def test_two_shards_with_one_tensor_and_no_index(capsys, good, tmp_path):
+    d = clone(good, tmp_path)
+    name = "model.layers.1.self_attn.o_proj.weight"
+    save_file({name: load_file(f"{d}/model.safetensors")[name]}, f"{d}/z-model.safetensors")
+    fails(capsys, gen(d), "z-model.safetensors", name, "also in")
+
+
+@pytest.mark.parametrize("cfg,needles", [
+    ([1, 2], ("config.json", "JSON object")),
+    (dict(rms_norm_eps=-1.0), ("rms_norm_eps", "positive")),
+    (dict(rms_norm_eps="abc"), ("config.json", "abc")),
+    (dict(num_experts_per_tok=20), ("num_experts_per_tok", "20")),
+    (dict(rope_parameters={"rope_type": "warp", "rope_theta": 1e4}), ("config.json", "warp")),
+])
+def test_config_settings_that_break_the_math_are_named(capsys, good, tmp_path, cfg, needles):
+    d = clone(good, tmp_path)
+    if isinstance(cfg, list):
+        json.dump(cfg, open(f"{d}/config.json", "w"))
+    else:
+        _edit_config(d, **cfg)
+    fails(capsys, gen(d), *needles)
+
+
+def test_nan_weights_are_not_a_silent_eos(capsys, good, tmp_path):
+    d = clone(good, tmp_path)
+    _rewrite(d, lambda t: {**t, "model.norm.weight": torch.full_like(t["model.norm.weight"], float("nan"))})
+    fails(capsys, gen(d, "1,2,3", "--backend", "reference"), "not finite", "step 0")
+
+
+@pytest.mark.parametrize("extra,needle", [(("--temperature", "nan"), "temperature"),
+                                          (("--temperature", "inf"), "temperature"),
+                                          (("--chat",), "--chat")])
+def test_sampling_and_chat_flags(capsys, good, extra, needle):
+    fails(capsys, gen(good, "1,2,3", *extra), needle)
+
+
+def test_unwritable_destinations(capsys, good, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    fails(capsys, ["convert", good, str(blocker / "out"), "--scheme", "fp8"], "cannot create", str(blocker))
+    fails(capsys, ["synth", "qwen3-30b-a3b", str(blocker / "x"), "--tiny", "--quiet"], "cannot create")
