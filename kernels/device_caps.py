@@ -40,6 +40,14 @@ def e4m3_native(device: torch.device) -> bool:
     return has_fp8e4nv(device) and not FORCE_BITS
 
 
+def e4m3_arg(t: torch.Tensor | None) -> torch.Tensor | None:
+    """`t` as a kernel takes it: an e4m3 tensor as its uint8 bytes where e4m3_native is False (decoded in the
+    kernel by tiles._as_f32), anything else (and None) unchanged."""
+    if t is not None and t.dtype == torch.float8_e4m3fn and not e4m3_native(t.device):
+        return t.view(torch.uint8)
+    return t
+
+
 @contextlib.contextmanager
 def offline_target(arch: int):
     """Compile for sm_`arch` on a machine without that GPU (offline tests, SASS counts, compile_offline): inside, a

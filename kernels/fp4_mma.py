@@ -224,12 +224,10 @@ def _group_scale(s, HALF: tl.constexpr, MX: tl.constexpr, E4B: tl.constexpr = Fa
     GPU tests reach the branch an A100 takes."""
     if MX:
         return s
-    elif E4B:
+    elif E4B or not cuda_capability_geq(8, 9):   # no fp8e4nv before sm_89: the bits decoded as the tiles do
         return _as_f32(((s >> (8 * HALF)) & 0xFF).to(tl.uint8))
-    elif cuda_capability_geq(8, 9):
+    else:
         return ((s >> (8 * HALF)) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
-    else:       # no fp8e4nv before sm_89 (device_caps): the e4m3 bits decoded as the CUDA-core tiles do
-        return _as_f32(((s >> (8 * HALF)) & 0xFF).to(tl.uint8))
 
 
 @triton.jit

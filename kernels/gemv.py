@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .device_caps import E4M3_FORMATS, e4m3_native
+from .device_caps import e4m3_arg
 from .pdl import launch_kw, pdl_begin
 from .tiles import (ACT_ID, FMT_ID, _glu, _normed_block, _rstd, _split_reduce, _store_out, _tile,  # noqa: F401
                     _tile_bf16, _tile_fp8, _tile_fp8_block, _tile_mxfp4, _tile_nvfp4, _x8_offs)
@@ -207,10 +207,7 @@ def weight_args(w: WeightHandle) -> tuple:
         raise ValueError(f"{w.fmt} weight [{w.out_features}, {w.in_features}] is packed for the tensor-core GEMV "
                          f"(packing {w.packing!r}): only gemv() on >= {MMA_MIN_ROWS} rows without x8 or a tile config "
                          f"reads it (kernels/fp4_mma.py)")
-    wt, s = w.weight, w.scale
-    if w.fmt in E4M3_FORMATS and not e4m3_native(w.device):    # sm < 89: e4m3 as its bytes (tiles._as_f32)
-        wt = wt.view(torch.uint8) if wt.dtype == torch.float8_e4m3fn else wt
-        s = s.view(torch.uint8) if s is not None and s.dtype == torch.float8_e4m3fn else s
+    wt, s = e4m3_arg(w.weight), e4m3_arg(w.scale)      # sm < 89: e4m3 as its bytes (device_caps)
     has_s = s is not None
     s = s if has_s else wt                        # unused pointers: any tensor of an allowed type
     gs = w.global_scale if w.global_scale is not None else wt

@@ -24,7 +24,7 @@ import triton.language as tl
 
 from kie_moe.models.spec import canonical
 
-from .device_caps import e4m3_native
+from .device_caps import e4m3_arg
 from .tiles import _as_f32
 from .weights import FP8_BLOCK, WeightHandle, dequantize
 
@@ -57,9 +57,7 @@ def _dequant_fp8_rows_kernel(w_ptr, s_ptr, o_ptr, R, C, n_rblocks, stride_wg, st
 def dequant_fp8_rows(h: WeightHandle, out: torch.Tensor) -> torch.Tensor:
     """Triton: fp8 per-row handle ([out, in] or [G, out, in], rows contiguous) -> `out` (same shape, any float
     dtype, rows contiguous; may be a strided view such as half of a fused gate|up scratch)."""
-    w = h.weight
-    if not e4m3_native(w.device):              # GPUs before sm_89 have no fp8e4nv type: the codes go as bytes
-        w = w.view(torch.uint8)
+    w = e4m3_arg(h.weight)                     # GPUs before sm_89 have no fp8e4nv type: the codes go as bytes
     w3 = w if w.dim() == 3 else w.unsqueeze(0)
     o3 = out if out.dim() == 3 else out.unsqueeze(0)
     s = h.scale.float()
