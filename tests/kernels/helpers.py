@@ -1,6 +1,9 @@
 """Shared bits of the kernel tests: the device they run on and a closeness check with a useful message."""
 
+import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -21,3 +24,13 @@ def assert_close(got: torch.Tensor, want: torch.Tensor, rel: float = 1e-5, what:
     err = (got - want).abs().max() / scale
     assert torch.isfinite(got).all(), f"{what}: non-finite output"
     assert err <= rel, f"{what}: max error {err.item():.3g} x max|ref| > {rel}"
+
+
+def compiled_json(argv: list[str], **env):
+    """Run `python *argv` without TRITON_INTERPRET (offline compiles need the JIT) with `env` added; it must exit 0
+    and print a JSON line last, which is returned."""
+    full = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    full.update(env)
+    proc = subprocess.run([sys.executable, *argv], capture_output=True, text=True, env=full, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -134,11 +134,8 @@ def _compile_all(arch: int = 90, formats=("bf16", "fp8", "fp8_block", "nvfp4", "
 @pytest.mark.slow
 def test_kernels_compile_for_sm90():
     pytest.importorskip("triton.backends.nvidia")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["KIE_GPU_TESTS"] = "1"
-    proc = subprocess.run([sys.executable, __file__], capture_output=True, text=True, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    rows = json.loads(proc.stdout.strip().splitlines()[-1])
+    from tests.kernels.helpers import compiled_json    # not at the top: this file also runs as a script
+    rows = compiled_json([__file__], KIE_GPU_TESTS="1")
     assert len(rows) == 5 * 5 + 2 + 1 + 3 + 1 + 1 + 1 + 1
     spills = [r for r in rows if r["local_bytes"]]
     assert not spills, f"register spills to local memory: {spills}"
@@ -150,12 +147,8 @@ def test_graph_kernels_compile_for_sm80():
     """An A100 (sm_80) builds the same kernel variants in every format, e4m3 as its bytes there
     (kernels/device_caps.py; KIE_E4M3_BITS=1 stands in for such a GPU): no fp8e4nv, no sm_90-only PTX in them."""
     pytest.importorskip("triton.backends.nvidia")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["KIE_E4M3_BITS"] = "1"
-    proc = subprocess.run([sys.executable, __file__, "80", "bf16,fp8,fp8_block,nvfp4,mxfp4"], capture_output=True,
-                          text=True, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    rows = json.loads(proc.stdout.strip().splitlines()[-1])
+    from tests.kernels.helpers import compiled_json
+    rows = compiled_json([__file__, "80", "bf16,fp8,fp8_block,nvfp4,mxfp4"], KIE_E4M3_BITS="1")
     assert len(rows) == 5 * 5 + 2 + 3 + 1 + 1 + 1 + 1
 
 

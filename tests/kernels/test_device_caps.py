@@ -3,16 +3,13 @@ their bytes and are decoded from the bits (tiles._as_f32). Checked here: the byt
 (interpreter, and on the GPU; KIE_E4M3_BITS forces it), against Triton's own compiler for sm_80 offline (fp8e4nv
 pointers fail there, the bytes compile); the monokernel's side is in tests/monokernel. Also the error a user gets
 when a model does not fit the GPU."""
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
 from kie_moe.kernels import device_caps as DC
 from kie_moe.models.errors import KieError
+
+from .helpers import compiled_json
 
 CUDA = torch.device("cuda", 0)
 
@@ -74,11 +71,7 @@ def test_sm80_compiles_e4m3_only_as_bytes(bits):
     they; with the bytes weight_args hands such a GPU (KIE_E4M3_BITS=1 stands in for one here) every format and the
     tensor-core fp4 GEMV compile."""
     pytest.importorskip("triton.backends.nvidia")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["KIE_E4M3_BITS"] = "1" if bits else "0"
-    proc = subprocess.run([sys.executable, "-c", _SM80], capture_output=True, text=True, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    res = compiled_json(["-c", _SM80], KIE_E4M3_BITS="1" if bits else "0")
     failing = sorted(f for f, r in res.items() if r != "ok")
     assert failing == ([] if bits else sorted(DC.E4M3_FORMATS)), res
     assert all("fp8e4nv" in res[f] for f in failing)
@@ -103,10 +96,7 @@ def test_offline_targets_do_not_share_compiled_kernels():
     """Two targets in one process each get a kernel compiled for themselves (Triton keeps compiled kernels per device
     key: with one key for every target, the second target was handed the first one's kernel)."""
     pytest.importorskip("triton.backends.nvidia")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", _TWO_TARGETS], capture_output=True, text=True, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert json.loads(proc.stdout.strip().splitlines()[-1]) == [90, 80, 90]
+    assert compiled_json(["-c", _TWO_TARGETS]) == [90, 80, 90]
 
 
 def _native_and_bits(fmt, monkeypatch, dev, N, K, E, I):
