@@ -48,7 +48,7 @@ import torch
 import triton
 
 from kie_moe.kernels.attention import gqa_decode
-from kie_moe.kernels.fp4_mma import (MMA_MAXNREG, MMA_MX_CHAINS, MMA_ROW_BLOCKS, MMA_WARPS, gemv_fp4_mma,
+from kie_moe.kernels.fp4_mma import (MMA_MAXNREG, MMA_ROW_BLOCKS, MMA_WARPS, gemv_fp4_mma,
                                      pack_for_mma, prepare_xh)
 from kie_moe.kernels.gemv import DEFAULT_TILES, TileConfig, gemv, gemv_glu, gemv_ref, prepare_x8, rmsnorm_gemv
 from kie_moe.kernels.moe import RouterConfig, moe_experts, route
@@ -411,8 +411,8 @@ def big_experts_section(formats, mb: float, probe: float, rep_ms: int, H: int = 
 
 
 def mma_config(text: str) -> dict:
-    """--mma-configs entry ROW_BLOCKSxWARPS[:rN][:p][:cN] -> big_mma's launch keywords (rN: a register cap of N,
-    r0 none; p: the weights in packing "mma", fp4_mma.pack_for_mma; cN: mxfp4's mma chains per group, 1 or 2)."""
+    """--mma-configs entry ROW_BLOCKSxWARPS[:rN][:p] -> big_mma's launch keywords (rN: a register cap of N, r0 none;
+    p: the weights in packing "mma", fp4_mma.pack_for_mma)."""
     parts = text.split(":")
     try:
         rb, nw = (int(v) for v in parts[0].split("x"))
@@ -422,26 +422,23 @@ def mma_config(text: str) -> dict:
                 kw["maxnreg"] = int(p[1:])
             elif p == "p":
                 kw["packed"] = True
-            elif p.startswith("c"):
-                kw["mx_chains"] = int(p[1:])
             else:
                 raise ValueError(p)
     except ValueError:
-        raise SystemExit(f"kernels_micro: --mma-configs entry {text!r}: expected RBxW[:rN][:p][:cN]") from None
+        raise SystemExit(f"kernels_micro: --mma-configs entry {text!r}: expected RBxW[:rN][:p]") from None
     return kw
 
 
 def big_mma(fmt: str, mb: float | None, probe: float, rep_ms: int, row_blocks: int, num_warps: int,
             K: int = 8192, shape: tuple[int, int] | None = None, maxnreg: int | None = MMA_MAXNREG,
-            packed: bool = False, mx_chains: int = MMA_MX_CHAINS) -> dict:
+            packed: bool = False) -> dict:
     """An fp4 GEMV on the tensor cores (kernels/fp4_mma.py): by default the same shape and byte count as
     big_section's row of that format (or `shape`); its xh input made once outside the timing, as that row's x8."""
     if shape is not None:
         N, K = shape
     else:
         N = int(math.ceil(mb * (1 << 20) / (0.5 * K) / 128) * 128)
-    name = (f"gemv {fmt} mma {N}x{K} rb{row_blocks} w{num_warps} r{maxnreg or 'auto'}" + (" packed" if packed else "")
-            + (f" c{mx_chains}" if fmt == "mxfp4" else ""))
+    name = (f"gemv {fmt} mma {N}x{K} rb{row_blocks} w{num_warps} r{maxnreg or 'auto'}" + (" packed" if packed else ""))
     probe_w = random_weight(fmt, N, K, seed=0, device=DEV)
     copies = [probe_w] + [random_weight(fmt, N, K, seed=i, device=DEV) for i in range(1, n_copies(probe_w.nbytes))]
     if packed:
@@ -452,13 +449,13 @@ def big_mma(fmt: str, mb: float | None, probe: float, rep_ms: int, row_blocks: i
 
     def call(i):
         return gemv_fp4_mma(x, copies[i], xh=xh, out=y, row_blocks=row_blocks, num_warps=num_warps,
-                            maxnreg=maxnreg, mx_chains=mx_chains)
+                            maxnreg=maxnreg)
 
     us = time_graph(call, len(copies), rep_ms)
     r = row(name, us, probe_w.nbytes, probe, fmt=fmt, impl="mma", shape=[N, K], row_blocks=row_blocks,
-            num_warps=num_warps, maxnreg=maxnreg, mx_chains=mx_chains)
+            num_warps=num_warps, maxnreg=maxnreg)
     got = gemv_fp4_mma(x, copies[0], out=torch.empty(N, device=DEV), row_blocks=row_blocks, num_warps=num_warps,
-                       maxnreg=maxnreg, mx_chains=mx_chains)
+                       maxnreg=maxnreg)
     want = gemv_ref(x, probe_w, out_dtype=torch.float32)
     r["check_rel_err"] = float((got - want).abs().max() / want.abs().max())
     del copies

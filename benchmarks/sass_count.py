@@ -16,7 +16,7 @@ driver kernels/device_caps.offline_target: compile, never launch), finds the mai
 It runs in a subprocess without TRITON_INTERPRET (kernels imported under the interpreter are wrappers).
 Usage: python benchmarks/sass_count.py [--formats nvfp4,mxfp4] [--configs 16x512,16x512:np,8x1024:w8] [--hist]
   config syntax: BNxBK[:np (no prefetch)][:wN (num_warps)]; default: each format's DEFAULT_TILES entry.
-  --mma RBxW[:rN][:p][:cN],..  instead: kernels/fp4_mma.py's kernel (nvfp4 / mxfp4 only) in those launch shapes
+  --mma RBxW[:rN][:p],..  instead: kernels/fp4_mma.py's kernel (nvfp4 / mxfp4 only) in those launch shapes
   (benchmarks/kernels_micro.py's --mma-configs syntax); i/B is then instructions per u32 word of codes (`i/word`).
 """
 
@@ -132,7 +132,7 @@ def measure_mma(fmt: str, cfg: dict, K: int = 8192, N: int = 4096) -> dict:
     with offline_target(90):
         k = M._fp4_mma_kernel.warmup(xh, w, K // 2, s, s.shape[1], y, y, y, y, N, K, MX=fmt == "mxfp4",
                                      HAS_BIAS=False, HAS_RES=False, RB=rb, NW=nw, RP=cfg.get("packed", False),
-                                     MXC=cfg.get("mx_chains", M.MMA_MX_CHAINS), num_warps=nw, grid=(1,),
+                                     num_warps=nw, grid=(1,),
                                      maxnreg=cfg.get("maxnreg", M.MMA_MAXNREG) or None)
     sass, res = _sass(k)
     body = main_loop(sass)

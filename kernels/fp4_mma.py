@@ -52,7 +52,7 @@ from .tiles import _ASM, E2M1_F16X2_PTX, _as_f32, _e2m1_word, _normed_block, _st
 from .weights import WeightHandle, mma_bytes
 
 __all__ = ["prepare_xh", "gemv_fp4_mma", "mma_unreadable", "pack_for_mma", "MMA_ROW_BLOCKS", "MMA_WARPS",
-           "MMA_MAXNREG", "MMA_MX_CHAINS"]
+           "MMA_MAXNREG"]
 
 # Launch shape measured best on the H200 (NOTES.md sessions 12-13): 2 row blocks (32 rows) per warp, 4 warps per
 # program, registers capped at 128 (uncapped, the device's ptxas takes more and the GEMV drops to 73%) -> 16 warps
@@ -60,9 +60,6 @@ __all__ = ["prepare_xh", "gemv_fp4_mma", "mma_unreadable", "pack_for_mma", "MMA_
 MMA_ROW_BLOCKS = 2
 MMA_WARPS = 4
 MMA_MAXNREG = 128
-# mxfp4's group is 4 words = 8 mma per row block: 1 = one dependent chain (measured, NOTES.md session 13), 2 = two
-# chains of 4 summed after (session 14: compiled offline, not yet run on a GPU, hence not the default).
-MMA_MX_CHAINS = 1
 
 # A fragment {row r k0-1, row r+8 k0-1, row r k8-9, row r+8 k8-9} = {a0, b0, a2, b2}: codes {e0, e2} | {e1, e3} of
 # both rows against x pairs {x0, x2} | {x1, x3}; then {a1, b1, a3, b3} = codes 4-7 against {x4, x6} | {x5, x7}.
@@ -238,7 +235,7 @@ def _unpack_mma(w):
 
 @triton.jit
 def _group(acc_a, acc_b, H, X, j: tl.constexpr, MX: tl.constexpr, RP: tl.constexpr = False,
-           MXC: tl.constexpr = 1, E4B: tl.constexpr = False):
+           E4B: tl.constexpr = False):
     """Words j, j + 1 of piece H (rows a, b; mxfp4: j = 0 and all 4 words) into acc += dot x group scale. X = the 16
     x pairs of this lane's 4 words (GPU: zeros unless this lane supplies B)."""
     if not _ASM and RP:
@@ -250,14 +247,7 @@ def _group(acc_a, acc_b, H, X, j: tl.constexpr, MX: tl.constexpr, RP: tl.constex
             [H[j], H[j + 1], H[4 + j], H[5 + j], X[4 * j], X[4 * j + 1], X[4 * j + 2], X[4 * j + 3], X[4 * j + 4],
              X[4 * j + 5], X[4 * j + 6], X[4 * j + 7]],
             dtype=(tl.float32,) * 4, is_pure=True, pack=1)
-        if MX and MXC == 2:  # words 2-3 as a second chain of 4 mma, independent of the first
-            e0, e1, e2, e3 = tl.inline_asm_elementwise(
-                _MMA_GROUP_R if RP else _MMA_GROUP, "=f,=f,=f,=f" + ",r" * 12,
-                [H[2], H[3], H[6], H[7], X[8], X[9], X[10], X[11], X[12], X[13], X[14], X[15]],
-                dtype=(tl.float32,) * 4, is_pure=True, pack=1)
-            d0 += e0
-            d2 += e2
-        elif MX:
+        if MX:  # words 2-3 continue the chain (two chains measured slower, session 16)
             d0, d1, d2, d3 = tl.inline_asm_elementwise(
                 _MMA_GROUP_CR if RP else _MMA_GROUP_C, "=f,=f,=f,=f,f,f,f,f" + ",r" * 12,
                 [d0, d1, d2, d3, H[2], H[3], H[6], H[7], X[8], X[9], X[10], X[11], X[12], X[13], X[14], X[15]],
@@ -279,17 +269,17 @@ def _group(acc_a, acc_b, H, X, j: tl.constexpr, MX: tl.constexpr, RP: tl.constex
 
 @triton.jit
 def _piece_step(a0, a1, c0, c1, H0, H1, xq, x_off, valid, RB: tl.constexpr, MX: tl.constexpr,
-                RP: tl.constexpr = False, MXC: tl.constexpr = 1, E4B: tl.constexpr = False):
+                RP: tl.constexpr = False, E4B: tl.constexpr = False):
     """One piece (4 words per lane) for row block 0 (H0; accumulators a0 / a1 = rows r / r + 8) and, when RB == 2,
     block 1 (H1; c0 / c1); x loaded once for both (GPU: only by the lanes that supply B, `valid` says so)."""
     X = _ld_x(xq + 4 * x_off, valid) + _ld_x(xq + 4 * x_off + 8, valid)
-    a0, a1 = _group(a0, a1, H0, X, 0, MX, RP, MXC, E4B)
+    a0, a1 = _group(a0, a1, H0, X, 0, MX, RP, E4B)
     if RB == 2:
-        c0, c1 = _group(c0, c1, H1, X, 0, MX, RP, MXC, E4B)
+        c0, c1 = _group(c0, c1, H1, X, 0, MX, RP, E4B)
     if not MX:
-        a0, a1 = _group(a0, a1, H0, X, 2, MX, RP, 1, E4B)
+        a0, a1 = _group(a0, a1, H0, X, 2, MX, RP, E4B)
         if RB == 2:
-            c0, c1 = _group(c0, c1, H1, X, 2, MX, RP, 1, E4B)
+            c0, c1 = _group(c0, c1, H1, X, 2, MX, RP, E4B)
     return a0, a1, c0, c1
 
 
@@ -315,7 +305,7 @@ def _step_load(wq, sq, ra, rb, swn, stride_sn, st, q, KW, KG, MX: tl.constexpr):
 @triton.jit
 def _fp4_mma_kernel(xh_ptr, w_ptr, stride_wn, s_ptr, stride_sn, gs_ptr, bias_ptr, res_ptr, y_ptr, N, K,
                     MX: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, RB: tl.constexpr,
-                    NW: tl.constexpr, RP: tl.constexpr = False, MXC: tl.constexpr = 1, PDL: tl.constexpr = False,
+                    NW: tl.constexpr, RP: tl.constexpr = False, PDL: tl.constexpr = False,
                     E4B: tl.constexpr = False):
     """grid (cdiv(N, 16 * RB * NW),): y = W @ x for fp4 W [N, K/2] u8 with group scales [N, K/16] e4m3 (nvfp4) or
     [N, K/32] E8M0 (mxfp4, MX), xh from prepare_xh, K % 32 == 0; RP: W's bytes in packing "mma". Each warp owns
@@ -358,9 +348,9 @@ def _fp4_mma_kernel(xh_ptr, w_ptr, stride_wn, s_ptr, stride_sn, gs_ptr, bias_ptr
             C1 = C0
         x_off = 32 * st + 4 * q
         a0, a1, c0, c1 = _piece_step(a0, a1, c0, c1, C0[0], C1[0], xq, x_off, (x_off < KW) & mine, RB, MX, RP,
-                                     MXC, E4B)
+                                     E4B)
         e0, e1, f0, f1 = _piece_step(e0, e1, f0, f1, C0[1], C1[1], xq, x_off + 16, (x_off + 16 < KW) & mine, RB,
-                                     MX, RP, MXC, E4B)
+                                     MX, RP, E4B)
     # The decode's 2^-14 (mxfp4: already in the scales) and nvfp4's global scale, once per row; one lane per quad
     # stores.
     if MX:
@@ -420,18 +410,16 @@ def gemv_fp4_mma(x: torch.Tensor, w: WeightHandle, *, bias: torch.Tensor | None 
                  residual: torch.Tensor | None = None, out: torch.Tensor | None = None,
                  norm_weight: torch.Tensor | None = None, eps: float = 1e-6, xh: torch.Tensor | None = None,
                  row_blocks: int = MMA_ROW_BLOCKS, num_warps: int = MMA_WARPS,
-                 maxnreg: int | None = MMA_MAXNREG, mx_chains: int = MMA_MX_CHAINS) -> torch.Tensor:
+                 maxnreg: int | None = MMA_MAXNREG) -> torch.Tensor:
     """y = W @ x (+ bias) (+ residual) for one nvfp4 / mxfp4 Linear on the tensor cores (module docstring). Same
     contract as kernels.gemv.gemv; xh = prepare_xh(x, norm_weight, eps) when already made (else made here).
-    maxnreg: the register cap of the launch on CUDA (None: ptxas's choice); mx_chains: mxfp4's 8 mma per group as
-    1 dependent chain or 2 chains of 4 (one FADD per row more)."""
+    maxnreg: the register cap of the launch on CUDA (None: ptxas's choice)."""
     why = mma_unreadable(w)
     if why:
         raise ValueError(f"gemv_fp4_mma: {why}")
     N, K = w.out_features, w.in_features
-    if row_blocks not in (1, 2) or num_warps not in (1, 2, 4, 8) or mx_chains not in (1, 2):
-        raise ValueError(f"gemv_fp4_mma: row_blocks {row_blocks} (1 or 2), num_warps {num_warps} (1, 2, 4, 8), "
-                         f"mx_chains {mx_chains} (1 or 2)")
+    if row_blocks not in (1, 2) or num_warps not in (1, 2, 4, 8):
+        raise ValueError(f"gemv_fp4_mma: row_blocks {row_blocks} (1 or 2), num_warps {num_warps} (1, 2, 4, 8)")
     check_x(x, K, w.device)
     check_vec(bias, N, w.device, "bias")
     check_vec(residual, N, w.device, "residual")
@@ -447,7 +435,7 @@ def gemv_fp4_mma(x: torch.Tensor, w: WeightHandle, *, bias: torch.Tensor | None 
         w.global_scale if w.global_scale is not None else y,
         bias if bias is not None else y, residual if residual is not None else y, y, N, K,
         MX=w.fmt == "mxfp4", HAS_BIAS=bias is not None, HAS_RES=residual is not None, RB=row_blocks, NW=num_warps,
-        num_warps=num_warps, RP=w.packing == "mma", MXC=mx_chains, E4B=not e4m3_native(x.device),
+        num_warps=num_warps, RP=w.packing == "mma", E4B=not e4m3_native(x.device),
         **launch_kw(x.device), **cap)
     return y
 

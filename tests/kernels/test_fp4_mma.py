@@ -109,8 +109,6 @@ def test_bad_input_is_named():
         gemv_fp4_mma(_x(48, 1), random_weight("nvfp4", 8, 48, seed=1, device=DEV))
     with pytest.raises(ValueError, match="row_blocks 3"):
         gemv_fp4_mma(_x(64, 1), w, row_blocks=3)
-    with pytest.raises(ValueError, match="mx_chains 3"):
-        gemv_fp4_mma(_x(64, 1), w, mx_chains=3)
     with pytest.raises(ValueError, match="expert stack"):
         gemv_fp4_mma(_x(64, 1), random_weight("nvfp4", 8, 64, seed=1, device=DEV, experts=2))
 
@@ -170,16 +168,16 @@ def test_real_sizes_gpu(fmt, shape, rb, nw, packing):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("mx_chains", [1, 2])
+@pytest.mark.parametrize("fmt", FP4)
 @pytest.mark.parametrize("packing", ["checkpoint", "mma"])
-@pytest.mark.parametrize("N,K", [(65536, 8192), (37, 160), (33, 608)])
-def test_mxfp4_chains_gpu(N, K, packing, mx_chains):
-    """mxfp4's group as one chain of 8 mma or two of 4 (the portable path has no chains: GPU only)."""
-    w = random_weight("mxfp4", N, K, seed=N * K + 1, device="cuda")
+@pytest.mark.parametrize("N,K", [(37, 160), (33, 608)])
+def test_odd_shapes_gpu(N, K, packing, fmt):
+    """Rows not a multiple of 16 and K not of 256 through the mma.sync path (the interpreter runs the portable
+    one)."""
+    w = random_weight(fmt, N, K, seed=N * K + 1, device="cuda")
     x = _x(K, 11).cuda()
-    y = gemv_fp4_mma(x, pack_for_mma(w) if packing == "mma" else w, out=torch.empty(N, device="cuda"),
-                     mx_chains=mx_chains)
-    assert_close(y, gemv_ref(x, w, out_dtype=torch.float32), rel=2e-5, what=f"mxfp4 {N}x{K} chains {mx_chains}")
+    y = gemv_fp4_mma(x, pack_for_mma(w) if packing == "mma" else w, out=torch.empty(N, device="cuda"))
+    assert_close(y, gemv_ref(x, w, out_dtype=torch.float32), rel=2e-5, what=f"{fmt} {N}x{K} {packing}")
 
 
 def test_gemv_dispatches_large_nvfp4(monkeypatch):

@@ -28,7 +28,7 @@ def test_help_and_args(capsys):
         km.plan("int4")
     for name in km.DEFAULT_MODELS:            # every default plan names a known format
         assert all(km.plan(p) for p in km.MODELS[name]["plans"])
-    assert km.mma_config("2x8:r0:p:c2") == dict(row_blocks=2, num_warps=8, maxnreg=0, packed=True, mx_chains=2)
+    assert km.mma_config("2x8:r0:p") == dict(row_blocks=2, num_warps=8, maxnreg=0, packed=True)
     with pytest.raises(SystemExit, match="RBxW"):
         km.mma_config("2x4:q")
 
