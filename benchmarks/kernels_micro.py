@@ -50,7 +50,7 @@ import triton
 from kie_moe.kernels.attention import gqa_decode
 from kie_moe.kernels.fp4_mma import (MMA_MAXNREG, MMA_ROW_BLOCKS, MMA_WARPS, gemv_fp4_mma,
                                      pack_for_mma, prepare_xh)
-from kie_moe.kernels.gemv import DEFAULT_TILES, TileConfig, gemv, gemv_glu, gemv_ref, prepare_x8, rmsnorm_gemv
+from kie_moe.kernels.gemv import DEFAULT_TILES, TileConfig, gemv, gemv_glu, gemv_ref, prepare_x8
 from kie_moe.kernels.moe import RouterConfig, moe_experts, route
 from kie_moe.kernels.rope import rope_append
 from kie_moe.kernels.weights import random_weight
@@ -287,7 +287,8 @@ def bench_router(name, E, H, cfg, probe, rep_ms, *, with_x8=False, bias=False, c
 
 
 def bench_experts(name, fmt, m, H, probe, rep_ms, **tiles):
-    """Both launches of moe_experts over random distinct expert sets; tiles: config_up / config_down / split."""
+    """Both launches of moe_experts over random distinct expert sets; tiles: config_up / config_down / split / mma
+    (fp4 on the tensor cores: prepare_xh's launch counted too)."""
     E, k, I = m["experts"], m["top_k"], m["inter"]
     if m.get("interleaved") and fmt != "fp8_block":  # block scales cannot follow every other row: same bytes apart
         gate_up = random_weight(fmt, 2 * I, H, experts=E, seed=1, device=DEV, std=0.02)
@@ -368,13 +369,15 @@ def probe_section(gb: float, rep_ms: int) -> dict:
 
 
 def _each_format(formats, budget: Budget | None, op: str, run) -> list:
-    """run(fmt) -> row for each format until the time budget is out (then a `skipped` row per format)."""
+    """run(fmt) -> a row (or a list of rows) for each format until the time budget is out (then a `skipped` row per
+    format)."""
     out = []
     for fmt in formats:
         if budget is not None and budget.out():
             out.append(dict(op=f"{op} {fmt}", skipped="time budget"))
             continue
-        out.append(run(fmt))
+        r = run(fmt)
+        out.extend(r) if isinstance(r, list) else out.append(r)
         if DEV == "cuda":
             torch.cuda.empty_cache()
     return out
@@ -394,10 +397,11 @@ def big_section(formats, mb: float, probe: float, rep_ms: int, K: int = 8192, bu
 
 
 def big_experts_section(formats, mb: float, probe: float, rep_ms: int, H: int = 4096, I: int = 4096,
-                        budget: Budget | None = None) -> list:
+                        budget: Budget | None = None, model_shapes: bool = True) -> list:
     """Issue 5's routed-expert figure: both launches of moe_experts over >= mb MB of *active* expert bytes (top-k
     experts of [I, H] gate / up and [H, I] down, k chosen per format; twice as many experts stored), bytes = the
-    active experts' weights + scales only."""
+    active experts' weights + scales only. fp4: the CUDA-core and tensor-core paths each (model_shapes: also at
+    two models' expert shapes)."""
     print(f"big experts: moe_experts over >= {mb} MB of active experts, H = {H}, I = {I}", flush=True)
 
     def run(fmt):
@@ -405,7 +409,24 @@ def big_experts_section(formats, mb: float, probe: float, rep_ms: int, H: int = 
                                   "mxfp4": 0.5 + 1 / 32}[fmt]
         k = max(1, math.ceil(mb * (1 << 20) / per_expert))
         m = dict(experts=max(8, 2 * k), top_k=k, inter=I, act="silu")
-        return bench_experts(f"experts {fmt} top-{k} of {2 * k} [{I}x{H}]", fmt, m, H, probe, rep_ms)
+        name = f"experts {fmt} top-{k} of {2 * k} [{I}x{H}]"
+        if fmt not in FP4:
+            return bench_experts(name, fmt, m, H, probe, rep_ms)
+        # fp4: the CUDA-core tiles and the tensor cores (fp4_mma_experts) side by side, here and at the expert
+        # shapes of DeepSeek-V3 (H 7168, I 2048, top-8) and gpt-oss-120b (2880, 2880, top-4): where
+        # moe.MMA_EXPERT_MIN_BYTES should lie.
+        rows = []
+        shapes = [(name, m, H)]
+        if model_shapes:
+            shapes += [(f"experts {fmt} deepseek-v3 top-8 [2048x7168]",
+                        dict(experts=16, top_k=8, inter=2048, act="silu"), 7168),
+                       (f"experts {fmt} gpt-oss-120b top-4 [2880x2880]",
+                        dict(experts=8, top_k=4, inter=2880, act="silu"), 2880)]
+        for label, mm, h in shapes:
+            for mma in (False, True):
+                rows.append(bench_experts(f"{label} {'mma' if mma else 'cuda-core'}", fmt, mm, h, probe, rep_ms,
+                                          mma=mma))
+        return rows
 
     return _each_format(formats, budget, "experts", run)
 

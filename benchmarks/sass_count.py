@@ -168,7 +168,7 @@ def main(argv=None):
     p.add_argument("--configs", default="default", help="comma list of BNxBK[:np][:wN], or 'default'")
     p.add_argument("--k", type=int, default=8192, help="K of the compiled shape (strides specialise on it)")
     p.add_argument("--hist", action="store_true", help="print the opcode histogram of each loop")
-    p.add_argument("--mma", default="", help="comma list of RBxW[:rN][:p][:cN]: the fp4 mma kernel instead")
+    p.add_argument("--mma", default="", help="comma list of RBxW[:rN][:p]: the fp4 mma kernel instead")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:

@@ -303,47 +303,26 @@ def _step_load(wq, sq, ra, rb, swn, stride_sn, st, q, KW, KG, MX: tl.constexpr):
 
 
 @triton.jit
-def _fp4_mma_kernel(xh_ptr, w_ptr, stride_wn, s_ptr, stride_sn, gs_ptr, bias_ptr, res_ptr, y_ptr, N, K,
-                    MX: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, RB: tl.constexpr,
-                    NW: tl.constexpr, RP: tl.constexpr = False, PDL: tl.constexpr = False,
-                    E4B: tl.constexpr = False):
-    """grid (cdiv(N, 16 * RB * NW),): y = W @ x for fp4 W [N, K/2] u8 with group scales [N, K/16] e4m3 (nvfp4) or
-    [N, K/32] E8M0 (mxfp4, MX), xh from prepare_xh, K % 32 == 0; RP: W's bytes in packing "mma". Each warp owns
-    16 * RB rows and the whole K in 256-code steps, the next step's loads issued before the current step's mma
-    (module docstring)."""
-    pdl_begin(PDL)
-    lane, warp = _lane_warp(NW)
-    r = lane >> 2
-    q = lane & 3
-    base = (tl.program_id(0) * NW + warp) * (16 * RB)
-    KW = K // 8
-    KG = K // 32 if MX else K // 16
-    n_steps = tl.cdiv(KW, 32)
-    wq = w_ptr.to(tl.pointer_type(tl.uint32))
-    xq = xh_ptr.to(tl.pointer_type(tl.uint32))
-    sq = s_ptr.to(tl.pointer_type(tl.uint8))
-    ra0 = tl.minimum(base + r, N - 1).to(tl.int64)
-    rb0 = tl.minimum(base + r + 8, N - 1).to(tl.int64)
-    ra1 = tl.minimum(base + 16 + r, N - 1).to(tl.int64)
-    rb1 = tl.minimum(base + 24 + r, N - 1).to(tl.int64)
-    swn = stride_wn // 4
-    if _ASM:
-        mine = r == 2 * q     # the lanes whose x goes into B (column 2q)
-    else:
-        mine = r >= 0         # portable: every lane dots its own words itself
+def _rows_dot(xq, wq0, sq0, ra0, rb0, wq1, sq1, ra1, rb1, swn, stride_sn, q, KW, KG, mine, RB: tl.constexpr,
+              MX: tl.constexpr, RP: tl.constexpr, E4B: tl.constexpr):
+    """One warp's rows against xh (u32 view xq) over the whole K in 256-code steps, the next step's loads issued
+    before the current step's mma: block 0 = rows ra0 / rb0 of wq0 (scales sq0), block 1 (RB == 2) = rows ra1 /
+    rb1 of wq1 / sq1 (the GEMV: the next 16 rows; the expert GLU: the up rows beside the gate rows). Returns each
+    lane's unscaled partial sums (block 0 rows a, b; block 1 rows a, b), not yet summed over the quad."""
+    zero = tl.zeros(q.shape, tl.float32)
     # Accumulators: a / c rows r, r + 8 of blocks 0 / 1 from piece 0, e / f the same from piece 1.
-    zero = tl.zeros((NW * 32,), tl.float32)
     a0, a1, c0, c1, e0, e1, f0, f1 = zero, zero, zero, zero, zero, zero, zero, zero
-    P0 = _step_load(wq, sq, ra0, rb0, swn, stride_sn, 0, q, KW, KG, MX)
+    n_steps = tl.cdiv(KW, 32)
+    P0 = _step_load(wq0, sq0, ra0, rb0, swn, stride_sn, 0, q, KW, KG, MX)
     if RB == 2:
-        P1 = _step_load(wq, sq, ra1, rb1, swn, stride_sn, 0, q, KW, KG, MX)
+        P1 = _step_load(wq1, sq1, ra1, rb1, swn, stride_sn, 0, q, KW, KG, MX)
     for st in range(0, n_steps):
         sn = tl.minimum(st + 1, n_steps - 1)
         C0 = P0
-        P0 = _step_load(wq, sq, ra0, rb0, swn, stride_sn, sn, q, KW, KG, MX)
+        P0 = _step_load(wq0, sq0, ra0, rb0, swn, stride_sn, sn, q, KW, KG, MX)
         if RB == 2:
             C1 = P1
-            P1 = _step_load(wq, sq, ra1, rb1, swn, stride_sn, sn, q, KW, KG, MX)
+            P1 = _step_load(wq1, sq1, ra1, rb1, swn, stride_sn, sn, q, KW, KG, MX)
         else:
             C1 = C0
         x_off = 32 * st + 4 * q
@@ -351,21 +330,57 @@ def _fp4_mma_kernel(xh_ptr, w_ptr, stride_wn, s_ptr, stride_sn, gs_ptr, bias_ptr
                                      E4B)
         e0, e1, f0, f1 = _piece_step(e0, e1, f0, f1, C0[1], C1[1], xq, x_off + 16, (x_off + 16 < KW) & mine, RB,
                                      MX, RP, E4B)
-    # The decode's 2^-14 (mxfp4: already in the scales) and nvfp4's global scale, once per row; one lane per quad
-    # stores.
-    if MX:
-        g = 1.0
+    return a0 + e0, a1 + e1, c0 + f0, c1 + f1
+
+
+@triton.jit
+def _mine(r, q):
+    if _ASM:
+        return r == 2 * q     # the lanes whose x goes into B (column 2q)
     else:
-        g = 16384.0 / tl.load(gs_ptr).to(tl.float32)
-    lead = q == 0
+        return r >= 0         # portable: every lane dots its own words itself
+
+
+@triton.jit
+def _global_factor(gs_ptr, MX: tl.constexpr):
+    """The decode's 2^-14 (mxfp4: already in the scales) and nvfp4's global scale at gs_ptr, once per row."""
+    if MX:
+        return 1.0
+    else:
+        return 16384.0 / tl.load(gs_ptr).to(tl.float32)
+
+
+@triton.jit
+def _fp4_mma_kernel(xh_ptr, w_ptr, stride_wn, s_ptr, stride_sn, gs_ptr, bias_ptr, res_ptr, y_ptr, N, K,
+                    MX: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, RB: tl.constexpr,
+                    NW: tl.constexpr, RP: tl.constexpr = False, PDL: tl.constexpr = False,
+                    E4B: tl.constexpr = False):
+    """grid (cdiv(N, 16 * RB * NW),): y = W @ x for fp4 W [N, K/2] u8 with group scales [N, K/16] e4m3 (nvfp4) or
+    [N, K/32] E8M0 (mxfp4, MX), xh from prepare_xh, K % 32 == 0; RP: W's bytes in packing "mma". Each warp owns
+    16 * RB rows and the whole K (_rows_dot, module docstring)."""
+    pdl_begin(PDL)
+    lane, warp = _lane_warp(NW)
+    r = lane >> 2
+    q = lane & 3
+    base = (tl.program_id(0) * NW + warp) * (16 * RB)
+    wq = w_ptr.to(tl.pointer_type(tl.uint32))
+    sq = s_ptr.to(tl.pointer_type(tl.uint8))
+    ra0 = tl.minimum(base + r, N - 1).to(tl.int64)
+    rb0 = tl.minimum(base + r + 8, N - 1).to(tl.int64)
+    ra1 = tl.minimum(base + 16 + r, N - 1).to(tl.int64)
+    rb1 = tl.minimum(base + 24 + r, N - 1).to(tl.int64)
+    y0, y1, y2, y3 = _rows_dot(xh_ptr.to(tl.pointer_type(tl.uint32)), wq, sq, ra0, rb0, wq, sq, ra1, rb1,
+                               stride_wn // 4, stride_sn, q, K // 8, K // 32 if MX else K // 16, _mine(r, q), RB, MX,
+                               RP, E4B)
+    g = _global_factor(gs_ptr, MX)
+    lead = q == 0     # one lane per quad stores
     n = base + r
-    _store_out(_quad_sum(a0 + e0, NW) * g, n, lead & (n < N), y_ptr, bias_ptr, res_ptr, HAS_BIAS, HAS_RES)
-    _store_out(_quad_sum(a1 + e1, NW) * g, n + 8, lead & (n + 8 < N), y_ptr, bias_ptr, res_ptr, HAS_BIAS,
-               HAS_RES)
+    _store_out(_quad_sum(y0, NW) * g, n, lead & (n < N), y_ptr, bias_ptr, res_ptr, HAS_BIAS, HAS_RES)
+    _store_out(_quad_sum(y1, NW) * g, n + 8, lead & (n + 8 < N), y_ptr, bias_ptr, res_ptr, HAS_BIAS, HAS_RES)
     if RB == 2:
-        _store_out(_quad_sum(c0 + f0, NW) * g, n + 16, lead & (n + 16 < N), y_ptr, bias_ptr, res_ptr, HAS_BIAS,
+        _store_out(_quad_sum(y2, NW) * g, n + 16, lead & (n + 16 < N), y_ptr, bias_ptr, res_ptr, HAS_BIAS,
                    HAS_RES)
-        _store_out(_quad_sum(c1 + f1, NW) * g, n + 24, lead & (n + 24 < N), y_ptr, bias_ptr, res_ptr, HAS_BIAS,
+        _store_out(_quad_sum(y3, NW) * g, n + 24, lead & (n + 24 < N), y_ptr, bias_ptr, res_ptr, HAS_BIAS,
                    HAS_RES)
 
 

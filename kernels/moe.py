@@ -34,6 +34,8 @@ SCORE_ID = {"softmax": 0, "sigmoid": 1, "softmax_topk": 2}
 # (expert_down_split) from 24.1 to 20.3-20.8 us.
 DEFAULT_EXPERT_TILES = {**DEFAULT_GLU_TILES, "fp8": TileConfig(8, 512, num_warps=2, prefetch=False)}
 EXPERT_DOWN_PROGRAMS_PER_SM = 16
+# Active fp4 expert bytes per token from which moe_experts runs on the tensor cores (use_mma_experts).
+MMA_EXPERT_MIN_BYTES = 64 << 20
 
 
 @dataclass(frozen=True)
@@ -404,13 +406,16 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gat
                 down_bias: torch.Tensor | None = None, residual: torch.Tensor | None = None,
                 norm_weight: torch.Tensor | None = None, eps: float = 1e-6, out: torch.Tensor | None = None,
                 x8: torch.Tensor | None = None, config_up: TileConfig | None = None,
-                config_down: TileConfig | None = None, split: int | None = None) -> torch.Tensor:
+                config_down: TileConfig | None = None, split: int | None = None,
+                mma: bool | None = None) -> torch.Tensor:
     """Routed experts of one token: y = sum_k weights[k] * down[e_k](glu(gate[e_k] x, up[e_k] x)) (+ residual).
 
     ids int32 [k] / weights fp32 [k] stay on the device (from route()); repeated ids are fine. w_gate/w_up [E, I, H],
     w_down [E, H, I] stacked handles of one format (gpt-oss interleaved gate_up: rows(0, None, 2), rows(1, None, 2)).
     Biases [E, I] / [E, H] (views with strides are fine); down_bias is weighted like its expert's output.
-    fp4 gate/up: x8 = prepare_x8(x, norm_weight, eps) (or route(..., x8_out=)) if already made."""
+    fp4 gate/up: x8 = prepare_x8(x, norm_weight, eps) (or route(..., x8_out=)) if already made.
+    mma: nvfp4 / mxfp4 stacks on the tensor cores (kernels/fp4_mma_experts.py; x8 unused, x rounded to fp16 after the
+    norm, h kept in fp16); None: when use_mma_experts says so (>= MMA_EXPERT_MIN_BYTES of active experts)."""
     for name, w in (("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
         if not w.num_experts:
             raise ValueError(f"moe_experts: {name} is not an expert stack [E, out, in]")
@@ -444,6 +449,13 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gat
     check_vec(residual, H, dev, "residual")
     check_vec(norm_weight, H, dev, "norm_weight")
     y = make_out(x, H, out)
+    if mma is None:
+        mma = config_up is None and config_down is None and use_mma_experts(w_gate, w_up, w_down, top_k)
+    if mma:
+        from .fp4_mma_experts import moe_experts_mma  # it imports this module's neighbours
+        return moe_experts_mma(x, ids, weights, w_gate, w_up, w_down, act_id=ACT_ID[act], limit=limit, alpha=alpha,
+                               gate_bias=bg, up_bias=bu, down_bias=bd, residual=residual, norm_weight=norm_weight,
+                               eps=eps, y=y, counters=counters(dev, triton.cdiv(H, 16)), split=split)
     h = torch.empty((top_k, I), dtype=torch.float32, device=dev)  # fp32: no rounding between the two GEMVs
 
     cu = resolve_config(w_gate, config_up, DEFAULT_EXPERT_TILES)
@@ -477,20 +489,35 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gat
     return y
 
 
+def use_mma_experts(w_gate: WeightHandle, w_up: WeightHandle, w_down: WeightHandle, top_k: int) -> bool:
+    """moe_experts' default path: the tensor cores (fp4_mma_experts) for nvfp4 / mxfp4 stacks they can read whose
+    top_k active experts hold >= MMA_EXPERT_MIN_BYTES; else the CUDA-core tiles (tuned on qwen3's small experts)."""
+    if not (is_fp4(w_gate.fmt) and w_gate.fmt == w_up.fmt == w_down.fmt):
+        return False
+    active = top_k * (w_gate.nbytes + w_up.nbytes + w_down.nbytes) // w_gate.num_experts
+    if active < MMA_EXPERT_MIN_BYTES:
+        return False
+    from .fp4_mma_experts import mma_experts_unreadable
+    return not any(mma_experts_unreadable(w) for w in (w_gate, w_up, w_down))
+
+
 def moe_experts_ref(x, ids, weights, w_gate: WeightHandle, w_up: WeightHandle, w_down: WeightHandle, *,
                     act="silu", limit=7.0, alpha=1.702, gate_bias=None, up_bias=None, down_bias=None, residual=None,
-                    norm_weight=None, eps=1e-6, out_dtype=None) -> torch.Tensor:
-    """Torch reference: dequantize each picked expert, fp32 math (reads ids on the host: a reference may sync)."""
+                    norm_weight=None, eps=1e-6, out_dtype=None, fp16_inputs=False) -> torch.Tensor:
+    """Torch reference: dequantize each picked expert, fp32 math (reads ids on the host: a reference may sync).
+    fp16_inputs: the normed x and each h rounded to fp16 once, as the tensor-core path (mma=True) does."""
+    rnd = (lambda t: t.half().float()) if fp16_inputs else (lambda t: t)  # noqa: E731
     xf = x.float().reshape(-1)
     if norm_weight is not None:
         xf = xf * torch.rsqrt(xf.pow(2).mean() + eps) * norm_weight.float()
+    xf = rnd(xf)
     y = torch.zeros(w_down.out_features, dtype=torch.float32, device=x.device)
     for e, wt in zip(ids.tolist(), weights.float().tolist()):
         g = dequantize(w_gate.expert(e)) @ xf
         u = dequantize(w_up.expert(e)) @ xf
         if gate_bias is not None:
             g, u = g + gate_bias[e].float(), u + up_bias[e].float()
-        d = dequantize(w_down.expert(e)) @ glu_ref(g, u, act, limit, alpha)
+        d = dequantize(w_down.expert(e)) @ rnd(glu_ref(g, u, act, limit, alpha))
         if down_bias is not None:
             d = d + down_bias[e].float()
         y += wt * d

@@ -1,0 +1,249 @@
+"""Routed experts of one token on the tensor cores, for nvfp4 / mxfp4 expert stacks (kernels/fp4_mma.py's inner loop).
+
+Why: moe.moe_experts decodes fp4 on the CUDA cores, issue-bound at ~62% of the read probe in one big GEMV and
+32-49% over >= 256 MB of active experts (H200, NOTES.md session 16). Here both expert launches run fp4_mma's loop
+(_rows_dot): e2m1 decoded into mma.sync fragments, one fp32 FFMA per group for the scale.
+
+- GLU launch, grid (cdiv(I, 16 NW), top_k): each warp takes 16 rows of expert ids[slot]'s gate as row block 0 and
+  the same 16 rows of its up as row block 1, so one lane ends with gate and up of its rows: the GLU (+ biases) is
+  its epilogue. h[slot] is stored as fp16 in the xh layout (prepare_xh's order), the down launch's input.
+- down launch, grid (cdiv(H, 16 RB NW), SPLIT): each program sums its share of the slots, weights[slot] x
+  Wd[e] h[slot] (+ weights[slot] x bd[e]) in its lanes' partial sums (one quad sum at the end); SPLIT > 1 programs
+  per row tile store partials and the last one to finish adds them in split order (deterministic, as moe.py does).
+
+Numerics differ from moe_experts' CUDA-core path in two roundings: x (RMS-normed) and h go to fp16 once (exact
+products and fp32 sums otherwise; fp16 keeps 11 bits, but |h| > 65504 overflows: the CUDA-core path keeps h in fp32).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .device_caps import e4m3_native
+from .fp4_mma import (MMA_MAXNREG, _global_factor, _lane_warp, _mine, _quad_sum, _rows_dot, mma_unreadable,
+                      prepare_xh)
+from .gemv import num_sms
+from .pdl import launch_kw, pdl_begin
+from .tiles import _glu
+from .weights import WeightHandle
+
+# Launch shapes (rows per warp is fixed: 16 for the GLU, its block 1 being the up rows; 16 * RB for the down).
+MMA_EXPERT_WARPS = 4
+MMA_DOWN_ROW_BLOCKS = 1
+# Resident programs per SM at the 128-register cap and 4 warps: the down launch splits its slots until the grid fills
+# the GPU this many times over.
+_PROGRAMS_PER_SM = 4
+
+
+@triton.jit
+def _xh_pos(n):
+    """Position of element n of a vector in the xh layout (each 8 in the order 0, 2, 1, 3, 4, 6, 5, 7)."""
+    e = n % 8
+    return (n - e) + ((e & 4) | ((e & 1) << 1) | ((e >> 1) & 1))
+
+
+@triton.jit
+def _mma_glu_kernel(xh_ptr, ids_ptr, wg_ptr, wu_ptr, stride_wn, stride_we, sg_ptr, su_ptr, stride_sn, stride_se,
+                    gsg_ptr, gsu_ptr, stride_ge, bg_ptr, stride_bge, stride_bgn, bu_ptr, stride_bue, stride_bun,
+                    h_ptr, I, K, limit, alpha,
+                    MX: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, NW: tl.constexpr,
+                    RP: tl.constexpr = False, PDL: tl.constexpr = False, E4B: tl.constexpr = False):
+    """grid (cdiv(I, 16 * NW), top_k): h[slot, I] (fp16, xh layout) = glu(Wg[e] x + bg[e], Wu[e] x + bu[e]),
+    e = ids[slot]; xh = prepare_xh(x, norm) [K]; weights [E, I, K/2] u8, scales [E, I, K/16 | K/32] (bytes)."""
+    pdl_begin(PDL)
+    lane, warp = _lane_warp(NW)
+    r = lane >> 2
+    q = lane & 3
+    slot = tl.program_id(1)
+    e = tl.load(ids_ptr + slot).to(tl.int64)  # the only data-dependent address: which expert's rows to stream
+    base = (tl.program_id(0) * NW + warp) * 16
+    ra = tl.minimum(base + r, I - 1).to(tl.int64)
+    rb = tl.minimum(base + r + 8, I - 1).to(tl.int64)
+    wg = (wg_ptr + e * stride_we).to(tl.pointer_type(tl.uint32))
+    wu = (wu_ptr + e * stride_we).to(tl.pointer_type(tl.uint32))
+    sg = (sg_ptr + e * stride_se).to(tl.pointer_type(tl.uint8))
+    su = (su_ptr + e * stride_se).to(tl.pointer_type(tl.uint8))
+    ga, gb, ua, ub = _rows_dot(xh_ptr.to(tl.pointer_type(tl.uint32)), wg, sg, ra, rb, wu, su, ra, rb,
+                               stride_wn // 4, stride_sn, q, K // 8, K // 32 if MX else K // 16, _mine(r, q), 2, MX,
+                               RP, E4B)
+    fg = _global_factor(gsg_ptr + e * stride_ge, MX)
+    fu = _global_factor(gsu_ptr + e * stride_ge, MX)
+    ga = _quad_sum(ga, NW) * fg
+    gb = _quad_sum(gb, NW) * fg
+    ua = _quad_sum(ua, NW) * fu
+    ub = _quad_sum(ub, NW) * fu
+    n = base + r
+    lead = q == 0
+    if HAS_BIAS:
+        ga += tl.load(bg_ptr + e * stride_bge + ra * stride_bgn).to(tl.float32)
+        gb += tl.load(bg_ptr + e * stride_bge + rb * stride_bgn).to(tl.float32)
+        ua += tl.load(bu_ptr + e * stride_bue + ra * stride_bun).to(tl.float32)
+        ub += tl.load(bu_ptr + e * stride_bue + rb * stride_bun).to(tl.float32)
+    h = h_ptr + slot * I
+    tl.store(h + _xh_pos(n), _glu(ga, ua, limit, alpha, ACT).to(tl.float16), mask=lead & (n < I))
+    tl.store(h + _xh_pos(n + 8), _glu(gb, ub, limit, alpha, ACT).to(tl.float16), mask=lead & (n + 8 < I))
+
+
+@triton.jit
+def _bias_rows(bd_ptr, e, stride_bde, ra, rb, w):
+    return (w * tl.load(bd_ptr + e * stride_bde + ra).to(tl.float32),
+            w * tl.load(bd_ptr + e * stride_bde + rb).to(tl.float32))
+
+
+@triton.jit
+def _mma_down_kernel(h_ptr, ids_ptr, wts_ptr, w_ptr, stride_wn, stride_we, s_ptr, stride_sn, stride_se, gs_ptr,
+                     stride_ge, bd_ptr, stride_bde, res_ptr, y_ptr, part_ptr, cnt_ptr, N, I, slots_per_split,
+                     MX: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, TOP_K: tl.constexpr,
+                     SPLIT: tl.constexpr, RB: tl.constexpr, NW: tl.constexpr, RP: tl.constexpr = False,
+                     PDL: tl.constexpr = False, E4B: tl.constexpr = False):
+    """grid (cdiv(N, 16 * RB * NW), SPLIT): y[N] = sum_slot wts[slot] * (Wd[e] h[slot] + bd[e]) (+ residual),
+    e = ids[slot]; h [top_k, I] fp16 in the xh layout (the GLU launch); weights [E, N, I/2] u8."""
+    pdl_begin(PDL)
+    lane, warp = _lane_warp(NW)
+    r = lane >> 2
+    q = lane & 3
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    base = (pid_n * NW + warp) * (16 * RB)
+    ra0 = tl.minimum(base + r, N - 1).to(tl.int64)
+    rb0 = tl.minimum(base + r + 8, N - 1).to(tl.int64)
+    ra1 = tl.minimum(base + 16 + r, N - 1).to(tl.int64)
+    rb1 = tl.minimum(base + 24 + r, N - 1).to(tl.int64)
+    mine = _mine(r, q)
+    zero = tl.zeros(q.shape, tl.float32)
+    y0, y1, y2, y3 = zero, zero, zero, zero     # lane partials (rows r, r + 8 of block 0, of block 1)
+    b0, b1, b2, b3 = zero, zero, zero, zero     # weighted biases of the same rows
+    for slot in range(pid_s * slots_per_split, tl.minimum(pid_s * slots_per_split + slots_per_split, TOP_K)):
+        e = tl.load(ids_ptr + slot).to(tl.int64)
+        wq = (w_ptr + e * stride_we).to(tl.pointer_type(tl.uint32))
+        sq = (s_ptr + e * stride_se).to(tl.pointer_type(tl.uint8))
+        d0, d1, d2, d3 = _rows_dot((h_ptr + slot * I).to(tl.pointer_type(tl.uint32)), wq, sq, ra0, rb0, wq, sq,
+                                   ra1, rb1, stride_wn // 4, stride_sn, q, I // 8, I // 32 if MX else I // 16, mine,
+                                   RB, MX, RP, E4B)
+        wt = tl.load(wts_ptr + slot)
+        f = wt * _global_factor(gs_ptr + e * stride_ge, MX)
+        y0 += d0 * f
+        y1 += d1 * f
+        y2 += d2 * f
+        y3 += d3 * f
+        if HAS_BIAS:
+            c0, c1 = _bias_rows(bd_ptr, e, stride_bde, ra0, rb0, wt)
+            b0 += c0
+            b1 += c1
+            if RB == 2:
+                c2, c3 = _bias_rows(bd_ptr, e, stride_bde, ra1, rb1, wt)
+                b2 += c2
+                b3 += c3
+    n = base + r
+    lead = q == 0
+    y0 = _quad_sum(y0, NW) + b0
+    y1 = _quad_sum(y1, NW) + b1
+    if RB == 2:
+        y2 = _quad_sum(y2, NW) + b2
+        y3 = _quad_sum(y3, NW) + b3
+    last = True
+    if SPLIT > 1:
+        p = part_ptr + pid_s * N
+        tl.store(p + n, y0, mask=lead & (n < N))
+        tl.store(p + n + 8, y1, mask=lead & (n + 8 < N))
+        if RB == 2:
+            tl.store(p + n + 16, y2, mask=lead & (n + 16 < N))
+            tl.store(p + n + 24, y3, mask=lead & (n + 24 < N))
+        tl.debug_barrier()  # every thread's partial store precedes the (release) counter bump
+        ticket = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        last = ticket == SPLIT - 1
+        if last:
+            y0, y1, y2, y3 = zero, zero, zero, zero
+            for s in range(SPLIT):   # .cg: read L2, never a stale L1 line of another SM's partial
+                p = part_ptr + s * N
+                y0 += tl.load(p + n, mask=lead & (n < N), other=0.0, cache_modifier=".cg")
+                y1 += tl.load(p + n + 8, mask=lead & (n + 8 < N), other=0.0, cache_modifier=".cg")
+                if RB == 2:
+                    y2 += tl.load(p + n + 16, mask=lead & (n + 16 < N), other=0.0, cache_modifier=".cg")
+                    y3 += tl.load(p + n + 24, mask=lead & (n + 24 < N), other=0.0, cache_modifier=".cg")
+            tl.atomic_xchg(cnt_ptr + pid_n, 0)
+    if last:
+        _store_rows(y0, n, lead & (n < N), res_ptr, y_ptr, HAS_RES)
+        _store_rows(y1, n + 8, lead & (n + 8 < N), res_ptr, y_ptr, HAS_RES)
+        if RB == 2:
+            _store_rows(y2, n + 16, lead & (n + 16 < N), res_ptr, y_ptr, HAS_RES)
+            _store_rows(y3, n + 24, lead & (n + 24 < N), res_ptr, y_ptr, HAS_RES)
+
+
+@triton.jit
+def _store_rows(v, n, mask, res_ptr, y_ptr, HAS_RES: tl.constexpr):
+    if HAS_RES:
+        v += tl.load(res_ptr + n, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + n, v.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def mma_experts_unreadable(w: WeightHandle) -> str | None:
+    """Why these kernels cannot read the expert stack w, or None (nvfp4 / mxfp4 [E, out, in], in % 32 == 0, each
+    expert's rows 16-byte aligned)."""
+    if not w.num_experts:
+        return "weight handle is not an expert stack"
+    if w.weight.stride(0) % 16 or (w.fmt == "nvfp4" and w.scale.stride(0) % 2):
+        return "expert stride not 16-byte aligned (codes) / 2-byte aligned (nvfp4 scales)"
+    return mma_unreadable(w.expert(0))
+
+
+def mma_experts_down_split(n_tiles: int, top_k: int, device: torch.device) -> int:
+    """Programs per row tile of the down launch: enough to fill _PROGRAMS_PER_SM programs per SM, up to one slot
+    per program."""
+    return max(1, min(top_k, _PROGRAMS_PER_SM * num_sms(device) // max(n_tiles, 1)))
+
+
+def moe_experts_mma(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gate: WeightHandle,
+                    w_up: WeightHandle, w_down: WeightHandle, *, act_id: int, limit: float, alpha: float,
+                    gate_bias: tuple, up_bias: tuple, down_bias: tuple, residual: torch.Tensor | None,
+                    norm_weight: torch.Tensor | None, eps: float, y: torch.Tensor, counters: torch.Tensor,
+                    split: int | None = None, num_warps: int = MMA_EXPERT_WARPS,
+                    down_row_blocks: int = MMA_DOWN_ROW_BLOCKS, maxnreg: int | None = MMA_MAXNREG) -> torch.Tensor:
+    """moe.moe_experts' body on the tensor cores; its arguments already checked there (biases as (tensor, stride
+    0, stride 1) triples, y the output). Callers: moe.moe_experts (mma=True, or its size rule)."""
+    I, H = w_gate.out_features, w_gate.in_features
+    for name, w in (("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
+        why = mma_experts_unreadable(w)
+        if why:
+            raise ValueError(f"moe_experts(mma=True): {name}: {why}")
+    if (w_gate.weight.stride() != w_up.weight.stride() or w_gate.scale.stride() != w_up.scale.stride()
+            or w_gate.fmt != w_down.fmt or w_gate.packing != w_up.packing):
+        raise ValueError("moe_experts(mma=True): w_gate and w_up must share format, packing and strides, and "
+                         "w_down their format")
+    if down_row_blocks not in (1, 2) or num_warps not in (1, 2, 4, 8):
+        raise ValueError(f"moe_experts(mma=True): down_row_blocks {down_row_blocks} (1 or 2), num_warps "
+                         f"{num_warps} (1, 2, 4, 8)")
+    dev = x.device
+    top_k = ids.numel()
+    mx = w_gate.fmt == "mxfp4"
+    e4b = not e4m3_native(dev)
+    cap = {"maxnreg": maxnreg} if dev.type == "cuda" and maxnreg else {}
+    xh = prepare_xh(x.reshape(-1), norm_weight, eps)
+    h = torch.empty((top_k, I), dtype=torch.float16, device=dev)
+    gs = lambda w: w.global_scale if w.global_scale is not None else h  # noqa: E731
+    st = lambda w: w.global_scale.stride(0) if w.global_scale is not None else 0  # noqa: E731
+    (bg, sbg0, sbg1), (bu, sbu0, sbu1), (bd, sbd0, _) = gate_bias, up_bias, down_bias
+    _mma_glu_kernel[(triton.cdiv(I, 16 * num_warps), top_k)](
+        xh, ids, w_gate.weight, w_up.weight, w_gate.weight.stride(1), w_gate.weight.stride(0),
+        w_gate.scale.view(torch.uint8), w_up.scale.view(torch.uint8), w_gate.scale.stride(1),
+        w_gate.scale.stride(0), gs(w_gate), gs(w_up), st(w_gate),
+        bg if bg is not None else h, sbg0, sbg1, bu if bu is not None else h, sbu0, sbu1, h, I, H, limit, alpha,
+        MX=mx, HAS_BIAS=bg is not None, ACT=act_id, NW=num_warps, RP=w_gate.packing == "mma", E4B=e4b,
+        num_warps=num_warps, **launch_kw(dev), **cap)
+    n_tiles = triton.cdiv(H, 16 * down_row_blocks * num_warps)
+    if split is None:
+        split = mma_experts_down_split(n_tiles, top_k, dev)
+    per = triton.cdiv(top_k, max(1, min(split, top_k)))
+    split = triton.cdiv(top_k, per)
+    part = torch.empty((split, H), dtype=torch.float32, device=dev) if split > 1 else y
+    _mma_down_kernel[(n_tiles, split)](
+        h, ids, weights, w_down.weight, w_down.weight.stride(1), w_down.weight.stride(0),
+        w_down.scale.view(torch.uint8), w_down.scale.stride(1), w_down.scale.stride(0), gs(w_down), st(w_down),
+        bd if bd is not None else y, sbd0, residual if residual is not None else y, y, part,
+        counters if split > 1 else y, H, I, per,
+        MX=mx, HAS_BIAS=bd is not None, HAS_RES=residual is not None, TOP_K=top_k, SPLIT=split,
+        RB=down_row_blocks, NW=num_warps, RP=w_down.packing == "mma", E4B=e4b,
+        num_warps=num_warps, **launch_kw(dev), **cap)
+    return y
+

@@ -1,0 +1,119 @@
+"""Routed fp4 experts on the tensor cores (kernels/fp4_mma_experts.py) against moe_experts_ref: the interpreter runs
+the portable loop on odd shapes; the GPU runs mma.sync at real sizes."""
+import pytest
+import torch
+
+import kie_moe.kernels.moe as M
+from kie_moe.kernels.gemv import counters
+from kie_moe.kernels.moe import moe_experts, moe_experts_ref, use_mma_experts
+from kie_moe.kernels.weights import random_weight
+
+from .helpers import DEV, assert_close, needs_device
+
+pytestmark = needs_device
+FP4 = ["nvfp4", "mxfp4"]
+
+
+def _t(*shape, seed=0, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * scale).to(torch.bfloat16).to(DEV)
+
+
+def _stack(fmt, E, I, H, seed, device=DEV):
+    return (random_weight(fmt, I, H, experts=E, seed=seed, device=device),
+            random_weight(fmt, I, H, experts=E, seed=seed + 1, device=device),
+            random_weight(fmt, H, I, experts=E, seed=seed + 2, device=device))
+
+
+@pytest.mark.parametrize("fmt", FP4)
+@pytest.mark.parametrize("split,row_blocks,warps", [(1, 1, 1), (2, 2, 1), (4, 1, 2)])
+def test_mma_experts_odd_shapes(fmt, split, row_blocks, warps):
+    """H = 160 (the last 256-code step ragged), I = 96 (a warp's 16 rows past I), repeated ids and both ends of the
+    expert range, slots split over up to 4 programs per row tile; the oracle rounds x and h to fp16 as the kernels
+    do, and the fp32 reference bounds what that rounding costs."""
+    from kie_moe.kernels.fp4_mma_experts import moe_experts_mma
+    E, I, H = 5, 96, 160
+    wg, wu, wd = _stack(fmt, E, I, H, seed=40)
+    x, res, nw = _t(H, seed=41), _t(H, seed=42), _t(H, seed=43)
+    ids = torch.tensor([E - 1, 0, 2, 0], dtype=torch.int32, device=DEV)
+    wts = torch.tensor([0.4, 0.3, 0.2, 0.1], device=DEV)
+    y = torch.empty(H, device=DEV)
+    none = (None, 0, 0)
+    moe_experts_mma(x, ids, wts, wg, wu, wd, act_id=0, limit=7.0, alpha=1.702, gate_bias=none, up_bias=none,
+                    down_bias=none, residual=res, norm_weight=nw, eps=1e-6, y=y, counters=counters(y.device, 16),
+                    split=split, num_warps=warps, down_row_blocks=row_blocks)
+    kw = dict(residual=res, norm_weight=nw, out_dtype=torch.float32)
+    assert_close(y, moe_experts_ref(x, ids, wts, wg, wu, wd, fp16_inputs=True, **kw), what=f"{fmt} vs fp16 oracle")
+    assert_close(y, moe_experts_ref(x, ids, wts, wg, wu, wd, **kw), rel=3e-3, what=f"{fmt} vs fp32 reference")
+
+
+@pytest.mark.parametrize("fmt", FP4)
+def test_mma_experts_gpt_oss_biases_interleaved(fmt):
+    """gpt-oss's layout: gate / up as every other row of one stack (a strided view), biases as strided views, the
+    clamped GLU; moe_experts(mma=True) with a residual into a bf16 output."""
+    E, I, H = 6, 64, 96
+    gate_up = random_weight(fmt, 2 * I, H, experts=E, seed=50, device=DEV, std=0.5)
+    wg, wu = gate_up.rows(0, None, 2), gate_up.rows(1, None, 2)
+    wd = random_weight(fmt, H, I, experts=E, seed=51, device=DEV)
+    gu_bias, d_bias = _t(E, 2 * I, seed=52), _t(E, H, seed=53)
+    x, nw = _t(1, H, seed=54), _t(H, seed=55)
+    ids = torch.tensor([3, 5, 0], dtype=torch.int32, device=DEV)
+    wts = torch.tensor([0.5, 0.3, 0.2], device=DEV)
+    kw = dict(act="gpt_oss", limit=7.0, gate_bias=gu_bias[:, 0::2], up_bias=gu_bias[:, 1::2], down_bias=d_bias,
+              norm_weight=nw, residual=x)
+    y = moe_experts(x, ids, wts, wg, wu, wd, mma=True, **kw)
+    assert y.shape == (1, H) and y.dtype == torch.bfloat16
+    want = moe_experts_ref(x, ids, wts, wg, wu, wd, out_dtype=torch.float32, fp16_inputs=True, **kw)
+    assert_close(y, want, rel=8e-3, what=f"gpt-oss {fmt} (bf16 output)")
+    y32 = moe_experts(x, ids, wts, wg, wu, wd, mma=True, out=torch.empty(1, H, device=DEV), **kw)
+    assert_close(y32, want, what=f"gpt-oss {fmt}")
+
+
+def test_moe_experts_takes_the_tensor_cores_by_active_bytes(monkeypatch):
+    """use_mma_experts: fp4 stacks at >= MMA_EXPERT_MIN_BYTES of active experts; never a float format, never below
+    the threshold; and moe_experts' default then gives the tensor-core path's numbers."""
+    E, I, H = 4, 64, 96
+    wg, wu, wd = _stack("nvfp4", E, I, H, seed=60)
+    per_expert = (wg.nbytes + wu.nbytes + wd.nbytes) // E
+    monkeypatch.setattr(M, "MMA_EXPERT_MIN_BYTES", 2 * per_expert)
+    assert not use_mma_experts(wg, wu, wd, 1) and use_mma_experts(wg, wu, wd, 2)
+    assert not use_mma_experts(*_stack("fp8", E, I, H, seed=61), 4)
+    x = _t(H, seed=62)
+    ids = torch.tensor([1, 3], dtype=torch.int32, device=DEV)
+    wts = torch.tensor([0.6, 0.4], device=DEV)
+    y = moe_experts(x, ids, wts, wg, wu, wd, out=torch.empty(H, device=DEV))
+    want = moe_experts_ref(x, ids, wts, wg, wu, wd, out_dtype=torch.float32, fp16_inputs=True)
+    assert_close(y, want, what="auto -> mma")
+    # an explicit tile config keeps the CUDA-core path (fp32 h): it matches the fp32 reference instead
+    from kie_moe.kernels.gemv import TileConfig
+    y2 = moe_experts(x, ids, wts, wg, wu, wd, out=torch.empty(H, device=DEV), config_up=TileConfig(16, 64))
+    assert_close(y2, moe_experts_ref(x, ids, wts, wg, wu, wd, out_dtype=torch.float32), what="tiles")
+
+
+def test_mma_experts_refuses_what_it_cannot_read():
+    E, I, H = 4, 64, 96
+    x = _t(H, seed=70)
+    ids = torch.tensor([1], dtype=torch.int32, device=DEV)
+    wts = torch.tensor([1.0], device=DEV)
+    with pytest.raises(ValueError, match="w_gate: weight format 'fp8'"):
+        moe_experts(x, ids, wts, *_stack("fp8", E, I, H, seed=71), mma=True)
+    with pytest.raises(ValueError, match="w_gate: in_features 80 is not a multiple of 32"):
+        moe_experts(_t(80, seed=72), ids, wts, *_stack("nvfp4", E, I, 80, seed=73), mma=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("fmt", FP4)
+@pytest.mark.parametrize("E,k,I,H", [(20, 10, 4096, 4096), (16, 8, 2048, 7168), (8, 4, 2880, 2880), (8, 8, 768, 2048)],
+                         ids=["big-4096", "deepseek-v3", "gpt-oss-120b", "qwen3-30b-a3b"])
+def test_mma_experts_real_sizes_gpu(fmt, E, k, I, H):
+    wg, wu, wd = _stack(fmt, E, I, H, seed=80, device="cuda")
+    g = torch.Generator(device="cuda").manual_seed(81)
+    x = torch.randn(H, device="cuda", generator=g).bfloat16()
+    nw = torch.rand(H, device="cuda", generator=g) + 0.5
+    ids = torch.randperm(E, device="cuda", generator=g)[:k].to(torch.int32)
+    wts = torch.softmax(torch.randn(k, device="cuda", generator=g), -1)
+    y = moe_experts(x, ids, wts, wg, wu, wd, mma=True, norm_weight=nw, residual=x, out=torch.empty(H, device="cuda"))
+    want = moe_experts_ref(x, ids, wts, wg, wu, wd, norm_weight=nw, residual=x, out_dtype=torch.float32,
+                           fp16_inputs=True)
+    assert_close(y, want, rel=2e-5, what=f"{fmt} E{E} top-{k} {I}x{H}")
