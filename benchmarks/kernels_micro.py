@@ -426,6 +426,9 @@ def big_experts_section(formats, mb: float, probe: float, rep_ms: int, H: int = 
             for mma in (False, True):
                 rows.append(bench_experts(f"{label} {'mma' if mma else 'cuda-core'}", fmt, mm, h, probe, rep_ms,
                                           mma=mma))
+            if label == name and DEV == "cuda":   # the GLU launch at the GEMV's register cap (it spills there)
+                rows.append(bench_experts(f"{label} mma glu-r128", fmt, mm, h, probe, rep_ms, mma=True,
+                                          glu_maxnreg=128))
         return rows
 
     return _each_format(formats, budget, "experts", run)

@@ -31,6 +31,9 @@ from .weights import WeightHandle
 # Launch shapes (rows per warp is fixed: 16 for the GLU, its block 1 being the up rows; 16 * RB for the down).
 MMA_EXPERT_WARPS = 4
 MMA_DOWN_ROW_BLOCKS = 1
+# The GLU launch's register cap: None. Two weight streams' pointers at ptxas's 128 cap spill (sm_90 offline: nvfp4
+# 40 B, mxfp4 48 B of stack); uncapped they take 130 (nvfp4) / 100 (mxfp4) registers and none.
+MMA_GLU_MAXNREG = None
 # Resident programs per SM at the 128-register cap and 4 warps: the down launch splits its slots until the grid fills
 # the GPU this many times over.
 _PROGRAMS_PER_SM = 4
@@ -199,7 +202,8 @@ def moe_experts_mma(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w
                     gate_bias: tuple, up_bias: tuple, down_bias: tuple, residual: torch.Tensor | None,
                     norm_weight: torch.Tensor | None, eps: float, y: torch.Tensor, counters: torch.Tensor,
                     split: int | None = None, num_warps: int = MMA_EXPERT_WARPS,
-                    down_row_blocks: int = MMA_DOWN_ROW_BLOCKS, maxnreg: int | None = MMA_MAXNREG) -> torch.Tensor:
+                    down_row_blocks: int = MMA_DOWN_ROW_BLOCKS, maxnreg: int | None = MMA_MAXNREG,
+                    glu_maxnreg: int | None = MMA_GLU_MAXNREG) -> torch.Tensor:
     """moe.moe_experts' body on the tensor cores; its arguments already checked there (biases as (tensor, stride
     0, stride 1) triples, y the output). Callers: moe.moe_experts (mma=True, or its size rule)."""
     I, H = w_gate.out_features, w_gate.in_features
@@ -219,6 +223,7 @@ def moe_experts_mma(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w
     mx = w_gate.fmt == "mxfp4"
     e4b = not e4m3_native(dev)
     cap = {"maxnreg": maxnreg} if dev.type == "cuda" and maxnreg else {}
+    glu_cap = {"maxnreg": glu_maxnreg} if dev.type == "cuda" and glu_maxnreg else {}
     xh = prepare_xh(x.reshape(-1), norm_weight, eps)
     h = torch.empty((top_k, I), dtype=torch.float16, device=dev)
     gs = lambda w: w.global_scale if w.global_scale is not None else h  # noqa: E731
@@ -230,7 +235,7 @@ def moe_experts_mma(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w
         w_gate.scale.stride(0), gs(w_gate), gs(w_up), st(w_gate),
         bg if bg is not None else h, sbg0, sbg1, bu if bu is not None else h, sbu0, sbu1, h, I, H, limit, alpha,
         MX=mx, HAS_BIAS=bg is not None, ACT=act_id, NW=num_warps, RP=w_gate.packing == "mma", E4B=e4b,
-        num_warps=num_warps, **launch_kw(dev), **cap)
+        num_warps=num_warps, **launch_kw(dev), **glu_cap)
     n_tiles = triton.cdiv(H, 16 * down_row_blocks * num_warps)
     if split is None:
         split = mma_experts_down_split(n_tiles, top_k, dev)

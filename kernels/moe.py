@@ -407,7 +407,7 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gat
                 norm_weight: torch.Tensor | None = None, eps: float = 1e-6, out: torch.Tensor | None = None,
                 x8: torch.Tensor | None = None, config_up: TileConfig | None = None,
                 config_down: TileConfig | None = None, split: int | None = None,
-                mma: bool | None = None) -> torch.Tensor:
+                mma: bool | None = None, **mma_launch) -> torch.Tensor:
     """Routed experts of one token: y = sum_k weights[k] * down[e_k](glu(gate[e_k] x, up[e_k] x)) (+ residual).
 
     ids int32 [k] / weights fp32 [k] stay on the device (from route()); repeated ids are fine. w_gate/w_up [E, I, H],
@@ -415,7 +415,8 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gat
     Biases [E, I] / [E, H] (views with strides are fine); down_bias is weighted like its expert's output.
     fp4 gate/up: x8 = prepare_x8(x, norm_weight, eps) (or route(..., x8_out=)) if already made.
     mma: nvfp4 / mxfp4 stacks on the tensor cores (kernels/fp4_mma_experts.py; x8 unused, x rounded to fp16 after the
-    norm, h kept in fp16); None: when use_mma_experts says so (>= MMA_EXPERT_MIN_BYTES of active experts)."""
+    norm, h kept in fp16); None: when use_mma_experts says so (>= MMA_EXPERT_MIN_BYTES of active experts);
+    mma_launch: that path's launch shapes (fp4_mma_experts.moe_experts_mma's keywords, for benchmarks)."""
     for name, w in (("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
         if not w.num_experts:
             raise ValueError(f"moe_experts: {name} is not an expert stack [E, out, in]")
@@ -451,11 +452,14 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gat
     y = make_out(x, H, out)
     if mma is None:
         mma = config_up is None and config_down is None and use_mma_experts(w_gate, w_up, w_down, top_k)
+    if mma_launch and not mma:
+        raise ValueError(f"moe_experts: {sorted(mma_launch)} apply to the tensor-core path only (mma=True)")
     if mma:
         from .fp4_mma_experts import moe_experts_mma  # it imports this module's neighbours
         return moe_experts_mma(x, ids, weights, w_gate, w_up, w_down, act_id=ACT_ID[act], limit=limit, alpha=alpha,
                                gate_bias=bg, up_bias=bu, down_bias=bd, residual=residual, norm_weight=norm_weight,
-                               eps=eps, y=y, counters=counters(dev, triton.cdiv(H, 16)), split=split)
+                               eps=eps, y=y, counters=counters(dev, triton.cdiv(H, 16)), split=split,
+                               **mma_launch)
     h = torch.empty((top_k, I), dtype=torch.float32, device=dev)  # fp32: no rounding between the two GEMVs
 
     cu = resolve_config(w_gate, config_up, DEFAULT_EXPERT_TILES)
