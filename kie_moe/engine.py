@@ -17,7 +17,7 @@ from typing import Iterator
 import torch
 
 from kie_moe.models.errors import CheckpointError, ConfigError, InputError
-from kie_moe.models.registry import adapter_for, load_model
+from kie_moe.models.registry import adapter_for, check_token_ids, load_model
 from kie_moe.sampling import SamplingParams, sample
 from kie_moe.tokenizer import Tokenizer, has_tokenizer
 
@@ -167,7 +167,10 @@ class Engine:
         self.device = resolve_device(device)
         self.backend = backend_impl if backend_impl is not None else make_backend(backend, self.model, self.device)
         self.tokenizer = Tokenizer(model_dir) if has_tokenizer(model_dir) else None
-        self.eos_ids = set(self.spec.eos_token_ids) | generation_eos(model_dir)
+        gen_eos = generation_eos(model_dir)
+        check_token_ids(sorted(gen_eos, key=str), self.spec.vocab_size,
+                        f"{os.path.join(model_dir, 'generation_config.json')}: eos_token_id")
+        self.eos_ids = set(self.spec.eos_token_ids) | gen_eos
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None and not self.eos_ids:
             self.eos_ids.add(self.tokenizer.eos_token_id)
 

@@ -211,6 +211,9 @@ class Service:
         msgs = []
         for i, m in enumerate(req.messages):
             d = m.model_dump(exclude_none=True)
+            if m.content is None and not (m.role == "assistant" and d.get("tool_calls")):
+                # as OpenAI: only an assistant turn that made tool calls may leave content out
+                raise bad(f"messages[{i}]: `content` is required for a {m.role!r} message", f"messages.{i}.content")
             if isinstance(m.content, list):
                 if any(p.type != "text" or p.text is None for p in m.content):
                     raise bad(f"messages[{i}]: only text content parts are supported", f"messages.{i}.content")

@@ -45,6 +45,14 @@ def spec_from_config(cfg: dict, path: str = "config.json") -> ModelSpec:
     return checked_spec(adapter_for(cfg.get("model_type"), path), cfg, path)
 
 
+def check_token_ids(ids, vocab_size: int, what: str) -> None:
+    """Each of ids an int token id below vocab_size, else a ConfigError naming `what` (an eos id the model can never
+    sample would make every generation run to its length limit without a word)."""
+    for t in ids:
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
+            raise ConfigError(f"{what} {t!r} is not a token id of this model (vocab_size {vocab_size})")
+
+
 def checked_spec(adapter, cfg: dict, path: str = "config.json"):
     """adapter.build_spec, with the settings no adapter checks on its own refused by name: a ValueError from a
     field's conversion (a rope setting, a number given as text) as the ConfigError it is, a norm epsilon that is
@@ -59,6 +67,7 @@ def checked_spec(adapter, cfg: dict, path: str = "config.json"):
     eps = getattr(spec, "norm_eps", None)
     if eps is not None and not (isinstance(eps, (int, float)) and math.isfinite(eps) and eps > 0):
         raise ConfigError(f"{path}: rms_norm_eps must be a positive number, got {eps!r}")
+    check_token_ids(spec.eos_token_ids, spec.vocab_size, f"{path}: eos_token_id")
     for i, lay in enumerate(getattr(spec, "layers", ())):
         m = getattr(lay, "moe", None)
         if m is None:

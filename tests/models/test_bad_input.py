@@ -166,6 +166,8 @@ def test_two_shards_with_one_tensor_and_no_index(capsys, good, tmp_path):
     (dict(rms_norm_eps="abc"), ("config.json", "abc")),
     (dict(num_experts_per_tok=20), ("num_experts_per_tok", "20")),
     (dict(rope_parameters={"rope_type": "warp", "rope_theta": 1e4}), ("config.json", "warp")),
+    (dict(eos_token_id=10**6), ("config.json", "eos_token_id", "1000000", "vocab_size")),
+    (dict(eos_token_id=[2, "x"]), ("config.json", "eos_token_id", "'x'")),
 ])
 def test_config_settings_that_break_the_math_are_named(capsys, good, tmp_path, cfg, needles):
     d = clone(good, tmp_path)
@@ -174,6 +176,12 @@ def test_config_settings_that_break_the_math_are_named(capsys, good, tmp_path, c
     else:
         _edit_config(d, **cfg)
     fails(capsys, gen(d), *needles)
+
+
+def test_generation_config_eos_outside_vocab_is_named(capsys, good, tmp_path):
+    d = clone(good, tmp_path)
+    json.dump({"eos_token_id": [1, 99999]}, open(f"{d}/generation_config.json", "w"))
+    fails(capsys, gen(d), "generation_config.json", "eos_token_id", "99999")
 
 
 def test_nan_weights_are_not_a_silent_eos(capsys, good, tmp_path):
