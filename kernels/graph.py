@@ -212,7 +212,7 @@ class GraphBackend:
         self.x = torch.zeros(D, **f32)
         self.x2 = torch.zeros(D, **f32)
         self.pos = torch.zeros(1, dtype=torch.int32, device=self.device)
-        self.token = torch.zeros(1, dtype=torch.int64, device=self.device)
+        self.token = torch.zeros(1, dtype=torch.int32, device=self.device)
         self.logits = torch.zeros(V, **f32)
         self.sampler = DeviceSampler(V, self.device, filter=True)
         # the normed MoE input in the x8 layout, written by the router for fp4 experts (one buffer: a CUDA graph
@@ -344,7 +344,8 @@ class GraphBackend:
             self._ffn(L, lay)
         gemv(self.x, self.lm_head, norm_weight=self.final_norm, eps=self.spec.norm_eps, out=self.logits)
         tok = self.sampler(self.logits)
-        self.token.copy_(tok.view(1))
+        # -1 (non-finite logits) stays in the sampler's out, which the host reads; the next step embeds a valid id
+        torch.clamp(tok.view(1), min=0, out=self.token)
         self.pos.add_(1)
 
     # ---- prefill -------------------------------------------------------------------------------------------------
@@ -382,17 +383,17 @@ class GraphBackend:
         if self.eager:
             for s in range(p.max_new_tokens):
                 self._step()
-                tid = int(self.token)
+                tid = int(self.sampler.out[0])
                 yield tid
                 if tid in eos_ids and not p.ignore_eos:
                     return
             return
-        ring = torch.zeros(p.max_new_tokens, dtype=torch.int64, pin_memory=True)
+        ring = torch.zeros(p.max_new_tokens, dtype=torch.int32, pin_memory=True)   # the sampler's out, -1 kept
         events = []
         stream = torch.cuda.current_stream(self.device)
         if self.graph is None:
             self._step()                       # step 0 eagerly: compiles every kernel before the capture
-            ring[0:1].copy_(self.token.view(1), non_blocking=True)
+            ring[0:1].copy_(self.sampler.out, non_blocking=True)
             ev = torch.cuda.Event(); ev.record(stream); events.append(ev)
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g):
@@ -403,7 +404,7 @@ class GraphBackend:
             first = 0
         for s in range(first, p.max_new_tokens):
             self.graph.replay()
-            ring[s:s + 1].copy_(self.token.view(1), non_blocking=True)
+            ring[s:s + 1].copy_(self.sampler.out, non_blocking=True)
             ev = torch.cuda.Event(); ev.record(stream); events.append(ev)
             if s >= 1:                          # one step behind the device: the next replay is already queued
                 events[s - 1].synchronize()

@@ -8,7 +8,10 @@ Two program kinds (two launches here, two task kinds in the monokernel):
   final  (draw d): reduces the tiles -> token id into out[d] (+ ring[step % R]), and advances the step.
 
 Greedy ties go to the lowest index, like torch.argmax (tl.argmax breaks ties left in a tile, and the tile reduction
-prefers the lowest tile). NaN logits are not supported (torch.argmax would return the NaN's index).
+prefers the lowest tile). A NaN or +inf logit anywhere makes the token -1 (greedy and sampled alike): the tile
+marks its argmax -1 and the final program passes that on, so a broken model is never read as a real token (argmax
+over NaN would be some index, often an EOS); the caller stops there (engine.Engine.stream raises). -inf is a
+valid logit (a masked token).
 
 Temperature sampling is Gumbel-max: argmax_i(y_i + g_i) with g_i = -log(-log u_i) is distributed as softmax(y), so
 sampling is a max-reduction like greedy, with no sort and no normalisation. u_i comes from Philox keyed by the
@@ -88,8 +91,9 @@ def sample_tile_task(tile, draw_block, logits_ptr, V, params_ptr, rng_ptr, part_
     y = x / tl.where(temp > 0, temp, 1.0)
     ymax = tl.max(y, axis=0)
     if draw_block == 0:
+        bad = tl.sum(((x != x) | (x == float("inf"))).to(tl.int32), axis=0) > 0     # NaN or +inf in this tile
         tl.store(part_f_ptr + tile * 3, tl.max(x, axis=0))
-        tl.store(part_i_ptr + tile, tile * BLOCK_V + tl.argmax(x, axis=0, tie_break_left=True))
+        tl.store(part_i_ptr + tile, tl.where(bad, -1, tile * BLOCK_V + tl.argmax(x, axis=0, tie_break_left=True)))
     if temp > 0:
         if draw_block == 0:
             tl.store(part_f_ptr + tile * 3 + 1, ymax)
@@ -135,6 +139,7 @@ def sample_final_task(draw_block, params_ptr, rng_ptr, part_f_ptr, part_i_ptr, c
                 token = _filtered_draw(token, temp, top_p, top_k, step + draws, tl.sum(dmask.to(tl.int32), axis=0),
                                        rng_ptr, part_f_ptr, mask_t, cand_ptr, status_ptr, n_tiles,
                                        K_CAND, BLOCK_T, BLOCK_C)
+    token = tl.where(tl.min(gidx, axis=0) < 0, -1, token)   # a tile saw NaN / +inf (masked tiles read 0)
     tl.store(out_ptr + draws, token, mask=dmask)
     if HAS_RING:
         tl.store(ring_ptr + (step + draws) % ring_size, token, mask=dmask)
@@ -264,7 +269,8 @@ class DeviceSampler:
         return self
 
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
-        """logits [V] fp32 / bf16 / fp16 on the sampler's device -> self.out (int32 [num_draws])."""
+        """logits [V] fp32 / bf16 / fp16 on the sampler's device -> self.out (int32 [num_draws]; -1 where the
+        logits hold a NaN or +inf: module docstring)."""
         if logits.dim() != 1 or logits.shape[0] != self.V or logits.device != self.device or logits.stride(0) != 1:
             raise ValueError(f"logits: expected a contiguous [{self.V}] vector on {self.device}, got "
                              f"{tuple(logits.shape)} on {logits.device}")

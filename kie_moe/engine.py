@@ -202,7 +202,15 @@ class Engine:
 
     def stream(self, prompt_ids: list[int], p: SamplingParams) -> Iterator[int]:
         self.check_prompt(prompt_ids, p)
-        return self.backend.generate(list(prompt_ids), p, self.eos_ids)
+        return self._checked(self.backend.generate(list(prompt_ids), p, self.eos_ids))
+
+    def _checked(self, tokens: Iterator[int]) -> Iterator[int]:
+        """The backend's tokens; -1 is a device sampler's mark for NaN / +inf logits (kernels/sampling.py)."""
+        for n, tid in enumerate(tokens):
+            if tid < 0:
+                raise CheckpointError(f"{self.model_dir}: the model's logits are not finite at step {n} (NaN / Inf "
+                                      "weights in the checkpoint, or settings that make them)")
+            yield tid
 
     def generate(self, prompt_ids: list[int], p: SamplingParams, on_token=None) -> GenerationResult:
         t0 = time.perf_counter()

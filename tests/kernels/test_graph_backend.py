@@ -230,3 +230,23 @@ def test_fp4_inputs_handed_over_as_x8(case, fmt, tmp_path, monkeypatch):
     assert runs[True][0] == runs[False][0] == want
     assert_logits_close(runs[False][1], want_logits)
     assert_logits_close(runs[True][1], runs[False][1])
+
+
+def test_non_finite_logits_stop_the_graph_backend(tmp_path):
+    """NaN logits reach the host as the sampler's -1 (never as a token: argmax over NaN would be some id, maybe an
+    EOS) and the engine stops with the reference backend's error, while the step after still embeds a valid id."""
+    import glob
+    from safetensors.torch import load_file, save_file
+    from kie_moe.engine import Engine
+    from kie_moe.models.errors import CheckpointError
+    make_checkpoint("qwen3", str(tmp_path))
+    f = glob.glob(f"{tmp_path}/*.safetensors")[0]
+    t = load_file(f)
+    t["model.norm.weight"] = torch.full_like(t["model.norm.weight"], float("nan"))
+    save_file(t, f, metadata={"format": "pt"})
+    m = load_model(str(tmp_path))
+    be = GraphBackend(m, torch.device("cpu"))
+    eng = Engine(str(tmp_path), device="cpu", model=m, backend_impl=be)
+    with pytest.raises(CheckpointError, match="not finite at step 0"):
+        list(eng.stream(list(range(7, 15)), SamplingParams(max_new_tokens=3, ignore_eos=True)))
+    assert int(be.sampler.out[0]) == -1 and int(be.token[0]) == 0

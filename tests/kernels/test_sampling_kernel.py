@@ -118,6 +118,24 @@ def test_seed_step_reproducible_and_device_state_advances():
     assert int(s(logits)[0]) == int(torch.argmax(logits))
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+@pytest.mark.parametrize("kw", [dict(), dict(temperature=0.8), dict(temperature=0.8, top_k=5),
+                                dict(temperature=0.8, top_p=0.9)])
+def test_non_finite_logits_give_minus_one(bad, kw):
+    """A NaN / +inf logit in any tile, wherever the maximum is, gives token -1 for every draw; -inf (a masked token)
+    is a valid logit."""
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(1000, generator=g)
+    logits[7] = 50.0                          # the clear winner, in another tile than the bad value
+    t = logits.clone()
+    t[900] = bad
+    got = sample_tokens(t.to(DEV), block_v=128, num_draws=4, **kw)
+    assert got.tolist() == [-1] * 4
+    t = logits.clone()
+    t[900] = -float("inf")
+    assert int(sample_tokens(t.to(DEV), block_v=128)[0]) == 7
+
+
 def test_sampler_rejects_bad_inputs():
     with pytest.raises(ValueError, match="top_k"):
         DeviceSampler(100, DEV, k_cand=4).configure(1.0, top_k=5)
