@@ -29,6 +29,7 @@ import sys
 import torch
 
 from kie_moe.models.errors import ConfigError, InputError, KieError
+from kie_moe.models.quantizable import convert_checkpoint
 
 from . import bench as B
 from . import heldout as H
@@ -160,12 +161,6 @@ def quality(ref: list[torch.Tensor], test: list[torch.Tensor], windows: torch.Te
 
 # ---- the model in each scheme ----------------------------------------------------------------------------------
 
-def converter():
-    """kie convert's entry point (models.quantizable.convert_checkpoint): what a sweep of a checkpoint converts with."""
-    from kie_moe.models.quantizable import convert_checkpoint
-    return convert_checkpoint
-
-
 def _stamp(src: str, scheme: str, observer: str = "minmax", gptq=None, experts_only: bool = False) -> dict:
     cfg = os.path.join(src, "config.json")
     out = {"source": os.path.abspath(src), "scheme": scheme, "source_config_mtime": os.path.getmtime(cfg)}
@@ -264,7 +259,7 @@ def run(model: str, schemes: list[str], out_dir: str, *, text: str | None = None
     qdtype = quality_dtype(dev, lazy, base.model.weights)
     ref = window_logits(base.model, windows, dev, lazy, qdtype)
     bar.update()
-    convert = converter() if ckpt else None
+    convert = convert_checkpoint if ckpt else None   # kie convert's entry point
     # each row records the backend that ran it (auto moves to the next backend for a scheme the preferred one does
     # not support, e.g. mixed formats in one kind); the title names them, or the request until a row has run
     res.update(quality_data=data_label, quality_dtype=str(qdtype).removeprefix("torch."),

@@ -107,7 +107,7 @@ def test_conversions_are_cached(swept, ckpt):
     _, out, res = swept
     assert res["converter"] == "kie convert"
     assert res["rows"][1]["model_source"].startswith("converted: ")
-    d, how = S.scheme_checkpoint(ckpt, "fp8", os.path.join(out, "checkpoints"), S.converter())
+    d, how = S.scheme_checkpoint(ckpt, "fp8", os.path.join(out, "checkpoints"), S.convert_checkpoint)
     assert how == "cached" and d == os.path.join(out, "checkpoints", "fp8")
     # fp8-block on a 64-wide model: every weight is smaller than one 128 x 128 block, kept in float, and said so
     assert "kept them in float" in res["rows"][2]["note"] and res["rows"][2]["kl"] == 0
