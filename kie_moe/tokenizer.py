@@ -2,6 +2,7 @@
 HF tokenizers/transformers. A checkpoint without tokenizer files still runs with prompt ids."""
 from __future__ import annotations
 
+import json
 import os
 
 from kie_moe.models.errors import ConfigError
@@ -9,6 +10,22 @@ from kie_moe.models.errors import ConfigError
 
 def has_tokenizer(model_dir: str) -> bool:
     return any(os.path.exists(os.path.join(model_dir, f)) for f in ("tokenizer.json", "tokenizer.model"))
+
+
+_TOKENIZER_JSON = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json")
+
+
+def _broken_json(model_dir: str) -> str | None:
+    """The first of the tokenizer's JSON files that is not valid JSON (transformers' own error names no file)."""
+    for name in _TOKENIZER_JSON:
+        path = os.path.join(model_dir, name)
+        if os.path.exists(path):
+            try:
+                with open(path, encoding="utf-8") as f:
+                    json.load(f)
+            except (ValueError, UnicodeDecodeError):
+                return path
+    return None
 
 
 class Tokenizer:
@@ -19,7 +36,7 @@ class Tokenizer:
         try:
             self.tok = AutoTokenizer.from_pretrained(model_dir)
         except Exception as e:
-            raise ConfigError(f"{model_dir}: cannot load the tokenizer ({e})") from None
+            raise ConfigError(f"{_broken_json(model_dir) or model_dir}: cannot load the tokenizer ({e})") from None
 
     @property
     def eos_token_id(self) -> int | None:

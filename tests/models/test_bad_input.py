@@ -115,6 +115,16 @@ def test_text_prompt_without_tokenizer(capsys, good):
     fails(capsys, ["generate", good, "--prompt", "hello", "--device", "cpu"], "tokenizer")
 
 
+@pytest.mark.parametrize("name", ["tokenizer.json", "tokenizer_config.json"])
+def test_corrupt_tokenizer_file_is_named(capsys, tmp_path, name):
+    from kie_moe.synthetic import EMBEDDED_DEMO
+    d = tmp_path / "demo"
+    shutil.copytree(EMBEDDED_DEMO, d)
+    (d / name).write_text('{"truncated": ')
+    fails(capsys, ["generate", str(d), "--prompt", "hello", "--device", "cpu", "--max-new-tokens", "1"],
+          str(d / name), "cannot load the tokenizer")
+
+
 def test_bad_sampling_options(capsys, good):
     fails(capsys, gen(good, "1,2", "--temperature", "-1"), "temperature")
     fails(capsys, gen(good, "1,2", "--top-p", "0"), "top_p")
