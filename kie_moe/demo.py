@@ -25,8 +25,9 @@ import torch
 from kie_moe import heldout as H
 from kie_moe.engine import resolve_device
 from kie_moe.models.errors import ConfigError, InputError
+from kie_moe.synthetic import EMBEDDED_DEMO
 
-DEFAULT_MODEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "demo-moe")
+DEFAULT_MODEL = EMBEDDED_DEMO
 DEFAULT_SCHEMES = ("fp8", "nvfp4")
 PROMPT = "def fibonacci(n):"
 

@@ -109,7 +109,7 @@ class Source:
     note: str = ""
 
 
-# `demo` names the embedded demo model (kie_moe/demo.py's DEFAULT_MODEL) unless a directory of that name exists here
+# `demo` names the embedded demo model (kie_moe/demo.py's DEFAULT_MODEL is this path) unless a directory of that name exists here
 EMBEDDED_DEMO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "demo-moe")
 
 
