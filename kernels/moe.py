@@ -34,8 +34,9 @@ SCORE_ID = {"softmax": 0, "sigmoid": 1, "softmax_topk": 2}
 # (expert_down_split) from 24.1 to 20.3-20.8 us.
 DEFAULT_EXPERT_TILES = {**DEFAULT_GLU_TILES, "fp8": TileConfig(8, 512, num_warps=2, prefetch=False)}
 EXPERT_DOWN_PROGRAMS_PER_SM = 16
-# Active fp4 expert bytes per token from which moe_experts runs on the tensor cores (use_mma_experts).
-MMA_EXPERT_MIN_BYTES = 64 << 20
+# Active fp4 expert bytes per token from which moe_experts runs on the tensor cores (use_mma_experts); None: never
+# by default (mma=True only) until the kernels have run on a GPU (written offline, session 16; NOTES.md).
+MMA_EXPERT_MIN_BYTES: int | None = None
 
 
 @dataclass(frozen=True)
@@ -495,8 +496,9 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gat
 
 def use_mma_experts(w_gate: WeightHandle, w_up: WeightHandle, w_down: WeightHandle, top_k: int) -> bool:
     """moe_experts' default path: the tensor cores (fp4_mma_experts) for nvfp4 / mxfp4 stacks they can read whose
-    top_k active experts hold >= MMA_EXPERT_MIN_BYTES; else the CUDA-core tiles (tuned on qwen3's small experts)."""
-    if not (is_fp4(w_gate.fmt) and w_gate.fmt == w_up.fmt == w_down.fmt):
+    top_k active experts hold >= MMA_EXPERT_MIN_BYTES (None: never); else the CUDA-core tiles (tuned on qwen3's
+    small experts)."""
+    if MMA_EXPERT_MIN_BYTES is None or not (is_fp4(w_gate.fmt) and w_gate.fmt == w_up.fmt == w_down.fmt):
         return False
     active = top_k * (w_gate.nbytes + w_up.nbytes + w_down.nbytes) // w_gate.num_experts
     if active < MMA_EXPERT_MIN_BYTES:
