@@ -23,9 +23,9 @@ import triton.language as tl
 from .device_caps import e4m3_native
 from .fp4_mma import (MMA_MAXNREG, _global_factor, _lane_warp, _mine, _quad_sum, _rows_dot, mma_unreadable,
                       prepare_xh)
-from .gemv import num_sms
+from .moe import expert_down_split, split_slots
 from .pdl import launch_kw, pdl_begin
-from .tiles import _glu
+from .tiles import _glu, _store_out
 from .weights import WeightHandle
 
 # Launch shapes (rows per warp is fixed: 16 for the GLU, its block 1 being the up rows; 16 * RB for the down).
@@ -167,18 +167,11 @@ def _mma_down_kernel(h_ptr, ids_ptr, wts_ptr, w_ptr, stride_wn, stride_we, s_ptr
                     y3 += tl.load(p + n + 24, mask=lead & (n + 24 < N), other=0.0, cache_modifier=".cg")
             tl.atomic_xchg(cnt_ptr + pid_n, 0)
     if last:
-        _store_rows(y0, n, lead & (n < N), res_ptr, y_ptr, HAS_RES)
-        _store_rows(y1, n + 8, lead & (n + 8 < N), res_ptr, y_ptr, HAS_RES)
+        _store_out(y0, n, lead & (n < N), y_ptr, y_ptr, res_ptr, False, HAS_RES)
+        _store_out(y1, n + 8, lead & (n + 8 < N), y_ptr, y_ptr, res_ptr, False, HAS_RES)
         if RB == 2:
-            _store_rows(y2, n + 16, lead & (n + 16 < N), res_ptr, y_ptr, HAS_RES)
-            _store_rows(y3, n + 24, lead & (n + 24 < N), res_ptr, y_ptr, HAS_RES)
-
-
-@triton.jit
-def _store_rows(v, n, mask, res_ptr, y_ptr, HAS_RES: tl.constexpr):
-    if HAS_RES:
-        v += tl.load(res_ptr + n, mask=mask, other=0.0).to(tl.float32)
-    tl.store(y_ptr + n, v.to(y_ptr.dtype.element_ty), mask=mask)
+            _store_out(y2, n + 16, lead & (n + 16 < N), y_ptr, y_ptr, res_ptr, False, HAS_RES)
+            _store_out(y3, n + 24, lead & (n + 24 < N), y_ptr, y_ptr, res_ptr, False, HAS_RES)
 
 
 def mma_experts_unreadable(w: WeightHandle) -> str | None:
@@ -189,12 +182,6 @@ def mma_experts_unreadable(w: WeightHandle) -> str | None:
     if w.weight.stride(0) % 16 or (w.fmt == "nvfp4" and w.scale.stride(0) % 2):
         return "expert stride not 16-byte aligned (codes) / 2-byte aligned (nvfp4 scales)"
     return mma_unreadable(w.expert(0))
-
-
-def mma_experts_down_split(n_tiles: int, top_k: int, device: torch.device) -> int:
-    """Programs per row tile of the down launch: enough to fill _PROGRAMS_PER_SM programs per SM, up to one slot
-    per program."""
-    return max(1, min(top_k, _PROGRAMS_PER_SM * num_sms(device) // max(n_tiles, 1)))
 
 
 def moe_experts_mma(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gate: WeightHandle,
@@ -238,9 +225,8 @@ def moe_experts_mma(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w
         num_warps=num_warps, **launch_kw(dev), **glu_cap)
     n_tiles = triton.cdiv(H, 16 * down_row_blocks * num_warps)
     if split is None:
-        split = mma_experts_down_split(n_tiles, top_k, dev)
-    per = triton.cdiv(top_k, max(1, min(split, top_k)))
-    split = triton.cdiv(top_k, per)
+        split = expert_down_split(n_tiles, top_k, dev, per_sm=_PROGRAMS_PER_SM)
+    per, split = split_slots(split, top_k)
     part = torch.empty((split, H), dtype=torch.float32, device=dev) if split > 1 else y
     _mma_down_kernel[(n_tiles, split)](
         h, ids, weights, w_down.weight, w_down.weight.stride(1), w_down.weight.stride(0),

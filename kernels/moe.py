@@ -380,11 +380,18 @@ def _expert_down_kernel(
             _store_out(acc, offs_n, n_mask, y_ptr, y_ptr, res_ptr, False, HAS_RES)
 
 
-def expert_down_split(n_tiles: int, top_k: int, device: torch.device) -> int:
+def expert_down_split(n_tiles: int, top_k: int, device: torch.device,
+                      per_sm: int = EXPERT_DOWN_PROGRAMS_PER_SM) -> int:
     """Programs per row tile of the expert down launch (each sums top_k / split slots; the last one reduces): as
-    many as fit EXPERT_DOWN_PROGRAMS_PER_SM programs per SM, up to one slot per program. qwen3-30b-a3b (256 row
-    tiles, top-8): 8; gpt-oss-120b (360, top-4): 4; DeepSeek-V3 (896, top-8): 2."""
-    return max(1, min(top_k, EXPERT_DOWN_PROGRAMS_PER_SM * num_sms(device) // max(n_tiles, 1)))
+    many as fit per_sm programs per SM, up to one slot per program. qwen3-30b-a3b (256 row tiles, top-8): 8;
+    gpt-oss-120b (360, top-4): 4; DeepSeek-V3 (896, top-8): 2."""
+    return max(1, min(top_k, per_sm * num_sms(device) // max(n_tiles, 1)))
+
+
+def split_slots(split: int, top_k: int) -> tuple[int, int]:
+    """(slots per program, programs) for a requested split of top_k slots: no program left without a slot."""
+    per = triton.cdiv(top_k, max(1, min(split, top_k)))
+    return per, triton.cdiv(top_k, per)
 
 
 def _expert_args(w: WeightHandle) -> tuple:
@@ -456,7 +463,7 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gat
     if mma_launch and not mma:
         raise ValueError(f"moe_experts: {sorted(mma_launch)} apply to the tensor-core path only (mma=True)")
     if mma:
-        from .fp4_mma_experts import moe_experts_mma  # it imports this module's neighbours
+        from .fp4_mma_experts import moe_experts_mma  # it imports this module: not at the top
         return moe_experts_mma(x, ids, weights, w_gate, w_up, w_down, act_id=ACT_ID[act], limit=limit, alpha=alpha,
                                gate_bias=bg, up_bias=bu, down_bias=bd, residual=residual, norm_weight=norm_weight,
                                eps=eps, y=y, counters=counters(dev, triton.cdiv(H, 16)), split=split,
@@ -479,9 +486,7 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gat
     n_tiles = triton.cdiv(H, cd.block_n)
     if split is None:
         split = expert_down_split(n_tiles, top_k, dev)
-    split = max(1, min(split, top_k))
-    per = triton.cdiv(top_k, split)
-    split = triton.cdiv(top_k, per)
+    per, split = split_slots(split, top_k)
     part = torch.empty((split, H), dtype=torch.float32, device=dev) if split > 1 else h
     _expert_down_kernel[(n_tiles, split)](
         h, ids, weights, *_expert_args(w_down), bd[0] if bd[0] is not None else h, bd[1],

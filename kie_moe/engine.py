@@ -31,6 +31,11 @@ BACKENDS = {
 AUTO_ORDER = {"cuda": ("monokernel", "graph", "reference"), "cpu": ("reference",)}
 
 
+def logits_not_finite(path: str, step: int) -> CheckpointError:
+    return CheckpointError(f"{path}: the model's logits are not finite at step {step} (NaN / Inf weights in the "
+                           "checkpoint, or settings that make them)")
+
+
 class ReferenceBackend:
     """Host loop around the reference decoder; the oracle for every other backend."""
     name = "reference"
@@ -50,8 +55,7 @@ class ReferenceBackend:
         logits = self.decoder.forward(torch.tensor(prompt_ids, dtype=torch.long))[-1]
         for n in range(p.max_new_tokens):
             if not bool(torch.isfinite(logits).all()):   # else argmax of NaN is token 0: a silent "EOS"
-                raise CheckpointError(f"{self.path}: the model's logits are not finite at step {n} (NaN / Inf "
-                                      "weights in the checkpoint, or settings that make them)")
+                raise logits_not_finite(self.path, n)
             tid = sample(logits, p, gen)
             yield tid
             if (tid in eos_ids and not p.ignore_eos) or n + 1 == p.max_new_tokens:
@@ -208,8 +212,7 @@ class Engine:
         """The backend's tokens; -1 is a device sampler's mark for NaN / +inf logits (kernels/sampling.py)."""
         for n, tid in enumerate(tokens):
             if tid < 0:
-                raise CheckpointError(f"{self.model_dir}: the model's logits are not finite at step {n} (NaN / Inf "
-                                      "weights in the checkpoint, or settings that make them)")
+                raise logits_not_finite(self.model_dir, n)
             yield tid
 
     def generate(self, prompt_ids: list[int], p: SamplingParams, on_token=None) -> GenerationResult:
