@@ -46,6 +46,7 @@ from .stream import stream_expert_down, stream_gemv, stream_glu, tile
 
 # ctrl words (int32, device): written by the kernel, read by the host after the launch
 CT_STOP, CT_ERR, CT_ERR_TASK, CT_ERR_HAVE, CT_ERR_NEED, CT_REASON, CT_NTOK, CT_YIELD = range(8)
+# CT_REASON: 1 EOS, 2 host stop flag, 3 non-finite logits (the ring's last token is -1); 0 max tokens
 N_CTRL = 8      # then 3 words per program: its watchdog record (task + 1, counter value, target)
 WAIT_YIELD = 3   # interpreter only: a KCCL wait another rank has not satisfied yet (see _kccl_wait)
 
@@ -675,11 +676,12 @@ def monokernel(
                     eos = tl.load(eos_ptr + offs_eos, mask=offs_eos < n_eos, other=-1)
                     hit = (tl.sum((eos == tok).to(tl.int32), axis=0) > 0) & (ignore_eos == 0)
                     host_stop = flag_is_set(hostflag_ptr, USE_ASM, NT)
-                    if hit | host_stop:
-                        tl.store(ctrl_ptr + 5, tl.where(hit, 1, 2))  # CT_REASON
+                    broken = tok < 0    # non-finite logits: the host raises at this token (engine._checked)
+                    if hit | host_stop | broken:
+                        tl.store(ctrl_ptr + 5, tl.where(hit, 1, tl.where(broken, 3, 2)))  # CT_REASON
                         tl.store(stop_ptr, 1)
                 for lane in tl.static_range(NLX):   # every lane's stream starts as the embedding
-                    embed_row(wa_ptr + embed_off, tok, x_ptr + lane * D, D, BLOCK_X)
+                    embed_row(wa_ptr + embed_off, tl.maximum(tok, 0), x_ptr + lane * D, D, BLOCK_X)
         elif op == _OP_REDUCE:
             t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
             wctr = symi_ptr + sym_ctr_off + wc

@@ -294,7 +294,8 @@ def head_combine(ao_ptr, am_ptr, al_ptr, sink_ptr, n_splits, g, HQ: tl.constexpr
 
 @triton.jit
 def pick_token(pv_ptr, pi_ptr, n_tiles, BLOCK_P: tl.constexpr, CHUNK: tl.constexpr = 256):
-    """Reduce the LM-head tiles' (max, argmax) partials -> token id (first tile wins ties: lowest id). Walks the
+    """Reduce the LM-head tiles' (max, argmax) partials -> token id (first tile wins ties: lowest id); -1 when a
+    tile saw a NaN / +inf logit (its pv is +inf, so it wins, and its pi is -1: stream_gemv). Walks the
     [n_tiles] partials in CHUNK pieces with a running best: a [BLOCK_P] vector (2048 for a 151k vocab) held
     whole cost the sampler ~30 registers per thread, and it sets the register budget of the whole monokernel."""
     C: tl.constexpr = min(CHUNK, BLOCK_P)

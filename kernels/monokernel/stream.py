@@ -105,9 +105,9 @@ def stream_gemv(w_ptr, s_ptr, f_ptr, w_first, s_first, K: tl.constexpr, row0, r_
                 NS: tl.constexpr = 0):
     """y[r] = (rstd *) W[r] . (nw *) x (+ b[r]) (+ res[r]) for r in [row0, r_end); y may alias res (each task
     owns its rows). LM: instead of storing logits, the tile's max / argmax of logits (greedy) or of logits / T +
-    Gumbel noise (sampling), lowest id on ties, to pv / pi[tile_id]. NS > 0: instead of the explicit one-ahead
-    double buffer, plain loads in a tl.range(num_stages=NS) loop (Triton's pipeliner: NS tiles in flight through
-    shared memory, no registers)."""
+    Gumbel noise (sampling), lowest id on ties, to pv / pi[tile_id] (pv +inf and pi -1 where the tile holds a NaN /
+    +inf logit). NS > 0: instead of the explicit one-ahead double buffer, plain loads in a tl.range(num_stages=NS)
+    loop (Triton's pipeliner: NS tiles in flight through shared memory, no registers)."""
     NK: tl.constexpr = (K + BLOCK_K - 1) // BLOCK_K + (K == 0)
     VEC: tl.constexpr = min(BLOCK_K, 128 // w_ptr.dtype.element_ty.primitive_bitwidth)  # columns per 16-B load
     offs_n = tl.arange(0, BLOCK_N)
@@ -137,7 +137,9 @@ def stream_gemv(w_ptr, s_ptr, f_ptr, w_first, s_first, K: tl.constexpr, row0, r_
             if LM:
                 if do_sample != 0:
                     y = y * inv_temp + gumbel(seed, step, rows)
-                y = tl.where(r_mask, y, -float("inf"))
+                # NaN counts as +inf, so a broken tile always wins the max and then marks its id -1 (below):
+                # a max that skipped NaN would hand a real-looking token (often an EOS) to the host
+                y = tl.where(r_mask, tl.where(y != y, float("inf"), y), -float("inf"))
                 cm = tl.max(y, axis=0)
                 ci = tl.argmax(y, axis=0) + r0
                 better = cm > best_v
@@ -153,9 +155,9 @@ def stream_gemv(w_ptr, s_ptr, f_ptr, w_first, s_first, K: tl.constexpr, row0, r_
         if NS == 0:
             w_cur = w_nxt
             s_cur = s_nxt
-    if LM:
+    if LM:   # pi = -1: a NaN / +inf logit in this tile (kernels/sampling.py marks it the same way)
         tl.store(pv_ptr + tile_id, best_v)
-        tl.store(pi_ptr + tile_id, best_i)
+        tl.store(pi_ptr + tile_id, tl.where(best_v == float("inf"), -1, best_i))
 
 
 @triton.jit

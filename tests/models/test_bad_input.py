@@ -194,10 +194,11 @@ def test_generation_config_eos_outside_vocab_is_named(capsys, good, tmp_path):
     fails(capsys, gen(d), "generation_config.json", "eos_token_id", "99999")
 
 
-def test_nan_weights_are_not_a_silent_eos(capsys, good, tmp_path):
+@pytest.mark.parametrize("backend", ["reference", "graph", "monokernel"])
+def test_nan_weights_are_not_a_silent_eos(capsys, good, tmp_path, backend):
     d = clone(good, tmp_path)
     _rewrite(d, lambda t: {**t, "model.norm.weight": torch.full_like(t["model.norm.weight"], float("nan"))})
-    fails(capsys, gen(d, "1,2,3", "--backend", "reference"), "not finite", "step 0")
+    fails(capsys, gen(d, "1,2,3", "--backend", backend), "not finite", "step 0")
 
 
 @pytest.mark.parametrize("extra,needle", [(("--temperature", "nan"), "temperature"),

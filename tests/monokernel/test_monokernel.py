@@ -227,3 +227,36 @@ def test_default_prefill_within_bf16_noise(case, tiny_model):
     be = MonokernelBackend(m, "cpu", wdtype=torch.bfloat16)
     assert be.prefill_mode == "torch" and be.prefill_dtype == torch.bfloat16
     prefill_within_bf16_noise(be, m, PROMPT)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.5])
+def test_non_finite_logit_stops_with_the_engines_error(temperature, tmp_path):
+    """One NaN logit, in the LM head's last tile (not the one holding the real maximum), reaches the host as token
+    -1, greedy or sampled (a max that skips NaN would hand over a real-looking id, maybe an EOS); the kernel stops
+    there and the engine raises the reference backend's error. The next launch with good weights decodes."""
+    import glob
+    from safetensors.torch import load_file, save_file
+    from kie_moe.engine import Engine
+    from kie_moe.models.errors import CheckpointError
+    from kie_moe.models.registry import load_model
+    from ..models.hf_tiny import make_checkpoint
+    make_checkpoint("qwen3", str(tmp_path / "good"))
+    good = load_model(str(tmp_path / "good"))
+    make_checkpoint("qwen3", str(tmp_path))
+    f = glob.glob(f"{tmp_path}/*.safetensors")[0]
+    t = load_file(f)
+    V = t["lm_head.weight"].shape[0]
+    t["lm_head.weight"][V - 2] = float("nan")
+    save_file(t, f, metadata={"format": "pt"})
+    m = load_model(str(tmp_path))
+    be = MonokernelBackend(m, "cpu", n_sms=3)
+    assert len(be.plan.op_rows["lm"]) >= 3
+    eng = Engine(str(tmp_path), device="cpu", model=m, backend_impl=be)
+    p = SamplingParams(max_new_tokens=4, temperature=temperature, seed=5, ignore_eos=True)
+    with pytest.raises(CheckpointError, match="not finite at step 0"):
+        list(eng.stream(PROMPT, p))
+    assert int(be.ring[0]) == 1 and int(be.ring[1]) == -1    # the kernel stopped after the marked token
+    assert float(be.pv[len(be.plan.op_rows["lm"]) - 1]) == float("inf")
+    be = MonokernelBackend(good, "cpu", n_sms=3)
+    assert list(be.generate(PROMPT, SamplingParams(max_new_tokens=4, ignore_eos=True), set())) == \
+        reference_greedy(good, PROMPT, 4)
