@@ -378,8 +378,9 @@ class GraphBackend:
         self.prefill(list(prompt_ids[:-1]))
         self.pos.fill_(n - 1)
         self.token.fill_(prompt_ids[-1])
+        # no seed: a fresh one per request (seed 0 every time gave every unseeded request the same draws)
         self.sampler.configure(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
-                               seed=p.seed if p.seed is not None else 0)
+                               seed=p.seed if p.seed is not None else int(torch.randint(0, 2 ** 62, (1,))))
         if self.eager:
             for s in range(p.max_new_tokens):
                 self._step()

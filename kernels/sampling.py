@@ -36,6 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kie_moe.models.errors import InputError
+
 from .pdl import launch_kw, pdl_begin
 
 __all__ = ["DeviceSampler", "sample_tokens", "sample_probs_ref", "sample_tile_task", "sample_final_task"]
@@ -81,9 +83,11 @@ def _unpack(key):
 
 @triton.jit
 def sample_tile_task(tile, draw_block, logits_ptr, V, params_ptr, rng_ptr, part_f_ptr, part_i_ptr, cand_ptr,
-                     gum_f_ptr, gum_i_ptr, n_tiles, n_draws, FILTER: tl.constexpr, K_CAND: tl.constexpr,
+                     gum_f_ptr, gum_i_ptr, n_tiles, n_draws, step_off, FILTER: tl.constexpr, K_CAND: tl.constexpr,
                      DRAWS: tl.constexpr, BLOCK_V: tl.constexpr):
-    """One vocab tile of logits [V] (any float dtype) for draws [draw_block * DRAWS, +DRAWS)."""
+    """One vocab tile of logits [V] (any float dtype) for draws [draw_block * DRAWS, +DRAWS); the noise of draw d
+    is keyed by step rng[1] + step_off + d (step_off: the monokernel's step within its launch, which never writes
+    rng; the graph's launches pass 0 and advance rng[1] instead)."""
     offs = tile * BLOCK_V + tl.arange(0, BLOCK_V)
     mask = offs < V
     x = tl.load(logits_ptr + offs, mask=mask, other=-float("inf")).to(tl.float32)
@@ -102,7 +106,7 @@ def sample_tile_task(tile, draw_block, logits_ptr, V, params_ptr, rng_ptr, part_
                 top = tl.topk(_pack(x, offs), K_CAND)                               # [K_CAND], descending
                 tl.store(cand_ptr + tile * K_CAND + tl.arange(0, K_CAND), top)
         draws = draw_block * DRAWS + tl.arange(0, DRAWS)
-        ctr = (tl.load(rng_ptr + 1) + draws)[:, None]                              # [DRAWS, 1]
+        ctr = (tl.load(rng_ptr + 1) + step_off + draws)[:, None]                   # [DRAWS, 1]
         z = tl.where(mask[None, :], y[None, :] + _gumbel(tl.load(rng_ptr), ctr, offs[None, :]), -float("inf"))
         dmask = draws < n_draws
         tl.store(gum_f_ptr + draws * n_tiles + tile, tl.max(z, axis=1), mask=dmask)
@@ -112,10 +116,11 @@ def sample_tile_task(tile, draw_block, logits_ptr, V, params_ptr, rng_ptr, part_
 
 @triton.jit
 def sample_final_task(draw_block, params_ptr, rng_ptr, part_f_ptr, part_i_ptr, cand_ptr, gum_f_ptr, gum_i_ptr,
-                      out_ptr, ring_ptr, status_ptr, n_tiles, n_draws, ring_size, FILTER: tl.constexpr,
+                      out_ptr, ring_ptr, status_ptr, n_tiles, n_draws, ring_size, step_off, FILTER: tl.constexpr,
                       K_CAND: tl.constexpr, HAS_RING: tl.constexpr, ADVANCE: tl.constexpr, DRAWS: tl.constexpr,
                       BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
-    """Reduce the tiles -> out[draw] int32 for DRAWS draws. BLOCK_T >= n_tiles, BLOCK_C >= n_tiles * K_CAND."""
+    """Reduce the tiles -> out[draw] int32 for DRAWS draws (also returned: [DRAWS]). BLOCK_T >= n_tiles, BLOCK_C >=
+    n_tiles * K_CAND; step_off as in sample_tile_task."""
     offs_t = tl.arange(0, BLOCK_T)
     mask_t = offs_t < n_tiles
     draws = draw_block * DRAWS + tl.arange(0, DRAWS)
@@ -125,7 +130,7 @@ def sample_final_task(draw_block, params_ptr, rng_ptr, part_f_ptr, part_i_ptr, c
     gbest = tl.argmax(gmax, axis=0, tie_break_left=True)            # lowest tile among equal maxima
     token = tl.zeros([DRAWS], tl.int32) + tl.sum(tl.where(offs_t == gbest, gidx, 0), axis=0)
     temp = tl.load(params_ptr)
-    step = tl.load(rng_ptr + 1)
+    step = tl.load(rng_ptr + 1) + step_off
     if temp > 0:
         m2 = dmask[:, None] & mask_t[None, :]
         zmax = tl.load(gum_f_ptr + draws[:, None] * n_tiles + offs_t[None, :], mask=m2, other=-float("inf"))
@@ -145,6 +150,7 @@ def sample_final_task(draw_block, params_ptr, rng_ptr, part_f_ptr, part_i_ptr, c
         tl.store(ring_ptr + (step + draws) % ring_size, token, mask=dmask)
     if ADVANCE:
         tl.store(rng_ptr + 1, step + 1)
+    return token
 
 
 @triton.jit
@@ -196,7 +202,7 @@ def _sample_tile_kernel(logits_ptr, V, params_ptr, rng_ptr, part_f_ptr, part_i_p
                         BLOCK_V: tl.constexpr, PDL: tl.constexpr = False):
     pdl_begin(PDL)
     sample_tile_task(tl.program_id(0), tl.program_id(1), logits_ptr, V, params_ptr, rng_ptr, part_f_ptr, part_i_ptr,
-                     cand_ptr, gum_f_ptr, gum_i_ptr, n_tiles, n_draws, FILTER, K_CAND, DRAWS, BLOCK_V)
+                     cand_ptr, gum_f_ptr, gum_i_ptr, n_tiles, n_draws, 0, FILTER, K_CAND, DRAWS, BLOCK_V)
 
 
 @triton.jit
@@ -206,8 +212,8 @@ def _sample_final_kernel(params_ptr, rng_ptr, part_f_ptr, part_i_ptr, cand_ptr, 
                          BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr = False):
     pdl_begin(PDL)
     sample_final_task(tl.program_id(0), params_ptr, rng_ptr, part_f_ptr, part_i_ptr, cand_ptr, gum_f_ptr, gum_i_ptr,
-                      out_ptr, ring_ptr, status_ptr, n_tiles, n_draws, ring_size, FILTER, K_CAND, HAS_RING, ADVANCE,
-                      DRAWS, BLOCK_T, BLOCK_C)
+                      out_ptr, ring_ptr, status_ptr, n_tiles, n_draws, ring_size, 0, FILTER, K_CAND, HAS_RING,
+                      ADVANCE, DRAWS, BLOCK_T, BLOCK_C)
 
 
 # ---- host side ---------------------------------------------------------------------------------------------------
@@ -262,8 +268,10 @@ class DeviceSampler:
             raise ValueError(f"need temperature >= 0, 0 < top_p <= 1, top_k >= 0; got {temperature}, {top_p}, {top_k}")
         if temperature > 0 and (top_k or top_p < 1) and not self.filter:
             raise ValueError("top_k / top_p need a DeviceSampler built with filter=True")
-        if top_k > self.k_cand:
-            raise ValueError(f"top_k={top_k} exceeds k_cand={self.k_cand}: build the sampler with a larger k_cand")
+        if top_k > self.k_cand and temperature > 0:   # a user's option: one line, exit 2 (greedy ignores it)
+            raise InputError(f"top_k {top_k}: the GPU sampler keeps {self.k_cand} candidates per vocab tile, so "
+                             f"top-k above {self.k_cand} is not supported on the GPU backends (--backend reference "
+                             f"takes any k)")
         self.params.copy_(torch.tensor([temperature, top_p, float(top_k)], dtype=torch.float32))
         self.rng.copy_(torch.tensor([seed & ((1 << 63) - 1), step], dtype=torch.int64))
         return self

@@ -30,7 +30,7 @@ from .synthetic import Source, open_model
 
 SCHEMA = "kie-bench/1"
 ROW_FIELDS = ("model", "source", "family", "scheme", "backend", "backend_note", "device", "devices", "parallel",
-              "prompt_len", "context_len", "context_fill", "new_tokens", "runs", "tok_per_s", "tok_per_s_runs",
+              "prompt_len", "context_len", "sampling", "context_fill", "new_tokens", "runs", "tok_per_s", "tok_per_s_runs",
               "spread_pct", "ms_per_token", "ttft_s", "ttft_s_runs", "prefill_tok_per_s", "bytes_per_token", "bytes",
               "bytes_per_device", "backend_bytes_per_token", "achieved_gbps", "read_probe_gbps", "pct_roofline",
               "roofline_tok_per_s", "token_ids")
@@ -113,8 +113,9 @@ def synthetic_prefill(be):
 
 def bench_row(src: Source, backend: str, device: torch.device, probe: dict, *, prompt_len: int = 32,
               new_tokens: int = 128, context_len: int | None = None, runs: int = 3,
-              context_fill: str = "auto", seed: int = 0, be=None) -> dict:
-    """One measured row. `be`: an already built backend (preview's fallback); else `backend` is built here."""
+              context_fill: str = "auto", seed: int = 0, be=None, sampling: dict | None = None) -> dict:
+    """One measured row. `be`: an already built backend (preview's fallback); else `backend` is built here.
+    sampling: SamplingParams fields (temperature, top_k, top_p) of the timed generations; None: greedy."""
     spec = src.model.spec
     # "auto" is resolved when the backend is built (engine.make_backend: a backend that does not support this
     # model hands over to the next one, and says so in the row's backend_note)
@@ -136,7 +137,7 @@ def bench_row(src: Source, backend: str, device: torch.device, probe: dict, *, p
         elif context_fill == "synthetic":
             raise InputError(f"--context-fill synthetic: the {be.name} backend's KV cache layout is not known "
                              f"to kie bench (use --context-fill prefill)")
-    t = R.measure(be, prompt_ids(spec.vocab_size, n_prompt, seed), new_tokens, runs, device)
+    t = R.measure(be, prompt_ids(spec.vocab_size, n_prompt, seed), new_tokens, runs, device, sampling=sampling)
 
     wdt, kvdt = working_dtypes(be)
     streams = be.name in STREAMS_CODES or bool(getattr(be, "streams_quantized", False))
@@ -158,7 +159,7 @@ def bench_row(src: Source, backend: str, device: torch.device, probe: dict, *, p
     row = {"model": src.name, "source": src.kind, "family": spec.family, "scheme": src.scheme,
            "lm_head_scheme": src.scheme_of("lm_head"), "backend": be.name,
            "backend_note": note, "device": str(device), "devices": world, "parallel": getattr(be, "path", ""),
-           "prompt_len": n_prompt, "context_len": context_len,
+           "prompt_len": n_prompt, "context_len": context_len, "sampling": sampling or {"temperature": 0.0},
            "context_fill": fill, "new_tokens": new_tokens, "runs": len(t.tok_per_s_runs),
            "tok_per_s": t.tok_per_s, "tok_per_s_runs": t.tok_per_s_runs, "spread_pct": t.spread_pct,
            "ms_per_token": t.ms_per_token, "ttft_s": t.ttft_s, "ttft_s_runs": t.ttft_s_runs,
@@ -186,7 +187,7 @@ def run(model: str | None, *, backend: str = "auto", device: str | None = None, 
         new_tokens: int = 128,
         context_len: int | None = None, runs: int = 3, context_fill: str = "auto", probe_bytes: int | None = None,
         argv: list[str] | None = None, log=None, prepared: tuple | None = None, out: str | None = None,
-        quantize_lm_head: bool = False) -> dict:
+        quantize_lm_head: bool = False, sampling: dict | None = None) -> dict:
     """`prepared`: (Source, backend) already opened and built (rank 0 of --devices N: its backend leads the
     other ranks); else MODEL is opened and `backend` built here. `out` (with --all): the JSON so far is rewritten
     after every row, so a suite cut short (a time limit, a crash) keeps the rows it measured."""
@@ -200,7 +201,7 @@ def run(model: str | None, *, backend: str = "auto", device: str | None = None, 
         raise InputError("--quantize-lm-head applies to one MODEL, not to the --all matrix")
     res = {"schema": SCHEMA, "env": R.environment(dev, argv), "read_probe": R.read_probe(dev, probe_bytes), "rows": []}
     kw = dict(prompt_len=prompt_len, new_tokens=new_tokens, context_len=context_len, runs=runs,
-              context_fill=context_fill)
+              context_fill=context_fill, sampling=sampling)
     if prepared is not None:
         src, be = prepared
         res["rows"].append(bench_row(src, be.name, dev, res["read_probe"], be=be, **kw))
@@ -276,8 +277,10 @@ def table(res: dict) -> str:
         runs = r["tok_per_s_runs"]
         ctx = f"context {r['prompt_len']}..{r['prompt_len'] + r['new_tokens'] - 1}"
         devs = r.get("devices", 1)
+        smp = r.get("sampling") or {}
         lines += [f"{r['model']}  scheme {r['scheme']}{_head(r)}  backend {r['backend']}  {r['device']}"
-                  + (f"  x{devs} devices" if devs > 1 else "")]
+                  + (f"  x{devs} devices" if devs > 1 else "")
+                  + ("  sampling " + " ".join(f"{k}={v}" for k, v in smp.items()) if smp.get("temperature") else "")]
         if devs > 1:
             lines.append(f"  parallel      {r['parallel']}")
         lines += [f"  tok/s         {r['tok_per_s']:.1f}   ({r['runs']} runs {min(runs):.1f}-{max(runs):.1f}, "
@@ -354,6 +357,16 @@ def cmd_bench(a) -> int:
     return ranks.launch_ranks(a, lambda: _bench(a), prepare, lambda src, be: _bench(a, (src, be)))
 
 
+def sampling_of(a) -> dict | None:
+    """kie bench's --temperature / --top-k / --top-p, checked as SamplingParams checks them; None: greedy."""
+    from kie_moe.sampling import SamplingParams
+    opts = dict(temperature=a.temperature, top_k=a.top_k, top_p=a.top_p)
+    SamplingParams(**opts)
+    if a.temperature == 0 and (a.top_k or a.top_p < 1):
+        raise InputError("--top-k / --top-p need --temperature > 0 (greedy decoding ignores them)")
+    return opts if a.temperature > 0 else None
+
+
 @user_errors
 def _bench(a, prepared: tuple | None = None) -> int:
     log = None
@@ -366,7 +379,7 @@ def _bench(a, prepared: tuple | None = None) -> int:
               prompt_len=a.prompt_len, new_tokens=a.new_tokens, context_len=a.context_len, runs=a.runs,
               context_fill=a.context_fill, probe_bytes=a.probe_mb << 20 if a.probe_mb else None,
               argv=getattr(a, "argv", None), log=log, prepared=prepared, out=a.out,
-              quantize_lm_head=getattr(a, "quantize_lm_head", False))
+              quantize_lm_head=getattr(a, "quantize_lm_head", False), sampling=sampling_of(a))
     if a.out:
         write_json(res, a.out)
     print(json.dumps(res) if a.json else table(res))

@@ -330,6 +330,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--context-fill", default="auto", choices=["auto", "prefill", "synthetic"],
                    help="how --context-len is reached: random KV values (graph, monokernel) or a real prefill "
                         "(default auto: random values where the backend allows)")
+    b.add_argument("--temperature", type=float, default=0.0,
+                   help="time sampled decoding instead of greedy (seed 0); with --top-k / --top-p the filtered "
+                        "sampler (the monokernel's SFILTER variant)")
+    b.add_argument("--top-k", type=int, default=0, help="with --temperature: top-k (0 = off)")
+    b.add_argument("--top-p", type=float, default=1.0, help="with --temperature: top-p (1 = off)")
     b.add_argument("--json", action="store_true", help="print the JSON result instead of the table")
     b.add_argument("--out", default=None, metavar="FILE", help="also write the JSON result to FILE")
     b.add_argument("--devices", type=int, default=1, help=DEVICES_HELP + "; the roofline is N devices' (each "
@@ -348,7 +353,8 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--schemes", default="bf16,fp8,fp8-block,nvfp4,mxfp4", help="comma-separated (default: all)")
     w.add_argument("--text", default=None, metavar="FILE", help="text to score (default: the model's heldout.txt, "
                                                                 "else the embedded demo model's, else random ids)")
-    w.add_argument("--out", required=True, metavar="DIR", help="results.{md,csv,json} and tradeoff.png go here")
+    w.add_argument("--out", default=None, metavar="DIR", help="results.{md,csv,json} and tradeoff.png go here "
+                                                              "(default: ./sweep-MODEL, MODEL's last path part)")
     w.add_argument("--cache", default=None, metavar="DIR",
                    help="converted checkpoints, reused across runs (default: OUT/checkpoints)")
     w.add_argument("--tiny", action="store_true", help="a preset's tiny variant (tests, CPU)")

@@ -163,12 +163,13 @@ def _sync(device: torch.device):
 
 
 def time_generate(backend, prompt: list[int], new_tokens: int, device: torch.device,
-                  out: list | None = None) -> tuple[float, float, int]:
-    """One greedy generation with EOS ignored -> (ttft_s, decode_s, tokens); the token ids go to `out` if given.
+                  out: list | None = None, sampling: dict | None = None) -> tuple[float, float, int]:
+    """One generation with EOS ignored (greedy, or SamplingParams fields `sampling` with seed 0) -> (ttft_s,
+    decode_s, tokens); the token ids go to `out` if given.
     Decode time runs from the first token to the last (the tokens after the first), as
     kie_moe.engine.GenerationResult counts it."""
     from kie_moe.sampling import SamplingParams
-    p = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+    p = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True, **({**sampling, "seed": 0} if sampling else {}))
     _sync(device)
     t0 = time.perf_counter()
     first, n = None, 0
@@ -204,17 +205,17 @@ class Timing:
 
 
 def measure(backend, prompt: list[int], new_tokens: int, runs: int, device: torch.device,
-            warmup: bool = True) -> Timing:
+            warmup: bool = True, sampling: dict | None = None) -> Timing:
     """Warm up once with the same shapes (kernel compiles, CUDA-graph capture, buffer sizes), then `runs`
     timed generations; medians."""
     if new_tokens < 2:
         raise ValueError("need at least 2 new tokens to time decoding (the first token is the prefill's)")
     if warmup:
-        time_generate(backend, prompt, new_tokens, device)
+        time_generate(backend, prompt, new_tokens, device, sampling=sampling)
     tps, ttft, n = [], [], 0
     for _ in range(max(1, runs)):
         ids: list[int] = []
-        t_first, dec, n = time_generate(backend, prompt, new_tokens, device, ids)
+        t_first, dec, n = time_generate(backend, prompt, new_tokens, device, ids, sampling)
         tps.append((n - 1) / dec if dec > 0 and n > 1 else 0.0)
         ttft.append(t_first)
     return Timing(statistics.median(tps), tps, statistics.median(ttft), ttft, n, ids)

@@ -53,27 +53,38 @@ def heldout_file(model_dir: str) -> str | None:
     return H.heldout_file(model_dir)
 
 
+def check_window_args(window: int, max_tokens: int | None):
+    if window < 1:
+        raise InputError(f"--window must be at least 1 token, got {window}")
+    if max_tokens is not None and max_tokens < 0:
+        raise InputError(f"--max-tokens must be >= 0 (0: all of the text), got {max_tokens}")
+
+
+def read_text(text_file: str, model_dir: str | None) -> str:
+    """--text's contents; model_dir None: a preset ARCH, which has no tokenizer to read it with."""
+    if model_dir is None:
+        raise InputError(f"--text {text_file}: a preset ARCH has random weights and no tokenizer; "
+                         f"give a checkpoint directory, or leave --text out")
+    try:
+        with open(text_file, encoding="utf-8") as f:
+            return f.read()
+    except OSError as e:
+        raise InputError(f"--text {text_file}: cannot read it ({e.strerror})") from None
+    except UnicodeDecodeError as e:
+        raise InputError(f"--text {text_file}: not UTF-8 text (byte {e.start})") from None
+
+
 def token_windows(model_dir: str | None, spec, text_file: str | None, window: int, max_tokens: int | None,
                   seed: int = 0) -> tuple[torch.Tensor, str]:
     """-> (windows [n, window + 1] of token ids: inputs [:, :-1], targets [:, 1:]; a label saying where they came
     from). Text is cut into the windows kie demo scores (kie_moe.heldout: evenly spread over the whole text, no BOS);
     max_tokens scored tokens (n = max_tokens // window windows; 0: every window that fits; None: kie demo's
     default for text, RANDOM_MAX_TOKENS for random ids)."""
+    check_window_args(window, max_tokens)
     window = min(window, spec.max_position)
-    if window < 1:
-        raise InputError(f"--window must be at least 1 token, got {window}")
-    if max_tokens is not None and max_tokens < 0:
-        raise InputError(f"--max-tokens must be >= 0 (0: all of the text), got {max_tokens}")
     text, label = None, None
     if text_file is not None:
-        if model_dir is None:
-            raise InputError(f"--text {text_file}: a preset ARCH has random weights and no tokenizer; "
-                             f"give a checkpoint directory, or leave --text out")
-        try:
-            with open(text_file, encoding="utf-8") as f:
-                text = f.read()
-        except OSError as e:
-            raise InputError(f"--text {text_file}: cannot read it ({e.strerror})") from None
+        text = read_text(text_file, model_dir)
         label = f"text {os.path.basename(text_file)}"
     elif model_dir is not None and heldout_file(model_dir) is not None:
         path = heldout_file(model_dir)
@@ -226,9 +237,11 @@ def run(model: str, schemes: list[str], out_dir: str, *, text: str | None = None
     dev = resolve_device(device)
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
-    os.makedirs(out_dir, exist_ok=True)
     model = resolve_model(model)
     ckpt = is_checkpoint_dir(model)
+    check_window_args(window, max_tokens)    # the cheap checks before the probe and the reference model
+    if text is not None:
+        read_text(text, model if ckpt else None)
     if observer != "minmax" and not ckpt:
         raise InputError(f"--observer {observer}: needs a checkpoint (kie convert chooses the scales); {model} is "
                          f"quantized in memory, with minmax scales")
@@ -239,6 +252,10 @@ def run(model: str, schemes: list[str], out_dir: str, *, text: str | None = None
         raise InputError(f"--experts-only: needs a checkpoint (kie convert --experts-only); {model} is quantized in "
                          f"memory, every Linear")
     gptq_opts = H.gptq_options(model, calib, calib_tokens, device, damp, enabled=gptq)
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    except OSError as e:
+        raise InputError(f"--out {out_dir}: cannot create it ({e.strerror})") from None
     bar = tqdm(total=2 * len(schemes) + 2, desc="kie sweep", file=sys.stderr, disable=not progress, leave=False)
     bar.set_postfix_str("read probe")
     res = {"schema": SCHEMA, "model": model, "env": R.environment(dev, argv),
@@ -403,6 +420,8 @@ def write_outputs(res: dict, out_dir: str):
 @B.user_errors
 def cmd_sweep(a) -> int:
     schemes = parse_schemes(a.schemes)
+    if a.out is None:
+        a.out = "sweep-" + (os.path.basename(os.path.normpath(a.model)) or "model")
     res = run(a.model, schemes, a.out, text=a.text, backend=a.backend, device=a.device, tiny=a.tiny,
               window=a.window, max_tokens=a.max_tokens, prompt_len=a.prompt_len, new_tokens=a.new_tokens,
               runs=a.runs, probe_bytes=a.probe_mb << 20 if a.probe_mb else None, cache_dir=a.cache,

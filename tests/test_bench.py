@@ -437,3 +437,26 @@ def test_quantizing_store_shares_nvfp4_globals_as_convert_writes(tmp_path):
     assert not torch.equal(g("layers.0.attn.q"), g("layers.0.attn.o"))      # o has no partner
     assert "weight_global_scale" not in QuantizingStore(load_model(src).weights, "mxfp4").quantized_tensor(
         "layers.0.attn.q").tensors
+
+
+def test_bench_times_filtered_sampling_on_the_monokernel(capsys):
+    """--temperature / --top-k / --top-p: the timed generations sample (seed 0, so runs replay), the row says how,
+    and the monokernel runs its top-k variant; bad combinations are refused before any work."""
+    from kie_moe.kernels.monokernel.runtime import MonokernelBackend
+    from kie_moe.sampling import SamplingParams
+    from kie_moe.synthetic import open_model
+    argv = ["bench", "qwen3-30b-a3b", "--tiny", "--backend", "monokernel", "--device", "cpu", "--new-tokens", "3",
+            "--runs", "1", "--probe-mb", "16", "--temperature", "1.5", "--top-k", "5", "--json"]
+    rc, res = run_json(capsys, argv)
+    assert rc == 0
+    (r,) = res["rows"]
+    check_row(r, 1)
+    assert r["backend"] == "monokernel" and r["sampling"] == {"temperature": 1.5, "top_k": 5, "top_p": 1.0}
+    be = MonokernelBackend(open_model("qwen3-30b-a3b", torch.device("cpu"), tiny=True).model, "cpu")
+    p = SamplingParams(max_new_tokens=3, temperature=1.5, top_k=5, seed=0, ignore_eos=True)
+    assert list(be.generate(B.prompt_ids(be.spec.vocab_size, 32, 0), p, set())) \
+        == r["token_ids"] and be.last_launch["filtered"]
+    for extra, needle in [(["--top-k", "5"], "need --temperature > 0"), (["--temperature", "nan"], "temperature"),
+                          (["--temperature", "1", "--top-p", "0"], "top_p")]:
+        assert main(["bench", "qwen3-30b-a3b", "--tiny", *RUN, *extra]) == 2
+        assert needle in capsys.readouterr().err

@@ -218,3 +218,31 @@ def test_experts_only_sweep_keeps_attention_in_float(tmp_path, capsys):
     assert main(["sweep", "qwen3-30b-a3b", "--tiny", "--schemes", "bf16,fp8", "--out", str(tmp_path / "syn"),
                  "--experts-only", *FAST]) == 2
     assert "--experts-only: needs a checkpoint" in capsys.readouterr().err
+
+
+def test_cheap_argument_errors_come_before_any_work(ckpt, tmp_path, capsys, monkeypatch):
+    """A bad --window / --max-tokens / --text / --out is refused before the read probe and the bf16 model load
+    (nothing is created), and --out is optional: ./sweep-MODEL."""
+    from kie_moe import roofline as R
+    def no_probe(*a, **k):
+        raise AssertionError("the read probe ran before the arguments were checked")
+    monkeypatch.setattr(R, "read_probe", no_probe)
+    out = tmp_path / "o"
+    for extra, needle in [(["--window", "0"], "--window must be at least 1"),
+                          (["--max-tokens", "-1"], "--max-tokens must be >= 0"),
+                          (["--text", str(tmp_path / "missing.txt")], "missing.txt: cannot read it")]:
+        assert main(["sweep", ckpt, "--out", str(out), *FAST, *extra]) == 2
+        assert needle in capsys.readouterr().err
+        assert not out.exists()
+    bad = tmp_path / "latin1.txt"
+    bad.write_bytes(b"caf\xe9\n")
+    assert main(["sweep", ckpt, "--out", str(out), "--text", str(bad), *FAST]) == 2
+    assert "latin1.txt: not UTF-8 text" in capsys.readouterr().err
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    monkeypatch.undo()
+    assert main(["sweep", ckpt, "--schemes", "bf16", "--out", str(blocker / "x"), *FAST]) == 2
+    assert "cannot create it" in capsys.readouterr().err
+    monkeypatch.chdir(tmp_path)
+    assert main(["sweep", ckpt, "--schemes", "bf16", *FAST]) == 0
+    assert (tmp_path / f"sweep-{os.path.basename(ckpt.rstrip('/'))}" / "results.json").exists()

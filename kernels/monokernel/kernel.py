@@ -43,6 +43,7 @@ from .mla import mla_absorb_task, mla_attention_task, mla_vup_task
 from .prefetch import prefetch_rows
 from .ops import attention_task, embed_row, kv_split_range, pick_token, route, vec_dot_norm
 from .stream import stream_expert_down, stream_gemv, stream_glu, tile
+from ..sampling import sample_final_task, sample_tile_task
 
 # ctrl words (int32, device): written by the kernel, read by the host after the launch
 CT_STOP, CT_ERR, CT_ERR_TASK, CT_ERR_HAVE, CT_ERR_NEED, CT_REASON, CT_NTOK, CT_YIELD = range(8)
@@ -69,6 +70,7 @@ _OP_ABSORB = tl.constexpr(P.OP_ABSORB)
 _OP_MLA_ATTN = tl.constexpr(P.OP_MLA_ATTN)
 _OP_VUP = tl.constexpr(P.OP_VUP)
 _OP_REDUCE = tl.constexpr(P.OP_REDUCE)
+_OP_SAMPLE_TILE = tl.constexpr(P.OP_SAMPLE_TILE)
 _CT_YIELD = tl.constexpr(CT_YIELD)
 _WAIT_YIELD = tl.constexpr(WAIT_YIELD)
 _NF = tl.constexpr(P.NF)
@@ -207,6 +209,10 @@ def monokernel(
     # activations (fp32) and per-layer routing
     x_ptr, qkv_ptr, ao_ptr, am_ptr, al_ptr, acnt_ptr, h_ptr, rlog_ptr, rids_ptr, rwts_ptr, sg_ptr,
     pv_ptr, pi_ptr,
+    # SFILTER (top-k / top-p): the LM head's logits [vocab] fp32, then a kernels/sampling.DeviceSampler's buffers
+    # (params, rng, part_f, part_i, cand, gum_f, gum_i, status, out) over n_stiles vocab tiles
+    slg_ptr, sparams_ptr, srng_ptr, spf_ptr, spi_ptr, scand_ptr, sgf_ptr, sgi_ptr, sstat_ptr, sout_ptr, n_stiles,
+    vocab,
     # control
     cnt_ptr, cursor_ptr, ctrl_ptr, ring_ptr, hostflag_ptr, eos_ptr, forced_ptr,
     # MODE 3: int64 [trace_cap, 8] per task (claim order): globaltimer at start / input ready / done, the same in
@@ -242,6 +248,8 @@ def monokernel(
     BLOCK_TOPK: tl.constexpr, BLOCK_EOS: tl.constexpr, BLOCK_X: tl.constexpr, BLOCK_QG: tl.constexpr,
     XB: tl.constexpr, NS: tl.constexpr, USE_ASM: tl.constexpr, NT: tl.constexpr, MODE: tl.constexpr = 0,
     TP: tl.constexpr = 0, E_LO: tl.constexpr = 0, E_LOC: tl.constexpr = 0,
+    SFILTER: tl.constexpr = False, K_CAND: tl.constexpr = 1, SBLOCK_V: tl.constexpr = 1, SBLOCK_T: tl.constexpr = 1,
+    SBLOCK_C: tl.constexpr = 1,
 ):
     """MODE 0: decode. Benchmark-only modes (wrong tokens, for locating time): 1 = tasks only claim, wait and
     signal (the sampler still runs): the cost of scheduling + dependency latency; 2 = no waits: streaming speed.
@@ -641,10 +649,15 @@ def monokernel(
                 pvo = symf_ptr + sym_pv_off + tp_rank * n_lm
                 pio = symi_ptr + sym_pv_off + TP * n_lm + tp_rank * n_lm
             if (st == 0) & (step >= n_forced):   # prompt steps (in-kernel prefill) need no logits
-                stream_gemv(w, qf32_ptr, qf32_ptr, w0, s0, D, r0, r_end, x_ptr + XF_OFF,
-                            wa_ptr + tl.multiple_of(fnorm_off, 64), eps, w, pvo, pvo, aux, pvo, pio,
-                            do_sample, inv_temp, seed, step - n_forced, LM_NORM, False, False, True, 0, BN_LM,
-                            BLOCK_K, XB, NS)
+                if SFILTER:   # the logits themselves, for the sample_tile tasks
+                    stream_gemv(w, qf32_ptr, qf32_ptr, w0, s0, D, r0, r_end, x_ptr + XF_OFF,
+                                wa_ptr + tl.multiple_of(fnorm_off, 64), eps, w, slg_ptr, slg_ptr, aux, pvo, pio,
+                                0, 1.0, 0, 0, LM_NORM, False, False, False, 0, BN_LM, BLOCK_K, XB, NS)
+                else:
+                    stream_gemv(w, qf32_ptr, qf32_ptr, w0, s0, D, r0, r_end, x_ptr + XF_OFF,
+                                wa_ptr + tl.multiple_of(fnorm_off, 64), eps, w, pvo, pvo, aux, pvo, pio,
+                                do_sample, inv_temp, seed, step - n_forced, LM_NORM, False, False, True, 0, BN_LM,
+                                BLOCK_K, XB, NS)
             if TP > 0:   # prompt steps too: the sampler of every rank counts every tile of every step
                 if st == 0:
                     tl.debug_barrier()
@@ -667,7 +680,13 @@ def monokernel(
                 if step < n_forced:   # in-kernel prefill: the next input is the prompt's next token
                     tok = tl.load(forced_ptr + step + 1)
                 else:
-                    tok = pick_token(pvs, pis, n_lm * (TP + (TP == 0)), BLOCK_P)
+                    if SFILTER:   # the sample_tile tasks' partials -> top-k / top-p draw (-1: non-finite logits)
+                        tok = tl.sum(sample_final_task(0, sparams_ptr, srng_ptr, spf_ptr, spi_ptr, scand_ptr, sgf_ptr,
+                                                       sgi_ptr, sout_ptr, sout_ptr, sstat_ptr, n_stiles, 1, 1,
+                                                       step - n_forced, True, K_CAND, False, False, 1, SBLOCK_T,
+                                                       SBLOCK_C), axis=0)
+                    else:
+                        tok = pick_token(pvs, pis, n_lm * (TP + (TP == 0)), BLOCK_P)
                     g = step - n_forced                          # generated token index
                     tl.store(ring_ptr + 1 + g, tok)              # host-visible ring: token first,
                     st_release_sys(ring_ptr, g + 1, USE_ASM)     # then the count (system-scope release)
@@ -682,6 +701,12 @@ def monokernel(
                         tl.store(stop_ptr, 1)
                 for lane in tl.static_range(NLX):   # every lane's stream starts as the embedding
                     embed_row(wa_ptr + embed_off, tl.maximum(tok, 0), x_ptr + lane * D, D, BLOCK_X)
+        elif SFILTER and op == _OP_SAMPLE_TILE:
+            t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
+            st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE, tr, trace_on)
+            if (st == 0) & (step >= n_forced):   # noise keyed by (seed, generated index): sampling.py's Philox
+                sample_tile_task(aux, 0, slg_ptr, vocab, sparams_ptr, srng_ptr, spf_ptr, spi_ptr, scand_ptr,
+                                 sgf_ptr, sgi_ptr, n_stiles, 1, step - n_forced, True, K_CAND, 1, SBLOCK_V)
         elif op == _OP_REDUCE:
             t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
             wctr = symi_ptr + sym_ctr_off + wc

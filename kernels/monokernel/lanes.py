@@ -186,7 +186,7 @@ def qkv_lane(d, r: int) -> int:
 
 # ---- task table ------------------------------------------------------------------------------------------------------
 
-def build_lane_tasks(plan, n_splits: int = 1) -> torch.Tensor:
+def build_lane_tasks(plan, n_splits: int = 1, sample_tiles: int = 0) -> torch.Tensor:
     """plan.build_tasks for a Laneformer (the columns and counters of plan.py; see the module docstring)."""
     d, spec = plan.dims, plan.spec
     L = spec.num_layers
@@ -255,7 +255,7 @@ def build_lane_tasks(plan, n_splits: int = 1) -> torch.Tensor:
         n_lm = plan.n_lm_tiles * tp
         emit(P.OP_SAMPLE, L - 1, 0, 0, 0, xc_lm, n_lm, n_lm, c_sample)
     else:
-        emit(P.OP_SAMPLE, L - 1, 0, 0, 0, *after(c_lm), c_sample)
+        P.emit_sample(emit, after, L, sample_tiles)
     return torch.tensor(rows, dtype=torch.int32)
 
 

@@ -39,10 +39,12 @@ from .synth import preset_spec, random_fill, random_qfill  # noqa: F401  (preset
 OP_QKV, OP_ATTN, OP_O, OP_GATEUP, OP_DOWN, OP_ROUTER, OP_EXP_UP, OP_SH_UP, OP_EXP_DOWN, OP_LM, OP_SAMPLE = range(1, 12)
 OP_QB, OP_ABSORB, OP_MLA_ATTN, OP_VUP = range(12, 16)   # Multi-head Latent Attention (DeepSeek), see mla.py
 OP_REDUCE = 16   # tensor parallel (shard.py): x[rows] += the ranks' partials of one output tile, in rank order
+OP_SAMPLE_TILE = 17   # top-k / top-p (runtime: filtered sampling): kernels/sampling.py's tile task over the logits
 OP_NAMES = {OP_QKV: "qkv_proj", OP_ATTN: "attention", OP_O: "o_proj", OP_GATEUP: "mlp_gate_up",
             OP_DOWN: "mlp_down", OP_ROUTER: "router", OP_EXP_UP: "expert_gate_up", OP_SH_UP: "shared_gate_up",
             OP_EXP_DOWN: "expert_down", OP_LM: "lm_head", OP_SAMPLE: "sample", OP_QB: "q_b_proj",
-            OP_ABSORB: "mla_absorb", OP_MLA_ATTN: "mla_attention", OP_VUP: "mla_v_up", OP_REDUCE: "tp_reduce"}
+            OP_ABSORB: "mla_absorb", OP_MLA_ATTN: "mla_attention", OP_VUP: "mla_v_up", OP_REDUCE: "tp_reduce",
+            OP_SAMPLE_TILE: "sample_tile"}
 
 OP_LANE_O, OP_LANE_DOWN, OP_LANE_AGG = range(20, 23)   # Laneformer (lanes.py): output projections of every lane + the
 OP_NAMES.update({OP_LANE_O: "lane_o_proj", OP_LANE_DOWN: "lane_down", OP_LANE_AGG: "lane_agg"})  # lane combination
@@ -669,14 +671,30 @@ def counter_index(layer: int, kind: int) -> int:
 
 
 def n_counters(spec: ModelSpec) -> int:
-    return spec.num_layers * NC + 3   # + LM head, sampler, Laneformer's lane aggregation
+    return spec.num_layers * NC + 4   # + LM head, sampler, Laneformer's lane aggregation, filtered-sampling tiles
 
 
-def build_tasks(plan: Plan, n_splits: int = 1) -> torch.Tensor:
-    """One decode step's tasks [T, NF] int32 in topological order (every wait points at earlier tasks)."""
+def emit_sample(emit, after, L: int, sample_tiles: int):
+    """The step's last phase on one GPU: OP_SAMPLE after every LM-head tile; with sample_tiles > 0 (top-k / top-p:
+    the LM tiles store logits) first that many OP_SAMPLE_TILE tasks (vocab tile in aux) after the LM head, and
+    OP_SAMPLE after them. emit / after: the builder's own (build_tasks, lanes.build_lane_tasks)."""
+    c_lm, c_sample, c_tiles = NC * L, NC * L + 1, NC * L + 3
+    if sample_tiles:
+        for t in range(sample_tiles):
+            emit(OP_SAMPLE_TILE, L - 1, 0, 0, t, *after(c_lm), c_tiles)
+        emit(OP_SAMPLE, L - 1, 0, 0, 0, *after(c_tiles), c_sample)
+    else:
+        emit(OP_SAMPLE, L - 1, 0, 0, 0, *after(c_lm), c_sample)
+
+
+def build_tasks(plan: Plan, n_splits: int = 1, sample_tiles: int = 0) -> torch.Tensor:
+    """One decode step's tasks [T, NF] int32 in topological order (every wait points at earlier tasks).
+    sample_tiles: emit_sample's (one GPU only)."""
+    if sample_tiles and plan.dims.TP:
+        raise ValueError("build_tasks: filtered sampling (sample_tiles) is single-GPU only")
     if plan.dims.LANES:
         from .lanes import build_lane_tasks
-        return build_lane_tasks(plan, n_splits)
+        return build_lane_tasks(plan, n_splits, sample_tiles)
     d, spec = plan.dims, plan.spec
     L = spec.num_layers
     c_lm, c_sample = NC * L, NC * L + 1
@@ -762,7 +780,7 @@ def build_tasks(plan: Plan, n_splits: int = 1) -> torch.Tensor:
         n_lm = plan.n_lm_tiles * tp
         emit(OP_SAMPLE, L - 1, 0, 0, 0, xc_lm, n_lm, n_lm, c_sample)
     else:
-        emit(OP_SAMPLE, L - 1, 0, 0, 0, *after(c_lm), c_sample)
+        emit_sample(emit, after, L, sample_tiles)
     return torch.tensor(rows, dtype=torch.int32)
 
 
@@ -799,6 +817,8 @@ def describe_task(tasks: torch.Tensor, i: int) -> str:
         where = f"heads {r0}..{r0 + n - 1}" + (f" split {aux}" if op == OP_MLA_ATTN else "")
     elif op == OP_SAMPLE:
         where = ""
+    elif op == OP_SAMPLE_TILE:
+        where = f"vocab tile {aux}"
     elif op == OP_REDUCE:
         where = f"{('o_proj', 'mlp_down', 'lane_agg')[aux]} rows {r0}..{r0 + n - 1}"
     else:

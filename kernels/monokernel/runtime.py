@@ -87,7 +87,8 @@ class MonokernelBackend:
     def __init__(self, model, device: torch.device | str = "cuda", *, kv_dtype: torch.dtype | None = None,
                  prefill_dtype: torch.dtype | None = None, timeout_ms: float | None = None,
                  num_warps: int | None = None, max_splits: int | None = None, plan: P.Plan | None = None,
-                 offline: bool = False, prefill: str | None = None, maxnreg: int | None = None, **plan_opts):
+                 offline: bool = False, prefill: str | None = None, maxnreg: int | None = None,
+                 sample_block_v: int | None = None, k_cand: int = 64, **plan_opts):
         self.device = torch.device(device)
         self.interpret = interpreting() and not offline  # offline: buffers for compile_offline(), no launches
         if self.device.type != "cuda" and not self.interpret and not offline:
@@ -114,8 +115,14 @@ class MonokernelBackend:
         self.max_splits = max_splits or max(1, self.plan.n_sms // groups)
         self.n_splits_override: int | None = None   # tests: force attention splits
         self._plant: tuple[int, int] | None = None  # tests: (task row, extra count) for the next launch only
-        self._tasks: dict[int, torch.Tensor] = {}
-        self._tasks1_host: torch.Tensor | None = None   # the one-split table, host copy: split_tasks' template
+        self._tasks: dict[tuple[int, int], torch.Tensor] = {}   # (attention splits, sample tiles) -> table
+        self._tasks1_host: dict[int, torch.Tensor] = {}  # one-split tables, host copies: split_tasks' templates
+        # top-k / top-p: a kernels/sampling.DeviceSampler's buffers and tile / final tasks inside the kernel, made at
+        # the first such request (sample_block_v / k_cand: its vocab tile and candidates per tile)
+        # (4096: of 2048 / 4096 / 8192, the variant with the least spill offline: qwen3-30b-a3b fp8 sm_90 272 B of
+        # stack vs 424 / 376, all confined to 64-106 STL; the default kernel is unchanged, 250 registers, no stack)
+        self._sampler_opts = dict(block_v=sample_block_v or 4096, k_cand=k_cand)
+        self._sampler = None
         self._prefill_decoder = None
         self._prefiller = None
         self.kv_tmax = 0
@@ -182,19 +189,31 @@ class MonokernelBackend:
         if self.ring.numel() < n + 1:
             self.ring = torch.zeros(n + 1, dtype=torch.int32, pin_memory=self.device.type == "cuda")
 
-    def tasks(self, n_splits: int) -> torch.Tensor:
-        if n_splits not in self._tasks:
+    def tasks(self, n_splits: int, sample_tiles: int = 0) -> torch.Tensor:
+        """The task table for n_splits attention splits; sample_tiles > 0: with filtered sampling's vocab tiles
+        (plan.emit_sample)."""
+        key = (n_splits, sample_tiles)
+        if key not in self._tasks:
             if self.dims.LANES:
-                t = P.build_tasks(self.plan, n_splits)
+                t = P.build_tasks(self.plan, n_splits, sample_tiles)
             else:   # the one-split table with its attention tasks copied (milliseconds, not the builder's ~0.2 s)
-                t = P.split_tasks(self._host_tasks1(), n_splits)
-            self._tasks[n_splits] = t.to(self.device)
-        return self._tasks[n_splits]
+                t = P.split_tasks(self._host_tasks1(sample_tiles), n_splits)
+            self._tasks[key] = t.to(self.device)
+        return self._tasks[key]
 
-    def _host_tasks1(self) -> torch.Tensor:
-        if self._tasks1_host is None:
-            self._tasks1_host = P.build_tasks(self.plan, 1)
-        return self._tasks1_host
+    def _host_tasks1(self, sample_tiles: int = 0) -> torch.Tensor:
+        if sample_tiles not in self._tasks1_host:
+            self._tasks1_host[sample_tiles] = P.build_tasks(self.plan, 1, sample_tiles)
+        return self._tasks1_host[sample_tiles]
+
+    def filter_sampler(self):
+        """The DeviceSampler whose buffers a top-k / top-p launch hands the kernel (+ the logits it samples)."""
+        if self._sampler is None:
+            from ..sampling import DeviceSampler
+            V = self.spec.vocab_size
+            self._sampler = DeviceSampler(V, self.device, filter=True, **self._sampler_opts)
+            self.logits = torch.zeros(V, dtype=torch.float32, device=self.device)
+        return self._sampler
 
     def pick_splits(self, n_ctx: int) -> int:
         """Attention splits for a context: ~32 KB of K+V per split task, at most one wave of programs."""
@@ -264,13 +283,15 @@ class MonokernelBackend:
     # ---- decode --------------------------------------------------------------------------------------------------
     def launch(self, last_token: int, start_pos: int, n_steps: int, eos_ids, *, ignore_eos: bool = False,
                temperature: float = 0.0, seed: int = 0, mode: int = 0, forced: list[int] | None = None,
-               trace_tasks: int = 0):
+               trace_tasks: int = 0, top_k: int = 0, top_p: float = 1.0):
         """Start one launch decoding `n_steps` tokens after `last_token` (at position start_pos). Async on the GPU.
         forced: a whole prompt to run through the kernel first (in-kernel prefill: start_pos 0, its tokens fed as
         inputs, no logits, nothing in the ring), then n_steps generated tokens.
         mode 1 / 2: benchmark-only kernel variants (kernel.monokernel's MODE: sync only / no waits).
         trace_tasks > 0 (GPU): decode as usual and time stamp the first trace_tasks tasks in claim order into
-        self.trace (int64 [trace_tasks, 8]; kernels/monokernel/trace.summarize reads it)."""
+        self.trace (int64 [trace_tasks, 8]; kernels/monokernel/trace.summarize reads it).
+        top_k / top_p (with temperature > 0): the LM head stores logits and sampling.py's tile + final tasks draw
+        from them (Philox noise keyed by seed and generated index); else the LM tiles' own Gumbel-max / argmax."""
         d, pl = self.dims, self.plan
         if trace_tasks:
             if self.interpret:
@@ -296,7 +317,10 @@ class MonokernelBackend:
             self.ao = torch.zeros(n_splits, self.ao_width, device=self.device)
             self.am = torch.zeros(n_splits, d.HQ, device=self.device)
             self.al = torch.zeros(n_splits, d.HQ, device=self.device)
-        tasks = self.tasks(n_splits)
+        sampler = None
+        if temperature > 0 and (top_k > 0 or top_p < 1.0):
+            sampler = self.filter_sampler().configure(temperature, top_k, top_p, seed)
+        tasks = self.tasks(n_splits, sampler.n_tiles if sampler is not None else 0)
         if self._plant is not None:
             row, extra = self._plant
             tasks = tasks.clone()
@@ -314,9 +338,9 @@ class MonokernelBackend:
         self.hostflag.zero_()
         self.x[:max(1, d.LANES) * d.D].view(-1, d.D).copy_(pl.view("embed")[last_token].float())   # every lane
         self.last_launch = dict(n_steps=n_steps, n_splits=n_splits, n_tasks=int(tasks.shape[0]), start_pos=start_pos,
-                                n_forced=n_forced)
+                                n_forced=n_forced, filtered=sampler is not None)
         args, meta = self.kernel_args(tasks, n_steps, start_pos, n_splits, len(eos), ignore_eos, temperature, seed,
-                                      n_forced, trace_tasks)
+                                      n_forced, trace_tasks, sampler=sampler)
         meta["MODE"] = mode
         self._launch_args = (args, meta)
         self._run()
@@ -346,9 +370,10 @@ class MonokernelBackend:
         self._run()
 
     def kernel_args(self, tasks, n_steps, start_pos, n_splits, n_eos, ignore_eos=False, temperature=0.0, seed=0,
-                    n_forced=0, trace_tasks=0, arch: int | None = None):
+                    n_forced=0, trace_tasks=0, arch: int | None = None, sampler=None):
         """(positional args, constexpr kwargs) of one launch -- shared by launch() and compile_offline() (arch:
-        the target's sm number there; else this backend's GPU)."""
+        the target's sm number there; else this backend's GPU). sampler: filter_sampler() for a top-k / top-p
+        launch (the kernel's SFILTER variant), else None."""
         d, pl, t = self.dims, self.plan, self.plan.tiles
         nq = d.HQ * d.DH
         bx = min(_pow2(max(d.D, nq)), 1024 if not self.interpret else 256)
@@ -361,7 +386,7 @@ class MonokernelBackend:
             tasks, pl.layers, pl.weights, qb["qw"].view(e4m3), qb["qw"].view(torch.uint32),
             qb["qf32"], qb["qs8"].view(e4m3), qb["qs8"], self.kv, self.cos, self.sin,
             self.x, self.qkv, self.ao, self.am, self.al, self.acnt, self.h, self.rlog, self.rids, self.rwts,
-            self.sg, self.pv, self.pi,
+            self.sg, self.pv, self.pi, *self._sampler_args(sampler),
             self.counters, self.cursor, self.ctrl, self.ring, self.hostflag, self.eos, self.forced,
             self.trace, trace_tasks,
             self.sym.view(torch.float32), self.sym, self.poff, pl.tp_rank, *self._sym_offs(),
@@ -390,7 +415,20 @@ class MonokernelBackend:
             BLOCK_QG=_pow2(max(d.HQ // max(d.HKV, 1) * d.DH, 1)),
             XB=t.xb, NS=t.ns, USE_ASM=not self.interpret, NT=32 * self.num_warps, TP=d.TP, E_LO=d.E_LO,
             E_LOC=d.E_LOC)
+        if sampler is not None:
+            meta.update(SFILTER=True, K_CAND=sampler.k_cand, SBLOCK_V=sampler.block_v,
+                        SBLOCK_T=_pow2(sampler.n_tiles), SBLOCK_C=_pow2(sampler.n_tiles * sampler.k_cand))
         return args, meta
+
+    def _sampler_args(self, sampler) -> list:
+        """The kernel's filtered-sampling arguments (logits, the sampler's buffers, n_tiles, vocab); stand-ins that
+        are never read when sampler is None."""
+        if sampler is None:
+            f, i = self.pv, self.pi
+            return [f, f, self.cursor, f, i, self.cursor, f, i, i, i, 1, 1]
+        s = sampler
+        return [self.logits, s.params, s.rng, s.part_f, s.part_i, s.cand, s.gum_f, s.gum_i, s.status, s.out,
+                s.n_tiles, self.spec.vocab_size]
 
     def _sym_offs(self) -> tuple[int, int]:
         if not self.plan.dims.TP:
@@ -449,27 +487,32 @@ class MonokernelBackend:
             return "sample"
         if c == P.NC * L + 2:
             return "lane_agg"
+        if c == P.NC * L + 3:
+            return "sample_tile"
         return f"{_COUNTER_KINDS[c % P.NC]}[layer {c // P.NC}]"
 
     def generate(self, prompt_ids: list[int], p, eos_ids) -> Iterator[int]:
-        if not p.greedy and (p.top_k or p.top_p < 1.0):
-            raise InputError("monokernel backend: top-k / top-p sampling is not supported (greedy or temperature)")
+        filtered = not p.greedy and (p.top_k > 0 or p.top_p < 1.0)
+        if filtered and self.dims.TP:
+            raise InputError("monokernel backend: top-k / top-p sampling runs on one GPU only (greedy or "
+                             "temperature with --devices N)")
         if not prompt_ids:
             raise InputError("the prompt is empty")
         n = p.max_new_tokens
         start = len(prompt_ids) - 1
         if start + n > self.spec.max_position:
             raise InputError(f"prompt + max_new_tokens exceed the model's context of {self.spec.max_position}")
+        if filtered:   # refuses a top-k the sampler cannot do exactly, before any work
+            self.filter_sampler().configure(p.temperature, p.top_k, p.top_p)
         seed = p.seed if p.seed is not None else int(torch.randint(0, 2 ** 31 - 1, (1,)))
         eos = set() if p.ignore_eos else set(eos_ids)
+        opts = dict(ignore_eos=p.ignore_eos, temperature=p.temperature, seed=seed, top_k=p.top_k, top_p=p.top_p)
         if self.prefill_mode == "kernel":   # the prompt runs through the kernel too: no torch, no extra memory
-            self.launch(0, 0, n, eos, ignore_eos=p.ignore_eos, temperature=p.temperature, seed=seed,
-                        forced=list(prompt_ids))
+            self.launch(0, 0, n, eos, forced=list(prompt_ids), **opts)
         else:
             self._ensure_kv(start + n + 1)
             self.prefill(list(prompt_ids[:-1]))
-            self.launch(int(prompt_ids[-1]), start, n, eos, ignore_eos=p.ignore_eos, temperature=p.temperature,
-                        seed=seed)
+            self.launch(int(prompt_ids[-1]), start, n, eos, **opts)
         yield from self._stream(n, eos)
 
     def _stream(self, n: int, eos: set[int]) -> Iterator[int]:
@@ -503,16 +546,19 @@ class MonokernelBackend:
                     done.synchronize()
 
 
-def compile_offline(backend: MonokernelBackend, arch: int = 90, n_splits: int = 1, mode: int = 0):
+def compile_offline(backend: MonokernelBackend, arch: int = 90, n_splits: int = 1, mode: int = 0,
+                    filtered: bool = False):
     """Compile the monokernel for `arch` (sm_90: H100/H200) without a GPU: the arguments of a real launch of
-    `backend` turned into a signature. Returns the CompiledKernel (metadata: registers, spills, shared memory).
-    Needs the JIT (not interpreted) kernel: call in a process without TRITON_INTERPRET=1."""
+    `backend` turned into a signature (filtered: a top-k / top-p launch's variant). Returns the CompiledKernel
+    (metadata: registers, spills, shared memory). Needs the JIT (not interpreted) kernel: call in a process
+    without TRITON_INTERPRET=1."""
     import triton
     from triton.compiler import ASTSource
 
     backend._ensure_kv(64)
-    tasks = backend.tasks(n_splits)
-    args, meta = backend.kernel_args(tasks, 8, 16, n_splits, 2, arch=arch)
+    sampler = backend.filter_sampler() if filtered else None
+    tasks = backend.tasks(n_splits, sampler.n_tiles if sampler is not None else 0)
+    args, meta = backend.kernel_args(tasks, 8, 16, n_splits, 2, arch=arch, sampler=sampler)
     names = monokernel.arg_names
     tys = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int32: "i32",
            torch.int64: "i64", torch.uint8: "u8", torch.uint32: "u32", torch.float8_e4m3fn: "fp8e4nv"}

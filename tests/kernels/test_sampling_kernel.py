@@ -137,8 +137,10 @@ def test_non_finite_logits_give_minus_one(bad, kw):
 
 
 def test_sampler_rejects_bad_inputs():
-    with pytest.raises(ValueError, match="top_k"):
+    from kie_moe.models.errors import InputError
+    with pytest.raises(InputError, match="top_k 5: .* keeps 4 candidates"):
         DeviceSampler(100, DEV, k_cand=4).configure(1.0, top_k=5)
+    DeviceSampler(100, DEV, k_cand=4).configure(0.0, top_k=5)    # greedy: top-k does not apply
     with pytest.raises(ValueError, match="filter"):
         DeviceSampler(100, DEV, filter=False).configure(1.0, top_p=0.5)
     with pytest.raises(ValueError, match="logits"):

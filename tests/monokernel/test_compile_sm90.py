@@ -32,6 +32,8 @@ for arg in sys.argv[1:]:
     # an A100 (sm_80) takes the same plan: e4m3 buffers as bytes (no fp8e4nv pointer), no sm_90 bulk prefetch
     ptx80 = compile_offline(be, arch=80).asm["ptx"]
     assert "cp.async.bulk" not in ptx80 and "ld.global.acquire.gpu" in ptx80, path
+    if scheme == "mxfp4":   # the top-k / top-p variant (SFILTER: sampling.py's tile + final tasks inside)
+        assert "ld.global.acquire.gpu" in compile_offline(be, filtered=True).asm["ptx"], path
     print("ok", arg, len(ptx))
 """
 

@@ -163,8 +163,6 @@ def test_engine_runs_the_monokernel_backend(tiny_model):
     assert be.name == "monokernel"
     got = list(be.generate(PROMPT, SamplingParams(max_new_tokens=4, ignore_eos=True), set()))
     check_against_reference(be, m, PROMPT, got)
-    with pytest.raises(Exception, match="top-k"):
-        list(be.generate(PROMPT, SamplingParams(max_new_tokens=4, temperature=1.0, top_k=5), set()))
 
 
 def test_watchdog_names_the_stuck_task_and_next_launch_works(tiny_model):
@@ -260,3 +258,36 @@ def test_non_finite_logit_stops_with_the_engines_error(temperature, tmp_path):
     be = MonokernelBackend(good, "cpu", n_sms=3)
     assert list(be.generate(PROMPT, SamplingParams(max_new_tokens=4, ignore_eos=True), set())) == \
         reference_greedy(good, PROMPT, 4)
+
+
+@pytest.mark.parametrize("case,top_k,top_p", [("llama", 5, 1.0), ("qwen3_moe_norm", 0, 0.8), ("gpt_oss", 7, 0.9)])
+def test_top_k_top_p_replay_the_graph_sampler(case, top_k, top_p, tiny_model):
+    """top-k / top-p inside the kernel (LM tiles store logits, kernels/sampling.py's tile + final tasks draw):
+    at every step the token is the one kernels/sampling.sample_tokens draws from the reference decoder's logits
+    with the same seed and step (same Philox noise, same candidate filter), it lies in the reference's top-k /
+    nucleus, the same seed replays, and the next plain launch is greedy again."""
+    from kie_moe.kernels.sampling import DeviceSampler, sample_probs_ref
+    m = tiny_model(case)
+    be = MonokernelBackend(m, "cpu", n_sms=2, sample_block_v=64, k_cand=16)   # 211 ids: 4 vocab tiles
+    p = SamplingParams(max_new_tokens=5, temperature=1.5, top_k=top_k, top_p=top_p, seed=1234, ignore_eos=True)
+    got = list(be.generate(PROMPT, p, set()))
+    assert be.last_launch["filtered"] and be.filter_sampler().n_tiles == 4
+    logits, _ = reference_run(m, PROMPT, got)
+    inexact = 0
+    for s, tok in enumerate(got):
+        ds = DeviceSampler(m.spec.vocab_size, "cpu", k_cand=16, block_v=64).configure(1.5, top_k, top_p, 1234, s)
+        assert tok == int(ds(logits[s])[0]), f"step {s}"
+        if int(ds.status[0]) == 0:   # exact draw (else: a nucleus wider than the candidates, plain temperature)
+            assert float(sample_probs_ref(logits[s], 1.5, top_k, top_p)[tok]) > 0, f"step {s}: outside the filter"
+        inexact += int(ds.status[0])
+    assert int(be.filter_sampler().status[0]) == inexact and (top_k == 0 or inexact == 0)
+    assert list(be.generate(PROMPT, p, set())) == got
+    greedy = list(be.generate(PROMPT, SamplingParams(max_new_tokens=3, ignore_eos=True), set()))
+    assert not be.last_launch["filtered"] and greedy == reference_greedy(m, PROMPT, 3)
+
+
+def test_top_k_above_the_candidates_is_refused(tiny_model):
+    from kie_moe.models.errors import InputError
+    be = MonokernelBackend(tiny_model("llama"), "cpu", k_cand=16)
+    with pytest.raises(InputError, match="top_k 17: .* 16 candidates"):
+        list(be.generate(PROMPT, SamplingParams(max_new_tokens=2, temperature=1.0, top_k=17), set()))
