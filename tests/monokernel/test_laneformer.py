@@ -162,3 +162,21 @@ def test_plan_of_laneformer_2b():
     ops = tasks[:, P.F_OP].tolist()
     assert P.OP_LANE_AGG not in ops and ops.count(P.OP_LANE_DOWN) == 15 * len(plan.op_rows["down"])
     assert plan.weight_bytes_per_token() == pytest.approx(2 * (spec.num_params - 15 * 2 * 8 * 4096 - 4096 - 32768 * 4096))
+
+
+def test_top_k_sampling_replays_the_graph_sampler(lane_model):
+    """A Laneformer plan takes the filtered sampler too (lanes.build_lane_tasks' sample tiles): each token is the
+    one kernels/sampling.py draws from the reference decoder's logits with the same seed and step."""
+    from kie_moe.kernels.sampling import DeviceSampler
+    m = lane_model({})
+    be = MonokernelBackend(m, "cpu", sample_block_v=32, k_cand=8)            # 97 ids: 4 vocab tiles
+    p = SamplingParams(max_new_tokens=4, temperature=1.3, top_k=6, seed=77, ignore_eos=True)
+    got = list(be.generate(PROMPT, p, set()))
+    assert be.last_launch["filtered"] and be.filter_sampler().n_tiles == 4
+    dec = LaneformerDecoder(m.spec, m.weights)
+    logits = dec.forward(torch.tensor(PROMPT))[-1]
+    for s, tok in enumerate(got):
+        ds = DeviceSampler(m.spec.vocab_size, "cpu", k_cand=8, block_v=32).configure(1.3, 6, 1.0, 77, s)
+        assert tok == int(ds(logits.float())[0]), f"step {s}"
+        assert tok in torch.topk(logits, 6).indices.tolist()
+        logits = dec.forward(torch.tensor([tok]))[-1]
