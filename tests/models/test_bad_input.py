@@ -201,6 +201,14 @@ def test_nan_weights_are_not_a_silent_eos(capsys, good, tmp_path, backend):
     fails(capsys, gen(d, "1,2,3", "--backend", backend), "not finite", "step 0")
 
 
+@pytest.mark.parametrize("backend", ["graph", "monokernel"])
+def test_top_k_beyond_the_device_samplers_candidates(capsys, good, backend):
+    """The GPU backends' samplers keep 64 candidates per vocab tile: a larger top-k is one line, exit 2 (the graph
+    backend raised a ValueError traceback; the monokernel refused top-k altogether)."""
+    fails(capsys, gen(good, "1,2,3", "--backend", backend, "--temperature", "1", "--top-k", "100"), "top_k 100",
+          "64 candidates")
+
+
 @pytest.mark.parametrize("extra,needle", [(("--temperature", "nan"), "temperature"),
                                           (("--temperature", "inf"), "temperature"),
                                           (("--chat",), "--chat")])
