@@ -291,3 +291,20 @@ def test_top_k_above_the_candidates_is_refused(tiny_model):
     be = MonokernelBackend(tiny_model("llama"), "cpu", k_cand=16)
     with pytest.raises(InputError, match="top_k 17: .* 16 candidates"):
         list(be.generate(PROMPT, SamplingParams(max_new_tokens=2, temperature=1.0, top_k=17), set()))
+
+
+def test_cli_generate_top_p_on_the_monokernel(tiny_model, capsys):
+    """`kie generate --backend monokernel --temperature T --top-p P --seed S` (the request the OpenAI server makes
+    for a client's top_p) runs the kernel's top-k / top-p variant; the same seed gives the same tokens."""
+    import json
+    from kie_moe import cli
+    m = tiny_model("qwen3_moe_norm")
+    args = ["generate", m.path, "--device", "cpu", "--prompt-ids", ",".join(map(str, PROMPT)), "--max-new-tokens",
+            "3", "--ignore-eos", "--json", "--backend", "monokernel", "--temperature", "0.9", "--top-p", "0.9",
+            "--top-k", "20", "--seed", "5"]
+    outs = []
+    for _ in range(2):
+        assert cli.main(args) == 0
+        outs.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1]))
+    assert outs[0]["backend"] == "monokernel" and len(outs[0]["token_ids"]) == 3
+    assert outs[0]["token_ids"] == outs[1]["token_ids"]
