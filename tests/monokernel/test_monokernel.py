@@ -269,7 +269,7 @@ def test_top_k_top_p_replay_the_graph_sampler(case, top_k, top_p, tiny_model):
     from kie_moe.kernels.sampling import DeviceSampler, sample_probs_ref
     m = tiny_model(case)
     be = MonokernelBackend(m, "cpu", n_sms=2, sample_block_v=64, k_cand=16)   # 211 ids: 4 vocab tiles
-    p = SamplingParams(max_new_tokens=5, temperature=1.5, top_k=top_k, top_p=top_p, seed=1234, ignore_eos=True)
+    p = SamplingParams(max_new_tokens=4, temperature=1.5, top_k=top_k, top_p=top_p, seed=1234, ignore_eos=True)
     got = list(be.generate(PROMPT, p, set()))
     assert be.last_launch["filtered"] and be.filter_sampler().n_tiles == 4
     logits, _ = reference_run(m, PROMPT, got)
@@ -300,11 +300,11 @@ def test_cli_generate_top_p_on_the_monokernel(tiny_model, capsys):
     from kie_moe import cli
     m = tiny_model("qwen3_moe_norm")
     args = ["generate", m.path, "--device", "cpu", "--prompt-ids", ",".join(map(str, PROMPT)), "--max-new-tokens",
-            "3", "--ignore-eos", "--json", "--backend", "monokernel", "--temperature", "0.9", "--top-p", "0.9",
+            "2", "--ignore-eos", "--json", "--backend", "monokernel", "--temperature", "0.9", "--top-p", "0.9",
             "--top-k", "20", "--seed", "5"]
     outs = []
     for _ in range(2):
         assert cli.main(args) == 0
         outs.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1]))
-    assert outs[0]["backend"] == "monokernel" and len(outs[0]["token_ids"]) == 3
+    assert outs[0]["backend"] == "monokernel" and len(outs[0]["token_ids"]) == 2
     assert outs[0]["token_ids"] == outs[1]["token_ids"]
