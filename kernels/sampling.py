@@ -218,6 +218,11 @@ def _sample_final_kernel(params_ptr, rng_ptr, part_f_ptr, part_i_ptr, cand_ptr, 
 
 # ---- host side ---------------------------------------------------------------------------------------------------
 
+def needs_filter(temperature: float, top_k: int, top_p: float) -> bool:
+    """Whether a draw takes the top-k / top-p path (FILTER): greedy ignores both."""
+    return temperature > 0 and (top_k > 0 or top_p < 1.0)
+
+
 class DeviceSampler:
     """Device-resident sampling state for one stream of decode steps; `__call__` only launches.
 
@@ -262,11 +267,21 @@ class DeviceSampler:
         dpp = 1 if num_draws == 1 else min(triton.next_power_of_2(num_draws), max(1, draws_per_prog), cap)
         self.draws_per_prog = 1 << (dpp.bit_length() - 1)                  # tl.arange needs a power of two
 
+    @property
+    def block_t(self) -> int:
+        """The final task's BLOCK_T (>= n_tiles)."""
+        return triton.next_power_of_2(self.n_tiles)
+
+    @property
+    def block_c(self) -> int:
+        """The final task's BLOCK_C (>= the n_tiles * k_cand candidates; 1 without the filter)."""
+        return triton.next_power_of_2(self.n_tiles * self.k_cand) if self.filter else 1
+
     def configure(self, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
                   step: int = 0) -> "DeviceSampler":
         if temperature < 0 or not 0 < top_p <= 1 or top_k < 0:
             raise ValueError(f"need temperature >= 0, 0 < top_p <= 1, top_k >= 0; got {temperature}, {top_p}, {top_k}")
-        if temperature > 0 and (top_k or top_p < 1) and not self.filter:
+        if needs_filter(temperature, top_k, top_p) and not self.filter:
             raise ValueError("top_k / top_p need a DeviceSampler built with filter=True")
         if top_k > self.k_cand and temperature > 0:   # a user's option: one line, exit 2 (greedy ignores it)
             raise InputError(f"top_k {top_k}: the GPU sampler keeps {self.k_cand} candidates per vocab tile, so "
@@ -293,8 +308,8 @@ class DeviceSampler:
         _sample_final_kernel[(grid_d,)](
             self.params, self.rng, self.part_f, self.part_i, self.cand, self.gum_f, self.gum_i, self.out, self.ring,
             self.status, self.n_tiles, D, max(self.ring_size, 1), FILTER=self.filter, K_CAND=self.k_cand,
-            HAS_RING=self.ring_size > 0, ADVANCE=D == 1, DRAWS=DR, BLOCK_T=triton.next_power_of_2(self.n_tiles),
-            BLOCK_C=triton.next_power_of_2(self.n_tiles * self.k_cand) if self.filter else 1, num_warps=8,
+            HAS_RING=self.ring_size > 0, ADVANCE=D == 1, DRAWS=DR, BLOCK_T=self.block_t, BLOCK_C=self.block_c,
+            num_warps=8,
             **launch_kw(self.device))
         return self.out
 

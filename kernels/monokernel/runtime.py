@@ -30,6 +30,7 @@ from kie_moe.models.rope import cos_sin
 
 from ..device_caps import e4m3_native, has_fp8e4nv, offline_target
 from ..prefill import Prefill
+from ..sampling import DeviceSampler, needs_filter
 from . import lanes
 from . import plan as P
 from .kernel import CT_ERR, CT_ERR_HAVE, CT_ERR_NEED, CT_STOP, CT_YIELD, N_CTRL, monokernel
@@ -118,9 +119,9 @@ class MonokernelBackend:
         self._tasks: dict[tuple[int, int], torch.Tensor] = {}   # (attention splits, sample tiles) -> table
         self._tasks1_host: dict[int, torch.Tensor] = {}  # one-split tables, host copies: split_tasks' templates
         # top-k / top-p: a kernels/sampling.DeviceSampler's buffers and tile / final tasks inside the kernel, made at
-        # the first such request (sample_block_v / k_cand: its vocab tile and candidates per tile)
-        # (4096: of 2048 / 4096 / 8192, the variant with the least spill offline: qwen3-30b-a3b fp8 sm_90 272 B of
-        # stack vs 424 / 376, all confined to 64-106 STL; the default kernel is unchanged, 250 registers, no stack)
+        # the first such request (sample_block_v / k_cand: its vocab tile and candidates per tile). Tiles of 4096:
+        # of 2048 / 4096 / 8192 the variant with the least spill offline (qwen3-30b-a3b fp8, sm_90: 272 B of stack
+        # vs 424 / 376, all in 64-106 STL); the default kernel is unchanged (250 registers, no stack).
         self._sampler_opts = dict(block_v=sample_block_v or 4096, k_cand=k_cand)
         self._sampler = None
         self._prefill_decoder = None
@@ -209,7 +210,6 @@ class MonokernelBackend:
     def filter_sampler(self):
         """The DeviceSampler whose buffers a top-k / top-p launch hands the kernel (+ the logits it samples)."""
         if self._sampler is None:
-            from ..sampling import DeviceSampler
             V = self.spec.vocab_size
             self._sampler = DeviceSampler(V, self.device, filter=True, **self._sampler_opts)
             self.logits = torch.zeros(V, dtype=torch.float32, device=self.device)
@@ -318,7 +318,7 @@ class MonokernelBackend:
             self.am = torch.zeros(n_splits, d.HQ, device=self.device)
             self.al = torch.zeros(n_splits, d.HQ, device=self.device)
         sampler = None
-        if temperature > 0 and (top_k > 0 or top_p < 1.0):
+        if needs_filter(temperature, top_k, top_p):
             sampler = self.filter_sampler().configure(temperature, top_k, top_p, seed)
         tasks = self.tasks(n_splits, sampler.n_tiles if sampler is not None else 0)
         if self._plant is not None:
@@ -416,8 +416,8 @@ class MonokernelBackend:
             XB=t.xb, NS=t.ns, USE_ASM=not self.interpret, NT=32 * self.num_warps, TP=d.TP, E_LO=d.E_LO,
             E_LOC=d.E_LOC)
         if sampler is not None:
-            meta.update(SFILTER=True, K_CAND=sampler.k_cand, SBLOCK_V=sampler.block_v,
-                        SBLOCK_T=_pow2(sampler.n_tiles), SBLOCK_C=_pow2(sampler.n_tiles * sampler.k_cand))
+            meta.update(SFILTER=True, K_CAND=sampler.k_cand, SBLOCK_V=sampler.block_v, SBLOCK_T=sampler.block_t,
+                        SBLOCK_C=sampler.block_c)
         return args, meta
 
     def _sampler_args(self, sampler) -> list:
@@ -492,7 +492,7 @@ class MonokernelBackend:
         return f"{_COUNTER_KINDS[c % P.NC]}[layer {c // P.NC}]"
 
     def generate(self, prompt_ids: list[int], p, eos_ids) -> Iterator[int]:
-        filtered = not p.greedy and (p.top_k > 0 or p.top_p < 1.0)
+        filtered = needs_filter(p.temperature, p.top_k, p.top_p)
         if filtered and self.dims.TP:
             raise InputError("monokernel backend: top-k / top-p sampling runs on one GPU only (greedy or "
                              "temperature with --devices N)")
