@@ -6,6 +6,9 @@ import pytest
 # Kernel tests run on CPU through Triton's interpreter unless a GPU run asked otherwise.
 if os.environ.get("KIE_GPU_TESTS") != "1":
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("TRITON_INTERPRET") == "1":
+    from tests.interpreter_patch_once import install
+    install()
 
 
 def pytest_collection_modifyitems(config, items):
