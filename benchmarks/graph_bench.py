@@ -15,9 +15,6 @@ import traceback
 
 import torch
 
-# moved into the product (kie bench / kie sweep use it); imported here so this script's runs stay comparable
-from kie_moe.synthetic import QuantizingStore  # noqa: E402
-
 
 def probe_gbps(nbytes=4 << 30) -> float:
     import triton.testing as tt
@@ -45,13 +42,13 @@ def time_backend(be, prompt, new_tokens, runs=3):
 
 
 def run(arch: str, fmt: str, probe: float, backends: list[str], prompt_len=32, new_tokens=128) -> list[dict]:
-    from kie_moe.models.registry import LoadedModel
-    from kie_moe.models.synth import synth_weights_on_device
+    from kie_moe.synthetic import open_model
     rows = []
-    spec, store = synth_weights_on_device(arch, "cuda", torch.bfloat16)
+    # as `kie bench` builds it: float weights drawn tensor by tensor when they would fill over half of the GPU
+    # (qwen3-30b-a3b's 61 GB of bf16 beside its packed fp4 copy does not fit an 80 GB H100; session 18)
     # FMT+head: the lm_head quantized too (kie convert --quantize-lm-head)
-    model = LoadedModel(f"<synth {arch}>", {}, spec, QuantizingStore(store, fmt.removesuffix("+head"),
-                                                                     lm_head=fmt.endswith("+head")))
+    model = open_model(arch, torch.device("cuda"), scheme=fmt.removesuffix("+head"),
+                       quantize_lm_head=fmt.endswith("+head")).model
     prompt = list(range(100, 100 + prompt_len))
     for name in backends:
         r = {"arch": arch, "fmt": fmt, "backend": name, "prompt_len": prompt_len, "new_tokens": new_tokens}
@@ -78,7 +75,7 @@ def run(arch: str, fmt: str, probe: float, backends: list[str], prompt_len=32, n
         torch.cuda.empty_cache()
         print(json.dumps({k: v for k, v in r.items() if k != "trace"}), flush=True)
         rows.append(r)
-    del model, store
+    del model
     gc.collect()
     torch.cuda.empty_cache()
     return rows

@@ -401,7 +401,7 @@ def big_experts_section(formats, mb: float, probe: float, rep_ms: int, H: int = 
     """Issue 5's routed-expert figure: both launches of moe_experts over >= mb MB of *active* expert bytes (top-k
     experts of [I, H] gate / up and [H, I] down, k chosen per format; twice as many experts stored), bytes = the
     active experts' weights + scales only. fp4: the CUDA-core and tensor-core paths each (model_shapes: also at
-    two models' expert shapes)."""
+    three models' expert shapes)."""
     print(f"big experts: moe_experts over >= {mb} MB of active experts, H = {H}, I = {I}", flush=True)
 
     def run(fmt):
@@ -413,15 +413,17 @@ def big_experts_section(formats, mb: float, probe: float, rep_ms: int, H: int = 
         if fmt not in FP4:
             return bench_experts(name, fmt, m, H, probe, rep_ms)
         # fp4: the CUDA-core tiles and the tensor cores (fp4_mma_experts) side by side, here and at the expert
-        # shapes of DeepSeek-V3 (H 7168, I 2048, top-8) and gpt-oss-120b (2880, 2880, top-4): where
-        # moe.MMA_EXPERT_MIN_BYTES should lie.
+        # shapes of DeepSeek-V3 (H 7168, I 2048, top-8), gpt-oss-120b (2880, 2880, top-4) and qwen3-30b-a3b (2048,
+        # 768, top-8: ~21 MB, below every measured crossover): where moe.MMA_EXPERT_MIN_BYTES should lie.
         rows = []
         shapes = [(name, m, H)]
         if model_shapes:
             shapes += [(f"experts {fmt} deepseek-v3 top-8 [2048x7168]",
                         dict(experts=16, top_k=8, inter=2048, act="silu"), 7168),
                        (f"experts {fmt} gpt-oss-120b top-4 [2880x2880]",
-                        dict(experts=8, top_k=4, inter=2880, act="silu"), 2880)]
+                        dict(experts=8, top_k=4, inter=2880, act="silu"), 2880),
+                       (f"experts {fmt} qwen3-30b-a3b top-8 [768x2048]",
+                        dict(experts=128, top_k=8, inter=768, act="silu"), 2048)]
         for label, mm, h in shapes:
             for mma in (False, True):
                 rows.append(bench_experts(f"{label} {'mma' if mma else 'cuda-core'}", fmt, mm, h, probe, rep_ms,

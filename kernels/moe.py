@@ -34,9 +34,12 @@ SCORE_ID = {"softmax": 0, "sigmoid": 1, "softmax_topk": 2}
 # (expert_down_split) from 24.1 to 20.3-20.8 us.
 DEFAULT_EXPERT_TILES = {**DEFAULT_GLU_TILES, "fp8": TileConfig(8, 512, num_warps=2, prefetch=False)}
 EXPERT_DOWN_PROGRAMS_PER_SM = 16
-# Active fp4 expert bytes per token from which moe_experts runs on the tensor cores (use_mma_experts); None: never
-# by default (mma=True only) until the kernels have run on a GPU (written offline, session 16; NOTES.md).
-MMA_EXPERT_MIN_BYTES: int | None = None
+# Active fp4 expert bytes per token (top_k experts' gate + up + down) from which moe_experts runs on the tensor cores
+# (use_mma_experts), per format; a format not named: never. Measured on an H100 (session 18, benchmarks/NOTES.md),
+# tensor-core vs CUDA-core % of the read probe: nvfp4 56 MB 47 vs 37, 198 MB 74 vs 37, 283 MB 74 vs 44; mxfp4 53 MB
+# 41 vs 49 (the CUDA-core tiles win), 187 MB 69 vs 62, 294 MB 69 vs 67. nvfp4's crossover lies below 56 MB (smaller
+# launches not measured: qwen3-30b-a3b's 21 MB stays on the tiles), mxfp4's somewhere in 53-187 MB.
+MMA_EXPERT_MIN_BYTES: dict[str, int] = {"nvfp4": 50 << 20, "mxfp4": 128 << 20}
 
 
 @dataclass(frozen=True)
@@ -423,7 +426,7 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gat
     Biases [E, I] / [E, H] (views with strides are fine); down_bias is weighted like its expert's output.
     fp4 gate/up: x8 = prepare_x8(x, norm_weight, eps) (or route(..., x8_out=)) if already made.
     mma: nvfp4 / mxfp4 stacks on the tensor cores (kernels/fp4_mma_experts.py; x8 unused, x rounded to fp16 after the
-    norm, h kept in fp16); None: when use_mma_experts says so (>= MMA_EXPERT_MIN_BYTES of active experts);
+    norm, h kept in fp16); None: when use_mma_experts says so (>= MMA_EXPERT_MIN_BYTES[fmt] of active experts);
     mma_launch: that path's launch shapes (fp4_mma_experts.moe_experts_mma's keywords, for benchmarks)."""
     for name, w in (("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
         if not w.num_experts:
@@ -501,12 +504,13 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gat
 
 def use_mma_experts(w_gate: WeightHandle, w_up: WeightHandle, w_down: WeightHandle, top_k: int) -> bool:
     """moe_experts' default path: the tensor cores (fp4_mma_experts) for nvfp4 / mxfp4 stacks they can read whose
-    top_k active experts hold >= MMA_EXPERT_MIN_BYTES (None: never); else the CUDA-core tiles (tuned on qwen3's
-    small experts)."""
-    if MMA_EXPERT_MIN_BYTES is None or not (is_fp4(w_gate.fmt) and w_gate.fmt == w_up.fmt == w_down.fmt):
+    top_k active experts hold >= MMA_EXPERT_MIN_BYTES[fmt] (a format not there: never); else the CUDA-core tiles
+    (tuned on qwen3's small experts)."""
+    least = MMA_EXPERT_MIN_BYTES.get(w_gate.fmt)
+    if least is None or not (is_fp4(w_gate.fmt) and w_gate.fmt == w_up.fmt == w_down.fmt):
         return False
     active = top_k * (w_gate.nbytes + w_up.nbytes + w_down.nbytes) // w_gate.num_experts
-    if active < MMA_EXPERT_MIN_BYTES:
+    if active < least:
         return False
     from .fp4_mma_experts import mma_experts_unreadable
     return not any(mma_experts_unreadable(w) for w in (w_gate, w_up, w_down))

@@ -70,13 +70,15 @@ def test_mma_experts_gpt_oss_biases_interleaved(fmt):
 
 
 def test_moe_experts_takes_the_tensor_cores_by_active_bytes(monkeypatch):
-    """use_mma_experts: fp4 stacks at >= MMA_EXPERT_MIN_BYTES of active experts; never a float format, never below
-    the threshold; and moe_experts' default then gives the tensor-core path's numbers."""
+    """use_mma_experts: fp4 stacks at >= MMA_EXPERT_MIN_BYTES[fmt] of active experts; never a float format, never
+    below the threshold, never a format without one; and moe_experts' default then gives the tensor-core path's
+    numbers."""
     E, I, H = 4, 64, 96
     wg, wu, wd = _stack("nvfp4", E, I, H, seed=60)
     per_expert = (wg.nbytes + wu.nbytes + wd.nbytes) // E
-    monkeypatch.setattr(M, "MMA_EXPERT_MIN_BYTES", 2 * per_expert)
+    monkeypatch.setattr(M, "MMA_EXPERT_MIN_BYTES", {"nvfp4": 2 * per_expert})
     assert not use_mma_experts(wg, wu, wd, 1) and use_mma_experts(wg, wu, wd, 2)
+    assert not use_mma_experts(*_stack("mxfp4", E, I, H, seed=61), 4)
     assert not use_mma_experts(*_stack("fp8", E, I, H, seed=61), 4)
     x = _t(H, seed=62)
     ids = torch.tensor([1, 3], dtype=torch.int32, device=DEV)
@@ -116,4 +118,7 @@ def test_mma_experts_real_sizes_gpu(fmt, E, k, I, H):
     y = moe_experts(x, ids, wts, wg, wu, wd, mma=True, norm_weight=nw, residual=x, out=torch.empty(H, device="cuda"))
     want = moe_experts_ref(x, ids, wts, wg, wu, wd, norm_weight=nw, residual=x, out_dtype=torch.float32,
                            fp16_inputs=True)
-    assert_close(y, want, rel=2e-5, what=f"{fmt} E{E} top-{k} {I}x{H}")
+    # rel 1e-4: h is rounded to fp16 from fp32 sums taken in another order than the reference's, so now and then an
+    # h element lands one fp16 ulp (2^-10 relative) away, moving y by |w_down * ulp(h) * weight|: measured up to
+    # 2.8e-5 of max|y| (H100, gpt-oss-120b mxfp4, session 18); a wrong scale, expert or row moves it by > 1e-3.
+    assert_close(y, want, rel=1e-4, what=f"{fmt} E{E} top-{k} {I}x{H}")
