@@ -1,6 +1,6 @@
-"""tests/interpreter_patch_once.py (the CI speed-up of Triton's interpreter): a launch whose kernel calls device
-functions still computes what torch does, device-function calls inside it skip triton's re-patching, and after the
-launch triton.language's builtins are triton's own again."""
+"""kernels/interpret_patch_once.py (the speed-up of Triton's interpreter on the CPU path): a launch whose kernel
+calls device functions still computes what torch does, device-function calls inside it skip triton's re-patching,
+and after the launch triton.language's builtins are triton's own again."""
 import os
 
 import pytest
@@ -37,7 +37,8 @@ def _plain(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
 
 def test_launch_with_device_functions_patches_once_and_restores(monkeypatch):
     from triton.runtime import interpreter as I
-    assert getattr(I._patch_lang, "_kie_patch_once", False), "conftest did not install the patch-once shim"
+    import kie_moe.kernels  # noqa: F401
+    assert getattr(I._patch_lang, "_kie_patch_once", False), "importing kie_moe.kernels did not install the shim"
     calls, patched = [], []
     inner, patch_builtin = I._patch_lang, I._patch_builtin
     monkeypatch.setattr(I, "_patch_lang", lambda fn: calls.append(fn.__name__) or inner(fn))
@@ -54,5 +55,5 @@ def test_launch_with_device_functions_patches_once_and_restores(monkeypatch):
     assert calls[0] == "_kernel" and len(calls) == 1 + 3 * 3
     assert len(patched) == one_launch, "device-function calls re-patched triton.language"
     assert tl.core.is_builtin(tl.where) and tl.core.is_builtin(tl.load), "the launch's patches were not restored"
-    from tests.interpreter_patch_once import _patched
+    from kie_moe.kernels.interpret_patch_once import _patched
     assert _patched is None

@@ -4,9 +4,12 @@ triton 3.6's interpreter re-patches triton.language (inspect.getmembers over tl,
 every call of a @triton.jit device function, although the launch already patched the same modules and the patches
 stay until the launch ends. Our kernels call small device functions in their inner loops (tiles.py's fp4 decode:
 ~19k calls in a 3-step tiny-Qwen3 nvfp4 decode), so that re-patching was ~37% of the interpreter's time (cProfile,
-session 18). Here a device-function call skips the patch when every language module its globals see is already
-patched for the running launch; anything else (a module not yet patched, no launch running) takes triton's own path.
-What runs is unchanged: the same patched builtins, bound to the same interpreter builder."""
+session 18; the CLI's `TRITON_INTERPRET=1 ... --device cpu` path and the CPU tests pay it alike).
+
+Installed by kie_moe.kernels' import when TRITON_INTERPRET=1: a device-function call skips the patch when every
+language module its globals see is already patched for the running launch; anything else (a module not yet
+patched, no launch running) takes triton's own path. What runs is unchanged: the same patched builtins, bound to
+the same interpreter builder."""
 import inspect
 
 _patched: set[int] | None = None       # ids of the language modules patched by the launch now running
