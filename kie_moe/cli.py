@@ -43,6 +43,8 @@ def cmd_generate(a) -> int:
     """One device: here. --devices N: N workers (kie_moe/launch.py), each decoding its shard in lockstep
     (kie_moe/ranks.py); rank 0 prints, through the same _generate as one device."""
     from kie_moe import ranks
+    from kie_moe.synthetic import resolve_model
+    a.model = resolve_model(a.model)      # `demo`: the embedded model, as kie bench / sweep / convert take it
 
     def prepare(group):
         from kie_moe.models.registry import load_model
@@ -132,8 +134,10 @@ def cmd_serve(a) -> int:
     lockstep (kie_moe/ranks.py)."""
     from kie_moe import ranks
     from kie_moe.server import bind, serve
+    from kie_moe.synthetic import resolve_model
     kw = dict(host=a.host, port=a.port, api_key=a.api_key, max_queue=a.max_queue, max_model_len=a.max_model_len,
-              served_model_name=a.served_model_name)
+              served_model_name=a.served_model_name or a.model)   # `demo` stays the name clients send
+    a.model = resolve_model(a.model)
 
     def prepare(group):
         from kie_moe.models.registry import load_model
@@ -215,7 +219,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", help="generate one completion, streamed",
                        description="Generate one completion from MODEL (an HF-format checkpoint directory).")
-    g.add_argument("model", metavar="MODEL_DIR", help="checkpoint directory (config.json + *.safetensors)")
+    g.add_argument("model", metavar="MODEL_DIR", help="checkpoint directory (config.json + *.safetensors), or demo "
+                   "(the embedded model)")
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text (needs the model's tokenizer files)")
     src.add_argument("--prompt-ids", help="prompt as comma-separated token ids, e.g. 1,2,3")
@@ -272,7 +277,8 @@ def build_parser() -> argparse.ArgumentParser:
     v = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)",
                        description="Serve MODEL_DIR over an OpenAI-compatible HTTP API, one request decoding at a "
                                    "time (others wait in FIFO order). Also /health and /metrics (Prometheus).")
-    v.add_argument("model", metavar="MODEL_DIR", help="checkpoint directory (config.json + *.safetensors)")
+    v.add_argument("model", metavar="MODEL_DIR", help="checkpoint directory (config.json + *.safetensors), or demo "
+                   "(the embedded model)")
     v.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     v.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 = any free port)")
     v.add_argument("--api-key", default=None,

@@ -139,3 +139,26 @@ def test_cli_gptq_rows(result, cache, capsys):
     assert cli.main(args) == 0 and "converted to" not in capsys.readouterr().err
     assert cli.main(["demo", "--out", cache, "--calib", "x.txt"]) == 2
     assert "add --gptq" in capsys.readouterr().err
+
+
+def test_generate_takes_demo_as_the_embedded_model(capsys):
+    """`kie generate demo` decodes the shipped model, as `kie bench demo` / `kie sweep demo` name it: the same
+    greedy tokens as its directory's path gives, and those are the reference decoder's."""
+    import torch
+    from kie_moe.models.reference import ReferenceDecoder
+    from kie_moe.models.registry import load_model
+    outs = []
+    for name in ("demo", MODEL):
+        rc = cli.main(["generate", name, "--device", "cpu", "--backend", "reference", "--prompt-ids", "5,6,7",
+                       "--max-new-tokens", "3", "--ignore-eos", "--json"])
+        out = capsys.readouterr().out
+        assert rc == 0, out
+        outs.append(json.loads(out.strip().splitlines()[-1]))
+    ids = [o["token_ids"] for o in outs]
+    m = load_model(MODEL)
+    dec = ReferenceDecoder(m.spec, m.weights)
+    logits, want = dec.forward(torch.tensor([5, 6, 7]))[-1], []
+    for _ in range(3):
+        want.append(int(torch.argmax(logits)))
+        logits = dec.forward(torch.tensor([want[-1]]))[-1]
+    assert ids[0] == ids[1] == want
