@@ -92,8 +92,10 @@ def _generate(a, eng=None) -> int:
             print(",".join(map(str, res.token_ids)))
         else:
             print()
-        print(f"[{len(res.token_ids)} tokens, {res.tokens_per_s:.1f} tok/s decode, "
-              f"{res.ttft_s * 1e3:.0f} ms to first token, backend {eng.backend_name}, {eng.device}"
+        rate = (f"{res.tokens_per_s:.1f} tok/s decode, {res.ttft_s * 1e3:.0f} ms to first token"
+                if res.tokens_per_s is not None else    # the interpreted monokernel hands over all tokens at its end
+                f"{res.ttft_s + res.decode_s:.1f} s in all, one interpreted launch: no per-token rate")
+        print(f"[{len(res.token_ids)} tokens, {rate}, backend {eng.backend_name}, {eng.device}"
               + (f", {eng.devices} devices" if eng.devices > 1 else "") + "]", file=sys.stderr)
     return 0
 

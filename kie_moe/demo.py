@@ -37,7 +37,7 @@ class DemoRow:
     scheme: str
     path: str
     bytes: int              # weight files (*.safetensors: weights + scales) on disk
-    tokens_per_s: float     # decode rate (tokens after the first / time after the first)
+    tokens_per_s: float | None  # decode rate (tokens after the first / time after the first); None: not streamed
     top1: float             # fraction of held-out positions whose argmax matches bf16's
     kl: float               # mean KL(bf16 || this) in nats per position
     ppl: float              # held-out perplexity
@@ -237,8 +237,8 @@ COLUMNS = ("scheme", "weights MB", "tok/s", "top-1 vs bf16", "KL vs bf16", "held
 
 
 def table_cells(res: DemoResult) -> list[list[str]]:
-    return [[r.scheme, f"{r.bytes / 1e6:.2f}", f"{r.tokens_per_s:.1f}", f"{r.top1:.4f}", f"{r.kl:.5f}",
-             f"{r.ppl:.3f}"] for r in res.rows]
+    return [[r.scheme, f"{r.bytes / 1e6:.2f}", "-" if r.tokens_per_s is None else f"{r.tokens_per_s:.1f}",
+             f"{r.top1:.4f}", f"{r.kl:.5f}", f"{r.ppl:.3f}"] for r in res.rows]
 
 
 def caption(res: DemoResult) -> str:

@@ -153,10 +153,15 @@ class GenerationResult:
     decode_s: float
     finish_reason: str = "length"
     extra: dict = field(default_factory=dict)
+    streamed: bool = True        # False: every token arrived at the end of one launch (the interpreted monokernel)
 
     @property
-    def tokens_per_s(self) -> float:
-        n = len(self.token_ids) - 1  # decode rate: tokens after the first, over the time after the first
+    def tokens_per_s(self) -> float | None:
+        """Decode rate: tokens after the first over the time after the first; None where the tokens did not stream
+        (their arrival times then say nothing of the decode rate)."""
+        if not self.streamed:
+            return None
+        n = len(self.token_ids) - 1
         return n / self.decode_s if n > 0 and self.decode_s > 0 else 0.0
 
 
@@ -230,4 +235,5 @@ class Engine:
             torch.cuda.synchronize()
         t1 = time.perf_counter()
         text = self.tokenizer.decode(out) if self.tokenizer is not None else None
-        return GenerationResult(out, text, len(prompt_ids), (t_first or t1) - t0, t1 - (t_first or t1), reason)
+        return GenerationResult(out, text, len(prompt_ids), (t_first or t1) - t0, t1 - (t_first or t1), reason,
+                                streamed=getattr(self.backend, "streams_tokens", True))

@@ -92,6 +92,8 @@ class MonokernelBackend:
                  sample_block_v: int | None = None, k_cand: int = 64, **plan_opts):
         self.device = torch.device(device)
         self.interpret = interpreting() and not offline  # offline: buffers for compile_offline(), no launches
+        # under the interpreter a launch runs to its end before the host reads the ring: no token streams early
+        self.streams_tokens = not self.interpret
         if self.device.type != "cuda" and not self.interpret and not offline:
             raise InputError("monokernel backend: needs a CUDA GPU (or TRITON_INTERPRET=1 on CPU, for tests)")
         spec = model.spec if plan is None else plan.spec
