@@ -1,6 +1,6 @@
 import os
 
 if os.environ.get("TRITON_INTERPRET") == "1":   # the CPU path (CI, `kie ... --device cpu`): Triton's interpreter
-    from .interpret_patch_once import install as _install
+    from .interpreter_speedups import install as _install
 
     _install()

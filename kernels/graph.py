@@ -372,6 +372,10 @@ class GraphBackend:
                 self.caches[i][:n, :r].copy_(cache[0])
                 self.caches[i][:n, r:].copy_(cache[1])
 
+    def sampling_fallbacks(self) -> int:
+        """The last request's draws whose top-k / top-p fell back to plain temperature sampling (kernels/sampling)."""
+        return self.sampler.fallbacks()
+
     def generate(self, prompt_ids: list[int], p, eos_ids: set[int]) -> Iterator[int]:
         n = len(prompt_ids)
         self._ensure(n + p.max_new_tokens + 1)

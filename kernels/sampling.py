@@ -289,7 +289,13 @@ class DeviceSampler:
                              f"takes any k)")
         self.params.copy_(torch.tensor([temperature, top_p, float(top_k)], dtype=torch.float32))
         self.rng.copy_(torch.tensor([seed & ((1 << 63) - 1), step], dtype=torch.int64))
+        self.status.zero_()          # counts this request's fallback draws (fallbacks())
         return self
+
+    def fallbacks(self) -> int:
+        """Draws since configure() that fell back to plain temperature sampling (a top-p nucleus wider than the
+        candidates): the host reads status, so this waits for the draws queued so far."""
+        return int(self.status[0])
 
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
         """logits [V] fp32 / bf16 / fp16 on the sampler's device -> self.out (int32 [num_draws]; -1 where the

@@ -86,7 +86,8 @@ def _generate(a, eng=None) -> int:
     if a.json:
         print(json.dumps({"token_ids": res.token_ids, "text": res.text, "tokens_per_s": res.tokens_per_s,
                           "backend": eng.backend_name, "devices": eng.devices, "prompt_tokens": res.prompt_tokens,
-                          "ttft_s": res.ttft_s, "finish_reason": res.finish_reason}))
+                          "ttft_s": res.ttft_s, "finish_reason": res.finish_reason,
+                          "sampling_fallbacks": res.sampling_fallbacks}))
     else:
         if eng.tokenizer is None:
             print(",".join(map(str, res.token_ids)))
@@ -97,6 +98,10 @@ def _generate(a, eng=None) -> int:
                 f"{res.ttft_s + res.decode_s:.1f} s in all, one interpreted launch: no per-token rate")
         print(f"[{len(res.token_ids)} tokens, {rate}, backend {eng.backend_name}, {eng.device}"
               + (f", {eng.devices} devices" if eng.devices > 1 else "") + "]", file=sys.stderr)
+    if res.sampling_fallbacks:
+        print(f"kie generate: note: {res.sampling_fallbacks} of {len(res.token_ids)} draws were plain temperature "
+              f"samples, not top-k / top-p: the nucleus was wider than the candidates the {eng.backend_name} "
+              f"backend's GPU sampler keeps (--backend reference samples top-p exactly)", file=sys.stderr)
     return 0
 
 

@@ -154,6 +154,7 @@ class GenerationResult:
     finish_reason: str = "length"
     extra: dict = field(default_factory=dict)
     streamed: bool = True        # False: every token arrived at the end of one launch (the interpreted monokernel)
+    sampling_fallbacks: int = 0  # top-k / top-p draws taken as plain temperature samples (Engine.sampling_fallbacks)
 
     @property
     def tokens_per_s(self) -> float | None:
@@ -220,6 +221,14 @@ class Engine:
                 raise logits_not_finite(self.model_dir, n)
             yield tid
 
+    def sampling_fallbacks(self, p: SamplingParams) -> int:
+        """After a request with top-k / top-p: how many of its draws the GPU sampler took as plain temperature
+        samples because the nucleus was wider than its candidates (kernels/sampling.py); 0 for other requests and
+        for backends that sample exactly (reference)."""
+        from kie_moe.kernels.sampling import needs_filter
+        count = getattr(self.backend, "sampling_fallbacks", None)
+        return count() if count is not None and needs_filter(p.temperature, p.top_k, p.top_p) else 0
+
     def generate(self, prompt_ids: list[int], p: SamplingParams, on_token=None) -> GenerationResult:
         t0 = time.perf_counter()
         t_first, out, reason = None, [], "length"
@@ -236,4 +245,5 @@ class Engine:
         t1 = time.perf_counter()
         text = self.tokenizer.decode(out) if self.tokenizer is not None else None
         return GenerationResult(out, text, len(prompt_ids), (t_first or t1) - t0, t1 - (t_first or t1), reason,
-                                streamed=getattr(self.backend, "streams_tokens", True))
+                                streamed=getattr(self.backend, "streams_tokens", True),
+                                sampling_fallbacks=self.sampling_fallbacks(p))

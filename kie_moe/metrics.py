@@ -119,6 +119,9 @@ class ServerMetrics:
                                 "Generations ended, by reason (stop, length, cancelled, error)", ("reason",))
         self.prompt_tokens = Counter("kie_prompt_tokens_total", "Prompt tokens prefilled")
         self.generation_tokens = Counter("kie_generation_tokens_total", "Tokens generated")
+        self.sampling_fallbacks = Counter("kie_sampling_fallback_draws_total",
+                                          "Draws of top-k / top-p requests taken as plain temperature samples: the "
+                                          "nucleus was wider than the GPU sampler's candidates (kernels/sampling.py)")
         self.queue_depth = Gauge("kie_queue_depth", "Requests waiting for the engine (not counting the one running)")
         self.running = Gauge("kie_requests_running", "Requests decoding now (0 or 1: one request at a time)")
         self.ttft = Histogram("kie_time_to_first_token_seconds",
@@ -141,7 +144,7 @@ class ServerMetrics:
     def render(self) -> str:
         lines = ["# HELP kie_model_info The model this server serves", "# TYPE kie_model_info gauge",
                  f'kie_model_info{{model="{_escape(self.model)}"}} 1']
-        for m in (self.requests, self.finished, self.prompt_tokens, self.generation_tokens, self.queue_depth,
-                  self.running, self.ttft, self.prefill, self.prefill_rate, self.tpot, self.e2e):
+        for m in (self.requests, self.finished, self.prompt_tokens, self.generation_tokens, self.sampling_fallbacks,
+                  self.queue_depth, self.running, self.ttft, self.prefill, self.prefill_rate, self.tpot, self.e2e):
             lines += m.render()
         return "\n".join(lines) + "\n"

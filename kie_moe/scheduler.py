@@ -225,6 +225,8 @@ class Scheduler:
             if tail:
                 job.emit(Delta(tail, None))
         m.generation_tokens.inc(n)
+        if n and reason != "cancelled":
+            m.sampling_fallbacks.inc(eng.sampling_fallbacks(p))
         if n > 1:
             m.tpot.observe((t_end - t_first) / (n - 1))
         m.e2e.observe(t_end - job.arrival)

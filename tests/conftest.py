@@ -7,7 +7,7 @@ import pytest
 if os.environ.get("KIE_GPU_TESTS") != "1":
     os.environ.setdefault("TRITON_INTERPRET", "1")
 if os.environ.get("TRITON_INTERPRET") == "1":
-    import kie_moe.kernels  # noqa: F401  (installs kernels/interpret_patch_once.py before any test launches)
+    import kie_moe.kernels  # noqa: F401  (installs kernels/interpreter_speedups.py before any test launches)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -209,6 +209,11 @@ class MonokernelBackend:
             self._tasks1_host[sample_tiles] = P.build_tasks(self.plan, 1, sample_tiles)
         return self._tasks1_host[sample_tiles]
 
+    def sampling_fallbacks(self) -> int:
+        """The last launch's draws whose top-k / top-p fell back to plain temperature sampling (kernels/sampling);
+        0 after a launch without the filter."""
+        return self._sampler.fallbacks() if self.last_launch.get("filtered") else 0
+
     def filter_sampler(self):
         """The DeviceSampler whose buffers a top-k / top-p launch hands the kernel (+ the logits it samples)."""
         if self._sampler is None:

@@ -292,3 +292,31 @@ def test_unseeded_sampling_draws_a_seed_per_request(tmp_path):
 
     assert key(None) != key(None)
     assert key(11) == 11
+
+
+def test_top_p_fallbacks_are_counted_and_reported(tmp_path, capsys):
+    """A top-p nucleus wider than the GPU sampler's candidates (temperature 50 flattens a tiny vocab: the nucleus
+    of 0.99 holds most of it, over the 64 candidates) is drawn as plain temperature sampling: `kie generate` counts
+    every such draw (sampling_fallbacks in --json, a note on stderr), as many as the reference filter's nucleus
+    sizes say; a top-k 5 request is exact (no note); the count is per request."""
+    import json
+
+    from kie_moe import cli
+    from kie_moe.kernels.sampling import sample_probs_ref
+    make_checkpoint("qwen3", str(tmp_path))
+    base = ["generate", str(tmp_path), "--device", "cpu", "--backend", "graph", "--prompt-ids", "7,8,9",
+            "--ignore-eos", "--json", "--temperature", "50", "--seed", "3"]
+    assert cli.main(base + ["--top-p", "0.99", "--max-new-tokens", "2"]) == 0
+    out, err = capsys.readouterr()
+    res = json.loads(out.strip().splitlines()[-1])
+    m = load_model(str(tmp_path))
+    dec = ReferenceDecoder(m.spec, m.weights)
+    wide = 0
+    for t in [None] + res["token_ids"][:-1]:            # the logits each draw was made from (teacher-forced)
+        logits = dec.forward(torch.tensor([7, 8, 9] if t is None else [t]))[-1].float()
+        wide += int((sample_probs_ref(logits, 50.0, 0, 0.99) > 0).sum()) > 64
+    assert wide == 2 and res["sampling_fallbacks"] == 2
+    assert "2 of 2 draws were plain temperature samples" in err
+    assert cli.main(base + ["--top-k", "5", "--max-new-tokens", "1"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out.strip().splitlines()[-1])["sampling_fallbacks"] == 0 and "note" not in err

@@ -148,6 +148,22 @@ def test_eos_ends_with_stop(client, server):
     pytest.skip("no seed hit eos")
 
 
+def test_sampling_fallbacks_metric(server, client, monkeypatch):
+    """kie_sampling_fallback_draws_total adds what the engine's backend reports after a top-p request (the graph /
+    monokernel samplers' count; this server's reference backend samples exactly, so a stand-in reports 2 here),
+    and nothing after a request without top-k / top-p."""
+    base, svc = server
+    monkeypatch.setattr(svc.sched.engine.backend, "sampling_fallbacks", lambda: 2, raising=False)
+    with http() as h:
+        before = metric(h.get(base + "/metrics").text, "kie_sampling_fallback_draws_total")
+        client.completions.create(model=MODEL, prompt="red blue", max_tokens=3, top_p=0.9, **SAMPLED)
+        after_top_p = metric(h.get(base + "/metrics").text, "kie_sampling_fallback_draws_total")
+        client.completions.create(model=MODEL, prompt="red blue", max_tokens=3, **SAMPLED)
+        text = h.get(base + "/metrics").text
+    assert after_top_p == before + 2 and metric(text, "kie_sampling_fallback_draws_total") == after_top_p
+    assert "# TYPE kie_sampling_fallback_draws_total counter" in text
+
+
 def test_metrics(server, client):
     base = server[0]
     with http() as h:

@@ -1,4 +1,6 @@
-"""Triton's interpreter, patched once per kernel launch instead of once per device-function call.
+"""Two speed-ups of Triton's interpreter (the CPU path: CI, `TRITON_INTERPRET=1 kie ... --device cpu`).
+
+1. triton.language patched once per kernel launch instead of once per device-function call.
 
 triton 3.6's interpreter re-patches triton.language (inspect.getmembers over tl, tl.tensor, tl.math: ~0.2 ms) at
 every call of a @triton.jit device function, although the launch already patched the same modules and the patches
@@ -9,7 +11,12 @@ session 18; the CLI's `TRITON_INTERPRET=1 ... --device cpu` path and the CPU tes
 Installed by kie_moe.kernels' import when TRITON_INTERPRET=1: a device-function call skips the patch when every
 language module its globals see is already patched for the running launch; anything else (a module not yet
 patched, no launch running) takes triton's own path. What runs is unchanged: the same patched builtins, bound to
-the same interpreter builder."""
+the same interpreter builder.
+
+2. No dead int32 overflow checks. With sanitize_overflow on (InterpreterOptions' default) the interpreter casts both
+sides of every 32-bit integer add / sub / mul to int64 and builds a range check, then hands it to device_assert,
+which drops it unless options.debug is set, and the interpreter never sets it. That dead work was ~28% of a tiny
+Qwen3 graph decode step (session 18). Off here whenever debug is off: nothing observable changes."""
 import inspect
 
 _patched: set[int] | None = None       # ids of the language modules patched by the launch now running
@@ -25,9 +32,16 @@ class _NoScope:
 
 
 def install() -> bool:
-    """Wraps the interpreter's _patch_lang and launch; False (nothing done) where this triton has neither."""
+    """Both speed-ups; False where this triton's interpreter has no _patch_lang / GridExecutor to wrap (or they are
+    wrapped already)."""
+    import dataclasses
+
     import triton.language as tl
     from triton.runtime import interpreter as I
+    b = getattr(I, "interpreter_builder", None)
+    if b is not None and dataclasses.is_dataclass(getattr(b, "options", None)) \
+            and hasattr(b.options, "sanitize_overflow"):
+        b.options = dataclasses.replace(b.options, sanitize_overflow=bool(getattr(b.options, "debug", True)))
     orig = getattr(I, "_patch_lang", None)
     if orig is None or getattr(orig, "_kie_patch_once", False) or not hasattr(I, "GridExecutor"):
         return False

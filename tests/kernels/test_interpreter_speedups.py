@@ -1,6 +1,6 @@
-"""kernels/interpret_patch_once.py (the speed-up of Triton's interpreter on the CPU path): a launch whose kernel
-calls device functions still computes what torch does, device-function calls inside it skip triton's re-patching,
-and after the launch triton.language's builtins are triton's own again."""
+"""kernels/interpreter_speedups.py (Triton's interpreter on the CPU path): a launch whose kernel calls device
+functions still computes what torch does, device-function calls inside it skip triton's re-patching, and after the
+launch triton.language's builtins are triton's own again; the int32 overflow asserts are off unless asked for."""
 import os
 
 import pytest
@@ -55,5 +55,28 @@ def test_launch_with_device_functions_patches_once_and_restores(monkeypatch):
     assert calls[0] == "_kernel" and len(calls) == 1 + 3 * 3
     assert len(patched) == one_launch, "device-function calls re-patched triton.language"
     assert tl.core.is_builtin(tl.where) and tl.core.is_builtin(tl.load), "the launch's patches were not restored"
-    from kie_moe.kernels.interpret_patch_once import _patched
+    from kie_moe.kernels.interpreter_speedups import _patched
     assert _patched is None
+
+
+def test_overflow_checks_off_change_nothing(monkeypatch):
+    """sanitize_overflow is off (debug is): an int32 product that wraps gives the same value with triton's default
+    (sanitize on, debug off: the check is built, then dropped by device_assert) and without it."""
+    import dataclasses
+
+    from triton.runtime import interpreter as I
+
+    @triton.jit
+    def _mul(x_ptr, y_ptr):
+        tl.store(y_ptr, tl.load(x_ptr) * 65536)
+
+    b = I.interpreter_builder
+    assert not b.options.debug and not b.options.sanitize_overflow
+    x = torch.tensor([65537], dtype=torch.int32)
+    got = []
+    for on in (False, True):
+        monkeypatch.setattr(b, "options", dataclasses.replace(b.options, sanitize_overflow=on))
+        y = torch.zeros(1, dtype=torch.int32)
+        _mul[(1,)](x, y)
+        got.append(int(y[0]))
+    assert got == [65536, 65536]                 # 65537 * 65536 = 2^32 + 65536 wraps to 65536 in int32
