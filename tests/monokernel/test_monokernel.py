@@ -280,10 +280,11 @@ def test_top_k_top_p_replay_the_graph_sampler(case, top_k, top_p, tiny_model):
         if int(ds.status[0]) == 0:   # exact draw (else: a nucleus wider than the candidates, plain temperature)
             assert float(sample_probs_ref(logits[s], 1.5, top_k, top_p)[tok]) > 0, f"step {s}: outside the filter"
         inexact += int(ds.status[0])
-    assert int(be.filter_sampler().status[0]) == inexact and (top_k == 0 or inexact == 0)
+    assert be.sampling_fallbacks() == inexact and (top_k == 0 or inexact == 0)
     assert list(be.generate(PROMPT, p, set())) == got
+    assert be.sampling_fallbacks() == inexact          # per request: the replay counts its own draws only
     greedy = list(be.generate(PROMPT, SamplingParams(max_new_tokens=3, ignore_eos=True), set()))
-    assert not be.last_launch["filtered"] and greedy == reference_greedy(m, PROMPT, 3)
+    assert not be.last_launch["filtered"] and greedy == reference_greedy(m, PROMPT, 3) and be.sampling_fallbacks() == 0
 
 
 def test_top_k_above_the_candidates_is_refused(tiny_model):
