@@ -10,6 +10,7 @@ moe_experts(): two launches. (1) grid (row tiles of I, top-k slot): h[slot] = gl
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -39,7 +40,9 @@ EXPERT_DOWN_PROGRAMS_PER_SM = 16
 # tensor-core vs CUDA-core % of the read probe: nvfp4 56 MB 47 vs 37, 198 MB 74 vs 37, 283 MB 74 vs 44; mxfp4 53 MB
 # 41 vs 49 (the CUDA-core tiles win), 187 MB 69 vs 62, 294 MB 69 vs 67. nvfp4's crossover lies below 56 MB (smaller
 # launches not measured: qwen3-30b-a3b's 21 MB stays on the tiles), mxfp4's somewhere in 53-187 MB.
-MMA_EXPERT_MIN_BYTES: dict[str, int] = {"nvfp4": 50 << 20, "mxfp4": 128 << 20}
+# KIE_MMA_EXPERTS=0: never (the CUDA-core tiles everywhere; an A/B switch, graph-ab:KIE_MMA_EXPERTS).
+MMA_EXPERT_MIN_BYTES: dict[str, int] = ({} if os.environ.get("KIE_MMA_EXPERTS", "1") == "0"
+                                        else {"nvfp4": 50 << 20, "mxfp4": 128 << 20})
 
 
 @dataclass(frozen=True)
