@@ -207,16 +207,21 @@ class Timing:
 def measure(backend, prompt: list[int], new_tokens: int, runs: int, device: torch.device,
             warmup: bool = True, sampling: dict | None = None) -> Timing:
     """Warm up once with the same shapes (kernel compiles, CUDA-graph capture, buffer sizes), then `runs`
-    timed generations; medians."""
+    timed generations; medians. A backend whose tokens do not stream (streams_tokens False: the interpreted
+    monokernel) is timed over the whole generation, prefill included."""
     if new_tokens < 2:
         raise ValueError("need at least 2 new tokens to time decoding (the first token is the prefill's)")
     if warmup:
         time_generate(backend, prompt, new_tokens, device, sampling=sampling)
     tps, ttft, n = [], [], 0
+    streams = getattr(backend, "streams_tokens", True)   # False: all tokens at the launch's end (interpreted)
     for _ in range(max(1, runs)):
         ids: list[int] = []
         t_first, dec, n = time_generate(backend, prompt, new_tokens, device, ids, sampling)
-        tps.append((n - 1) / dec if dec > 0 and n > 1 else 0.0)
+        if streams:
+            tps.append((n - 1) / dec if dec > 0 and n > 1 else 0.0)
+        else:                  # arrival times say nothing of the decode rate: tokens over the whole generation
+            tps.append(n / (t_first + dec) if t_first + dec > 0 else 0.0)
         ttft.append(t_first)
     return Timing(statistics.median(tps), tps, statistics.median(ttft), ttft, n, ids)
 

@@ -441,21 +441,27 @@ def test_quantizing_store_shares_nvfp4_globals_as_convert_writes(tmp_path):
 
 def test_bench_times_filtered_sampling_on_the_monokernel(capsys):
     """--temperature / --top-k / --top-p: the timed generations sample (seed 0, so runs replay), the row says how,
-    and the monokernel runs its top-k variant; bad combinations are refused before any work."""
+    and the monokernel runs its top-k / top-p variant; the row counts the draws that fell back to plain temperature
+    sampling (what the sampler counts replaying the run); bad combinations are refused before any work."""
     from kie_moe.kernels.monokernel.runtime import MonokernelBackend
     from kie_moe.sampling import SamplingParams
     from kie_moe.synthetic import open_model
     argv = ["bench", "qwen3-30b-a3b", "--tiny", "--backend", "monokernel", "--device", "cpu", "--new-tokens", "3",
-            "--runs", "1", "--probe-mb", "16", "--temperature", "1.5", "--top-k", "5", "--json"]
+            "--runs", "1", "--probe-mb", "16", "--temperature", "1.5", "--top-p", "0.95", "--json"]
     rc, res = run_json(capsys, argv)
     assert rc == 0
     (r,) = res["rows"]
     check_row(r, 1)
-    assert r["backend"] == "monokernel" and r["sampling"] == {"temperature": 1.5, "top_k": 5, "top_p": 1.0}
+    smp = r["sampling"]
+    assert r["backend"] == "monokernel" and {k: smp[k] for k in ("temperature", "top_k", "top_p", "draws")} \
+        == {"temperature": 1.5, "top_k": 0, "top_p": 0.95, "draws": 3}
     be = MonokernelBackend(open_model("qwen3-30b-a3b", torch.device("cpu"), tiny=True).model, "cpu")
-    p = SamplingParams(max_new_tokens=3, temperature=1.5, top_k=5, seed=0, ignore_eos=True)
+    p = SamplingParams(max_new_tokens=3, temperature=1.5, top_p=0.95, seed=0, ignore_eos=True)
     assert list(be.generate(B.prompt_ids(be.spec.vocab_size, 32, 0), p, set())) \
         == r["token_ids"] and be.last_launch["filtered"]
+    assert smp["fallback_draws"] == be.sampling_fallbacks()
+    # interpreted, every token arrives at the launch's end: tok/s is over the whole generation, and the row says so
+    assert "interpreted" in r["backend_note"] and 2.7 < r["tok_per_s"] * r["ttft_s"] <= 3.0 + 1e-9
     for extra, needle in [(["--top-k", "5"], "need --temperature > 0"), (["--temperature", "nan"], "temperature"),
                           (["--temperature", "1", "--top-p", "0"], "top_p")]:
         assert main(["bench", "qwen3-30b-a3b", "--tiny", *RUN, *extra]) == 2
