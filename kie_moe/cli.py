@@ -143,7 +143,8 @@ def cmd_serve(a) -> int:
     from kie_moe.server import bind, serve
     from kie_moe.synthetic import resolve_model
     kw = dict(host=a.host, port=a.port, api_key=a.api_key, max_queue=a.max_queue, max_model_len=a.max_model_len,
-              served_model_name=a.served_model_name or a.model)   # `demo` stays the name clients send
+              served_model_name=a.served_model_name or a.model,   # `demo` stays the name clients send
+              warmup=not a.no_warmup)
     a.model = resolve_model(a.model)
 
     def prepare(group):
@@ -296,6 +297,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="context limit for prompt + generated tokens (default: the model's)")
     v.add_argument("--served-model-name", default=None,
                    help="model name clients send and /v1/models lists (default: MODEL_DIR as given)")
+    v.add_argument("--no-warmup", action="store_true",
+                   help="answer at once instead of compiling the GPU decode kernels first (the first greedy and the "
+                        "first top-k / top-p request then wait for their compile)")
     v.add_argument("--devices", type=int, default=1, help=DEVICES_HELP)
     _device_args(v)
     v.add_argument("--expert-split", default=None, choices=["auto", "tp", "ep"], help=EXPERT_SPLIT_HELP)

@@ -221,6 +221,22 @@ class Engine:
                 raise logits_not_finite(self.model_dir, n)
             yield tid
 
+    def warmup(self) -> list[str]:
+        """Compile and capture what a first request would otherwise wait for: a short greedy generation, then one
+        with top-k (the GPU samplers' filtered variant: the monokernel's compiles for ~30 s, its first use would
+        stall a request that long). A backend that refuses top-k (tensor parallel) skips it. -> what ran."""
+        ran = []
+        for what, p in (("greedy", SamplingParams(max_new_tokens=2, ignore_eos=True)),
+                        ("top-k", SamplingParams(max_new_tokens=2, temperature=1.0, top_k=1, seed=0,
+                                                 ignore_eos=True))):
+            try:
+                for _ in self.stream([0, 0], p):
+                    pass
+            except InputError:
+                continue
+            ran.append(what)
+        return ran
+
     def sampling_fallbacks(self, p: SamplingParams) -> int:
         """After a request with top-k / top-p: how many of its draws the GPU sampler took as plain temperature
         samples because the nucleus was wider than its candidates (kernels/sampling.py); 0 for other requests and

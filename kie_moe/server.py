@@ -508,10 +508,12 @@ def bind(host: str, port: int) -> socket.socket:
 def serve(model: str, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None, max_queue: int = 64,
           max_model_len: int | None = None, device: str | None = None, backend: str = "auto",
           served_model_name: str | None = None, log_level: str = "info", sock: socket.socket | None = None,
-          engine=None, on_shutdown=None):
+          engine=None, on_shutdown=None, warmup: bool = True):
     """Serve until SIGINT / SIGTERM. `sock`: already bound (else bound here, before the model loads); `engine`:
     already built (rank 0 of `--devices N`, whose backend leads the other ranks; else built here); `on_shutdown`:
-    see create_app (uvicorn re-raises the signal once it has shut down, so this is the last word rank 0 gets)."""
+    see create_app (uvicorn re-raises the signal once it has shut down, so this is the last word rank 0 gets);
+    `warmup`: on a GPU, compile the decode kernels (greedy and top-k variants) before answering (Engine.warmup), so
+    no first request waits for a compile."""
     try:
         import uvicorn
     except ImportError:
@@ -528,6 +530,12 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8000, api_key: str | 
             engine = Engine(model, device=device, backend=backend)
         app = create_app(engine, served_model_name or model, api_key=api_key, max_queue=max_queue,
                          max_model_len=max_model_len, on_shutdown=on_shutdown)
+        if warmup and engine.device.type == "cuda":
+            print("kie serve: warming up (compiling the decode kernels)", file=sys.stderr, flush=True)
+            t = time.perf_counter()
+            ran = engine.warmup()
+            print(f"kie serve: warm-up done in {time.perf_counter() - t:.1f} s ({', '.join(ran)})", file=sys.stderr,
+                  flush=True)
     except BaseException:
         sock.close()
         raise

@@ -313,3 +313,25 @@ def test_cli_generate_top_p_on_the_monokernel(tiny_model, capsys):
     printed = capsys.readouterr()
     assert printed.out.strip() == ",".join(map(str, out["token_ids"]))
     assert "one interpreted launch: no per-token rate" in printed.err and "tok/s" not in printed.err
+
+
+def test_engine_warmup_runs_both_kernel_variants(tiny_model, monkeypatch):
+    """Engine.warmup (what `kie serve` runs on a GPU before answering) launches the plain and the top-k variant of
+    the kernel, leaves no state behind (the next greedy request is the reference decoder's), and skips the top-k
+    run on a backend that refuses it."""
+    from kie_moe.engine import Engine
+    from kie_moe.models.errors import InputError
+    m = tiny_model("llama")
+    eng = Engine(m.path, device="cpu", model=m, backend_impl=MonokernelBackend(m, "cpu"))
+    assert eng.warmup() == ["greedy", "top-k"]
+    assert eng.backend.last_launch["filtered"]
+    got = eng.generate(PROMPT, SamplingParams(max_new_tokens=3, ignore_eos=True)).token_ids
+    assert got == reference_greedy(m, PROMPT, 3) and not eng.backend.last_launch["filtered"]
+    gen = eng.backend.generate
+
+    def refuses_top_k(ids, p, eos):
+        if p.top_k:
+            raise InputError("monokernel: no top-k here")
+        return gen(ids, p, eos)
+    monkeypatch.setattr(eng.backend, "generate", refuses_top_k)
+    assert eng.warmup() == ["greedy"]

@@ -201,3 +201,23 @@ def test_model_without_tokenizer(ckpt_no_tok):
         with pytest.raises(openai.BadRequestError) as e:
             c.completions.create(model="ids-only", prompt="text needs a tokenizer")
         assert e.value.body["param"] == "prompt"
+
+
+def test_serve_warms_up_on_a_gpu_only(ckpt, monkeypatch, capsys):
+    """`kie serve` runs Engine.warmup before answering when the engine is on a GPU (the decode kernels compile
+    then, not in a first request), not on the CPU and not with --no-warmup (uvicorn's loop stubbed out)."""
+    import types
+
+    import uvicorn
+
+    from kie_moe import server as S
+    from kie_moe.engine import Engine
+    monkeypatch.setattr(uvicorn.Server, "run", lambda self, sockets=None: None)
+    for dev, warm, want in (("cuda", True, True), ("cuda", False, False), ("cpu", True, False)):
+        eng = Engine(ckpt, device="cpu", backend="reference")
+        calls = []
+        monkeypatch.setattr(eng, "warmup", lambda: calls.append(1) or ["greedy", "top-k"])
+        monkeypatch.setattr(eng, "device", types.SimpleNamespace(type=dev))
+        S.serve(ckpt, port=0, engine=eng, warmup=warm)
+        assert bool(calls) == want, (dev, warm)
+    assert capsys.readouterr().err.count("warm-up done in") == 1
