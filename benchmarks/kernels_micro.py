@@ -51,7 +51,7 @@ from kie_moe.kernels.attention import gqa_decode
 from kie_moe.kernels.fp4_mma import (MMA_MAXNREG, MMA_ROW_BLOCKS, MMA_WARPS, gemv_fp4_mma,
                                      pack_for_mma, prepare_xh)
 from kie_moe.kernels.gemv import DEFAULT_TILES, TileConfig, gemv, gemv_glu, gemv_ref, prepare_x8
-from kie_moe.kernels.moe import RouterConfig, moe_experts, route
+from kie_moe.kernels.moe import DEFAULT_EXPERT_TILES, RouterConfig, moe_experts, route
 from kie_moe.kernels.rope import rope_append
 from kie_moe.kernels.weights import random_weight
 
@@ -411,8 +411,7 @@ def big_experts_section(formats, mb: float, probe: float, rep_ms: int, H: int = 
         m = dict(experts=max(8, 2 * k), top_k=k, inter=I, act="silu")
         name = f"experts {fmt} top-{k} of {2 * k} [{I}x{H}]"
         if fmt == "fp8_block":   # beside fp8's tuned expert tiles (8 x 512, 2 warps; session 8): s18 78.2% vs fp8 85.4%
-            from kie_moe.kernels.gemv import TileConfig
-            fp8_tiles = TileConfig(8, 512, num_warps=2, prefetch=False)
+            fp8_tiles = DEFAULT_EXPERT_TILES["fp8"]
             return [bench_experts(name, fmt, m, H, probe, rep_ms),
                     bench_experts(f"{name} fp8 tiles", fmt, m, H, probe, rep_ms, config_up=fp8_tiles,
                                   config_down=fp8_tiles)]

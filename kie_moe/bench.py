@@ -138,12 +138,11 @@ def bench_row(src: Source, backend: str, device: torch.device, probe: dict, *, p
             raise InputError(f"--context-fill synthetic: the {be.name} backend's KV cache layout is not known "
                              f"to kie bench (use --context-fill prefill)")
     t = R.measure(be, prompt_ids(spec.vocab_size, n_prompt, seed), new_tokens, runs, device, sampling=sampling)
-    if sampling and callable(getattr(be, "sampling_fallbacks", None)):
-        from kie_moe.kernels.sampling import needs_filter
-        if needs_filter(sampling.get("temperature", 0.0), sampling.get("top_k", 0), sampling.get("top_p", 1.0)):
-            # the last timed run's draws that were plain temperature samples (a nucleus wider than the GPU sampler's
-            # candidates: random weights give flat logits, so a --top-p row may time that path, not the filter)
-            sampling = {**sampling, "fallback_draws": be.sampling_fallbacks(), "draws": new_tokens}
+    from kie_moe.kernels.sampling import needs_filter
+    if sampling and needs_filter(**sampling) and callable(getattr(be, "sampling_fallbacks", None)):
+        # the last timed run's draws that were plain temperature samples (a nucleus wider than the GPU sampler's
+        # candidates: random weights give flat logits, so a --top-p row may time that path, not the filter)
+        sampling = {**sampling, "fallback_draws": be.sampling_fallbacks(), "draws": new_tokens}
 
     wdt, kvdt = working_dtypes(be)
     streams = be.name in STREAMS_CODES or bool(getattr(be, "streams_quantized", False))
