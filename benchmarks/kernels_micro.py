@@ -186,6 +186,31 @@ def timed(call, n_rot: int, rep_ms: int) -> tuple[float, float | None]:
     return us, time_eager(call, n_rot, rep_ms)
 
 
+def kernel_us(call, n_rot: int, calls: int = 64) -> dict | None:
+    """Mean device microseconds per launch of each kernel that one call runs (torch.profiler over `calls` eager
+    calls, input sets cycled): which launch of a multi-launch op is the slow one. None off CUDA; a profiler
+    failure is returned as {"error": ...} rather than losing the row."""
+    if DEV != "cuda":
+        return None
+    try:
+        from torch.profiler import ProfilerActivity, profile
+        for i in range(4):
+            call(i % n_rot)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for i in range(calls):
+                call(i % n_rot)
+            torch.cuda.synchronize()
+        out = {}
+        for ev in prof.key_averages():
+            t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
+            if t > 0 and ev.count >= calls:
+                out[ev.key[:60]] = round(t / ev.count, 3)
+        return out
+    except Exception as e:  # noqa: BLE001 -- a diagnostic column, never worth the row
+        return {"error": f"{type(e).__name__}: {e}"[:200]}
+
+
 def n_copies(nbytes: int, cap_bytes: int = 4 << 30) -> int:
     """Copies of a weight that together exceed 3x L2 (1 if one copy already does), within cap_bytes."""
     return max(1, min(math.ceil(3 * L2_BYTES / max(nbytes, 1)), 1024, cap_bytes // max(nbytes, 1)))
@@ -315,8 +340,11 @@ def bench_experts(name, fmt, m, H, probe, rep_ms, **tiles):
                            **tiles)
 
     us, us_e = timed(call, n_sets, rep_ms)
+    # each launch's own time: the GLU launch streams k experts' gate + up bytes, the down launch k down matrices
+    split = dict(kernels_us=kernel_us(call, n_sets), mb_down=round(k * wd.nbytes / E / 1e6, 4))
     del wg, wu, wd
-    return row(name, us, k * per_expert, probe, us_e, fmt=fmt, fn="moe_experts", shape=[E, k, I, H], launches=2)
+    return row(name, us, k * per_expert, probe, us_e, fmt=fmt, fn="moe_experts", shape=[E, k, I, H], launches=2,
+               **split)
 
 
 def bench_rope(name, spec, probe, rep_ms, ctx):
