@@ -50,8 +50,8 @@ import triton
 from kie_moe.kernels.attention import gqa_decode
 from kie_moe.kernels.fp4_mma import (MMA_MAXNREG, MMA_ROW_BLOCKS, MMA_WARPS, gemv_fp4_mma,
                                      pack_for_mma, prepare_xh)
-from kie_moe.kernels.gemv import DEFAULT_TILES, TileConfig, gemv, gemv_glu, gemv_ref, prepare_x8
-from kie_moe.kernels.moe import DEFAULT_EXPERT_TILES, RouterConfig, moe_experts, route
+from kie_moe.kernels.gemv import DEFAULT_GLU_TILES, DEFAULT_TILES, TileConfig, gemv, gemv_glu, gemv_ref, prepare_x8
+from kie_moe.kernels.moe import RouterConfig, moe_experts, route
 from kie_moe.kernels.rope import rope_append
 from kie_moe.kernels.weights import random_weight
 
@@ -424,15 +424,12 @@ def big_section(formats, mb: float, probe: float, rep_ms: int, K: int = 8192, bu
     return _each_format(formats, budget, "gemv", run)
 
 
-MMA_PF_ROWS = (2, 4)
-
-
 def big_experts_section(formats, mb: float, probe: float, rep_ms: int, H: int = 4096, I: int = 4096,
                         budget: Budget | None = None, model_shapes: bool = True) -> list:
     """Issue 5's routed-expert figure: both launches of moe_experts over >= mb MB of *active* expert bytes (top-k
     experts of [I, H] gate / up and [H, I] down, k chosen per format; twice as many experts stored), bytes = the
     active experts' weights + scales only. fp4: the CUDA-core and tensor-core paths each (model_shapes: also at
-    three models' expert shapes)."""
+    four models' expert shapes)."""
     print(f"big experts: moe_experts over >= {mb} MB of active experts, H = {H}, I = {I}", flush=True)
 
     def run(fmt):
@@ -441,32 +438,34 @@ def big_experts_section(formats, mb: float, probe: float, rep_ms: int, H: int = 
         k = max(1, math.ceil(mb * (1 << 20) / per_expert))
         m = dict(experts=max(8, 2 * k), top_k=k, inter=I, act="silu")
         name = f"experts {fmt} top-{k} of {2 * k} [{I}x{H}]"
-        if fmt == "fp8_block":   # beside fp8's tuned expert tiles (8 x 512, 2 warps; session 8): s18 78.2% vs fp8 85.4%
-            fp8_tiles = DEFAULT_EXPERT_TILES["fp8"]
+        if fmt == "fp8_block":   # beside the GLU GEMV's tiles it took until session 19 (H200: 55.0 vs 77.6%)
+            old = DEFAULT_GLU_TILES["fp8_block"]
             return [bench_experts(name, fmt, m, H, probe, rep_ms),
-                    bench_experts(f"{name} fp8 tiles", fmt, m, H, probe, rep_ms, config_up=fp8_tiles,
-                                  config_down=fp8_tiles)]
+                    bench_experts(f"{name} glu tiles", fmt, m, H, probe, rep_ms, config_up=old, config_down=old)]
         if fmt not in FP4:
             return bench_experts(name, fmt, m, H, probe, rep_ms)
         # fp4: the CUDA-core tiles and the tensor cores (fp4_mma_experts) side by side, here and at the expert
-        # shapes of DeepSeek-V3 (H 7168, I 2048, top-8), gpt-oss-120b (2880, 2880, top-4) and qwen3-30b-a3b (2048,
-        # 768, top-8: ~21 MB, below every measured crossover): where moe.MMA_EXPERT_MIN_BYTES should lie.
+        # shapes of DeepSeek-V3 (H 7168, I 2048, top-8), gpt-oss-120b (2880, 2880, top-4), qwen3-30b-a3b (2048,
+        # 768, top-8: ~21 MB, below every measured crossover) and Mixtral-8x7B (4096, 14336, top-2): where
+        # moe.MMA_EXPERT_MIN_BYTES should lie.
         rows = []
-        shapes = [(name, m, H)]
-        if model_shapes:
+        shapes = [(name, m, H, False)]
+        if model_shapes:   # (label, shape, H, a row without the down launch's K chunks too: down_launch_split)
             shapes += [(f"experts {fmt} deepseek-v3 top-8 [2048x7168]",
-                        dict(experts=16, top_k=8, inter=2048, act="silu"), 7168),
+                        dict(experts=16, top_k=8, inter=2048, act="silu"), 7168, False),
                        (f"experts {fmt} gpt-oss-120b top-4 [2880x2880]",
-                        dict(experts=8, top_k=4, inter=2880, act="silu"), 2880),
+                        dict(experts=8, top_k=4, inter=2880, act="silu"), 2880, False),
                        (f"experts {fmt} qwen3-30b-a3b top-8 [768x2048]",
-                        dict(experts=128, top_k=8, inter=768, act="silu"), 2048)]
-        for label, mm, h in shapes:
+                        dict(experts=128, top_k=8, inter=768, act="silu"), 2048, False),
+                       (f"experts {fmt} mixtral-8x7b top-2 [14336x4096]",
+                        dict(experts=8, top_k=2, inter=14336, act="silu"), 4096, True)]
+        for label, mm, h, k_split_row in shapes:
             for mma in (False, True):
                 rows.append(bench_experts(f"{label} {'mma' if mma else 'cuda-core'}", fmt, mm, h, probe, rep_ms,
                                           mma=mma))
-            for pf in MMA_PF_ROWS:   # session 19's A/B: K steps of each warp's rows prefetched into L2 ahead
-                rows.append(bench_experts(f"{label} mma pf{pf}", fmt, mm, h, probe, rep_ms, mma=True,
-                                          prefetch_steps=pf))
+            if k_split_row:
+                rows.append(bench_experts(f"{label} mma k-split 1", fmt, mm, h, probe, rep_ms, mma=True,
+                                          down_k_split=1))
             if label == name and DEV == "cuda":   # the GLU launch at the GEMV's register cap (it spills there)
                 rows.append(bench_experts(f"{label} mma glu-r128", fmt, mm, h, probe, rep_ms, mma=True,
                                           glu_maxnreg=128))

@@ -339,9 +339,10 @@ def _prefetch_step(wq0, sq0, ra0, rb0, wq1, sq1, ra1, rb1, swn, stride_sn, st, q
 
 
 @triton.jit
-def _rows_dot(xq, wq0, sq0, ra0, rb0, wq1, sq1, ra1, rb1, swn, stride_sn, q, KW, KG, mine, RB: tl.constexpr,
-              MX: tl.constexpr, RP: tl.constexpr, E4B: tl.constexpr, PF: tl.constexpr = 0):
-    """One warp's rows against xh (u32 view xq) over the whole K in 256-code steps, the next step's loads issued
+def _rows_dot(xq, wq0, sq0, ra0, rb0, wq1, sq1, ra1, rb1, swn, stride_sn, q, KW, KG, mine, st_lo, st_hi,
+              RB: tl.constexpr, MX: tl.constexpr, RP: tl.constexpr, E4B: tl.constexpr, PF: tl.constexpr = 0):
+    """One warp's rows against xh (u32 view xq) over 256-code steps [st_lo, st_hi) of K (all of K: 0,
+    cdiv(KW, 32); an empty range gives zeros), the next step's loads issued
     before the current step's mma: block 0 = rows ra0 / rb0 of wq0 (scales sq0), block 1 (RB == 2) = rows ra1 /
     rb1 of wq1 / sq1 (the GEMV: the next 16 rows; the expert GLU: the up rows beside the gate rows). Returns each
     lane's unscaled partial sums (block 0 rows a, b; block 1 rows a, b), not yet summed over the quad.
@@ -350,16 +351,15 @@ def _rows_dot(xq, wq0, sq0, ra0, rb0, wq1, sq1, ra1, rb1, swn, stride_sn, q, KW,
     zero = tl.zeros(q.shape, tl.float32)
     # Accumulators: a / c rows r, r + 8 of blocks 0 / 1 from piece 0, e / f the same from piece 1.
     a0, a1, c0, c1, e0, e1, f0, f1 = zero, zero, zero, zero, zero, zero, zero, zero
-    n_steps = tl.cdiv(KW, 32)
-    P0 = _step_load(wq0, sq0, ra0, rb0, swn, stride_sn, 0, q, KW, KG, MX)
+    P0 = _step_load(wq0, sq0, ra0, rb0, swn, stride_sn, st_lo, q, KW, KG, MX)
     if RB == 2:
-        P1 = _step_load(wq1, sq1, ra1, rb1, swn, stride_sn, 0, q, KW, KG, MX)
+        P1 = _step_load(wq1, sq1, ra1, rb1, swn, stride_sn, st_lo, q, KW, KG, MX)
     for j in tl.static_range(1, PF):
-        _prefetch_step(wq0, sq0, ra0, rb0, wq1, sq1, ra1, rb1, swn, stride_sn, j, q, KW, KG, RB, MX)
-    for st in range(0, n_steps):
+        _prefetch_step(wq0, sq0, ra0, rb0, wq1, sq1, ra1, rb1, swn, stride_sn, st_lo + j, q, KW, KG, RB, MX)
+    for st in range(st_lo, st_hi):
         if PF > 0:
             _prefetch_step(wq0, sq0, ra0, rb0, wq1, sq1, ra1, rb1, swn, stride_sn, st + PF, q, KW, KG, RB, MX)
-        sn = tl.minimum(st + 1, n_steps - 1)
+        sn = tl.minimum(st + 1, st_hi - 1)
         C0 = P0
         P0 = _step_load(wq0, sq0, ra0, rb0, swn, stride_sn, sn, q, KW, KG, MX)
         if RB == 2:
@@ -412,8 +412,8 @@ def _fp4_mma_kernel(xh_ptr, w_ptr, stride_wn, s_ptr, stride_sn, gs_ptr, bias_ptr
     ra1 = tl.minimum(base + 16 + r, N - 1).to(tl.int64)
     rb1 = tl.minimum(base + 24 + r, N - 1).to(tl.int64)
     y0, y1, y2, y3 = _rows_dot(xh_ptr.to(tl.pointer_type(tl.uint32)), wq, sq, ra0, rb0, wq, sq, ra1, rb1,
-                               stride_wn // 4, stride_sn, q, K // 8, K // 32 if MX else K // 16, _mine(r, q), RB, MX,
-                               RP, E4B, PF)
+                               stride_wn // 4, stride_sn, q, K // 8, K // 32 if MX else K // 16, _mine(r, q), 0,
+                               tl.cdiv(K // 8, 32), RB, MX, RP, E4B, PF)
     g = _global_factor(gs_ptr, MX)
     lead = q == 0     # one lane per quad stores
     n = base + r

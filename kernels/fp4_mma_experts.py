@@ -23,6 +23,7 @@ import triton.language as tl
 from .device_caps import e4m3_native
 from .fp4_mma import (MMA_MAXNREG, MMA_PREFETCH_STEPS, _global_factor, _lane_warp, _mine, _quad_sum, _rows_dot,
                       check_prefetch_steps, mma_unreadable, prepare_xh)
+from .gemv import num_sms
 from .moe import expert_down_split, split_slots
 from .pdl import launch_kw, pdl_begin
 from .tiles import _glu, _store_out
@@ -37,6 +38,8 @@ MMA_GLU_MAXNREG = None
 # Resident programs per SM at the 128-register cap and 4 warps: the down launch splits its slots until the grid fills
 # the GPU this many times over.
 _PROGRAMS_PER_SM = 4
+# The shortest K chunk (256-code steps) down_launch_split cuts the down launch's rows into.
+_DOWN_MIN_STEPS = 8
 
 
 @triton.jit
@@ -69,8 +72,8 @@ def _mma_glu_kernel(xh_ptr, ids_ptr, wg_ptr, wu_ptr, stride_wn, stride_we, sg_pt
     sg = (sg_ptr + e * stride_se).to(tl.pointer_type(tl.uint8))
     su = (su_ptr + e * stride_se).to(tl.pointer_type(tl.uint8))
     ga, gb, ua, ub = _rows_dot(xh_ptr.to(tl.pointer_type(tl.uint32)), wg, sg, ra, rb, wu, su, ra, rb,
-                               stride_wn // 4, stride_sn, q, K // 8, K // 32 if MX else K // 16, _mine(r, q), 2, MX,
-                               RP, E4B, PF)
+                               stride_wn // 4, stride_sn, q, K // 8, K // 32 if MX else K // 16, _mine(r, q), 0,
+                               tl.cdiv(K // 8, 32), 2, MX, RP, E4B, PF)
     fg = _global_factor(gsg_ptr + e * stride_ge, MX)
     fu = _global_factor(gsu_ptr + e * stride_ge, MX)
     ga = _quad_sum(ga, NW) * fg
@@ -100,15 +103,22 @@ def _mma_down_kernel(h_ptr, ids_ptr, wts_ptr, w_ptr, stride_wn, stride_we, s_ptr
                      stride_ge, bd_ptr, stride_bde, res_ptr, y_ptr, part_ptr, cnt_ptr, N, I, slots_per_split,
                      MX: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, TOP_K: tl.constexpr,
                      SPLIT: tl.constexpr, RB: tl.constexpr, NW: tl.constexpr, RP: tl.constexpr = False,
-                     PDL: tl.constexpr = False, E4B: tl.constexpr = False, PF: tl.constexpr = 0):
+                     PDL: tl.constexpr = False, E4B: tl.constexpr = False, PF: tl.constexpr = 0,
+                     KS: tl.constexpr = 1):
     """grid (cdiv(N, 16 * RB * NW), SPLIT): y[N] = sum_slot wts[slot] * (Wd[e] h[slot] + bd[e]) (+ residual),
-    e = ids[slot]; h [top_k, I] fp16 in the xh layout (the GLU launch); weights [E, N, I/2] u8."""
+    e = ids[slot]; h [top_k, I] fp16 in the xh layout (the GLU launch); weights [E, N, I/2] u8. SPLIT = slot groups
+    x KS: program s takes slot group s // KS and K chunk s % KS (whole 256-code steps; chunk 0 adds the biases)."""
     pdl_begin(PDL)
     lane, warp = _lane_warp(NW)
     r = lane >> 2
     q = lane & 3
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
+    grp = pid_s // KS
+    n_steps = tl.cdiv(I // 8, 32)
+    per_chunk = tl.cdiv(n_steps, KS)
+    st_lo = (pid_s % KS) * per_chunk
+    st_hi = tl.minimum(st_lo + per_chunk, n_steps)
     base = (pid_n * NW + warp) * (16 * RB)
     ra0 = tl.minimum(base + r, N - 1).to(tl.int64)
     rb0 = tl.minimum(base + r + 8, N - 1).to(tl.int64)
@@ -118,20 +128,20 @@ def _mma_down_kernel(h_ptr, ids_ptr, wts_ptr, w_ptr, stride_wn, stride_we, s_ptr
     zero = tl.zeros(q.shape, tl.float32)
     y0, y1, y2, y3 = zero, zero, zero, zero     # lane partials (rows r, r + 8 of block 0, of block 1)
     b0, b1, b2, b3 = zero, zero, zero, zero     # weighted biases of the same rows
-    for slot in range(pid_s * slots_per_split, tl.minimum(pid_s * slots_per_split + slots_per_split, TOP_K)):
+    for slot in range(grp * slots_per_split, tl.minimum(grp * slots_per_split + slots_per_split, TOP_K)):
         e = tl.load(ids_ptr + slot).to(tl.int64)
         wq = (w_ptr + e * stride_we).to(tl.pointer_type(tl.uint32))
         sq = (s_ptr + e * stride_se).to(tl.pointer_type(tl.uint8))
         d0, d1, d2, d3 = _rows_dot((h_ptr + slot * I).to(tl.pointer_type(tl.uint32)), wq, sq, ra0, rb0, wq, sq,
                                    ra1, rb1, stride_wn // 4, stride_sn, q, I // 8, I // 32 if MX else I // 16, mine,
-                                   RB, MX, RP, E4B, PF)
+                                   st_lo, st_hi, RB, MX, RP, E4B, PF)
         wt = tl.load(wts_ptr + slot)
         f = wt * _global_factor(gs_ptr + e * stride_ge, MX)
         y0 += d0 * f
         y1 += d1 * f
         y2 += d2 * f
         y3 += d3 * f
-        if HAS_BIAS:
+        if HAS_BIAS and pid_s % KS == 0:
             c0, c1 = _bias_rows(bd_ptr, e, stride_bde, ra0, rb0, wt)
             b0 += c0
             b1 += c1
@@ -192,9 +202,10 @@ def moe_experts_mma(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w
                     split: int | None = None, num_warps: int = MMA_EXPERT_WARPS,
                     down_row_blocks: int = MMA_DOWN_ROW_BLOCKS, maxnreg: int | None = MMA_MAXNREG,
                     glu_maxnreg: int | None = MMA_GLU_MAXNREG,
-                    prefetch_steps: int = MMA_PREFETCH_STEPS) -> torch.Tensor:
+                    prefetch_steps: int = MMA_PREFETCH_STEPS, down_k_split: int | None = None) -> torch.Tensor:
     """moe.moe_experts' body on the tensor cores; its arguments already checked there (biases as (tensor, stride
-    0, stride 1) triples, y the output). Callers: moe.moe_experts (mma=True, or its size rule)."""
+    0, stride 1) triples, y the output). Callers: moe.moe_experts (mma=True, or its size rule). split: slot groups
+    of the down launch, down_k_split: K chunks of each (None: down_launch_split's choice)."""
     I, H = w_gate.out_features, w_gate.in_features
     for name, w in (("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
         why = mma_experts_unreadable(w)
@@ -227,9 +238,8 @@ def moe_experts_mma(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w
         MX=mx, HAS_BIAS=bg is not None, ACT=act_id, NW=num_warps, RP=w_gate.packing == "mma", E4B=e4b,
         PF=prefetch_steps, num_warps=num_warps, **launch_kw(dev), **glu_cap)
     n_tiles = triton.cdiv(H, 16 * down_row_blocks * num_warps)
-    if split is None:
-        split = expert_down_split(n_tiles, top_k, dev, per_sm=_PROGRAMS_PER_SM)
-    per, split = split_slots(split, top_k)
+    per, groups, ks = down_launch_split(n_tiles, top_k, I, dev, split, down_k_split)
+    split = groups * ks
     part = torch.empty((split, H), dtype=torch.float32, device=dev) if split > 1 else y
     _mma_down_kernel[(n_tiles, split)](
         h, ids, weights, w_down.weight, w_down.weight.stride(1), w_down.weight.stride(0),
@@ -237,7 +247,25 @@ def moe_experts_mma(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w
         bd if bd is not None else y, sbd0, residual if residual is not None else y, y, part,
         counters if split > 1 else y, H, I, per,
         MX=mx, HAS_BIAS=bd is not None, HAS_RES=residual is not None, TOP_K=top_k, SPLIT=split,
-        RB=down_row_blocks, NW=num_warps, RP=w_down.packing == "mma", E4B=e4b, PF=prefetch_steps,
+        RB=down_row_blocks, NW=num_warps, RP=w_down.packing == "mma", E4B=e4b, PF=prefetch_steps, KS=ks,
         num_warps=num_warps, **launch_kw(dev), **cap)
     return y
+
+
+def down_launch_split(n_tiles: int, top_k: int, I: int, dev: torch.device, split: int | None = None,
+                      k_split: int | None = None) -> tuple[int, int, int]:
+    """(slots per program, slot groups, K chunks) of the down launch's n_tiles row tiles. Slot groups first (as many
+    as fill _PROGRAMS_PER_SM programs per SM, moe.expert_down_split); when top_k is too small for that, K is cut
+    into chunks of at least _DOWN_MIN_STEPS 256-code steps (each program's first step waits a full load latency).
+    Why: Mixtral-8x7B's top-2 of [4096, 14336] gave 64 tiles x 2 = 128 programs, ~4 warps per SM with 2 KB each in
+    flight (H200 s19: the tensor-core experts only +9% in its decode step); with 4 chunks of 14 steps, 512."""
+    if split is None:
+        split = expert_down_split(n_tiles, top_k, dev, per_sm=_PROGRAMS_PER_SM)
+    per, groups = split_slots(split, top_k)
+    if k_split is None:
+        by_steps = triton.cdiv(I, 256) // _DOWN_MIN_STEPS
+        k_split = max(1, min(by_steps, _PROGRAMS_PER_SM * num_sms(dev) // max(n_tiles * groups, 1)))
+    elif not isinstance(k_split, int) or k_split < 1:
+        raise ValueError(f"moe_experts(mma=True): down_k_split {k_split!r}: expected an int >= 1")
+    return per, groups, k_split
 

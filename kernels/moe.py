@@ -33,7 +33,10 @@ SCORE_ID = {"softmax": 0, "sigmoid": 1, "softmax_topk": 2}
 # H200 (results/2026-12-03-h200-s8-layer-sweep-qwen3-fp8.json, both launches timed together): fp8 tiles with 2
 # warps instead of 4 took the gate/up + down pair from 24.1 to 22.1 us; the down launch with one slot per program
 # (expert_down_split) from 24.1 to 20.3-20.8 us.
-DEFAULT_EXPERT_TILES = {**DEFAULT_GLU_TILES, "fp8": TileConfig(8, 512, num_warps=2, prefetch=False)}
+# fp8 and fp8-block experts: 8 x 512 tiles at 2 warps (fp8: session 8). fp8-block took the GLU GEMV's 16 x 512 at 4
+# warps until session 19: 55.0% of the probe over 302 MB of active experts against 77.6% in these tiles (H200).
+_FP8_EXPERT_TILE = TileConfig(8, 512, num_warps=2, prefetch=False)
+DEFAULT_EXPERT_TILES = {**DEFAULT_GLU_TILES, "fp8": _FP8_EXPERT_TILE, "fp8_block": _FP8_EXPERT_TILE}
 EXPERT_DOWN_PROGRAMS_PER_SM = 16
 # Active fp4 expert bytes per token (top_k experts' gate + up + down) from which moe_experts runs on the tensor cores
 # (use_mma_experts), per format; a format not named: never. Measured on an H100 (session 18, benchmarks/NOTES.md),

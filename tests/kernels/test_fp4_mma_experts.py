@@ -69,6 +69,42 @@ def test_mma_experts_gpt_oss_biases_interleaved(fmt):
     assert_close(y32, want, what=f"gpt-oss {fmt}")
 
 
+@pytest.mark.parametrize("fmt", FP4)
+@pytest.mark.parametrize("split,k_split", [(1, 2), (2, 3), (3, 5)])
+def test_mma_experts_down_k_split(fmt, split, k_split):
+    """The down launch with its K (= I = 608: 3 steps of 256 codes, the last ragged) cut into chunks, beside slot
+    groups: 2 and 3 chunks, and 5 (more chunks than steps: empty ones add zeros); its bias is added once, by chunk
+    0, whatever the chunk count."""
+    E, I, H = 5, 608, 96
+    wg, wu, wd = _stack(fmt, E, I, H, seed=90)
+    d_bias = _t(E, H, seed=91)
+    x, nw = _t(H, seed=92), _t(H, seed=93)
+    ids = torch.tensor([4, 1, 1], dtype=torch.int32, device=DEV)
+    wts = torch.tensor([0.5, 0.3, 0.2], device=DEV)
+    kw = dict(down_bias=d_bias, norm_weight=nw, residual=x)
+    y = moe_experts(x, ids, wts, wg, wu, wd, mma=True, out=torch.empty(H, device=DEV), split=split,
+                    down_k_split=k_split, **kw)
+    want = moe_experts_ref(x, ids, wts, wg, wu, wd, out_dtype=torch.float32, fp16_inputs=True, **kw)
+    assert_close(y, want, what=f"{fmt} {split} slot groups x {k_split} K chunks")
+
+
+def test_down_launch_split_cuts_k_only_when_slots_cannot_fill_the_gpu(monkeypatch):
+    """down_launch_split on a 132-SM GPU: Mixtral-8x7B's top-2 of [4096, 14336] (64 row tiles) gets K chunks of
+    >= 8 steps up to ~4 programs per SM; DeepSeek-V3 (2048 codes: 8 steps), qwen3-30b-a3b and an 8-slot launch that
+    already fills the GPU keep one chunk; a bad explicit value is named."""
+    import kie_moe.kernels.fp4_mma_experts as FE
+    monkeypatch.setattr(FE, "num_sms", lambda dev: 132)
+    monkeypatch.setattr(FE, "expert_down_split", lambda n, k, dev, per_sm: max(1, min(k, per_sm * 132 // n)))
+    cuda = torch.device("cuda")
+    assert FE.down_launch_split(64, 2, 14336, cuda) == (1, 2, 4)       # 64 x 2 x 4 = 512 programs
+    assert FE.down_launch_split(112, 8, 2048, cuda)[2] == 1             # DeepSeek-V3: 8 steps, one chunk
+    assert FE.down_launch_split(32, 8, 768, cuda)[2] == 1                # qwen3-30b-a3b: 3 steps
+    assert FE.down_launch_split(64, 10, 4096, cuda) == (2, 5, 1)        # 320 programs, 16 steps: < 2 chunks' worth
+    assert FE.down_launch_split(64, 2, 14336, cuda, split=1, k_split=3) == (2, 1, 3)
+    with pytest.raises(ValueError, match="down_k_split 0"):
+        FE.down_launch_split(64, 2, 14336, cuda, k_split=0)
+
+
 def test_moe_experts_takes_the_tensor_cores_by_active_bytes(monkeypatch):
     """use_mma_experts: fp4 stacks at >= MMA_EXPERT_MIN_BYTES[fmt] of active experts; never a float format, never
     below the threshold, never a format without one; and moe_experts' default then gives the tensor-core path's
@@ -108,8 +144,9 @@ def test_mma_experts_refuses_what_it_cannot_read():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("fmt", FP4)
-@pytest.mark.parametrize("E,k,I,H", [(20, 10, 4096, 4096), (16, 8, 2048, 7168), (8, 4, 2880, 2880), (8, 8, 768, 2048)],
-                         ids=["big-4096", "deepseek-v3", "gpt-oss-120b", "qwen3-30b-a3b"])
+@pytest.mark.parametrize("E,k,I,H", [(20, 10, 4096, 4096), (16, 8, 2048, 7168), (8, 4, 2880, 2880), (8, 8, 768, 2048),
+                                     (8, 2, 14336, 4096)],
+                         ids=["big-4096", "deepseek-v3", "gpt-oss-120b", "qwen3-30b-a3b", "mixtral-8x7b-k-split"])
 def test_mma_experts_real_sizes_gpu(fmt, E, k, I, H):
     wg, wu, wd = _stack(fmt, E, I, H, seed=80, device="cuda")
     g = torch.Generator(device="cuda").manual_seed(81)

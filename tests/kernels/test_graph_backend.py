@@ -117,7 +117,7 @@ def test_routed_experts_on_the_tensor_cores_in_the_decode_step(device, tmp_path,
     assert n_moe > 0 and len(launched) == (3 if device == "cpu" else 2) * n_moe
     want, want_logits = ref_greedy(m, prompt, 3)
     assert got == want
-    assert_logits_close(be.logits.float(), want_logits, rel=2e-3)
+    assert_logits_close(be.logits.float().cpu(), want_logits, rel=2e-3)
 
 
 def _parts(fmt, sizes, K, shared_global=True, device="cpu"):
