@@ -50,6 +50,7 @@ import triton
 from kie_moe.kernels.attention import gqa_decode
 from kie_moe.kernels.fp4_mma import (MMA_MAXNREG, MMA_ROW_BLOCKS, MMA_WARPS, gemv_fp4_mma,
                                      pack_for_mma, prepare_xh)
+from kie_moe.kernels.fp4_mma_experts import MMA_GLU_MAXNREG
 from kie_moe.kernels.gemv import DEFAULT_GLU_TILES, DEFAULT_TILES, TileConfig, gemv, gemv_glu, gemv_ref, prepare_x8
 from kie_moe.kernels.moe import RouterConfig, moe_experts, route
 from kie_moe.kernels.rope import rope_append
@@ -466,9 +467,10 @@ def big_experts_section(formats, mb: float, probe: float, rep_ms: int, H: int = 
             if k_split_row:
                 rows.append(bench_experts(f"{label} mma k-split 1", fmt, mm, h, probe, rep_ms, mma=True,
                                           down_k_split=1))
-            if label == name and DEV == "cuda":   # the GLU launch at the GEMV's register cap (it spills there)
-                rows.append(bench_experts(f"{label} mma glu-r128", fmt, mm, h, probe, rep_ms, mma=True,
-                                          glu_maxnreg=128))
+            if label == name and DEV == "cuda":   # the GLU launch's register cap the other way round (r128 / none)
+                other = None if MMA_GLU_MAXNREG[fmt] else 128
+                rows.append(bench_experts(f"{label} mma glu-r{other or 'auto'}", fmt, mm, h, probe, rep_ms,
+                                          mma=True, glu_maxnreg=other))
         return rows
 
     return _each_format(formats, budget, "experts", run)

@@ -32,9 +32,11 @@ from .weights import WeightHandle
 # Launch shapes (rows per warp is fixed: 16 for the GLU, its block 1 being the up rows; 16 * RB for the down).
 MMA_EXPERT_WARPS = 4
 MMA_DOWN_ROW_BLOCKS = 1
-# The GLU launch's register cap: None. Two weight streams' pointers at ptxas's 128 cap spill (sm_90 offline: nvfp4
-# 40 B, mxfp4 48 B of stack); uncapped they take 130 (nvfp4) / 100 (mxfp4) registers and none.
-MMA_GLU_MAXNREG = None
+# The GLU launch's register cap per format (None: ptxas's choice). Two weight streams' pointers at ptxas's 128 cap
+# spill (sm_90 offline: nvfp4 40 B, mxfp4 48 B of stack); uncapped they take 130 (nvfp4) / 100 (mxfp4) registers and
+# none. Measured (kernels_micro `glu-r128` row, 4096 x 4096 top-10 / top-11): nvfp4 capped loses (H100 s18 74.6 ->
+# 63.7%, H200 s19 59.2 -> 56.5%), mxfp4 capped wins (H100 69.2 -> 69.9, H200 56.9 -> 61.2%).
+MMA_GLU_MAXNREG: dict[str, int | None] = {"nvfp4": None, "mxfp4": 128}
 # Resident programs per SM at the 128-register cap and 4 warps: the down launch splits its slots until the grid fills
 # the GPU this many times over.
 _PROGRAMS_PER_SM = 4
@@ -201,7 +203,7 @@ def moe_experts_mma(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w
                     norm_weight: torch.Tensor | None, eps: float, y: torch.Tensor, counters: torch.Tensor,
                     split: int | None = None, num_warps: int = MMA_EXPERT_WARPS,
                     down_row_blocks: int = MMA_DOWN_ROW_BLOCKS, maxnreg: int | None = MMA_MAXNREG,
-                    glu_maxnreg: int | None = MMA_GLU_MAXNREG,
+                    glu_maxnreg: int | None | str = "auto",
                     prefetch_steps: int = MMA_PREFETCH_STEPS, down_k_split: int | None = None) -> torch.Tensor:
     """moe.moe_experts' body on the tensor cores; its arguments already checked there (biases as (tensor, stride
     0, stride 1) triples, y the output). Callers: moe.moe_experts (mma=True, or its size rule). split: slot groups
@@ -224,6 +226,8 @@ def moe_experts_mma(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w
     mx = w_gate.fmt == "mxfp4"
     e4b = not e4m3_native(dev)
     cap = {"maxnreg": maxnreg} if dev.type == "cuda" and maxnreg else {}
+    if glu_maxnreg == "auto":
+        glu_maxnreg = MMA_GLU_MAXNREG.get(w_gate.fmt)
     glu_cap = {"maxnreg": glu_maxnreg} if dev.type == "cuda" and glu_maxnreg else {}
     xh = prepare_xh(x.reshape(-1), norm_weight, eps)
     h = torch.empty((top_k, I), dtype=torch.float16, device=dev)
