@@ -464,6 +464,9 @@ def big_experts_section(formats, mb: float, probe: float, rep_ms: int, H: int = 
             for mma in (False, True):
                 rows.append(bench_experts(f"{label} {'mma' if mma else 'cuda-core'}", fmt, mm, h, probe, rep_ms,
                                           mma=mma))
+            if not k_split_row:   # the down launch with 32 rows per warp (RB 2: 4 KB in flight per warp, not 2)
+                rows.append(bench_experts(f"{label} mma down-rb2", fmt, mm, h, probe, rep_ms, mma=True,
+                                          down_row_blocks=2))
             if k_split_row:
                 rows.append(bench_experts(f"{label} mma k-split 1", fmt, mm, h, probe, rep_ms, mma=True,
                                           down_k_split=1))
