@@ -439,12 +439,18 @@ def big_experts_section(formats, mb: float, probe: float, rep_ms: int, H: int = 
         k = max(1, math.ceil(mb * (1 << 20) / per_expert))
         m = dict(experts=max(8, 2 * k), top_k=k, inter=I, act="silu")
         name = f"experts {fmt} top-{k} of {2 * k} [{I}x{H}]"
-        if fmt == "fp8_block":   # beside the GLU GEMV's tiles it took until session 19 (H200: 55.0 vs 77.6%)
-            old = DEFAULT_GLU_TILES["fp8_block"]
-            return [bench_experts(name, fmt, m, H, probe, rep_ms),
-                    bench_experts(f"{name} glu tiles", fmt, m, H, probe, rep_ms, config_up=old, config_down=old)]
-        if fmt not in FP4:
-            return bench_experts(name, fmt, m, H, probe, rep_ms)
+        if fmt not in FP4:   # float formats: also gate / up in one K loop (glu_pair, session 19's prediction)
+            rows = [bench_experts(name, fmt, m, H, probe, rep_ms, glu_pair=False),
+                    bench_experts(f"{name} glu pair", fmt, m, H, probe, rep_ms, glu_pair=True)]
+            if fmt == "fp8_block":   # beside the GLU GEMV's tiles it took until session 19 (H200: 55.0 vs 77.6%)
+                old = DEFAULT_GLU_TILES["fp8_block"]
+                rows.append(bench_experts(f"{name} glu tiles", fmt, m, H, probe, rep_ms, config_up=old,
+                                          config_down=old, glu_pair=False))
+            if model_shapes:   # qwen3-30b-a3b's experts, the graph backend's main float case
+                q = dict(experts=128, top_k=8, inter=768, act="silu")
+                rows += [bench_experts(f"experts {fmt} qwen3-30b-a3b top-8 [768x2048]{tag}", fmt, q, 2048, probe,
+                                       rep_ms, glu_pair=pair) for tag, pair in (("", False), (" glu pair", True))]
+            return rows
         # fp4: the CUDA-core tiles and the tensor cores (fp4_mma_experts) side by side, here and at the expert
         # shapes of DeepSeek-V3 (H 7168, I 2048, top-8), gpt-oss-120b (2880, 2880, top-4), qwen3-30b-a3b (2048,
         # 768, top-8: ~21 MB, below every measured crossover) and Mixtral-8x7B (4096, 14336, top-2): where

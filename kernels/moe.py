@@ -21,7 +21,7 @@ import triton.language as tl
 from .gemv import (DEFAULT_GLU_TILES, TileConfig, check_vec, check_x, counters, glu_ref, input_args, is_fp4,
                    make_out, num_sms, plan_split, resolve_config, weight_args)
 from .pdl import launch_kw, pdl_begin
-from .tiles import ACT_ID, FMT_ID, _glu, _rstd, _split_reduce, _store_out, _tile, _tile_bf16, _x8_offs
+from .tiles import ACT_ID, FMT_ID, _glu, _rstd, _split_reduce, _store_out, _tile, _tile_bf16, _tile_pair, _x8_offs
 from .weights import WeightHandle, dequantize
 
 __all__ = ["RouterConfig", "Routing", "route", "route_ref", "moe_experts", "moe_experts_ref"]
@@ -38,6 +38,9 @@ SCORE_ID = {"softmax": 0, "sigmoid": 1, "softmax_topk": 2}
 _FP8_EXPERT_TILE = TileConfig(8, 512, num_warps=2, prefetch=False)
 DEFAULT_EXPERT_TILES = {**DEFAULT_GLU_TILES, "fp8": _FP8_EXPERT_TILE, "fp8_block": _FP8_EXPERT_TILE}
 EXPERT_DOWN_PROGRAMS_PER_SM = 16
+# Float experts' gate and up rows in one K loop that loads each x step (and norm weight) once, not twice: off until
+# measured (NOTES.md session 19's prediction); KIE_EXPERT_GLU_PAIR=1 turns it on, moe_experts(glu_pair=) per call.
+EXPERT_GLU_PAIR = os.environ.get("KIE_EXPERT_GLU_PAIR", "0") == "1"
 # Active fp4 expert bytes per token (top_k experts' gate + up + down) from which moe_experts runs on the tensor cores
 # (use_mma_experts), per format; a format not named: never. Measured on an H100 (session 18, benchmarks/NOTES.md),
 # tensor-core vs CUDA-core % of the read probe: nvfp4 56 MB 47 vs 37, 198 MB 74 vs 37, 283 MB 74 vs 44; mxfp4 53 MB
@@ -328,20 +331,28 @@ def _expert_glu_kernel(
     I, K, eps, limit, alpha, stride_x8,
     FMT: tl.constexpr, HAS_NW: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, H_X8: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_X: tl.constexpr, PIPE: tl.constexpr, PDL: tl.constexpr = False,
+    PAIR: tl.constexpr = False,
 ):
     """grid (cdiv(I, BLOCK_N), TOP_K): h[slot, I] = glu(Wg[e] x + bg[e], Wu[e] x + bu[e]), e = ids[slot].
-    H_X8: store each h[slot] in the x8 layout (an fp4 down projection reads it that way)."""
+    H_X8: store each h[slot] in the x8 layout (an fp4 down projection reads it that way). PAIR (float formats, gate
+    and up of one stride layout): gate and up rows stream in one K loop that loads each x step once (tiles._tile_pair)
+    instead of two loops that load it twice."""
     pdl_begin(PDL)
     pid_n = tl.program_id(0)
     slot = tl.program_id(1)
     e = tl.load(ids_ptr + slot).to(tl.int64)  # the only data-dependent address: which expert's rows to stream
     n_start = pid_n * BLOCK_N
-    g = _tile(FMT, wg_ptr + e * stride_wge, stride_wgn, sg_ptr + e * stride_sge, stride_sgn, stride_sgk,
-              gsg_ptr + e * stride_gge, x_ptr, nw_ptr, stride_x8, n_start, I, 0, K, HAS_NW, BLOCK_N, BLOCK_K,
-              PIPE)
-    u = _tile(FMT, wu_ptr + e * stride_wue, stride_wun, su_ptr + e * stride_sue, stride_sun, stride_suk,
-              gsu_ptr + e * stride_gue, x_ptr, nw_ptr, stride_x8, n_start, I, 0, K, HAS_NW, BLOCK_N, BLOCK_K,
-              PIPE)
+    if PAIR:
+        g, u = _tile_pair(FMT, wg_ptr + e * stride_wge, wu_ptr + e * stride_wue, stride_wgn, sg_ptr + e * stride_sge,
+                          su_ptr + e * stride_sue, stride_sgn, stride_sgk, x_ptr, nw_ptr, n_start, I, 0, K, HAS_NW,
+                          BLOCK_N, BLOCK_K, PIPE)
+    else:
+        g = _tile(FMT, wg_ptr + e * stride_wge, stride_wgn, sg_ptr + e * stride_sge, stride_sgn, stride_sgk,
+                  gsg_ptr + e * stride_gge, x_ptr, nw_ptr, stride_x8, n_start, I, 0, K, HAS_NW, BLOCK_N, BLOCK_K,
+                  PIPE)
+        u = _tile(FMT, wu_ptr + e * stride_wue, stride_wun, su_ptr + e * stride_sue, stride_sun, stride_suk,
+                  gsu_ptr + e * stride_gue, x_ptr, nw_ptr, stride_x8, n_start, I, 0, K, HAS_NW, BLOCK_N, BLOCK_K,
+                  PIPE)
     offs_n = n_start + tl.arange(0, BLOCK_N)
     n_mask = offs_n < I
     if HAS_NW:
@@ -424,7 +435,7 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gat
                 norm_weight: torch.Tensor | None = None, eps: float = 1e-6, out: torch.Tensor | None = None,
                 x8: torch.Tensor | None = None, config_up: TileConfig | None = None,
                 config_down: TileConfig | None = None, split: int | None = None,
-                mma: bool | None = None, **mma_launch) -> torch.Tensor:
+                mma: bool | None = None, glu_pair: bool | None = None, **mma_launch) -> torch.Tensor:
     """Routed experts of one token: y = sum_k weights[k] * down[e_k](glu(gate[e_k] x, up[e_k] x)) (+ residual).
 
     ids int32 [k] / weights fp32 [k] stay on the device (from route()); repeated ids are fine. w_gate/w_up [E, I, H],
@@ -433,7 +444,9 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gat
     fp4 gate/up: x8 = prepare_x8(x, norm_weight, eps) (or route(..., x8_out=)) if already made.
     mma: nvfp4 / mxfp4 stacks on the tensor cores (kernels/fp4_mma_experts.py; x8 unused, x rounded to fp16 after the
     norm, h kept in fp16); None: when use_mma_experts says so (>= MMA_EXPERT_MIN_BYTES[fmt] of active experts);
-    mma_launch: that path's launch shapes (fp4_mma_experts.moe_experts_mma's keywords, for benchmarks)."""
+    mma_launch: that path's launch shapes (fp4_mma_experts.moe_experts_mma's keywords, for benchmarks).
+    glu_pair: float gate / up rows in one K loop sharing each x load (_expert_glu_kernel PAIR; None: EXPERT_GLU_PAIR,
+    where the two stacks share their stride layout)."""
     for name, w in (("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
         if not w.num_experts:
             raise ValueError(f"moe_experts: {name} is not an expert stack [E, out, in]")
@@ -481,14 +494,20 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gat
 
     cu = resolve_config(w_gate, config_up, DEFAULT_EXPERT_TILES)
     x_in, nw_in, has_nw, stride_x8 = input_args(x, w_gate.fmt, norm_weight, eps, x8)
+    ga, ua = _expert_args(w_gate), _expert_args(w_up)
+    can_pair = FMT_ID[w_gate.fmt] <= 2 and (ga[1], ga[3], ga[4]) == (ua[1], ua[3], ua[4])
+    if glu_pair and not can_pair:
+        raise ValueError(f"moe_experts: glu_pair needs float gate / up stacks of one stride layout ({w_gate.fmt}; "
+                         f"row strides {ga[1]} / {ua[1]}, scale strides {ga[3:5]} / {ua[3:5]})")
+    pair = can_pair and (EXPERT_GLU_PAIR if glu_pair is None else glu_pair)
     _expert_glu_kernel[(triton.cdiv(I, cu.block_n), top_k)](
-        x_in, nw_in, ids, *_expert_args(w_gate), *_expert_args(w_up),
+        x_in, nw_in, ids, *ga, *ua,
         bg[0] if bg[0] is not None else h, bg[1], bg[2], bu[0] if bu[0] is not None else h, bu[1], bu[2], h,
         I, H, eps, limit, alpha, stride_x8,
         FMT=FMT_ID[w_gate.fmt], HAS_NW=has_nw, HAS_BIAS=bg[0] is not None, ACT=ACT_ID[act],
         H_X8=is_fp4(w_down.fmt),
         BLOCK_N=cu.block_n, BLOCK_K=cu.block_k, BLOCK_X=min(1024, triton.next_power_of_2(H)),
-        PIPE=cu.prefetch, num_warps=cu.num_warps, num_stages=cu.num_stages, **launch_kw(dev)
+        PIPE=cu.prefetch, PAIR=pair, num_warps=cu.num_warps, num_stages=cu.num_stages, **launch_kw(dev)
     )
 
     cd = resolve_config(w_down, config_down, DEFAULT_EXPERT_TILES)

@@ -90,16 +90,14 @@ def _row_ptrs(w_ptr, stride_wn, n_start, N, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _float_mac(acc, w, x_ptr, nw_ptr, s_row, stride_sk, k0, k_hi, HAS_NW: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_K: tl.constexpr, BLOCK_SCALED: tl.constexpr, MASKED: tl.constexpr):
-    """acc [BLOCK_N, BLOCK_K // VEC] += w * x[k0 : k0 + BLOCK_K] for a loaded weight tile w, summed over each
-    thread's VEC contiguous columns. BLOCK_SCALED (fp8-block): each VEC-column partial sum lies in one 128-column
-    block (VEC divides 128, k0 is a multiple of VEC) and the tile's rows share one scale row, so the block scale
-    multiplies the partial sum: an FFMA where the unscaled formats add, any BLOCK_K (a step may span blocks)."""
+def _float_mac(acc, w, x, s_row, stride_sk, k0, k_hi, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+               BLOCK_SCALED: tl.constexpr, MASKED: tl.constexpr):
+    """acc [BLOCK_N, BLOCK_K // VEC] += w * x for a loaded weight tile w and x = _load_x(...) [BLOCK_N, BLOCK_K]
+    (columns k0 : k0 + BLOCK_K), summed over each thread's VEC contiguous columns. BLOCK_SCALED (fp8-block): each
+    VEC-column partial sum lies in one 128-column block (VEC divides 128, k0 is a multiple of VEC) and the tile's
+    rows share one scale row, so the block scale multiplies the partial sum: an FFMA where the unscaled formats add,
+    any BLOCK_K (a step may span blocks)."""
     VEC: tl.constexpr = BLOCK_K // acc.shape[1]
-    offs_k = k0 + tl.arange(0, BLOCK_K)
-    k_mask = offs_k < k_hi
-    x = _load_x(x_ptr, nw_ptr, offs_k, k_mask, HAS_NW, BLOCK_N, MASKED)  # [BLOCK_N, BLOCK_K]
     p = _as_f32(w) * x
     # A thread's 16-byte vector holds VEC consecutive columns: summing them is register-local and shrinks the
     # accumulator VEC-fold, leaving registers for weights in flight.
@@ -125,37 +123,76 @@ def _float_mac(acc, w, x_ptr, nw_ptr, s_row, stride_sk, k0, k_hi, HAS_NW: tl.con
 
 
 @triton.jit
+def _float_step(acc, acc2, w, w2, x_ptr, nw_ptr, s_row, s2_row, stride_sk, k0, k_hi, HAS_NW: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_SCALED: tl.constexpr, MASKED: tl.constexpr,
+                PAIR: tl.constexpr):
+    """One K step of _tile_float: x[k0 : k0 + BLOCK_K] loaded once, into acc (w) and, PAIR, acc2 (w2)."""
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    x = _load_x(x_ptr, nw_ptr, offs_k, offs_k < k_hi, HAS_NW, BLOCK_N, MASKED)  # [BLOCK_N, BLOCK_K]
+    acc = _float_mac(acc, w, x, s_row, stride_sk, k0, k_hi, BLOCK_N, BLOCK_K, BLOCK_SCALED, MASKED)
+    if PAIR:
+        acc2 = _float_mac(acc2, w2, x, s2_row, stride_sk, k0, k_hi, BLOCK_N, BLOCK_K, BLOCK_SCALED, MASKED)
+    return acc, acc2
+
+
+@triton.jit
 def _tile_float(w_ptr, stride_wn, s_ptr, stride_sn, stride_sk, x_ptr, nw_ptr, n_start, N, k_lo, k_hi,
                 HAS_NW: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_SCALED: tl.constexpr,
-                PIPE: tl.constexpr):
+                PIPE: tl.constexpr, w2_ptr=None, s2_ptr=None, PAIR: tl.constexpr = False):
+    """Row sums of w [N, K] . x over [k_lo, k_hi) for rows n_start + [0, BLOCK_N); PAIR: also those of w2 (same
+    shape, strides and scale layout as w: a GLU's up rows beside its gate rows), returned as (w's, w2's), each
+    step's x (and norm weight) loaded once for both."""
     w_rows = _row_ptrs(w_ptr, stride_wn, n_start, N, BLOCK_N)
     s_row = s_ptr + (n_start // 128) * stride_sn
+    w2_rows = w_rows
+    s2_row = s_row
+    if PAIR:
+        w2_rows = _row_ptrs(w2_ptr, stride_wn, n_start, N, BLOCK_N)
+        s2_row = s2_ptr + (n_start // 128) * stride_sn
     offs = tl.arange(0, BLOCK_K)
     VEC: tl.constexpr = min(BLOCK_K, 128 // w_ptr.dtype.element_ty.primitive_bitwidth)  # columns per 16-B load
     # The cross-thread reduction happens once, after the loop.
     acc = tl.zeros((BLOCK_N, BLOCK_K // VEC), dtype=tl.float32)
+    acc2 = acc
     # Whole steps first, unmasked. PIPE: software-pipelined one deep, step i+1's weights in flight while step i
     # computes (Triton does not pipeline plain loads by itself); the last prefetch re-reads the last step
     # (clamped, an L2 hit) instead of predicating every load. Costs the registers of a second weight tile.
     k_full = k_lo + (k_hi - k_lo) // BLOCK_K * BLOCK_K
     if PIPE:
-        w_next = tl.load(w_rows + (k_lo + offs)[None, :],
-                         mask=tl.full((BLOCK_N, BLOCK_K), k_lo < k_full, tl.int1), other=0.0)
+        first = tl.full((BLOCK_N, BLOCK_K), k_lo < k_full, tl.int1)
+        w_next = tl.load(w_rows + (k_lo + offs)[None, :], mask=first, other=0.0)
+        w2_next = w_next
+        if PAIR:
+            w2_next = tl.load(w2_rows + (k_lo + offs)[None, :], mask=first, other=0.0)
         for k0 in range(k_lo, k_full, BLOCK_K):
             w = w_next
-            w_next = tl.load(w_rows + (tl.minimum(k0 + BLOCK_K, k_full - BLOCK_K) + offs)[None, :])
-            acc = _float_mac(acc, w, x_ptr, nw_ptr, s_row, stride_sk, k0, k_hi, HAS_NW, BLOCK_N, BLOCK_K,
-                             BLOCK_SCALED, False)
+            w2 = w2_next
+            k_n = tl.minimum(k0 + BLOCK_K, k_full - BLOCK_K)
+            w_next = tl.load(w_rows + (k_n + offs)[None, :])
+            if PAIR:
+                w2_next = tl.load(w2_rows + (k_n + offs)[None, :])
+            acc, acc2 = _float_step(acc, acc2, w, w2, x_ptr, nw_ptr, s_row, s2_row, stride_sk, k0, k_hi, HAS_NW,
+                                    BLOCK_N, BLOCK_K, BLOCK_SCALED, False, PAIR)
     else:
         for k0 in range(k_lo, k_full, BLOCK_K):
             w = tl.load(w_rows + (k0 + offs)[None, :])
-            acc = _float_mac(acc, w, x_ptr, nw_ptr, s_row, stride_sk, k0, k_hi, HAS_NW, BLOCK_N, BLOCK_K,
-                             BLOCK_SCALED, False)
+            w2 = w
+            if PAIR:
+                w2 = tl.load(w2_rows + (k0 + offs)[None, :])
+            acc, acc2 = _float_step(acc, acc2, w, w2, x_ptr, nw_ptr, s_row, s2_row, stride_sk, k0, k_hi, HAS_NW,
+                                    BLOCK_N, BLOCK_K, BLOCK_SCALED, False, PAIR)
     for k0 in range(k_full, k_hi, BLOCK_K):  # the ragged tail: 0 or 1 step, masked
-        w = tl.load(w_rows + (k0 + offs)[None, :], mask=(k0 + offs < k_hi)[None, :], other=0.0)
-        acc = _float_mac(acc, w, x_ptr, nw_ptr, s_row, stride_sk, k0, k_hi, HAS_NW, BLOCK_N, BLOCK_K,
-                         BLOCK_SCALED, True)
-    return tl.sum(acc, axis=1)
+        tail = (k0 + offs < k_hi)[None, :]
+        w = tl.load(w_rows + (k0 + offs)[None, :], mask=tail, other=0.0)
+        w2 = w
+        if PAIR:
+            w2 = tl.load(w2_rows + (k0 + offs)[None, :], mask=tail, other=0.0)
+        acc, acc2 = _float_step(acc, acc2, w, w2, x_ptr, nw_ptr, s_row, s2_row, stride_sk, k0, k_hi, HAS_NW,
+                                BLOCK_N, BLOCK_K, BLOCK_SCALED, True, PAIR)
+    if PAIR:
+        return tl.sum(acc, axis=1), tl.sum(acc2, axis=1)
+    else:
+        return tl.sum(acc, axis=1)
 
 
 @triton.jit
@@ -385,6 +422,21 @@ def _tile(FMT: tl.constexpr, w_ptr, stride_wn, s_ptr, stride_sn, stride_sk, gs_p
         acc = _tile_mxfp4(w_ptr, stride_wn, s_ptr, stride_sn, stride_sk, x_ptr, stride_x8, n_start, N, k_lo, k_hi,
                           BLOCK_N, BLOCK_K, PIPE)
     return acc
+
+
+@triton.jit
+def _tile_pair(FMT: tl.constexpr, w_ptr, w2_ptr, stride_wn, s_ptr, s2_ptr, stride_sn, stride_sk, x_ptr, nw_ptr,
+               n_start, N, k_lo, k_hi, HAS_NW: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+               PIPE: tl.constexpr):
+    """_tile over two float-format weights of one shape, strides and scale layout (a GLU's gate and up rows), each
+    step's x loaded once for both (FMT 0-2 only): (w's row sums, w2's)."""
+    a, b = _tile_float(w_ptr, stride_wn, s_ptr, stride_sn, stride_sk, x_ptr, nw_ptr, n_start, N, k_lo, k_hi,
+                       HAS_NW, BLOCK_N, BLOCK_K, FMT == 2, PIPE, w2_ptr, s2_ptr, True)
+    if FMT == 1:   # fp8: one scale per row, after the dot
+        offs_n = tl.minimum(n_start + tl.arange(0, BLOCK_N), N - 1)
+        a = a * tl.load(s_ptr + offs_n * stride_sn).to(tl.float32)
+        b = b * tl.load(s2_ptr + offs_n * stride_sn).to(tl.float32)
+    return a, b
 
 
 # ======================================================================================================================

@@ -121,6 +121,33 @@ def test_moe_experts(fmt):
     assert_close(y, moe_experts_ref(x, ids, wts, wg, wu, wd, residual=res, out_dtype=torch.float32), what=fmt)
 
 
+@pytest.mark.parametrize("fmt,prefetch", [("bf16", True), ("fp8", False), ("fp8_block", False), ("fp8", True)])
+def test_moe_experts_glu_pair(fmt, prefetch):
+    """Gate and up rows in one K loop (glu_pair): the fused RMSNorm, a ragged last K step (H = 160 in steps of 64),
+    rows past I (37 in tiles of 16), with and without the one-deep weight prefetch, against the reference."""
+    E, I, H = 5, 37, 160
+    wg, wu, wd = _experts(fmt, E, I, H, seed=13)
+    x, nw, res = _t(H, seed=14), _t(H, seed=15), _t(H, seed=16)
+    ids = torch.tensor([E - 1, 0, 2, 0], dtype=torch.int32, device=DEV)
+    wts = torch.tensor([0.4, 0.3, 0.2, 0.1], device=DEV)
+    cfg = TileConfig(16, 64, num_warps=2, prefetch=prefetch)
+    y = moe_experts(x, ids, wts, wg, wu, wd, residual=res, norm_weight=nw, out=torch.empty(H, device=DEV),
+                    config_up=cfg, config_down=cfg, glu_pair=True)
+    want = moe_experts_ref(x, ids, wts, wg, wu, wd, residual=res, norm_weight=nw, out_dtype=torch.float32)
+    assert_close(y, want, what=f"{fmt} glu_pair")
+
+
+def test_moe_experts_glu_pair_refuses_what_it_cannot_pair():
+    wts = torch.ones(2, device=DEV)
+    ids = torch.tensor([0, 1], dtype=torch.int32, device=DEV)
+    with pytest.raises(ValueError, match="glu_pair needs float gate / up stacks"):
+        moe_experts(_t(96), ids, wts, *_experts("nvfp4", 4, 64, 96), glu_pair=True)
+    wg, _, wd = _experts("bf16", 4, 37, 96)
+    wu = random_weight("bf16", 2 * 37, 96, experts=4, seed=3, device=DEV).rows(0, None, 2)   # other row stride
+    with pytest.raises(ValueError, match="row strides 96 / 192"):
+        moe_experts(_t(96), ids, wts, wg, wu, wd, glu_pair=True)
+
+
 def test_moe_experts_default_configs_bf16_out():
     E, I, H = 6, 37, 160
     wg, wu, wd = _experts("fp8", E, I, H, seed=20)
@@ -181,8 +208,11 @@ def test_gpt_oss_block(fmt):
                     x8=x8 if fmt == "mxfp4" else None, **kw)
     rr = route_ref(x, w_r, cfg, router_bias=b_r, norm_weight=nw)
     assert r.ids.tolist() == rr.ids.tolist()
-    assert_close(y, moe_experts_ref(x, rr.ids, rr.weights, wg, wu, down, out_dtype=torch.float32, **kw),
-                 what=f"gpt-oss {fmt}")
+    want = moe_experts_ref(x, rr.ids, rr.weights, wg, wu, down, out_dtype=torch.float32, **kw)
+    assert_close(y, want, what=f"gpt-oss {fmt}")
+    if fmt == "bf16":   # interleaved gate / up views share their strides: one K loop for both, biases after it
+        y2 = moe_experts(x, r.ids, r.weights, wg, wu, down, out=torch.empty(H, device=DEV), glu_pair=True, **kw)
+        assert_close(y2, want, what="gpt-oss bf16 glu_pair")
 
 
 def test_moe_experts_errors():
