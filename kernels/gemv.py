@@ -33,7 +33,7 @@ import triton.language as tl
 from .device_caps import e4m3_arg
 from .pdl import launch_kw, pdl_begin
 from .tiles import (ACT_ID, FMT_ID, _glu, _normed_block, _rstd, _split_reduce, _store_out, _tile,  # noqa: F401
-                    _tile_bf16, _tile_fp8, _tile_fp8_block, _tile_mxfp4, _tile_nvfp4, _x8_offs)
+                    _tile_bf16, _tile_fp8, _tile_fp8_block, _tile_mxfp4, _tile_nvfp4, _tile_pair, _x8_offs)
 from .weights import FP8_BLOCK, WeightHandle, dequantize
 
 __all__ = [
@@ -148,17 +148,21 @@ def _glu_kernel(
     N, K, eps, limit, alpha, stride_x8,
     FMT: tl.constexpr, HAS_NW: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_X: tl.constexpr, PIPE: tl.constexpr,
-    Y_X8: tl.constexpr = False, PDL: tl.constexpr = False,
+    Y_X8: tl.constexpr = False, PDL: tl.constexpr = False, PAIR: tl.constexpr = False,
 ):
     """grid (cdiv(N, BLOCK_N),): y[N] = glu(Wg x + bg, Wu x + bu), x optionally RMS-normed in front; Y_X8: y stored
-    as fp32 [8, N/8] in the x8 layout."""
+    as fp32 [8, N/8] in the x8 layout; PAIR: gate and up rows in one K loop (tiles._tile_pair)."""
     pdl_begin(PDL)
     pid_n = tl.program_id(0)
     n_start = pid_n * BLOCK_N
-    g = _tile(FMT, wg_ptr, stride_wgn, sg_ptr, stride_sgn, stride_sgk, gsg_ptr, x_ptr, nw_ptr, stride_x8,
-              n_start, N, 0, K, HAS_NW, BLOCK_N, BLOCK_K, PIPE)
-    u = _tile(FMT, wu_ptr, stride_wun, su_ptr, stride_sun, stride_suk, gsu_ptr, x_ptr, nw_ptr, stride_x8,
-              n_start, N, 0, K, HAS_NW, BLOCK_N, BLOCK_K, PIPE)
+    if PAIR:
+        g, u = _tile_pair(FMT, wg_ptr, wu_ptr, stride_wgn, sg_ptr, su_ptr, stride_sgn, stride_sgk, x_ptr, nw_ptr,
+                          n_start, N, 0, K, HAS_NW, BLOCK_N, BLOCK_K, PIPE)
+    else:
+        g = _tile(FMT, wg_ptr, stride_wgn, sg_ptr, stride_sgn, stride_sgk, gsg_ptr, x_ptr, nw_ptr, stride_x8,
+                  n_start, N, 0, K, HAS_NW, BLOCK_N, BLOCK_K, PIPE)
+        u = _tile(FMT, wu_ptr, stride_wun, su_ptr, stride_sun, stride_suk, gsu_ptr, x_ptr, nw_ptr, stride_x8,
+                  n_start, N, 0, K, HAS_NW, BLOCK_N, BLOCK_K, PIPE)
     offs_n = n_start + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     if HAS_NW:
@@ -398,14 +402,33 @@ def rmsnorm_gemv(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, w: Weig
     return gemv(x, w, norm_weight=norm_weight, eps=eps, **kw)
 
 
+# Float gate and up rows of a GLU (gemv_glu, moe_experts) in one K loop that loads each step's x (and RMSNorm weight)
+# once for both instead of once per matrix: off until measured (NOTES.md session 19's prediction); KIE_GLU_PAIR=1
+# turns it on, glu_pair= per call.
+GLU_PAIR = os.environ.get("KIE_GLU_PAIR", "0") == "1"
+
+
+def glu_pair_choice(fmt: str, ga: tuple, ua: tuple, glu_pair: bool | None, who: str) -> bool:
+    """Whether a GLU launch runs PAIR (tiles._tile_pair): asked for (glu_pair, None: GLU_PAIR) and possible (a float
+    format, gate and up with one stride layout: weight_args' row and scale strides equal). Asking for it where it is
+    not possible is an error."""
+    can = FMT_ID[fmt] <= 2 and (ga[1], ga[3], ga[4]) == (ua[1], ua[3], ua[4])
+    if glu_pair and not can:
+        raise ValueError(f"{who}: glu_pair needs float gate / up weights of one stride layout ({fmt}; row strides "
+                         f"{ga[1]} / {ua[1]}, scale strides {ga[3:5]} / {ua[3:5]})")
+    return can and (GLU_PAIR if glu_pair is None else glu_pair)
+
+
 def gemv_glu(x: torch.Tensor, w_gate: WeightHandle, w_up: WeightHandle, *, act: str = "silu", limit: float = 7.0,
              alpha: float = 1.702, gate_bias: torch.Tensor | None = None, up_bias: torch.Tensor | None = None,
              norm_weight: torch.Tensor | None = None, eps: float = 1e-6, out: torch.Tensor | None = None,
-             x8: torch.Tensor | None = None, config: TileConfig | None = None, out_x8: bool = False) -> torch.Tensor:
+             x8: torch.Tensor | None = None, config: TileConfig | None = None, out_x8: bool = False,
+             glu_pair: bool | None = None) -> torch.Tensor:
     """glu(W_gate x + b_g, W_up x + b_u): act "silu" -> silu(g) * u; "gpt_oss" -> g, u clamped at `limit`, then
     (u + 1) * g * sigmoid(alpha g). Interleaved gate/up (gpt-oss): pass w.rows(0, None, 2), w.rows(1, None, 2) and bias[0::2], bias[1::2].
     out_x8: the result as fp32 [8, N/8] in the x8 layout, what an fp4 down projection reads (gemv(None, w_down,
-    x8=y, out=...)): no prepare_x8 launch between the two, and no rounding of h to x's dtype."""
+    x8=y, out=...)): no prepare_x8 launch between the two, and no rounding of h to x's dtype. glu_pair: gate and up
+    in one K loop (glu_pair_choice)."""
     if act not in ACT_ID:
         raise ValueError(f"gemv_glu: act {act!r}, expected one of {sorted(ACT_ID)}")
     if w_gate.fmt != w_up.fmt and FMT_ID[w_gate.fmt] != FMT_ID[w_up.fmt]:
@@ -435,14 +458,17 @@ def gemv_glu(x: torch.Tensor, w_gate: WeightHandle, w_up: WeightHandle, *, act: 
         y = make_out(x, N, out)
     cfg = resolve_config(w_gate, config, DEFAULT_GLU_TILES)
     x_in, nw_in, has_nw, stride_x8 = input_args(x, w_gate.fmt, norm_weight, eps, x8)
+    ga, ua = weight_args(w_gate), weight_args(w_up)
+    pair = glu_pair_choice(w_gate.fmt, ga, ua, glu_pair, "gemv_glu")
     _glu_kernel[(triton.cdiv(N, cfg.block_n),)](
-        x_in, nw_in, *weight_args(w_gate), *weight_args(w_up),
+        x_in, nw_in, *ga, *ua,
         gate_bias if gate_bias is not None else y, gate_bias.stride(-1) if gate_bias is not None else 0,
         up_bias if up_bias is not None else y, up_bias.stride(-1) if up_bias is not None else 0, y,
         N, K, eps, limit, alpha, stride_x8,
         FMT=FMT_ID[w_gate.fmt], HAS_NW=has_nw, HAS_BIAS=gate_bias is not None, ACT=ACT_ID[act],
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_X=min(1024, triton.next_power_of_2(K)),
-        PIPE=cfg.prefetch, Y_X8=out_x8, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_kw(x.device)
+        PIPE=cfg.prefetch, Y_X8=out_x8, PAIR=pair, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **launch_kw(x.device)
     )
     return y
 

@@ -18,8 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .gemv import (DEFAULT_GLU_TILES, TileConfig, check_vec, check_x, counters, glu_ref, input_args, is_fp4,
-                   make_out, num_sms, plan_split, resolve_config, weight_args)
+from .gemv import (DEFAULT_GLU_TILES, TileConfig, check_vec, check_x, counters, glu_pair_choice, glu_ref,
+                   input_args, is_fp4, make_out, num_sms, plan_split, resolve_config, weight_args)
 from .pdl import launch_kw, pdl_begin
 from .tiles import ACT_ID, FMT_ID, _glu, _rstd, _split_reduce, _store_out, _tile, _tile_bf16, _tile_pair, _x8_offs
 from .weights import WeightHandle, dequantize
@@ -38,9 +38,6 @@ SCORE_ID = {"softmax": 0, "sigmoid": 1, "softmax_topk": 2}
 _FP8_EXPERT_TILE = TileConfig(8, 512, num_warps=2, prefetch=False)
 DEFAULT_EXPERT_TILES = {**DEFAULT_GLU_TILES, "fp8": _FP8_EXPERT_TILE, "fp8_block": _FP8_EXPERT_TILE}
 EXPERT_DOWN_PROGRAMS_PER_SM = 16
-# Float experts' gate and up rows in one K loop that loads each x step (and norm weight) once, not twice: off until
-# measured (NOTES.md session 19's prediction); KIE_EXPERT_GLU_PAIR=1 turns it on, moe_experts(glu_pair=) per call.
-EXPERT_GLU_PAIR = os.environ.get("KIE_EXPERT_GLU_PAIR", "0") == "1"
 # Active fp4 expert bytes per token (top_k experts' gate + up + down) from which moe_experts runs on the tensor cores
 # (use_mma_experts), per format; a format not named: never. Measured on an H100 (session 18, benchmarks/NOTES.md),
 # tensor-core vs CUDA-core % of the read probe: nvfp4 56 MB 47 vs 37, 198 MB 74 vs 37, 283 MB 74 vs 44; mxfp4 53 MB
@@ -445,7 +442,7 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gat
     mma: nvfp4 / mxfp4 stacks on the tensor cores (kernels/fp4_mma_experts.py; x8 unused, x rounded to fp16 after the
     norm, h kept in fp16); None: when use_mma_experts says so (>= MMA_EXPERT_MIN_BYTES[fmt] of active experts);
     mma_launch: that path's launch shapes (fp4_mma_experts.moe_experts_mma's keywords, for benchmarks).
-    glu_pair: float gate / up rows in one K loop sharing each x load (_expert_glu_kernel PAIR; None: EXPERT_GLU_PAIR,
+    glu_pair: float gate / up rows in one K loop sharing each x load (_expert_glu_kernel PAIR; None: gemv.GLU_PAIR,
     where the two stacks share their stride layout)."""
     for name, w in (("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
         if not w.num_experts:
@@ -495,11 +492,7 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gat
     cu = resolve_config(w_gate, config_up, DEFAULT_EXPERT_TILES)
     x_in, nw_in, has_nw, stride_x8 = input_args(x, w_gate.fmt, norm_weight, eps, x8)
     ga, ua = _expert_args(w_gate), _expert_args(w_up)
-    can_pair = FMT_ID[w_gate.fmt] <= 2 and (ga[1], ga[3], ga[4]) == (ua[1], ua[3], ua[4])
-    if glu_pair and not can_pair:
-        raise ValueError(f"moe_experts: glu_pair needs float gate / up stacks of one stride layout ({w_gate.fmt}; "
-                         f"row strides {ga[1]} / {ua[1]}, scale strides {ga[3:5]} / {ua[3:5]})")
-    pair = can_pair and (EXPERT_GLU_PAIR if glu_pair is None else glu_pair)
+    pair = glu_pair_choice(w_gate.fmt, ga, ua, glu_pair, "moe_experts")
     _expert_glu_kernel[(triton.cdiv(I, cu.block_n), top_k)](
         x_in, nw_in, ids, *ga, *ua,
         bg[0] if bg[0] is not None else h, bg[1], bg[2], bu[0] if bu[0] is not None else h, bu[1], bu[2], h,

@@ -140,7 +140,7 @@ def test_moe_experts_glu_pair(fmt, prefetch):
 def test_moe_experts_glu_pair_refuses_what_it_cannot_pair():
     wts = torch.ones(2, device=DEV)
     ids = torch.tensor([0, 1], dtype=torch.int32, device=DEV)
-    with pytest.raises(ValueError, match="glu_pair needs float gate / up stacks"):
+    with pytest.raises(ValueError, match="moe_experts: glu_pair needs float gate / up weights"):
         moe_experts(_t(96), ids, wts, *_experts("nvfp4", 4, 64, 96), glu_pair=True)
     wg, _, wd = _experts("bf16", 4, 37, 96)
     wu = random_weight("bf16", 2 * 37, 96, experts=4, seed=3, device=DEV).rows(0, None, 2)   # other row stride
