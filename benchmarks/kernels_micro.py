@@ -312,9 +312,10 @@ def bench_router(name, E, H, cfg, probe, rep_ms, *, with_x8=False, bias=False, c
     return row(name, us, E * H * 2, probe, us_e, fn="route", shape=[E, H])
 
 
-def bench_experts(name, fmt, m, H, probe, rep_ms, **tiles):
+def bench_experts(name, fmt, m, H, probe, rep_ms, prenormed=False, **tiles):
     """Both launches of moe_experts over random distinct expert sets; tiles: config_up / config_down / split / mma
-    (fp4 on the tensor cores: prepare_xh's launch counted too)."""
+    (fp4 on the tensor cores: prepare_xh's launch counted too) / glu_pair. prenormed: x already RMS-normed (what
+    route(xn_out=) hands float experts): no norm weight in the GLU launch."""
     E, k, I = m["experts"], m["top_k"], m["inter"]
     if m.get("interleaved") and fmt != "fp8_block":  # block scales cannot follow every other row: same bytes apart
         gate_up = random_weight(fmt, 2 * I, H, experts=E, seed=1, device=DEV, std=0.02)
@@ -337,8 +338,8 @@ def bench_experts(name, fmt, m, H, probe, rep_ms, **tiles):
     x8 = prepare_x8(x, nw) if fmt in FP4 else None  # in a model: written by route(x8_out=)
 
     def call(i):
-        return moe_experts(x, ids[i], wts[i], wg, wu, wd, act=m["act"], norm_weight=nw, x8=x8, residual=x, **bias,
-                           **tiles)
+        return moe_experts(x, ids[i], wts[i], wg, wu, wd, act=m["act"], norm_weight=None if prenormed else nw, x8=x8,
+                           residual=x, **bias, **tiles)
 
     us, us_e = timed(call, n_sets, rep_ms)
     # each launch's own time: the GLU launch streams k experts' gate + up bytes, the down launch k down matrices
@@ -441,7 +442,8 @@ def big_experts_section(formats, mb: float, probe: float, rep_ms: int, H: int = 
         name = f"experts {fmt} top-{k} of {2 * k} [{I}x{H}]"
         if fmt not in FP4:   # float formats: also gate / up in one K loop (glu_pair, session 19's prediction)
             rows = [bench_experts(name, fmt, m, H, probe, rep_ms, glu_pair=False),
-                    bench_experts(f"{name} glu pair", fmt, m, H, probe, rep_ms, glu_pair=True)]
+                    bench_experts(f"{name} glu pair", fmt, m, H, probe, rep_ms, glu_pair=True),
+                    bench_experts(f"{name} glu pair xn", fmt, m, H, probe, rep_ms, glu_pair=True, prenormed=True)]
             if fmt == "fp8_block":   # beside the GLU GEMV's tiles it took until session 19 (H200: 55.0 vs 77.6%)
                 old = DEFAULT_GLU_TILES["fp8_block"]
                 rows.append(bench_experts(f"{name} glu tiles", fmt, m, H, probe, rep_ms, config_up=old,
@@ -449,7 +451,9 @@ def big_experts_section(formats, mb: float, probe: float, rep_ms: int, H: int = 
             if model_shapes:   # qwen3-30b-a3b's experts, the graph backend's main float case
                 q = dict(experts=128, top_k=8, inter=768, act="silu")
                 rows += [bench_experts(f"experts {fmt} qwen3-30b-a3b top-8 [768x2048]{tag}", fmt, q, 2048, probe,
-                                       rep_ms, glu_pair=pair) for tag, pair in (("", False), (" glu pair", True))]
+                                       rep_ms, glu_pair=pair, prenormed=xn)
+                         for tag, pair, xn in (("", False, False), (" glu pair", True, False),
+                                               (" glu pair xn", True, True))]
             return rows
         # fp4: the CUDA-core tiles and the tensor cores (fp4_mma_experts) side by side, here and at the expert
         # shapes of DeepSeek-V3 (H 7168, I 2048, top-8), gpt-oss-120b (2880, 2880, top-4), qwen3-30b-a3b (2048,

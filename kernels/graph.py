@@ -46,6 +46,10 @@ FUSE_QKV = os.environ.get("KIE_FUSE_QKV", "1") != "0"
 # reads its GLU's output written as x8 (gemv_glu(out_x8=)), an fp4 o_proj the attention output written as x8
 # (gqa_decode / rope_gqa_decode(out_x8=)); KIE_SHARE_X8=0 for the A/B (NOTES.md session 14).
 SHARE_X8 = os.environ.get("KIE_SHARE_X8", "1") != "0"
+# Float routed experts (and a float shared expert) read the normed MoE input the router launch writes
+# (route(xn_out=)) instead of RMS-norming x in every program: off until measured (NOTES.md session 19);
+# KIE_ROUTER_XN=1 turns it on.
+ROUTER_XN = os.environ.get("KIE_ROUTER_XN", "0") == "1"
 
 
 class HandleStore:
@@ -219,6 +223,9 @@ class GraphBackend:
         # records its address)
         self.x8 = torch.zeros(8, D // 8, **f32) if SHARE_X8 and D % 8 == 0 and any(
             lay.moe is not None and is_fp4(L["e_gate"].fmt) for L, lay in zip(self.layers, spec.layers)) else None
+        # the same for float experts, as a plain fp32 [D] vector (ROUTER_XN)
+        self.xn = torch.zeros(D, **f32) if ROUTER_XN and any(
+            lay.moe is not None and not is_fp4(L["e_gate"].fmt) for L, lay in zip(self.layers, spec.layers)) else None
         self.max_len = 0
         self.graph = None
         self.last_launch = {}
@@ -309,16 +316,20 @@ class GraphBackend:
             return
         m = lay.moe
         x8 = self.x8 if self.x8 is not None and is_fp4(L["e_gate"].fmt) else None
+        xn = self.xn if self.xn is not None and not is_fp4(L["e_gate"].fmt) else None
         r = route(x, L["router"], L["rcfg"], router_bias=L["router_bias"], correction_bias=L["score_bias"],
-                  norm_weight=L["mlp_norm"], eps=eps, out=L["routing"], x8_out=x8)
+                  norm_weight=L["mlp_norm"], eps=eps, out=L["routing"], x8_out=x8, xn_out=xn)
         act = "gpt_oss" if m.expert_act == "gptoss_glu" else "silu"
-        moe_experts(x, r.ids, r.weights, L["e_gate"], L["e_up"], L["e_down"], act=act, limit=m.swiglu_limit,
-                    alpha=m.glu_alpha, gate_bias=L.get("eb_gate"), up_bias=L.get("eb_up"), down_bias=L.get("eb_down"),
-                    residual=x, norm_weight=L["mlp_norm"], eps=eps, out=self.x2, x8=x8)
+        # xn: the router's normed x, so no norm here (residual stays the un-normed x)
+        moe_experts(x if xn is None else xn, r.ids, r.weights, L["e_gate"], L["e_up"], L["e_down"], act=act,
+                    limit=m.swiglu_limit, alpha=m.glu_alpha, gate_bias=L.get("eb_gate"), up_bias=L.get("eb_up"),
+                    down_bias=L.get("eb_down"), residual=x, norm_weight=L["mlp_norm"] if xn is None else None,
+                    eps=eps, out=self.x2, x8=x8)
         if m.shared_intermediate_size:
             h8 = self._x8_out(L["s_down"])
-            h = gemv_glu(x, L["s_gate"], L["s_up"], norm_weight=L["mlp_norm"], eps=eps,
-                         x8=x8 if x8 is not None and is_fp4(L["s_gate"].fmt) else None, out_x8=h8)
+            s_xn = xn is not None and not is_fp4(L["s_gate"].fmt)
+            h = gemv_glu(xn if s_xn else x, L["s_gate"], L["s_up"], norm_weight=None if s_xn else L["mlp_norm"],
+                         eps=eps, x8=x8 if x8 is not None and is_fp4(L["s_gate"].fmt) else None, out_x8=h8)
             sh = gemv(None, L["s_down"], x8=h, out=torch.empty_like(x)) if h8 else gemv(h, L["s_down"])
             if m.shared_expert_gate:
                 g = gemv(x, L["s_gate_w"], norm_weight=L["mlp_norm"], eps=eps)

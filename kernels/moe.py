@@ -184,11 +184,12 @@ def _router_kernel(
     GROUP_TOP2: tl.constexpr, TOP_K: tl.constexpr, SPLIT_K: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_X: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_TOPK: tl.constexpr, BLOCK_SPLIT: tl.constexpr,
-    PIPE: tl.constexpr, PDL: tl.constexpr = False,
+    PIPE: tl.constexpr, PDL: tl.constexpr = False, X8_LAYOUT: tl.constexpr = True,
 ):
     """grid (cdiv(E, BLOCK_N), SPLIT_K): partial logits part[SPLIT_K, E] and (row tile 0) each split's sum of x^2
     part[SPLIT_K * E + split]; the last program to finish selects.
-    WRITE_X8: the programs also write the (normed) input in the x8 layout for fp4 experts, a chunk each."""
+    WRITE_X8: the programs also write the (normed) input, a chunk each, into x8_ptr: in the x8 layout for fp4 experts
+    (X8_LAYOUT), else as a plain fp32 [K] vector for float experts (route's xn_out)."""
     pdl_begin(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -203,7 +204,7 @@ def _router_kernel(
             xv = tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32) * r8
             if HAS_NW:
                 xv = xv * tl.load(nw_ptr + offs, mask=m, other=0.0).to(tl.float32)
-            tl.store(x8_ptr + _x8_offs(offs, K // 8), xv, mask=m)
+            tl.store(x8_ptr + (_x8_offs(offs, K // 8) if X8_LAYOUT else offs), xv, mask=m)
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
     acc = _tile_bf16(w_ptr, stride_wn, x_ptr, nw_ptr, pid_n * BLOCK_N, E, k_lo, k_hi, HAS_NW, BLOCK_N, BLOCK_K, PIPE)
@@ -234,11 +235,13 @@ def _router_kernel(
 
 def route(x: torch.Tensor, router_weight: torch.Tensor, cfg: RouterConfig, *, router_bias: torch.Tensor | None = None,
           correction_bias: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
-          out: Routing | None = None, x8_out: torch.Tensor | None = None,
+          out: Routing | None = None, x8_out: torch.Tensor | None = None, xn_out: torch.Tensor | None = None,
           config: TileConfig | None = None) -> Routing:
     """Top-k experts of a batch-1 token, computed and left on the device: Routing(ids int32 [k], weights fp32 [k],
     logits fp32 [E]). router_weight: float [E, H] (kept bf16 by the converter). norm_weight: RMSNorm x in front.
-    x8_out: fp32 [8, H/8] filled with the (normed) x in the x8 layout, for fp4 experts (saves prepare_x8)."""
+    x8_out: fp32 [8, H/8] filled with the (normed) x in the x8 layout, for fp4 experts (saves prepare_x8); xn_out:
+    fp32 [H] filled with the (normed) x as it is, for float experts (moe_experts(xn, norm_weight=None): no RMSNorm
+    in every expert program). At most one of the two."""
     if router_weight.dim() != 2 or not router_weight.is_floating_point() or router_weight.stride(-1) != 1:
         raise ValueError(f"route: router_weight must be a float [E, H] with contiguous rows, got "
                          f"{router_weight.dtype} {tuple(router_weight.shape)}")
@@ -259,10 +262,17 @@ def route(x: torch.Tensor, router_weight: torch.Tensor, cfg: RouterConfig, *, ro
         out = Routing(torch.empty(cfg.top_k, dtype=torch.int32, device=dev),
                       torch.empty(cfg.top_k, dtype=torch.float32, device=dev),
                       torch.empty(E, dtype=torch.float32, device=dev))
+    if x8_out is not None and xn_out is not None:
+        raise ValueError("route: pass x8_out or xn_out, not both")
     if x8_out is not None and (x8_out.shape != (8, K // 8) or x8_out.dtype != torch.float32 or K % 8
                                or not x8_out.is_contiguous() or x8_out.device != dev):
         raise ValueError(f"route: x8_out must be a contiguous fp32 [8, {K // 8}] on {dev}, got {x8_out.dtype} "
                          f"{tuple(x8_out.shape)}")
+    if xn_out is not None:
+        if xn_out.shape != (K,) or xn_out.dtype != torch.float32 or not xn_out.is_contiguous() or xn_out.device != dev:
+            raise ValueError(f"route: xn_out must be a contiguous fp32 [{K}] on {dev}, got {xn_out.dtype} "
+                             f"{tuple(xn_out.shape)}")
+    x_out = x8_out if x8_out is not None else xn_out
     cfg_t = config or TileConfig(8, 512)
     n_tiles = triton.cdiv(E, cfg_t.block_n)
     split, k_per_split = plan_split(n_tiles, K, cfg_t.block_k, cfg_t.split_k, dev)
@@ -270,9 +280,10 @@ def route(x: torch.Tensor, router_weight: torch.Tensor, cfg: RouterConfig, *, ro
     _router_kernel[(n_tiles, split)](
         x, norm_weight if norm_weight is not None else x, router_weight, router_weight.stride(0),
         router_bias if router_bias is not None else part, correction_bias if correction_bias is not None else part,
-        part, counters(dev, 1), out.logits, out.ids, out.weights, x8_out if x8_out is not None else part,
+        part, counters(dev, 1), out.logits, out.ids, out.weights, x_out if x_out is not None else part,
         E, K, k_per_split, eps, float(cfg.routed_scaling_factor),
-        WRITE_X8=x8_out is not None, HAS_NW=norm_weight is not None, HAS_BIAS=router_bias is not None,
+        WRITE_X8=x_out is not None, X8_LAYOUT=x8_out is not None, HAS_NW=norm_weight is not None,
+        HAS_BIAS=router_bias is not None,
         HAS_CORR=correction_bias is not None,
         SCORE=SCORE_ID[cfg.scoring], NORM_TOPK=cfg.norm_topk_prob, N_GROUP=cfg.n_group, GROUP_SIZE=group_size,
         TOPK_GROUP=cfg.topk_group, GROUP_TOP2=cfg.group_score == "top2", TOP_K=cfg.top_k, SPLIT_K=split,

@@ -43,6 +43,30 @@ def test_graph_backend_greedy_matches_reference(case, tmp_path):
     assert_logits_close(be.logits.float(), want_logits)
 
 
+@pytest.mark.parametrize("case", ["qwen2_moe", "gpt_oss"])
+def test_router_xn_and_glu_pair_in_the_decode_step(case, tmp_path, monkeypatch):
+    """KIE_ROUTER_XN + KIE_GLU_PAIR (session 19, off by default): the float experts read the router's normed x and
+    stream gate / up in one loop, a float shared expert too (Qwen2-MoE: with its sigmoid gate, which keeps its own
+    norm; gpt-oss: biases, interleaved gate / up, sinks); greedy tokens and last logits of the reference decoder."""
+    import kie_moe.kernels.gemv as GV
+    import kie_moe.kernels.graph as G
+    import kie_moe.kernels.moe as M
+    monkeypatch.setattr(G, "ROUTER_XN", True)
+    monkeypatch.setattr(GV, "GLU_PAIR", True)
+    seen = []
+    route = M.route
+    monkeypatch.setattr(G, "route", lambda *a, **k: seen.append(k.get("xn_out") is not None) or route(*a, **k))
+    make_checkpoint(case, str(tmp_path))
+    m = load_model(str(tmp_path))
+    prompt = list(range(7, 15))
+    want, want_logits = ref_greedy(m, prompt, STEPS)
+    be = GraphBackend(m, torch.device("cpu"))
+    got = list(be.generate(prompt, SamplingParams(max_new_tokens=STEPS, ignore_eos=True), set()))
+    assert seen and all(seen)
+    assert got == want
+    assert_logits_close(be.logits.float(), want_logits)
+
+
 @pytest.mark.parametrize("case", ["qwen3", "gpt_oss"])
 def test_fused_rope_attention_step_equals_the_two_launches(case, tmp_path, monkeypatch):
     """KIE_FUSED_ROPE_ATTN's path (attention.rope_gqa_decode) in the whole decode step: the same tokens and the

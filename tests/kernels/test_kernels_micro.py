@@ -67,9 +67,10 @@ def test_sections_run_on_tiny_shapes(monkeypatch):
     assert [r["fmt"] for r in big] == ["fp8", "mxfp4"]
     assert all(r["check_rel_err"] < 1e-5 for r in big)
     ex = km.big_experts_section(["fp8_block", "nvfp4"], 0.05, 1000.0, 1, H=128, I=256, model_shapes=False)
-    assert [r["fmt"] for r in ex] == ["fp8_block"] * 3 + ["nvfp4"] * 3 and all(r["fn"] == "moe_experts" for r in ex)
-    assert ex[1]["op"].endswith("glu pair") and ex[2]["op"].endswith("glu tiles")   # fp8-block: one K loop; old tiles
-    assert [r["op"].split()[-1] for r in ex[3:]] == ["cuda-core", "mma", "down-rb2"]  # fp4: both paths, RB 2 down
+    assert [r["fmt"] for r in ex] == ["fp8_block"] * 4 + ["nvfp4"] * 3 and all(r["fn"] == "moe_experts" for r in ex)
+    # fp8-block: gate / up in one K loop, that on the router's normed x, its former tiles
+    assert [r["op"].split("] ")[-1] for r in ex[1:4]] == ["glu pair", "glu pair xn", "glu tiles"]
+    assert [r["op"].split()[-1] for r in ex[4:]] == ["cuda-core", "mma", "down-rb2"]  # fp4: both paths, RB 2 down
     for r in ex:                         # active bytes only: top-k experts of 2k, at least the asked-for size
         E, k, I, H = r["shape"]
         assert E == max(8, 2 * k) and r["mb"] >= 0.05 * 1.048576

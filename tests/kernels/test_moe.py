@@ -98,6 +98,28 @@ def test_route_with_rmsnorm_and_out_buffers(split):
     assert_close(again.weights, want.weights, what="normed router")
 
 
+@pytest.mark.parametrize("split", [1, 3])
+def test_route_hands_float_experts_the_normed_x(split):
+    """xn_out: every element of the RMS-normed x (NaN-filled first: each must be written) whatever the split; float
+    experts given it with norm_weight None match the reference with the norm fused; x8_out with it is refused."""
+    E, I, H = 6, 37, 100   # H: not a multiple of the router's 32-column chunks
+    cfg = RouterConfig(top_k=2)
+    x, w, nw = _t(H, seed=8, scale=3.0), _t(E, H, seed=9, scale=0.2), _t(H, seed=10)
+    xn = torch.full((H,), float("nan"), device=DEV)
+    r = route(x, w, cfg, norm_weight=nw, eps=1e-5, xn_out=xn, config=TileConfig(8, 32, split_k=split))
+    xf = x.float()
+    assert_close(xn, xf * torch.rsqrt(xf.pow(2).mean() + 1e-5) * nw.float(), what="xn_out")
+    wg, wu, wd = _experts("fp8", E, I, H, seed=11)
+    y = moe_experts(xn, r.ids, r.weights, wg, wu, wd, residual=x, out=torch.empty(H, device=DEV))
+    want = moe_experts_ref(x, r.ids, r.weights, wg, wu, wd, residual=x, norm_weight=nw, eps=1e-5,
+                           out_dtype=torch.float32)
+    assert_close(y, want, what="experts on the router's xn")
+    with pytest.raises(ValueError, match="x8_out or xn_out, not both"):
+        route(x, w, cfg, x8_out=torch.empty(8, 12, device=DEV), xn_out=xn)
+    with pytest.raises(ValueError, match=r"xn_out must be a contiguous fp32 \[100\]"):
+        route(x, w, cfg, xn_out=torch.empty(H, dtype=torch.bfloat16, device=DEV))
+
+
 # ---- routed experts -----------------------------------------------------------------------------------------------
 def _experts(fmt, E, I, H, seed=0):
     return (random_weight(fmt, I, H, experts=E, seed=seed, device=DEV),
