@@ -31,8 +31,9 @@ def assert_logits_close(got, want, rel=1e-4):
     torch.testing.assert_close(got, want, rtol=rel, atol=rel * want.abs().max())
 
 
-@pytest.mark.parametrize("case", ["qwen2_moe", "gpt_oss", "deepseek_v3"])
-def test_graph_backend_greedy_matches_reference(case, tmp_path):
+def assert_greedy_matches_reference(case, tmp_path):
+    """The graph backend on a tiny `case` checkpoint (CPU, interpreter): the reference decoder's STEPS greedy tokens
+    and last logits."""
     make_checkpoint(case, str(tmp_path))
     m = load_model(str(tmp_path))
     prompt = list(range(7, 15))
@@ -41,6 +42,11 @@ def test_graph_backend_greedy_matches_reference(case, tmp_path):
     got = list(be.generate(prompt, SamplingParams(max_new_tokens=STEPS, ignore_eos=True), set()))
     assert got == want
     assert_logits_close(be.logits.float(), want_logits)
+
+
+@pytest.mark.parametrize("case", ["qwen2_moe", "gpt_oss", "deepseek_v3"])
+def test_graph_backend_greedy_matches_reference(case, tmp_path):
+    assert_greedy_matches_reference(case, tmp_path)
 
 
 @pytest.mark.parametrize("case", ["qwen2_moe", "gpt_oss"])
@@ -56,15 +62,8 @@ def test_router_xn_and_glu_pair_in_the_decode_step(case, tmp_path, monkeypatch):
     seen = []
     route = M.route
     monkeypatch.setattr(G, "route", lambda *a, **k: seen.append(k.get("xn_out") is not None) or route(*a, **k))
-    make_checkpoint(case, str(tmp_path))
-    m = load_model(str(tmp_path))
-    prompt = list(range(7, 15))
-    want, want_logits = ref_greedy(m, prompt, STEPS)
-    be = GraphBackend(m, torch.device("cpu"))
-    got = list(be.generate(prompt, SamplingParams(max_new_tokens=STEPS, ignore_eos=True), set()))
+    assert_greedy_matches_reference(case, tmp_path)
     assert seen and all(seen)
-    assert got == want
-    assert_logits_close(be.logits.float(), want_logits)
 
 
 @pytest.mark.parametrize("case", ["qwen3", "gpt_oss"])
