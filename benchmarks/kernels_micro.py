@@ -474,12 +474,12 @@ def big_experts_section(formats, mb: float, probe: float, rep_ms: int, H: int = 
             for mma in (False, True):
                 rows.append(bench_experts(f"{label} {'mma' if mma else 'cuda-core'}", fmt, mm, h, probe, rep_ms,
                                           mma=mma))
-            if not k_split_row:   # the down launch with 32 rows per warp (RB 2: 4 KB in flight per warp, not 2)
-                rows.append(bench_experts(f"{label} mma down-rb2", fmt, mm, h, probe, rep_ms, mma=True,
-                                          down_row_blocks=2))
             if k_split_row:
                 rows.append(bench_experts(f"{label} mma k-split 1", fmt, mm, h, probe, rep_ms, mma=True,
                                           down_k_split=1))
+            else:   # the down launch with 32 rows per warp (RB 2: 4 KB in flight per warp, not 2)
+                rows.append(bench_experts(f"{label} mma down-rb2", fmt, mm, h, probe, rep_ms, mma=True,
+                                          down_row_blocks=2))
             if label == name and DEV == "cuda":   # the GLU launch's register cap the other way round (r128 / none)
                 other = None if MMA_GLU_MAXNREG[fmt] else 128
                 rows.append(bench_experts(f"{label} mma glu-r{other or 'auto'}", fmt, mm, h, probe, rep_ms,
@@ -490,8 +490,8 @@ def big_experts_section(formats, mb: float, probe: float, rep_ms: int, H: int = 
 
 
 def mma_config(text: str) -> dict:
-    """--mma-configs entry ROW_BLOCKSxWARPS[:rN][:p][:fN] -> big_mma's launch keywords (rN: a register cap of N, r0
-    none; p: the weights in packing "mma", fp4_mma.pack_for_mma; fN: N K steps prefetched into L2 ahead)."""
+    """--mma-configs entry ROW_BLOCKSxWARPS[:rN][:p] -> big_mma's launch keywords (rN: a register cap of N, r0 none;
+    p: the weights in packing "mma", fp4_mma.pack_for_mma)."""
     parts = text.split(":")
     try:
         rb, nw = (int(v) for v in parts[0].split("x"))
@@ -501,26 +501,23 @@ def mma_config(text: str) -> dict:
                 kw["maxnreg"] = int(p[1:])
             elif p == "p":
                 kw["packed"] = True
-            elif p.startswith("f"):
-                kw["prefetch_steps"] = int(p[1:])
             else:
                 raise ValueError(p)
     except ValueError:
-        raise SystemExit(f"kernels_micro: --mma-configs entry {text!r}: expected RBxW[:rN][:p][:fN]") from None
+        raise SystemExit(f"kernels_micro: --mma-configs entry {text!r}: expected RBxW[:rN][:p]") from None
     return kw
 
 
 def big_mma(fmt: str, mb: float | None, probe: float, rep_ms: int, row_blocks: int, num_warps: int,
             K: int = 8192, shape: tuple[int, int] | None = None, maxnreg: int | None = MMA_MAXNREG,
-            packed: bool = False, prefetch_steps: int = 0) -> dict:
+            packed: bool = False) -> dict:
     """An fp4 GEMV on the tensor cores (kernels/fp4_mma.py): by default the same shape and byte count as
     big_section's row of that format (or `shape`); its xh input made once outside the timing, as that row's x8."""
     if shape is not None:
         N, K = shape
     else:
         N = int(math.ceil(mb * (1 << 20) / (0.5 * K) / 128) * 128)
-    name = (f"gemv {fmt} mma {N}x{K} rb{row_blocks} w{num_warps} r{maxnreg or 'auto'}" + (" packed" if packed else "")
-            + (f" pf{prefetch_steps}" if prefetch_steps else ""))
+    name = (f"gemv {fmt} mma {N}x{K} rb{row_blocks} w{num_warps} r{maxnreg or 'auto'}" + (" packed" if packed else ""))
     probe_w = random_weight(fmt, N, K, seed=0, device=DEV)
     copies = [probe_w] + [random_weight(fmt, N, K, seed=i, device=DEV) for i in range(1, n_copies(probe_w.nbytes))]
     if packed:
@@ -531,13 +528,13 @@ def big_mma(fmt: str, mb: float | None, probe: float, rep_ms: int, row_blocks: i
 
     def call(i):
         return gemv_fp4_mma(x, copies[i], xh=xh, out=y, row_blocks=row_blocks, num_warps=num_warps,
-                            maxnreg=maxnreg, prefetch_steps=prefetch_steps)
+                            maxnreg=maxnreg)
 
     us = time_graph(call, len(copies), rep_ms)
     r = row(name, us, probe_w.nbytes, probe, fmt=fmt, impl="mma", shape=[N, K], row_blocks=row_blocks,
-            num_warps=num_warps, maxnreg=maxnreg, prefetch_steps=prefetch_steps)
+            num_warps=num_warps, maxnreg=maxnreg)
     got = gemv_fp4_mma(x, copies[0], out=torch.empty(N, device=DEV), row_blocks=row_blocks, num_warps=num_warps,
-                       maxnreg=maxnreg, prefetch_steps=prefetch_steps)
+                       maxnreg=maxnreg)
     want = gemv_ref(x, probe_w, out_dtype=torch.float32)
     r["check_rel_err"] = float((got - want).abs().max() / want.abs().max())
     del copies

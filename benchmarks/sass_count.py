@@ -132,7 +132,7 @@ def measure_mma(fmt: str, cfg: dict, K: int = 8192, N: int = 4096) -> dict:
     with offline_target(90):
         k = M._fp4_mma_kernel.warmup(xh, w, K // 2, s, s.shape[1], y, y, y, y, N, K, MX=fmt == "mxfp4",
                                      HAS_BIAS=False, HAS_RES=False, RB=rb, NW=nw, RP=cfg.get("packed", False),
-                                     PF=cfg.get("prefetch_steps", 0), num_warps=nw, grid=(1,),
+                                     num_warps=nw, grid=(1,),
                                      maxnreg=cfg.get("maxnreg", M.MMA_MAXNREG) or None)
     sass, res = _sass(k)
     body = main_loop(sass)

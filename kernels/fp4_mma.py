@@ -60,15 +60,6 @@ __all__ = ["prepare_xh", "gemv_fp4_mma", "mma_unreadable", "pack_for_mma", "MMA_
 MMA_ROW_BLOCKS = 2
 MMA_WARPS = 4
 MMA_MAXNREG = 128
-# K steps (256 codes of each of a warp's rows) prefetched into L2 ahead of the register loads: 0 = none. A warp
-# otherwise has one step (16 rows x 128 B per row block) in flight, which at 8-16 warps per SM is below what HBM's
-# latency needs (NOTES.md session 19: the prediction, and what was measured).
-MMA_PREFETCH_STEPS = 0
-
-
-def check_prefetch_steps(n, who: str) -> None:
-    if not isinstance(n, int) or not 0 <= n <= 8:
-        raise ValueError(f"{who}: prefetch_steps {n!r}: expected an int in 0..8")
 
 # A fragment {row r k0-1, row r+8 k0-1, row r k8-9, row r+8 k8-9} = {a0, b0, a2, b2}: codes {e0, e2} | {e1, e3} of
 # both rows against x pairs {x0, x2} | {x1, x3}; then {a1, b1, a3, b3} = codes 4-7 against {x4, x6} | {x5, x7}.
@@ -312,53 +303,21 @@ def _step_load(wq, sq, ra, rb, swn, stride_sn, st, q, KW, KG, MX: tl.constexpr):
 
 
 @triton.jit
-def _l2_line(p):
-    """prefetch.global.L2 of the line holding each lane's address: no register, nothing to wait for (interpreter /
-    KIE_TILES_ASM=0: nothing; a prefetch never changes a result)."""
-    if _ASM:
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [p], dtype=tl.int32,
-                                  is_pure=False, pack=1)
-
-
-@triton.jit
-def _prefetch_step(wq0, sq0, ra0, rb0, wq1, sq1, ra1, rb1, swn, stride_sn, st, q, KW, KG, RB: tl.constexpr,
-                   MX: tl.constexpr):
-    """Step st's lines of the warp's rows into L2, two prefetches per lane: the step's 128 code bytes of one row
-    (lanes q 0 / 1: rows a / b of block 0; q 2 / 3: of block 1, or of block 0 again when RB == 1) and that row's
-    scale line. Clamped to the last step (a repeated prefetch is an L2 hit)."""
-    w = tl.minimum(32 * st, KW - 1)
-    g = tl.minimum(w // 4 if MX else w // 2, KG - 1)
-    row0 = tl.where((q & 1) == 0, ra0, rb0)
-    if RB == 2:
-        row1 = tl.where((q & 1) == 0, ra1, rb1)
-        _l2_line(tl.where(q < 2, wq0 + row0 * swn, wq1 + row1 * swn) + w)
-        _l2_line(tl.where(q < 2, sq0 + row0 * stride_sn, sq1 + row1 * stride_sn) + g)
-    else:
-        _l2_line(wq0 + row0 * swn + w)
-        _l2_line(sq0 + row0 * stride_sn + g)
-
-
-@triton.jit
 def _rows_dot(xq, wq0, sq0, ra0, rb0, wq1, sq1, ra1, rb1, swn, stride_sn, q, KW, KG, mine, st_lo, st_hi,
-              RB: tl.constexpr, MX: tl.constexpr, RP: tl.constexpr, E4B: tl.constexpr, PF: tl.constexpr = 0):
+              RB: tl.constexpr, MX: tl.constexpr, RP: tl.constexpr, E4B: tl.constexpr):
     """One warp's rows against xh (u32 view xq) over 256-code steps [st_lo, st_hi) of K (all of K: 0,
     cdiv(KW, 32); an empty range gives zeros), the next step's loads issued
     before the current step's mma: block 0 = rows ra0 / rb0 of wq0 (scales sq0), block 1 (RB == 2) = rows ra1 /
     rb1 of wq1 / sq1 (the GEMV: the next 16 rows; the expert GLU: the up rows beside the gate rows). Returns each
-    lane's unscaled partial sums (block 0 rows a, b; block 1 rows a, b), not yet summed over the quad.
-    PF > 0: step st + PF's lines are prefetched into L2 while step st computes, so a warp has PF + 1 steps of its
-    rows in flight instead of one (_prefetch_step; a register stage costs 16-32 registers, a prefetch none)."""
+    lane's unscaled partial sums (block 0 rows a, b; block 1 rows a, b), not yet summed over the quad. (An L2
+    prefetch of the rows 2-4 steps ahead was measured 3-20 points slower: NOTES.md session 19.)"""
     zero = tl.zeros(q.shape, tl.float32)
     # Accumulators: a / c rows r, r + 8 of blocks 0 / 1 from piece 0, e / f the same from piece 1.
     a0, a1, c0, c1, e0, e1, f0, f1 = zero, zero, zero, zero, zero, zero, zero, zero
     P0 = _step_load(wq0, sq0, ra0, rb0, swn, stride_sn, st_lo, q, KW, KG, MX)
     if RB == 2:
         P1 = _step_load(wq1, sq1, ra1, rb1, swn, stride_sn, st_lo, q, KW, KG, MX)
-    for j in tl.static_range(1, PF):
-        _prefetch_step(wq0, sq0, ra0, rb0, wq1, sq1, ra1, rb1, swn, stride_sn, st_lo + j, q, KW, KG, RB, MX)
     for st in range(st_lo, st_hi):
-        if PF > 0:
-            _prefetch_step(wq0, sq0, ra0, rb0, wq1, sq1, ra1, rb1, swn, stride_sn, st + PF, q, KW, KG, RB, MX)
         sn = tl.minimum(st + 1, st_hi - 1)
         C0 = P0
         P0 = _step_load(wq0, sq0, ra0, rb0, swn, stride_sn, sn, q, KW, KG, MX)
@@ -396,7 +355,7 @@ def _global_factor(gs_ptr, MX: tl.constexpr):
 def _fp4_mma_kernel(xh_ptr, w_ptr, stride_wn, s_ptr, stride_sn, gs_ptr, bias_ptr, res_ptr, y_ptr, N, K,
                     MX: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, RB: tl.constexpr,
                     NW: tl.constexpr, RP: tl.constexpr = False, PDL: tl.constexpr = False,
-                    E4B: tl.constexpr = False, PF: tl.constexpr = 0):
+                    E4B: tl.constexpr = False):
     """grid (cdiv(N, 16 * RB * NW),): y = W @ x for fp4 W [N, K/2] u8 with group scales [N, K/16] e4m3 (nvfp4) or
     [N, K/32] E8M0 (mxfp4, MX), xh from prepare_xh, K % 32 == 0; RP: W's bytes in packing "mma". Each warp owns
     16 * RB rows and the whole K (_rows_dot, module docstring)."""
@@ -413,7 +372,7 @@ def _fp4_mma_kernel(xh_ptr, w_ptr, stride_wn, s_ptr, stride_sn, gs_ptr, bias_ptr
     rb1 = tl.minimum(base + 24 + r, N - 1).to(tl.int64)
     y0, y1, y2, y3 = _rows_dot(xh_ptr.to(tl.pointer_type(tl.uint32)), wq, sq, ra0, rb0, wq, sq, ra1, rb1,
                                stride_wn // 4, stride_sn, q, K // 8, K // 32 if MX else K // 16, _mine(r, q), 0,
-                               tl.cdiv(K // 8, 32), RB, MX, RP, E4B, PF)
+                               tl.cdiv(K // 8, 32), RB, MX, RP, E4B)
     g = _global_factor(gs_ptr, MX)
     lead = q == 0     # one lane per quad stores
     n = base + r
@@ -467,15 +426,13 @@ def gemv_fp4_mma(x: torch.Tensor, w: WeightHandle, *, bias: torch.Tensor | None 
                  residual: torch.Tensor | None = None, out: torch.Tensor | None = None,
                  norm_weight: torch.Tensor | None = None, eps: float = 1e-6, xh: torch.Tensor | None = None,
                  row_blocks: int = MMA_ROW_BLOCKS, num_warps: int = MMA_WARPS,
-                 maxnreg: int | None = MMA_MAXNREG, prefetch_steps: int = MMA_PREFETCH_STEPS) -> torch.Tensor:
+                 maxnreg: int | None = MMA_MAXNREG) -> torch.Tensor:
     """y = W @ x (+ bias) (+ residual) for one nvfp4 / mxfp4 Linear on the tensor cores (module docstring). Same
     contract as kernels.gemv.gemv; xh = prepare_xh(x, norm_weight, eps) when already made (else made here).
-    maxnreg: the register cap of the launch on CUDA (None: ptxas's choice); prefetch_steps: how many K steps ahead
-    each warp prefetches its rows into L2 (0: none; _rows_dot)."""
+    maxnreg: the register cap of the launch on CUDA (None: ptxas's choice)."""
     why = mma_unreadable(w)
     if why:
         raise ValueError(f"gemv_fp4_mma: {why}")
-    check_prefetch_steps(prefetch_steps, "gemv_fp4_mma")
     N, K = w.out_features, w.in_features
     if row_blocks not in (1, 2) or num_warps not in (1, 2, 4, 8):
         raise ValueError(f"gemv_fp4_mma: row_blocks {row_blocks} (1 or 2), num_warps {num_warps} (1, 2, 4, 8)")
@@ -494,7 +451,7 @@ def gemv_fp4_mma(x: torch.Tensor, w: WeightHandle, *, bias: torch.Tensor | None 
         w.global_scale if w.global_scale is not None else y,
         bias if bias is not None else y, residual if residual is not None else y, y, N, K,
         MX=w.fmt == "mxfp4", HAS_BIAS=bias is not None, HAS_RES=residual is not None, RB=row_blocks, NW=num_warps,
-        num_warps=num_warps, RP=w.packing == "mma", E4B=not e4m3_native(x.device), PF=prefetch_steps,
+        num_warps=num_warps, RP=w.packing == "mma", E4B=not e4m3_native(x.device),
         **launch_kw(x.device), **cap)
     return y
 

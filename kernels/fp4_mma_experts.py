@@ -21,8 +21,8 @@ import triton
 import triton.language as tl
 
 from .device_caps import e4m3_native
-from .fp4_mma import (MMA_MAXNREG, MMA_PREFETCH_STEPS, _global_factor, _lane_warp, _mine, _quad_sum, _rows_dot,
-                      check_prefetch_steps, mma_unreadable, prepare_xh)
+from .fp4_mma import (MMA_MAXNREG, _global_factor, _lane_warp, _mine, _quad_sum, _rows_dot, mma_unreadable,
+                      prepare_xh)
 from .gemv import num_sms
 from .moe import expert_down_split, split_slots
 from .pdl import launch_kw, pdl_begin
@@ -56,8 +56,7 @@ def _mma_glu_kernel(xh_ptr, ids_ptr, wg_ptr, wu_ptr, stride_wn, stride_we, sg_pt
                     gsg_ptr, gsu_ptr, stride_ge, bg_ptr, stride_bge, stride_bgn, bu_ptr, stride_bue, stride_bun,
                     h_ptr, I, K, limit, alpha,
                     MX: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, NW: tl.constexpr,
-                    RP: tl.constexpr = False, PDL: tl.constexpr = False, E4B: tl.constexpr = False,
-                    PF: tl.constexpr = 0):
+                    RP: tl.constexpr = False, PDL: tl.constexpr = False, E4B: tl.constexpr = False):
     """grid (cdiv(I, 16 * NW), top_k): h[slot, I] (fp16, xh layout) = glu(Wg[e] x + bg[e], Wu[e] x + bu[e]),
     e = ids[slot]; xh = prepare_xh(x, norm) [K]; weights [E, I, K/2] u8, scales [E, I, K/16 | K/32] (bytes)."""
     pdl_begin(PDL)
@@ -75,7 +74,7 @@ def _mma_glu_kernel(xh_ptr, ids_ptr, wg_ptr, wu_ptr, stride_wn, stride_we, sg_pt
     su = (su_ptr + e * stride_se).to(tl.pointer_type(tl.uint8))
     ga, gb, ua, ub = _rows_dot(xh_ptr.to(tl.pointer_type(tl.uint32)), wg, sg, ra, rb, wu, su, ra, rb,
                                stride_wn // 4, stride_sn, q, K // 8, K // 32 if MX else K // 16, _mine(r, q), 0,
-                               tl.cdiv(K // 8, 32), 2, MX, RP, E4B, PF)
+                               tl.cdiv(K // 8, 32), 2, MX, RP, E4B)
     fg = _global_factor(gsg_ptr + e * stride_ge, MX)
     fu = _global_factor(gsu_ptr + e * stride_ge, MX)
     ga = _quad_sum(ga, NW) * fg
@@ -105,8 +104,7 @@ def _mma_down_kernel(h_ptr, ids_ptr, wts_ptr, w_ptr, stride_wn, stride_we, s_ptr
                      stride_ge, bd_ptr, stride_bde, res_ptr, y_ptr, part_ptr, cnt_ptr, N, I, slots_per_split,
                      MX: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, TOP_K: tl.constexpr,
                      SPLIT: tl.constexpr, RB: tl.constexpr, NW: tl.constexpr, RP: tl.constexpr = False,
-                     PDL: tl.constexpr = False, E4B: tl.constexpr = False, PF: tl.constexpr = 0,
-                     KS: tl.constexpr = 1):
+                     PDL: tl.constexpr = False, E4B: tl.constexpr = False, KS: tl.constexpr = 1):
     """grid (cdiv(N, 16 * RB * NW), SPLIT): y[N] = sum_slot wts[slot] * (Wd[e] h[slot] + bd[e]) (+ residual),
     e = ids[slot]; h [top_k, I] fp16 in the xh layout (the GLU launch); weights [E, N, I/2] u8. SPLIT = slot groups
     x KS: program s takes slot group s // KS and K chunk s % KS (whole 256-code steps; chunk 0 adds the biases)."""
@@ -136,7 +134,7 @@ def _mma_down_kernel(h_ptr, ids_ptr, wts_ptr, w_ptr, stride_wn, stride_we, s_ptr
         sq = (s_ptr + e * stride_se).to(tl.pointer_type(tl.uint8))
         d0, d1, d2, d3 = _rows_dot((h_ptr + slot * I).to(tl.pointer_type(tl.uint32)), wq, sq, ra0, rb0, wq, sq,
                                    ra1, rb1, stride_wn // 4, stride_sn, q, I // 8, I // 32 if MX else I // 16, mine,
-                                   st_lo, st_hi, RB, MX, RP, E4B, PF)
+                                   st_lo, st_hi, RB, MX, RP, E4B)
         wt = tl.load(wts_ptr + slot)
         f = wt * _global_factor(gs_ptr + e * stride_ge, MX)
         y0 += d0 * f
@@ -203,8 +201,7 @@ def moe_experts_mma(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w
                     norm_weight: torch.Tensor | None, eps: float, y: torch.Tensor, counters: torch.Tensor,
                     split: int | None = None, num_warps: int = MMA_EXPERT_WARPS,
                     down_row_blocks: int = MMA_DOWN_ROW_BLOCKS, maxnreg: int | None = MMA_MAXNREG,
-                    glu_maxnreg: int | None | str = "auto",
-                    prefetch_steps: int = MMA_PREFETCH_STEPS, down_k_split: int | None = None) -> torch.Tensor:
+                    glu_maxnreg: int | None | str = "auto", down_k_split: int | None = None) -> torch.Tensor:
     """moe.moe_experts' body on the tensor cores; its arguments already checked there (biases as (tensor, stride
     0, stride 1) triples, y the output). Callers: moe.moe_experts (mma=True, or its size rule). split: slot groups
     of the down launch, down_k_split: K chunks of each (None: down_launch_split's choice)."""
@@ -217,7 +214,6 @@ def moe_experts_mma(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w
             or w_gate.fmt != w_down.fmt or w_gate.packing != w_up.packing):
         raise ValueError("moe_experts(mma=True): w_gate and w_up must share format, packing and strides, and "
                          "w_down their format")
-    check_prefetch_steps(prefetch_steps, "moe_experts(mma=True)")
     if down_row_blocks not in (1, 2) or num_warps not in (1, 2, 4, 8):
         raise ValueError(f"moe_experts(mma=True): down_row_blocks {down_row_blocks} (1 or 2), num_warps "
                          f"{num_warps} (1, 2, 4, 8)")
@@ -240,7 +236,7 @@ def moe_experts_mma(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w
         w_gate.scale.stride(0), gs(w_gate), gs(w_up), st(w_gate),
         bg if bg is not None else h, sbg0, sbg1, bu if bu is not None else h, sbu0, sbu1, h, I, H, limit, alpha,
         MX=mx, HAS_BIAS=bg is not None, ACT=act_id, NW=num_warps, RP=w_gate.packing == "mma", E4B=e4b,
-        PF=prefetch_steps, num_warps=num_warps, **launch_kw(dev), **glu_cap)
+        num_warps=num_warps, **launch_kw(dev), **glu_cap)
     n_tiles = triton.cdiv(H, 16 * down_row_blocks * num_warps)
     per, groups, ks = down_launch_split(n_tiles, top_k, I, dev, split, down_k_split)
     split = groups * ks
@@ -251,7 +247,7 @@ def moe_experts_mma(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w
         bd if bd is not None else y, sbd0, residual if residual is not None else y, y, part,
         counters if split > 1 else y, H, I, per,
         MX=mx, HAS_BIAS=bd is not None, HAS_RES=residual is not None, TOP_K=top_k, SPLIT=split,
-        RB=down_row_blocks, NW=num_warps, RP=w_down.packing == "mma", E4B=e4b, PF=prefetch_steps, KS=ks,
+        RB=down_row_blocks, NW=num_warps, RP=w_down.packing == "mma", E4B=e4b, KS=ks,
         num_warps=num_warps, **launch_kw(dev), **cap)
     return y
 

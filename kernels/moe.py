@@ -268,10 +268,10 @@ def route(x: torch.Tensor, router_weight: torch.Tensor, cfg: RouterConfig, *, ro
                                or not x8_out.is_contiguous() or x8_out.device != dev):
         raise ValueError(f"route: x8_out must be a contiguous fp32 [8, {K // 8}] on {dev}, got {x8_out.dtype} "
                          f"{tuple(x8_out.shape)}")
-    if xn_out is not None:
-        if xn_out.shape != (K,) or xn_out.dtype != torch.float32 or not xn_out.is_contiguous() or xn_out.device != dev:
-            raise ValueError(f"route: xn_out must be a contiguous fp32 [{K}] on {dev}, got {xn_out.dtype} "
-                             f"{tuple(xn_out.shape)}")
+    if xn_out is not None and (xn_out.shape != (K,) or xn_out.dtype != torch.float32 or not xn_out.is_contiguous()
+                               or xn_out.device != dev):
+        raise ValueError(f"route: xn_out must be a contiguous fp32 [{K}] on {dev}, got {xn_out.dtype} "
+                         f"{tuple(xn_out.shape)}")
     x_out = x8_out if x8_out is not None else xn_out
     cfg_t = config or TileConfig(8, 512)
     n_tiles = triton.cdiv(E, cfg_t.block_n)

@@ -34,9 +34,7 @@ def test_matches_reference(fmt, N, K, rb, nw, packing):
     w = random_weight(fmt, N, K, seed=N * K, device=DEV)
     x, bias, res = _x(K, 1), _x(N, 2, torch.float32), _x(N, 3)
     wk = pack_for_mma(w) if packing == "mma" else w
-    pf = 2 if rb == 2 else nw - 1   # the L2 prefetch in both row-block layouts, and off (a no-op here: its addresses)
-    y = gemv_fp4_mma(x, wk, bias=bias, residual=res, out=torch.empty(N, device=DEV), row_blocks=rb, num_warps=nw,
-                     prefetch_steps=pf)
+    y = gemv_fp4_mma(x, wk, bias=bias, residual=res, out=torch.empty(N, device=DEV), row_blocks=rb, num_warps=nw)
     assert_close(y, gemv_ref(x, w, bias=bias, residual=res, out_dtype=torch.float32), what=f"{fmt} {N}x{K}")
 
 
@@ -111,8 +109,6 @@ def test_bad_input_is_named():
         gemv_fp4_mma(_x(48, 1), random_weight("nvfp4", 8, 48, seed=1, device=DEV))
     with pytest.raises(ValueError, match="row_blocks 3"):
         gemv_fp4_mma(_x(64, 1), w, row_blocks=3)
-    with pytest.raises(ValueError, match="prefetch_steps -1"):
-        gemv_fp4_mma(_x(64, 1), w, prefetch_steps=-1)
     with pytest.raises(ValueError, match="expert stack"):
         gemv_fp4_mma(_x(64, 1), random_weight("nvfp4", 8, 64, seed=1, device=DEV, experts=2))
 
@@ -175,14 +171,12 @@ def test_real_sizes_gpu(fmt, shape, rb, nw, packing):
 @pytest.mark.parametrize("fmt", FP4)
 @pytest.mark.parametrize("packing", ["checkpoint", "mma"])
 @pytest.mark.parametrize("N,K", [(37, 160), (33, 608)])
-@pytest.mark.parametrize("pf", [0, 2])
-def test_odd_shapes_gpu(N, K, packing, fmt, pf):
+def test_odd_shapes_gpu(N, K, packing, fmt):
     """Rows not a multiple of 16 and K not of 256 through the mma.sync path (the interpreter runs the portable
-    one), with and without the L2 prefetch (its addresses clamped into the rows)."""
+    one)."""
     w = random_weight(fmt, N, K, seed=N * K + 1, device="cuda")
     x = _x(K, 11).cuda()
-    y = gemv_fp4_mma(x, pack_for_mma(w) if packing == "mma" else w, out=torch.empty(N, device="cuda"),
-                     prefetch_steps=pf)
+    y = gemv_fp4_mma(x, pack_for_mma(w) if packing == "mma" else w, out=torch.empty(N, device="cuda"))
     assert_close(y, gemv_ref(x, w, out_dtype=torch.float32), rel=2e-5, what=f"{fmt} {N}x{K} {packing}")
 
 

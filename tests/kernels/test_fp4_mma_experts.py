@@ -26,11 +26,11 @@ def _stack(fmt, E, I, H, seed, device=DEV):
 
 
 @pytest.mark.parametrize("fmt", FP4)
-@pytest.mark.parametrize("split,row_blocks,warps,pf", [(1, 1, 1, 0), (2, 2, 1, 3), (4, 1, 2, 1)])
-def test_mma_experts_odd_shapes(fmt, split, row_blocks, warps, pf):
+@pytest.mark.parametrize("split,row_blocks,warps", [(1, 1, 1), (2, 2, 1), (4, 1, 2)])
+def test_mma_experts_odd_shapes(fmt, split, row_blocks, warps):
     """H = 160 (the last 256-code step ragged), I = 96 (a warp's 16 rows past I), repeated ids and both ends of the
-    expert range, slots split over up to 4 programs per row tile, L2 prefetch distances past the last step (pf);
-    the oracle rounds x and h to fp16 as the kernels do, and the fp32 reference bounds what that rounding costs."""
+    expert range, slots split over up to 4 programs per row tile; the oracle rounds x and h to fp16 as the kernels
+    do, and the fp32 reference bounds what that rounding costs."""
     from kie_moe.kernels.fp4_mma_experts import moe_experts_mma
     E, I, H = 5, 96, 160
     wg, wu, wd = _stack(fmt, E, I, H, seed=40)
@@ -41,7 +41,7 @@ def test_mma_experts_odd_shapes(fmt, split, row_blocks, warps, pf):
     none = (None, 0, 0)
     moe_experts_mma(x, ids, wts, wg, wu, wd, act_id=0, limit=7.0, alpha=1.702, gate_bias=none, up_bias=none,
                     down_bias=none, residual=res, norm_weight=nw, eps=1e-6, y=y, counters=counters(y.device, 16),
-                    split=split, num_warps=warps, down_row_blocks=row_blocks, prefetch_steps=pf)
+                    split=split, num_warps=warps, down_row_blocks=row_blocks)
     kw = dict(residual=res, norm_weight=nw, out_dtype=torch.float32)
     assert_close(y, moe_experts_ref(x, ids, wts, wg, wu, wd, fp16_inputs=True, **kw), what=f"{fmt} vs fp16 oracle")
     assert_close(y, moe_experts_ref(x, ids, wts, wg, wu, wd, **kw), rel=3e-3, what=f"{fmt} vs fp32 reference")
@@ -137,8 +137,6 @@ def test_mma_experts_refuses_what_it_cannot_read():
         moe_experts(x, ids, wts, *_stack("fp8", E, I, H, seed=71), mma=True)
     with pytest.raises(ValueError, match="w_gate: in_features 80 is not a multiple of 32"):
         moe_experts(_t(80, seed=72), ids, wts, *_stack("nvfp4", E, I, 80, seed=73), mma=True)
-    with pytest.raises(ValueError, match="prefetch_steps 9"):
-        moe_experts(x, ids, wts, *_stack("nvfp4", E, I, H, seed=74), mma=True, prefetch_steps=9)
 
 
 @pytest.mark.gpu
