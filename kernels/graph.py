@@ -47,7 +47,8 @@ FUSE_QKV = os.environ.get("KIE_FUSE_QKV", "1") != "0"
 # (gqa_decode / rope_gqa_decode(out_x8=)); KIE_SHARE_X8=0 for the A/B (NOTES.md session 14).
 SHARE_X8 = os.environ.get("KIE_SHARE_X8", "1") != "0"
 # Float routed experts (and a float shared expert) read the normed MoE input the router launch writes
-# (route(xn_out=)) instead of RMS-norming x in every program: off until measured (NOTES.md session 19);
+# (route(xn_out=)) instead of RMS-norming x in every program: off, as measured in session 20 on an H100 (NOTES.md:
+# the expert launch +1-3 points, the decode step 434.3 -> 430.1 tok/s: the router launch's extra writes cost more);
 # KIE_ROUTER_XN=1 turns it on.
 ROUTER_XN = os.environ.get("KIE_ROUTER_XN", "0") == "1"
 

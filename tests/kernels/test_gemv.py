@@ -214,19 +214,20 @@ def test_swiglu(fmt):
     assert_close(y, gemv_glu_ref(x, wg, wu, out_dtype=torch.float32), what=fmt)
 
 
+@pytest.mark.parametrize("pair", [True, False])
 @pytest.mark.parametrize("fmt,prefetch", [("bf16", True), ("fp16", False), ("fp8", False), ("fp8_block", True)])
-def test_glu_pair(fmt, prefetch):
-    """Gate and up in one K loop (glu_pair): the fused norm, a ragged K tail, rows past N, both prefetch modes,
-    out_x8."""
+def test_glu_pair(fmt, prefetch, pair):
+    """Gate and up in one K loop (glu_pair, the default) and in two (KIE_GLU_PAIR=0): the fused norm, a ragged K
+    tail, rows past N, both prefetch modes, out_x8."""
     N, K = 40, 160   # 40: past a 16-row tile, and a multiple of 8 for out_x8
     wg, wu = random_weight(fmt, N, K, seed=18, device=DEV), random_weight(fmt, N, K, seed=19, device=DEV)
     x, nw = _x(K, 20), _x(K, 21)
     cfg = TileConfig(16, 64, prefetch=prefetch)
     want = gemv_glu_ref(x, wg, wu, norm_weight=nw, out_dtype=torch.float32)
-    y = gemv_swiglu(x, wg, wu, norm_weight=nw, out=torch.empty(N, device=DEV), config=cfg, glu_pair=True)
-    assert_close(y, want, what=f"{fmt} glu_pair")
-    y8 = gemv_swiglu(x, wg, wu, norm_weight=nw, config=cfg, glu_pair=True, out_x8=True)
-    assert_close(y8.t().reshape(-1), want, what=f"{fmt} glu_pair x8")
+    y = gemv_swiglu(x, wg, wu, norm_weight=nw, out=torch.empty(N, device=DEV), config=cfg, glu_pair=pair)
+    assert_close(y, want, what=f"{fmt} glu_pair={pair}")
+    y8 = gemv_swiglu(x, wg, wu, norm_weight=nw, config=cfg, glu_pair=pair, out_x8=True)
+    assert_close(y8.t().reshape(-1), want, what=f"{fmt} glu_pair={pair} x8")
 
 
 def test_glu_pair_refuses_what_it_cannot_pair():

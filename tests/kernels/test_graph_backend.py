@@ -51,7 +51,7 @@ def test_graph_backend_greedy_matches_reference(case, tmp_path):
 
 @pytest.mark.parametrize("case", ["qwen2_moe", "gpt_oss"])
 def test_router_xn_and_glu_pair_in_the_decode_step(case, tmp_path, monkeypatch):
-    """KIE_ROUTER_XN + KIE_GLU_PAIR (session 19, off by default): the float experts read the router's normed x and
+    """KIE_ROUTER_XN (off by default) + KIE_GLU_PAIR (the default): the float experts read the router's normed x and
     stream gate / up in one loop, a float shared expert too (Qwen2-MoE: with its sigmoid gate, which keeps its own
     norm; gpt-oss: biases, interleaved gate / up, sinks); greedy tokens and last logits of the reference decoder."""
     import kie_moe.kernels.gemv as GV

@@ -143,9 +143,10 @@ def test_moe_experts(fmt):
     assert_close(y, moe_experts_ref(x, ids, wts, wg, wu, wd, residual=res, out_dtype=torch.float32), what=fmt)
 
 
+@pytest.mark.parametrize("pair", [True, False])
 @pytest.mark.parametrize("fmt,prefetch", [("bf16", True), ("fp8", False), ("fp8_block", False), ("fp8", True)])
-def test_moe_experts_glu_pair(fmt, prefetch):
-    """Gate and up rows in one K loop (glu_pair): the fused RMSNorm, a ragged last K step (H = 160 in steps of 64),
+def test_moe_experts_glu_pair(fmt, prefetch, pair):
+    """Gate and up rows in one K loop (glu_pair, the default) and in two (KIE_GLU_PAIR=0): the fused RMSNorm, a ragged last K step (H = 160 in steps of 64),
     rows past I (37 in tiles of 16), with and without the one-deep weight prefetch, against the reference."""
     E, I, H = 5, 37, 160
     wg, wu, wd = _experts(fmt, E, I, H, seed=13)
@@ -154,9 +155,9 @@ def test_moe_experts_glu_pair(fmt, prefetch):
     wts = torch.tensor([0.4, 0.3, 0.2, 0.1], device=DEV)
     cfg = TileConfig(16, 64, num_warps=2, prefetch=prefetch)
     y = moe_experts(x, ids, wts, wg, wu, wd, residual=res, norm_weight=nw, out=torch.empty(H, device=DEV),
-                    config_up=cfg, config_down=cfg, glu_pair=True)
+                    config_up=cfg, config_down=cfg, glu_pair=pair)
     want = moe_experts_ref(x, ids, wts, wg, wu, wd, residual=res, norm_weight=nw, out_dtype=torch.float32)
-    assert_close(y, want, what=f"{fmt} glu_pair")
+    assert_close(y, want, what=f"{fmt} glu_pair={pair}")
 
 
 def test_moe_experts_glu_pair_refuses_what_it_cannot_pair():
