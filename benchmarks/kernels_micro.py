@@ -52,7 +52,7 @@ from kie_moe.kernels.fp4_mma import (MMA_MAXNREG, MMA_ROW_BLOCKS, MMA_WARPS, gem
                                      pack_for_mma, prepare_xh)
 from kie_moe.kernels.fp4_mma_experts import MMA_GLU_MAXNREG
 from kie_moe.kernels.gemv import DEFAULT_GLU_TILES, DEFAULT_TILES, TileConfig, gemv, gemv_glu, gemv_ref, prepare_x8
-from kie_moe.kernels.moe import RouterConfig, moe_experts, route
+from kie_moe.kernels.moe import RouterConfig, Routing, moe_experts, route
 from kie_moe.kernels.rope import rope_append
 from kie_moe.kernels.weights import random_weight
 
@@ -312,11 +312,9 @@ def bench_router(name, E, H, cfg, probe, rep_ms, *, with_x8=False, bias=False, c
     return row(name, us, E * H * 2, probe, us_e, fn="route", shape=[E, H])
 
 
-def bench_experts(name, fmt, m, H, probe, rep_ms, prenormed=False, **tiles):
-    """Both launches of moe_experts over random distinct expert sets; tiles: config_up / config_down / split / mma
-    (fp4 on the tensor cores: prepare_xh's launch counted too) / glu_pair. prenormed: x already RMS-normed (what
-    route(xn_out=) hands float experts): no norm weight in the GLU launch."""
-    E, k, I = m["experts"], m["top_k"], m["inter"]
+def _expert_stacks(fmt, m, H):
+    """(w_gate, w_up, w_down, bytes per expert, bias kwargs) of a model's routed-expert stacks in `fmt`."""
+    E, I = m["experts"], m["inter"]
     if m.get("interleaved") and fmt != "fp8_block":  # block scales cannot follow every other row: same bytes apart
         gate_up = random_weight(fmt, 2 * I, H, experts=E, seed=1, device=DEV, std=0.02)
         wg, wu = gate_up.rows(0, None, 2), gate_up.rows(1, None, 2)
@@ -331,6 +329,43 @@ def bench_experts(name, fmt, m, H, probe, rep_ms, prenormed=False, **tiles):
     if m.get("bias"):
         b = torch.randn(E, 2 * I, device=DEV)
         bias = dict(gate_bias=b[:, 0::2], up_bias=b[:, 1::2], down_bias=_f32(E * H).reshape(E, H))
+    return wg, wu, wd, per_expert, bias
+
+
+def bench_moe_block(name, fmt, m, H, probe, rep_ms, defer):
+    """The router launch + both CUDA-core expert launches as the graph backend runs them (norm fused, fp4: the router
+    writes the experts' x8), with the top-k picked by the router's last program (defer False) or by the expert GLU
+    launch (defer True: route(defer=True), moe_experts(select=); KIE_SELECT_IN_EXPERTS). Router weights rotate over
+    copies, so every call routes to other experts. Bytes: router + top_k experts."""
+    E, k = m["experts"], m["top_k"]
+    wg, wu, wd, per_expert, bias = _expert_stacks(fmt, m, H)
+    cfg = RouterConfig(top_k=k, scoring=m["router"])
+    ws = [(torch.randn(E, H, device=DEV) * 0.05).to(torch.bfloat16) for _ in range(n_copies(E * H * 2))]
+    x, nw = _x(H), _f32(H)
+    rb = torch.randn(E, device=DEV) if m.get("bias") else None
+    x8 = torch.empty(8, H // 8, device=DEV) if fmt in FP4 else None
+    out = Routing(torch.empty(k, dtype=torch.int32, device=DEV), torch.empty(k, device=DEV),
+                  torch.empty(E, device=DEV))
+    y = torch.empty(H, device=DEV, dtype=torch.bfloat16)
+
+    def call(i):
+        r = route(x, ws[i], cfg, norm_weight=nw, router_bias=rb, x8_out=x8, out=out, defer=defer)
+        moe_experts(x, r.ids, r.weights, wg, wu, wd, act=m["act"], norm_weight=nw, x8=x8, residual=x, out=y,
+                    mma=False, select=r if defer else None, **bias)
+
+    us, us_e = timed(call, len(ws), rep_ms)
+    extra = dict(kernels_us=kernel_us(call, len(ws)))
+    del wg, wu, wd
+    return row(name, us, k * per_expert + E * H * 2, probe, us_e, fmt=fmt, fn="route+moe_experts",
+               shape=[E, k, m["inter"], H], launches=3, ab_row=True, **extra)
+
+
+def bench_experts(name, fmt, m, H, probe, rep_ms, prenormed=False, **tiles):
+    """Both launches of moe_experts over random distinct expert sets; tiles: config_up / config_down / split / mma
+    (fp4 on the tensor cores: prepare_xh's launch counted too) / glu_pair. prenormed: x already RMS-normed (what
+    route(xn_out=) hands float experts): no norm weight in the GLU launch."""
+    E, k, I = m["experts"], m["top_k"], m["inter"]
+    wg, wu, wd, per_expert, bias = _expert_stacks(fmt, m, H)
     n_sets = 256  # random distinct experts per call: consecutive calls rarely share an expert in L2
     ids = torch.stack([torch.randperm(E, device=DEV)[:k] for _ in range(n_sets)]).to(torch.int32)
     wts = torch.softmax(torch.randn(n_sets, k, device=DEV), -1)
@@ -580,6 +615,10 @@ def _layer_ops(spec, attn_fmt, ffn_fmt):
             "router bf16 (rmsnorm fused)", m["experts"], H, cfg, probe, rep, with_x8=fp4, bias=m.get("bias", False))))
         lab = f"experts top-{m['top_k']} (gate/up + down)"
         ops.append((("experts", ffn_fmt), lab, lambda probe, rep: bench_experts(lab, ffn_fmt, m, H, probe, rep)))
+        for defer in (False, True):   # KIE_SELECT_IN_EXPERTS's A/B (session 20's prediction), CUDA-core experts
+            lab2 = f"router + experts{' (top-k in the expert launch)' if defer else ''}"
+            ops.append((("moe-block", ffn_fmt, defer), lab2, lambda probe, rep, lab2=lab2, defer=defer:
+                        bench_moe_block(lab2, ffn_fmt, m, H, probe, rep, defer)))
     else:
         I = spec["inter"]
         ops.append((("glu", ffn_fmt), "gate/up swiglu (rmsnorm fused)", lambda probe, rep: bench_gemv(
@@ -643,9 +682,10 @@ def _model_section(name, spec, plans, probe, rep_ms, ctxs, budget: Budget) -> di
     for label in plans:
         lab, af, ff = plan(label)
         print(f"{name} [{lab}: attention {af}, {'experts' if 'moe' in spec else 'mlp'} {ff}]", flush=True)
-        ops = [measure(k, lab_, th) for k, lab_, th in _layer_ops(spec, af, ff)]
-        r = dict(attn_fmt=af, ffn_fmt=ff, ops=ops)
-        missing = [o["op"] for o in ops + [head, rope] if "us" not in o]
+        all_ops = [measure(k, lab_, th) for k, lab_, th in _layer_ops(spec, af, ff)]
+        r = dict(attn_fmt=af, ffn_fmt=ff, ops=all_ops)
+        missing = [o["op"] for o in all_ops + [head, rope] if "us" not in o]
+        ops = [o for o in all_ops if not o.get("ab_row")]   # A/B rows re-time launches the sums already hold
         sums = {}
         for ctx in ctxs:
             a = [(attn[(ctx, w)], share) for w, share in _windows(spec)]

@@ -29,7 +29,7 @@ from kie_moe.models.spec import canonical
 from .attention import gqa_decode, mla_decode, rope_gqa_decode
 from .fp4_mma import pack_for_mma
 from .gemv import gemv, gemv_glu, is_fp4, prepare_x8, use_mma
-from .moe import RouterConfig, Routing, moe_experts, route
+from .moe import RouterConfig, Routing, moe_experts, route, use_mma_experts
 from .prefill import Prefill
 from .rope import mla_rope_append, rope_append, rope_tables
 from .sampling import DeviceSampler
@@ -51,6 +51,11 @@ SHARE_X8 = os.environ.get("KIE_SHARE_X8", "1") != "0"
 # the expert launch +1-3 points, the decode step 434.3 -> 430.1 tok/s: the router launch's extra writes cost more);
 # KIE_ROUTER_XN=1 turns it on.
 ROUTER_XN = os.environ.get("KIE_ROUTER_XN", "0") == "1"
+# The router launch leaves partial logits and the CUDA-core experts' GLU launch picks the top-k itself (route(defer=
+# True), moe_experts(select=)): no last-program ticket + selection tail on the router's critical path (session 20's
+# per-launch times: the router is 5.7 us of a ~47 us qwen3-30b-a3b fp8 layer); off until measured (NOTES.md session
+# 20); KIE_SELECT_IN_EXPERTS=1 turns it on.
+SELECT_IN_EXPERTS = os.environ.get("KIE_SELECT_IN_EXPERTS", "0") == "1"
 
 
 class HandleStore:
@@ -318,14 +323,15 @@ class GraphBackend:
         m = lay.moe
         x8 = self.x8 if self.x8 is not None and is_fp4(L["e_gate"].fmt) else None
         xn = self.xn if self.xn is not None and not is_fp4(L["e_gate"].fmt) else None
+        defer = SELECT_IN_EXPERTS and not use_mma_experts(L["e_gate"], L["e_up"], L["e_down"], L["rcfg"].top_k)
         r = route(x, L["router"], L["rcfg"], router_bias=L["router_bias"], correction_bias=L["score_bias"],
-                  norm_weight=L["mlp_norm"], eps=eps, out=L["routing"], x8_out=x8, xn_out=xn)
+                  norm_weight=L["mlp_norm"], eps=eps, out=L["routing"], x8_out=x8, xn_out=xn, defer=defer)
         act = "gpt_oss" if m.expert_act == "gptoss_glu" else "silu"
         # xn: the router's normed x, so no norm here (residual stays the un-normed x)
         moe_experts(x if xn is None else xn, r.ids, r.weights, L["e_gate"], L["e_up"], L["e_down"], act=act,
                     limit=m.swiglu_limit, alpha=m.glu_alpha, gate_bias=L.get("eb_gate"), up_bias=L.get("eb_up"),
                     down_bias=L.get("eb_down"), residual=x, norm_weight=L["mlp_norm"] if xn is None else None,
-                    eps=eps, out=self.x2, x8=x8)
+                    eps=eps, out=self.x2, x8=x8, select=r if defer else None)
         if m.shared_intermediate_size:
             h8 = self._x8_out(L["s_down"])
             s_xn = xn is not None and not is_fp4(L["s_gate"].fmt)

@@ -24,7 +24,7 @@ from .pdl import launch_kw, pdl_begin
 from .tiles import ACT_ID, FMT_ID, _glu, _rstd, _split_reduce, _store_out, _tile, _tile_bf16, _tile_pair, _x8_offs
 from .weights import WeightHandle, dequantize
 
-__all__ = ["RouterConfig", "Routing", "route", "route_ref", "moe_experts", "moe_experts_ref"]
+__all__ = ["RouterConfig", "Routing", "PendingRouting", "route", "route_ref", "moe_experts", "moe_experts_ref"]
 
 SCORE_ID = {"softmax": 0, "sigmoid": 1, "softmax_topk": 2}
 
@@ -79,6 +79,30 @@ class Routing(NamedTuple):
     logits: torch.Tensor  # fp32 [E] (router bias included)
 
 
+class PendingRouting(NamedTuple):
+    """route(defer=True): the router launch left partial logits; the experts' GLU launch (moe_experts(select=))
+    scores them, picks the top-k and fills ids / weights / logits (its program (0, 0) writes them)."""
+    ids: torch.Tensor  # int32 [top_k], filled by moe_experts(select=)
+    weights: torch.Tensor  # fp32 [top_k], the same
+    logits: torch.Tensor  # fp32 [E], the same
+    part: torch.Tensor  # fp32 [split * (E + 1)]: partial logits [split, E], then each split's sum of x^2
+    split: int
+    normed: bool  # the router RMS-normed x: part holds the sums of x^2 (the experts reuse that scale)
+    cfg: RouterConfig
+    router_bias: torch.Tensor | None
+    correction_bias: torch.Tensor | None
+    eps: float
+
+
+def _select_meta(cfg: RouterConfig, E: int, split: int) -> dict:
+    """_route_topk's constexprs for a router of E experts whose partial logits come in `split` pieces."""
+    group_size = E // cfg.n_group
+    return dict(SCORE=SCORE_ID[cfg.scoring], NORM_TOPK=cfg.norm_topk_prob, N_GROUP=cfg.n_group, GROUP_SIZE=group_size,
+                TOPK_GROUP=cfg.topk_group, GROUP_TOP2=cfg.group_score == "top2", TOP_K=cfg.top_k, SPLIT_K=split,
+                BLOCK_G=triton.next_power_of_2(cfg.n_group), BLOCK_S=triton.next_power_of_2(group_size),
+                BLOCK_TOPK=triton.next_power_of_2(cfg.top_k), BLOCK_SPLIT=triton.next_power_of_2(split))
+
+
 # ======================================================================================================================
 # Router
 # ======================================================================================================================
@@ -97,15 +121,16 @@ def _topk_key(v, e_idx, BIG: tl.constexpr):
 
 
 @triton.jit
-def _route_select(part_ptr, b_ptr, corr_ptr, logits_ptr, ids_ptr, wts_ptr, rstd, scaling, E,
-                  HAS_BIAS: tl.constexpr, HAS_CORR: tl.constexpr, SCORE: tl.constexpr, NORM_TOPK: tl.constexpr,
-                  N_GROUP: tl.constexpr, GROUP_SIZE: tl.constexpr, TOPK_GROUP: tl.constexpr,
-                  GROUP_TOP2: tl.constexpr, TOP_K: tl.constexpr, SPLIT_K: tl.constexpr,
-                  BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_TOPK: tl.constexpr):
-    """Scores + (group-limited) top-k over all E experts, held as [BLOCK_G groups, BLOCK_S experts per group].
-    Top-k is TOP_K rounds of one int64 max over (score, id) keys (_topk_key): no sort, ties go to the lower id.
-    This runs in the one program that finishes last, so each block-wide reduction (warp shuffles, then a shared-
-    memory round behind a barrier) is on the critical path: one per round, not three (max, argmin, sum)."""
+def _route_topk(part_ptr, b_ptr, corr_ptr, rstd, scaling, E,
+                HAS_BIAS: tl.constexpr, HAS_CORR: tl.constexpr, SCORE: tl.constexpr, NORM_TOPK: tl.constexpr,
+                N_GROUP: tl.constexpr, GROUP_SIZE: tl.constexpr, TOPK_GROUP: tl.constexpr,
+                GROUP_TOP2: tl.constexpr, TOP_K: tl.constexpr, SPLIT_K: tl.constexpr,
+                BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_TOPK: tl.constexpr):
+    """(ids int32 [BLOCK_TOPK], weights fp32 [BLOCK_TOPK] (times scaling), logits fp32 [BLOCK_G, BLOCK_S]) from the
+    router's partial logits part[SPLIT_K, E]: scores + (group-limited) top-k over all E experts, held as [BLOCK_G
+    groups, BLOCK_S experts per group]. Top-k is TOP_K rounds of one int64 max over (score, id) keys (_topk_key): no
+    sort, ties go to the lower id. Each block-wide reduction (warp shuffles, then a shared-memory round behind a
+    barrier) is on the critical path of whoever runs this: one per round, not three (max, argmin, sum)."""
     NEG: tl.constexpr = float("-inf")
     BIG: tl.constexpr = 0x7FFFFFFF
     offs_g = tl.arange(0, BLOCK_G)
@@ -118,7 +143,6 @@ def _route_select(part_ptr, b_ptr, corr_ptr, logits_ptr, ids_ptr, wts_ptr, rstd,
     logit = logit * rstd
     if HAS_BIAS:
         logit += tl.load(b_ptr + e_idx, mask=valid, other=0.0).to(tl.float32)
-    tl.store(logits_ptr + e_idx, logit, mask=valid)
 
     if SCORE == 0:  # softmax over all experts
         lm = tl.where(valid, logit, NEG)
@@ -171,8 +195,28 @@ def _route_select(part_ptr, b_ptr, corr_ptr, logits_ptr, ids_ptr, wts_ptr, rstd,
         wts = p / tl.sum(p, axis=0)
     elif NORM_TOPK:
         wts = wts / (tl.sum(tl.where(t_mask, wts, 0.0), axis=0) + 1e-20)
-    tl.store(ids_ptr + offs_t, ids, mask=t_mask)
-    tl.store(wts_ptr + offs_t, wts * scaling, mask=t_mask)
+    return ids, wts * scaling, logit
+
+
+@triton.jit
+def _route_store(ids, wts, logit, logits_ptr, ids_ptr, wts_ptr, N_GROUP: tl.constexpr, GROUP_SIZE: tl.constexpr,
+                 TOP_K: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_TOPK: tl.constexpr):
+    """Routing's three outputs from _route_topk's values."""
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_s = tl.arange(0, BLOCK_S)
+    valid = (offs_g[:, None] < N_GROUP) & (offs_s[None, :] < GROUP_SIZE)
+    tl.store(logits_ptr + offs_g[:, None] * GROUP_SIZE + offs_s[None, :], logit, mask=valid)
+    offs_t = tl.arange(0, BLOCK_TOPK)
+    tl.store(ids_ptr + offs_t, ids, mask=offs_t < TOP_K)
+    tl.store(wts_ptr + offs_t, wts, mask=offs_t < TOP_K)
+
+
+@triton.jit
+def _route_rstd(part_ptr, E, K, eps, SPLIT_K: tl.constexpr, BLOCK_SPLIT: tl.constexpr):
+    """The RMSNorm scale of the router's input from its splits' sums of x^2 (part[SPLIT_K * E + split])."""
+    offs_sp = tl.arange(0, BLOCK_SPLIT)
+    ss_all = tl.load(part_ptr + SPLIT_K * E + offs_sp, mask=offs_sp < SPLIT_K, other=0.0, cache_modifier=".cg")
+    return 1.0 / tl.sqrt(tl.sum(ss_all, axis=0) / K + eps)
 
 
 @triton.jit
@@ -184,10 +228,11 @@ def _router_kernel(
     GROUP_TOP2: tl.constexpr, TOP_K: tl.constexpr, SPLIT_K: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_X: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_TOPK: tl.constexpr, BLOCK_SPLIT: tl.constexpr,
-    PIPE: tl.constexpr, PDL: tl.constexpr = False, X8_LAYOUT: tl.constexpr = True,
+    PIPE: tl.constexpr, PDL: tl.constexpr = False, X8_LAYOUT: tl.constexpr = True, SELECT: tl.constexpr = True,
 ):
     """grid (cdiv(E, BLOCK_N), SPLIT_K): partial logits part[SPLIT_K, E] and (row tile 0) each split's sum of x^2
-    part[SPLIT_K * E + split]; the last program to finish selects.
+    part[SPLIT_K * E + split]; the last program to finish selects (SELECT; else the experts' GLU launch does,
+    route(defer=True)).
     WRITE_X8: the programs also write the (normed) input, a chunk each, into x8_ptr: in the x8 layout for fp4 experts
     (X8_LAYOUT), else as a plain fp32 [K] vector for float experts (route's xn_out)."""
     pdl_begin(PDL)
@@ -218,27 +263,29 @@ def _router_kernel(
                 xv = tl.load(x_ptr + offs, mask=offs < k_hi, other=0.0).to(tl.float32)
                 ss += xv * xv
             tl.store(part_ptr + SPLIT_K * E + pid_k, tl.sum(ss, axis=0))
-    tl.debug_barrier()  # all partial stores precede the release below
-    ticket = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
-    if ticket == tl.num_programs(0) * tl.num_programs(1) - 1:
-        tl.atomic_xchg(cnt_ptr, 0)  # leave the counter at zero for the next launch
-        rstd = 1.0
-        if HAS_NW:
-            offs_sp = tl.arange(0, BLOCK_SPLIT)
-            ss_all = tl.load(part_ptr + SPLIT_K * E + offs_sp, mask=offs_sp < SPLIT_K, other=0.0,
-                             cache_modifier=".cg")
-            rstd = 1.0 / tl.sqrt(tl.sum(ss_all, axis=0) / K + eps)
-        _route_select(part_ptr, b_ptr, corr_ptr, logits_ptr, ids_ptr, wts_ptr, rstd, scaling, E,
-                      HAS_BIAS, HAS_CORR, SCORE, NORM_TOPK, N_GROUP, GROUP_SIZE, TOPK_GROUP, GROUP_TOP2, TOP_K,
-                      SPLIT_K, BLOCK_G, BLOCK_S, BLOCK_TOPK)
+    if SELECT:
+        tl.debug_barrier()  # all partial stores precede the release below
+        ticket = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
+        if ticket == tl.num_programs(0) * tl.num_programs(1) - 1:
+            tl.atomic_xchg(cnt_ptr, 0)  # leave the counter at zero for the next launch
+            rstd = 1.0
+            if HAS_NW:
+                rstd = _route_rstd(part_ptr, E, K, eps, SPLIT_K, BLOCK_SPLIT)
+            ids, wts, logit = _route_topk(part_ptr, b_ptr, corr_ptr, rstd, scaling, E, HAS_BIAS, HAS_CORR, SCORE,
+                                          NORM_TOPK, N_GROUP, GROUP_SIZE, TOPK_GROUP, GROUP_TOP2, TOP_K, SPLIT_K,
+                                          BLOCK_G, BLOCK_S, BLOCK_TOPK)
+            _route_store(ids, wts, logit, logits_ptr, ids_ptr, wts_ptr, N_GROUP, GROUP_SIZE, TOP_K, BLOCK_G,
+                         BLOCK_S, BLOCK_TOPK)
 
 
 def route(x: torch.Tensor, router_weight: torch.Tensor, cfg: RouterConfig, *, router_bias: torch.Tensor | None = None,
           correction_bias: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
           out: Routing | None = None, x8_out: torch.Tensor | None = None, xn_out: torch.Tensor | None = None,
-          config: TileConfig | None = None) -> Routing:
+          config: TileConfig | None = None, defer: bool = False) -> Routing | PendingRouting:
     """Top-k experts of a batch-1 token, computed and left on the device: Routing(ids int32 [k], weights fp32 [k],
     logits fp32 [E]). router_weight: float [E, H] (kept bf16 by the converter). norm_weight: RMSNorm x in front.
+    defer: the launch only writes partial logits and returns a PendingRouting; moe_experts(select=) picks the top-k
+    at the start of its GLU launch (no last-program ticket and selection tail on this launch's critical path).
     x8_out: fp32 [8, H/8] filled with the (normed) x in the x8 layout, for fp4 experts (saves prepare_x8); xn_out:
     fp32 [H] filled with the (normed) x as it is, for float experts (moe_experts(xn, norm_weight=None): no RMSNorm
     in every expert program). At most one of the two."""
@@ -283,15 +330,14 @@ def route(x: torch.Tensor, router_weight: torch.Tensor, cfg: RouterConfig, *, ro
         part, counters(dev, 1), out.logits, out.ids, out.weights, x_out if x_out is not None else part,
         E, K, k_per_split, eps, float(cfg.routed_scaling_factor),
         WRITE_X8=x_out is not None, X8_LAYOUT=x8_out is not None, HAS_NW=norm_weight is not None,
-        HAS_BIAS=router_bias is not None,
-        HAS_CORR=correction_bias is not None,
-        SCORE=SCORE_ID[cfg.scoring], NORM_TOPK=cfg.norm_topk_prob, N_GROUP=cfg.n_group, GROUP_SIZE=group_size,
-        TOPK_GROUP=cfg.topk_group, GROUP_TOP2=cfg.group_score == "top2", TOP_K=cfg.top_k, SPLIT_K=split,
+        HAS_BIAS=router_bias is not None, HAS_CORR=correction_bias is not None, SELECT=not defer,
+        **_select_meta(cfg, E, split),
         BLOCK_N=cfg_t.block_n, BLOCK_K=cfg_t.block_k, BLOCK_X=min(1024, triton.next_power_of_2(K)),
-        BLOCK_G=triton.next_power_of_2(cfg.n_group), BLOCK_S=triton.next_power_of_2(group_size),
-        BLOCK_TOPK=triton.next_power_of_2(cfg.top_k), BLOCK_SPLIT=triton.next_power_of_2(split),
         PIPE=cfg_t.prefetch, num_warps=cfg_t.num_warps, num_stages=cfg_t.num_stages, **launch_kw(dev)
     )
+    if defer:
+        return PendingRouting(out.ids, out.weights, out.logits, part, split, norm_weight is not None, cfg, router_bias,
+                              correction_bias, eps)
     return out
 
 
@@ -340,15 +386,37 @@ def _expert_glu_kernel(
     FMT: tl.constexpr, HAS_NW: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, H_X8: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_X: tl.constexpr, PIPE: tl.constexpr, PDL: tl.constexpr = False,
     PAIR: tl.constexpr = False,
+    # SELECT (route(defer=True)): this launch scores the router's partial logits and picks the top-k itself
+    rpart_ptr=None, rb_ptr=None, rcorr_ptr=None, logits_ptr=None, wts_ptr=None, scaling=1.0, E=1,
+    SELECT: tl.constexpr = False, SEL_NW: tl.constexpr = False, SEL_BIAS: tl.constexpr = False,
+    SEL_CORR: tl.constexpr = False, SCORE: tl.constexpr = 0, NORM_TOPK: tl.constexpr = True,
+    N_GROUP: tl.constexpr = 1, GROUP_SIZE: tl.constexpr = 1, TOPK_GROUP: tl.constexpr = 1,
+    GROUP_TOP2: tl.constexpr = False, TOP_K: tl.constexpr = 1, SPLIT_K: tl.constexpr = 1, BLOCK_G: tl.constexpr = 1,
+    BLOCK_S: tl.constexpr = 1, BLOCK_TOPK: tl.constexpr = 1, BLOCK_SPLIT: tl.constexpr = 1,
 ):
     """grid (cdiv(I, BLOCK_N), TOP_K): h[slot, I] = glu(Wg[e] x + bg[e], Wu[e] x + bu[e]), e = ids[slot].
     H_X8: store each h[slot] in the x8 layout (an fp4 down projection reads it that way). PAIR (float formats, gate
     and up of one stride layout): gate and up rows stream in one K loop that loads each x step once (tiles._tile_pair)
-    instead of two loops that load it twice."""
+    instead of two loops that load it twice.
+    SELECT: ids come from the router's partial logits (rpart_ptr, route(defer=True)): every program runs the top-k
+    (_route_topk, the router tail's own code) and takes its slot's id; program (0, 0) stores ids / weights / logits
+    for the down launch. SEL_NW: the router normed x, so the RMSNorm scale comes from its sums of x^2 too."""
     pdl_begin(PDL)
     pid_n = tl.program_id(0)
     slot = tl.program_id(1)
-    e = tl.load(ids_ptr + slot).to(tl.int64)  # the only data-dependent address: which expert's rows to stream
+    if SELECT:
+        rstd_sel = 1.0
+        if SEL_NW:
+            rstd_sel = _route_rstd(rpart_ptr, E, K, eps, SPLIT_K, BLOCK_SPLIT)
+        sel_ids, sel_wts, sel_logit = _route_topk(rpart_ptr, rb_ptr, rcorr_ptr, rstd_sel, scaling, E, SEL_BIAS,
+                                                  SEL_CORR, SCORE, NORM_TOPK, N_GROUP, GROUP_SIZE, TOPK_GROUP,
+                                                  GROUP_TOP2, TOP_K, SPLIT_K, BLOCK_G, BLOCK_S, BLOCK_TOPK)
+        if (pid_n == 0) & (slot == 0):
+            _route_store(sel_ids, sel_wts, sel_logit, logits_ptr, ids_ptr, wts_ptr, N_GROUP, GROUP_SIZE, TOP_K,
+                         BLOCK_G, BLOCK_S, BLOCK_TOPK)
+        e = tl.sum(tl.where(tl.arange(0, BLOCK_TOPK) == slot, sel_ids, 0), axis=0).to(tl.int64)
+    else:
+        e = tl.load(ids_ptr + slot).to(tl.int64)  # the only data-dependent address: which expert's rows to stream
     n_start = pid_n * BLOCK_N
     if PAIR:
         g, u = _tile_pair(FMT, wg_ptr + e * stride_wge, wu_ptr + e * stride_wue, stride_wgn, sg_ptr + e * stride_sge,
@@ -364,7 +432,10 @@ def _expert_glu_kernel(
     offs_n = n_start + tl.arange(0, BLOCK_N)
     n_mask = offs_n < I
     if HAS_NW:
-        r = _rstd(x_ptr, K, eps, BLOCK_X)
+        if SELECT and SEL_NW:  # the same x and eps: the router's scale (no re-read of x)
+            r = rstd_sel
+        else:
+            r = _rstd(x_ptr, K, eps, BLOCK_X)
         g = g * r
         u = u * r
     if HAS_BIAS:
@@ -443,7 +514,8 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gat
                 norm_weight: torch.Tensor | None = None, eps: float = 1e-6, out: torch.Tensor | None = None,
                 x8: torch.Tensor | None = None, config_up: TileConfig | None = None,
                 config_down: TileConfig | None = None, split: int | None = None,
-                mma: bool | None = None, glu_pair: bool | None = None, **mma_launch) -> torch.Tensor:
+                mma: bool | None = None, glu_pair: bool | None = None, select: PendingRouting | None = None,
+                **mma_launch) -> torch.Tensor:
     """Routed experts of one token: y = sum_k weights[k] * down[e_k](glu(gate[e_k] x, up[e_k] x)) (+ residual).
 
     ids int32 [k] / weights fp32 [k] stay on the device (from route()); repeated ids are fine. w_gate/w_up [E, I, H],
@@ -454,7 +526,9 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gat
     norm, h kept in fp16); None: when use_mma_experts says so (>= MMA_EXPERT_MIN_BYTES[fmt] of active experts);
     mma_launch: that path's launch shapes (fp4_mma_experts.moe_experts_mma's keywords, for benchmarks).
     glu_pair: float gate / up rows in one K loop sharing each x load (_expert_glu_kernel PAIR; None: gemv.GLU_PAIR,
-    where the two stacks share their stride layout)."""
+    where the two stacks share their stride layout).
+    select: route(defer=True)'s PendingRouting for this token (ids / weights must be its buffers): the GLU launch
+    picks the top-k from the router's partial logits and fills them (CUDA-core path only)."""
     for name, w in (("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
         if not w.num_experts:
             raise ValueError(f"moe_experts: {name} is not an expert stack [E, out, in]")
@@ -492,6 +566,8 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gat
         mma = config_up is None and config_down is None and use_mma_experts(w_gate, w_up, w_down, top_k)
     if mma_launch and not mma:
         raise ValueError(f"moe_experts: {sorted(mma_launch)} apply to the tensor-core path only (mma=True)")
+    if select is not None:
+        _check_select(select, ids, weights, E, mma, norm_weight, eps)
     if mma:
         from .fp4_mma_experts import moe_experts_mma  # it imports this module: not at the top
         return moe_experts_mma(x, ids, weights, w_gate, w_up, w_down, act_id=ACT_ID[act], limit=limit, alpha=alpha,
@@ -504,6 +580,17 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gat
     x_in, nw_in, has_nw, stride_x8 = input_args(x, w_gate.fmt, norm_weight, eps, x8)
     ga, ua = _expert_args(w_gate), _expert_args(w_up)
     pair = glu_pair_choice(w_gate.fmt, ga, ua, glu_pair, "moe_experts")
+    sel = {}
+    if select is not None:
+        c, p = select.cfg, select.part
+        sel = dict(rpart_ptr=p, rb_ptr=select.router_bias if select.router_bias is not None else p,
+                   rcorr_ptr=select.correction_bias if select.correction_bias is not None else p,
+                   logits_ptr=select.logits, wts_ptr=weights, scaling=float(c.routed_scaling_factor),
+                   E=select.logits.numel(), SELECT=True, SEL_NW=select.normed,
+                   SEL_BIAS=select.router_bias is not None, SEL_CORR=select.correction_bias is not None,
+                   **_select_meta(c, select.logits.numel(), select.split))
+        if select.normed:
+            eps = select.eps  # the router's scale; _check_select refused an experts' norm with another eps
     _expert_glu_kernel[(triton.cdiv(I, cu.block_n), top_k)](
         x_in, nw_in, ids, *ga, *ua,
         bg[0] if bg[0] is not None else h, bg[1], bg[2], bu[0] if bu[0] is not None else h, bu[1], bu[2], h,
@@ -511,7 +598,7 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gat
         FMT=FMT_ID[w_gate.fmt], HAS_NW=has_nw, HAS_BIAS=bg[0] is not None, ACT=ACT_ID[act],
         H_X8=is_fp4(w_down.fmt),
         BLOCK_N=cu.block_n, BLOCK_K=cu.block_k, BLOCK_X=min(1024, triton.next_power_of_2(H)),
-        PIPE=cu.prefetch, PAIR=pair, num_warps=cu.num_warps, num_stages=cu.num_stages, **launch_kw(dev)
+        PIPE=cu.prefetch, PAIR=pair, num_warps=cu.num_warps, num_stages=cu.num_stages, **sel, **launch_kw(dev)
     )
 
     cd = resolve_config(w_down, config_down, DEFAULT_EXPERT_TILES)
@@ -529,6 +616,22 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gat
         PIPE=cd.prefetch, num_warps=cd.num_warps, num_stages=cd.num_stages, **launch_kw(dev)
     )
     return y
+
+
+def _check_select(select, ids, weights, E: int, mma: bool, norm_weight, eps: float):
+    """moe_experts(select=): a PendingRouting of this stack, whose buffers are ids / weights, on the CUDA cores."""
+    if not isinstance(select, PendingRouting):
+        raise ValueError(f"moe_experts: select must be route(defer=True)'s PendingRouting, got {type(select).__name__}")
+    if select.ids is not ids or select.weights is not weights:
+        raise ValueError("moe_experts: with select=, ids and weights must be select.ids and select.weights (the GLU "
+                         "launch fills them)")
+    if select.logits.numel() != E:
+        raise ValueError(f"moe_experts: select routes over {select.logits.numel()} experts, the stacks hold {E}")
+    if mma:
+        raise ValueError("moe_experts: select= needs the CUDA-core expert launches (mma=False)")
+    if select.normed and norm_weight is not None and eps != select.eps:
+        raise ValueError(f"moe_experts: norm eps {eps} differs from the router's {select.eps} (select= shares its "
+                         f"RMSNorm scale)")
 
 
 def use_mma_experts(w_gate: WeightHandle, w_up: WeightHandle, w_down: WeightHandle, top_k: int) -> bool:

@@ -101,6 +101,18 @@ def _compile_all(arch: int = 90, formats=("bf16", "fp8", "fp8_block", "nvfp4", "
                                     BLOCK_G=triton.next_power_of_2(groups), BLOCK_S=256 // groups, BLOCK_TOPK=8,
                                     PIPE=True, num_warps=4, grid=(1,))
         record(f"router[score={score},groups={groups}]", k)
+    # the expert GLU picking the top-k itself from the router's partial logits (route(defer=True), moe_experts(select=);
+    # qwen3-30b-a3b: 128 experts, top-8, 4 splits), fp8 with gate / up in one loop as the graph backend runs it
+    fid, ecfg = G.FMT_ID["fp8"], M.DEFAULT_EXPERT_TILES["fp8"]
+    wg, h = random_weight("fp8", I, H, experts=E), torch.empty(8, I)
+    sel = torch.empty(4 * 129)
+    k = M._expert_glu_kernel.warmup(x, x, ids, *M._expert_args(wg), *M._expert_args(wg), h, 0, 0, h, 0, 0, h, I, H, 1e-6,
+                                    7.0, 1.702, H // 8, FMT=fid, HAS_NW=True, HAS_BIAS=False, ACT=0, H_X8=False,
+                                    BLOCK_X=1024, BLOCK_N=ecfg.block_n, BLOCK_K=ecfg.block_k, PIPE=ecfg.prefetch,
+                                    PAIR=True, num_warps=ecfg.num_warps, grid=(1,), rpart_ptr=sel, rb_ptr=sel,
+                                    rcorr_ptr=sel, logits_ptr=torch.empty(128), wts_ptr=wts, scaling=1.0, E=128,
+                                    SELECT=True, SEL_NW=True, **M._select_meta(M.RouterConfig(top_k=8), 128, 4))
+    record("expert_glu[fp8,select]", k)
     k = G._x8_kernel.warmup(x, x, torch.empty(8, H // 8), H, 1e-6, HAS_NW=True, BLOCK=1024, BLOCK_X=1024, grid=(1,))
     record("x8", k)
     # RoPE + KV append + decode attention in one launch (qwen3-30b-a3b: 32 q / 4 kv heads of 128, per-head norm)
@@ -136,7 +148,7 @@ def test_kernels_compile_for_sm90():
     pytest.importorskip("triton.backends.nvidia")
     from tests.kernels.helpers import compiled_json    # not at the top: this file also runs as a script
     rows = compiled_json([__file__], KIE_GPU_TESTS="1")
-    assert len(rows) == 5 * 5 + 2 + 1 + 3 + 1 + 1 + 1 + 1
+    assert len(rows) == 5 * 5 + 2 + 1 + 3 + 1 + 1 + 1 + 1 + 1
     spills = [r for r in rows if r["local_bytes"]]
     assert not spills, f"register spills to local memory: {spills}"
     heavy = [r for r in rows if r["regs"] and r["regs"] > 128]
@@ -149,7 +161,7 @@ def test_graph_kernels_compile_for_sm80():
     pytest.importorskip("triton.backends.nvidia")
     from tests.kernels.helpers import compiled_json
     rows = compiled_json([__file__, "80", "bf16,fp8,fp8_block,nvfp4,mxfp4"], KIE_E4M3_BITS="1")
-    assert len(rows) == 5 * 5 + 2 + 3 + 1 + 1 + 1 + 1
+    assert len(rows) == 5 * 5 + 2 + 3 + 1 + 1 + 1 + 1 + 1
 
 
 if __name__ == "__main__":

@@ -66,6 +66,39 @@ def test_router_xn_and_glu_pair_in_the_decode_step(case, tmp_path, monkeypatch):
     assert seen and all(seen)
 
 
+@pytest.mark.parametrize("case,fmt", [("qwen3_moe_mixed", None), ("deepseek_v3", None), ("gpt_oss", None),
+                                      ("qwen2_moe", "nvfp4")])
+def test_top_k_picked_in_the_expert_launch_in_the_decode_step(case, fmt, tmp_path, monkeypatch):
+    """KIE_SELECT_IN_EXPERTS (off by default): the router launch leaves partial logits and the experts' GLU launch
+    picks the top-k (route(defer=True), moe_experts(select=)) in every MoE layer: the same tokens and last logits as
+    the one-launch router, and the reference decoder's greedy tokens (DeepSeek-V3: sigmoid, groups, correction bias,
+    MLA; gpt-oss: router bias, softmax over the top-k; Qwen2-MoE nvfp4: the fp4 experts' x8 from the same router
+    launch, a shared expert)."""
+    import kie_moe.kernels.graph as G
+    make_checkpoint(case, str(tmp_path))
+    m = load_model(str(tmp_path))
+    if fmt is not None:
+        from kie_moe.models.registry import LoadedModel
+        from kie_moe.synthetic import QuantizingStore
+        m = LoadedModel(m.path, m.config, m.spec, QuantizingStore(m.weights, fmt))
+    prompt = list(range(7, 15))
+    seen = []
+    experts = G.moe_experts
+    monkeypatch.setattr(G, "moe_experts", lambda *a, **k: seen.append(k.get("select") is not None) or experts(*a, **k))
+    runs = {}
+    for on in (False, True):
+        monkeypatch.setattr(G, "SELECT_IN_EXPERTS", on)
+        seen.clear()
+        be = GraphBackend(m, torch.device("cpu"))
+        runs[on] = (list(be.generate(prompt, SamplingParams(max_new_tokens=STEPS, ignore_eos=True), set())),
+                    be.logits.float().clone())
+        assert seen and all(s == on for s in seen)
+    want, want_logits = ref_greedy(m, prompt, STEPS)
+    assert runs[True][0] == runs[False][0] == want
+    assert_logits_close(runs[True][1], runs[False][1], rel=1e-6)
+    assert_logits_close(runs[True][1], want_logits)
+
+
 @pytest.mark.parametrize("case", ["qwen3", "gpt_oss"])
 def test_fused_rope_attention_step_equals_the_two_launches(case, tmp_path, monkeypatch):
     """KIE_FUSED_ROPE_ATTN's path (attention.rope_gqa_decode) in the whole decode step: the same tokens and the

@@ -58,6 +58,12 @@ def test_sections_run_on_tiny_shapes(monkeypatch):
             for key in ("ctx16_us", "ctx16_us_eager", "ctx24_us"):
                 assert r["sums"][key]["decode_ms"] > 0
             assert ("all_lanes_one_device" in r) == ("lanes" in spec)
+            if "moe" in spec:            # KIE_SELECT_IN_EXPERTS's A/B rows: router + both expert launches
+                blocks = [o for o in r["ops"] if o["op"].startswith("router + experts")]
+                assert [o["op"] for o in blocks] == ["router + experts", "router + experts (top-k in the expert launch)"]
+                assert all(o["launches"] == 3 and o["us"] > 0 for o in blocks)
+                counted = sum(o["us"] for o in r["ops"] if not o.get("ab_row"))   # the A/B rows stay out of the sums
+                assert sum(o["us"] for o in r["ops"]) > counted
         if name == "tiny-oss":              # the released gpt-oss layout: bf16 attention, mxfp4 experts
             r = res["plans"]["mxfp4-experts"]
             assert (r["attn_fmt"], r["ffn_fmt"]) == ("bf16", "mxfp4")

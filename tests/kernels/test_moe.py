@@ -5,7 +5,7 @@ import torch
 import triton
 
 from kie_moe.kernels.gemv import TileConfig
-from kie_moe.kernels.moe import RouterConfig, moe_experts, moe_experts_ref, route, route_ref
+from kie_moe.kernels.moe import PendingRouting, RouterConfig, moe_experts, moe_experts_ref, route, route_ref
 from kie_moe.kernels.weights import WeightHandle, random_weight
 
 from .helpers import DEV, FORMATS, assert_close, needs_device
@@ -125,6 +125,66 @@ def _experts(fmt, E, I, H, seed=0):
     return (random_weight(fmt, I, H, experts=E, seed=seed, device=DEV),
             random_weight(fmt, I, H, experts=E, seed=seed + 1, device=DEV),
             random_weight(fmt, H, I, experts=E, seed=seed + 2, device=DEV))
+
+
+@pytest.mark.parametrize("name,fmt,split,normed", [
+    ("softmax_norm", "fp8", 3, True), ("softmax_norm", "bf16", 1, False), ("softmax_raw", "fp8_block", 1, True),
+    ("sigmoid_groups", "bf16", 3, True), ("softmax_groups_max", "fp8", 1, False),
+    ("softmax_topk_bias", "nvfp4", 3, True), ("softmax_norm", "mxfp4", 1, True)])
+def test_deferred_routing_picks_the_experts_in_the_glu_launch(name, fmt, split, normed):
+    """route(defer=True) + moe_experts(select=): the router launch leaves partial logits, the experts' GLU launch
+    runs the top-k (every program; program (0, 0) stores it). ids / weights / logits equal the router's own
+    selection and route_ref, y equals moe_experts_ref on the reference's routing, whatever the router variant (groups,
+    correction, bias, softmax over the top-k), split, fused norm (its scale taken from the router's sums) or format
+    (fp4: the router also writes the experts' x8 input)."""
+    E, cfg, extra = ROUTERS[name]
+    H, I = 96, 64
+    x, w, nw = _t(H, seed=30, scale=3.0), _t(E, H, seed=31, scale=0.2), _t(H, seed=32)
+    kw = {}
+    if "correction_bias" in extra:
+        kw["correction_bias"] = _t(E, seed=33, dtype=torch.float32, scale=0.1)
+    if "router_bias" in extra:
+        kw["router_bias"] = _t(E, seed=34, scale=0.5)
+    norm = dict(norm_weight=nw, eps=1e-5) if normed else {}
+    tiles = TileConfig(8, 32, split_k=split)
+    fp4 = fmt in ("nvfp4", "mxfp4")
+    x8 = torch.full((8, H // 8), float("nan"), device=DEV) if fp4 and normed else None
+    p = route(x, w, cfg, config=tiles, defer=True, x8_out=x8, **norm, **kw)
+    assert isinstance(p, PendingRouting) and p.split == split and p.normed == normed
+    for t in (p.ids, p.weights, p.logits):   # nothing selected yet: poison what the GLU launch must write
+        t.fill_(-7)
+    wg, wu, wd = _experts(fmt, E, I, H, seed=35)
+    res = _t(H, seed=36)
+    cfg_e = TileConfig(16, 32, num_warps=2)
+    y = moe_experts(x, p.ids, p.weights, wg, wu, wd, residual=res, out=torch.empty(H, device=DEV), x8=x8,
+                    config_up=cfg_e, config_down=cfg_e, select=p, **norm)
+    want_r = route_ref(x, w, cfg, **norm, **kw)
+    once = route(x, w, cfg, config=tiles, **norm, **kw)
+    assert p.ids.tolist() == once.ids.tolist() == want_r.ids.tolist()
+    assert_close(p.weights, want_r.weights, what=f"{name} deferred weights")
+    assert_close(p.logits, once.logits, what=f"{name} deferred logits")   # the same code; the reduction order may
+    assert_close(p.weights, once.weights, what=f"{name} deferred vs one-launch weights")   # differ with warps
+    want = moe_experts_ref(x, want_r.ids, want_r.weights, wg, wu, wd, residual=res, out_dtype=torch.float32, **norm)
+    assert_close(y, want, what=f"{name} {fmt} experts after a deferred top-k")
+
+
+def test_deferred_routing_errors():
+    E, cfg, _ = ROUTERS["softmax_norm"]
+    H, I = 64, 32
+    x, w, nw = _t(H, seed=40), _t(E, H, seed=41, scale=0.2), _t(H, seed=42)
+    wg, wu, wd = _experts("bf16", E, I, H, seed=43)
+    p = route(x, w, cfg, norm_weight=nw, eps=1e-5, defer=True)
+    other = torch.zeros_like(p.ids)
+    with pytest.raises(ValueError, match="ids and weights must be select.ids and select.weights"):
+        moe_experts(x, other, p.weights, wg, wu, wd, select=p)
+    with pytest.raises(ValueError, match="norm eps 1e-06 differs from the router's 1e-05"):
+        moe_experts(x, p.ids, p.weights, wg, wu, wd, norm_weight=nw, eps=1e-6, select=p)
+    with pytest.raises(ValueError, match="select= needs the CUDA-core expert launches"):
+        moe_experts(x, p.ids, p.weights, *_experts("nvfp4", E, 64, H, seed=44), mma=True, select=p)
+    with pytest.raises(ValueError, match="select routes over 20 experts, the stacks hold 5"):
+        moe_experts(x, p.ids, p.weights, *_experts("bf16", 5, I, H, seed=45), select=p)
+    with pytest.raises(ValueError, match="select must be route\\(defer=True\\)'s PendingRouting"):
+        moe_experts(x, p.ids, p.weights, wg, wu, wd, select=route(x, w, cfg))
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
