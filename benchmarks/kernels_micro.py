@@ -50,7 +50,7 @@ import triton
 from kie_moe.kernels.attention import gqa_decode
 from kie_moe.kernels.fp4_mma import (MMA_MAXNREG, MMA_ROW_BLOCKS, MMA_WARPS, gemv_fp4_mma,
                                      pack_for_mma, prepare_xh)
-from kie_moe.kernels.fp4_mma_experts import MMA_GLU_MAXNREG
+from kie_moe.kernels.fp4_mma_experts import MMA_GLU_MAXNREG, auto_down_row_blocks
 from kie_moe.kernels.gemv import DEFAULT_GLU_TILES, DEFAULT_TILES, TileConfig, gemv, gemv_glu, gemv_ref, prepare_x8
 from kie_moe.kernels.moe import RouterConfig, Routing, moe_experts, route
 from kie_moe.kernels.rope import rope_append
@@ -512,9 +512,10 @@ def big_experts_section(formats, mb: float, probe: float, rep_ms: int, H: int = 
             if k_split_row:
                 rows.append(bench_experts(f"{label} mma k-split 1", fmt, mm, h, probe, rep_ms, mma=True,
                                           down_k_split=1))
-            else:   # the down launch with 32 rows per warp (RB 2: 4 KB in flight per warp, not 2)
-                rows.append(bench_experts(f"{label} mma down-rb2", fmt, mm, h, probe, rep_ms, mma=True,
-                                          down_row_blocks=2))
+            else:   # the down launch's row blocks per warp the other way round from auto_down_row_blocks's rule
+                other = 3 - auto_down_row_blocks(h, mm["top_k"], mm["inter"], torch.device(DEV))
+                rows.append(bench_experts(f"{label} mma down-rb{other}", fmt, mm, h, probe, rep_ms, mma=True,
+                                          down_row_blocks=other))
             if label == name and DEV == "cuda":   # the GLU launch's register cap the other way round (r128 / none)
                 other = None if MMA_GLU_MAXNREG[fmt] else 128
                 rows.append(bench_experts(f"{label} mma glu-r{other or 'auto'}", fmt, mm, h, probe, rep_ms,

@@ -31,7 +31,9 @@ from .weights import WeightHandle
 
 # Launch shapes (rows per warp is fixed: 16 for the GLU, its block 1 being the up rows; 16 * RB for the down).
 MMA_EXPERT_WARPS = 4
-MMA_DOWN_ROW_BLOCKS = 1
+# Row blocks per warp of the down launch: None = auto_down_row_blocks (RB 2 where RB 1 would loop over >= 2 slots
+# per program, else 1).
+MMA_DOWN_ROW_BLOCKS: int | None = None
 # The GLU launch's register cap per format (None: ptxas's choice). Two weight streams' pointers at ptxas's 128 cap
 # spill (sm_90 offline: nvfp4 40 B, mxfp4 48 B of stack); uncapped they take 130 (nvfp4) / 100 (mxfp4) registers and
 # none. Measured (kernels_micro `glu-r128` row, 4096 x 4096 top-10 / top-11): nvfp4 capped loses (H100 s18 74.6 ->
@@ -200,11 +202,12 @@ def moe_experts_mma(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w
                     gate_bias: tuple, up_bias: tuple, down_bias: tuple, residual: torch.Tensor | None,
                     norm_weight: torch.Tensor | None, eps: float, y: torch.Tensor, counters: torch.Tensor,
                     split: int | None = None, num_warps: int = MMA_EXPERT_WARPS,
-                    down_row_blocks: int = MMA_DOWN_ROW_BLOCKS, maxnreg: int | None = MMA_MAXNREG,
+                    down_row_blocks: int | None = MMA_DOWN_ROW_BLOCKS, maxnreg: int | None = MMA_MAXNREG,
                     glu_maxnreg: int | None | str = "auto", down_k_split: int | None = None) -> torch.Tensor:
     """moe.moe_experts' body on the tensor cores; its arguments already checked there (biases as (tensor, stride
     0, stride 1) triples, y the output). Callers: moe.moe_experts (mma=True, or its size rule). split: slot groups
-    of the down launch, down_k_split: K chunks of each (None: down_launch_split's choice)."""
+    of the down launch, down_k_split: K chunks of each (None: down_launch_split's choice); down_row_blocks: 1 or 2
+    (None: auto_down_row_blocks's rule)."""
     I, H = w_gate.out_features, w_gate.in_features
     for name, w in (("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
         why = mma_experts_unreadable(w)
@@ -214,6 +217,8 @@ def moe_experts_mma(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w
             or w_gate.fmt != w_down.fmt or w_gate.packing != w_up.packing):
         raise ValueError("moe_experts(mma=True): w_gate and w_up must share format, packing and strides, and "
                          "w_down their format")
+    if down_row_blocks is None and num_warps in (1, 2, 4, 8):
+        down_row_blocks = auto_down_row_blocks(H, ids.numel(), I, x.device, split, num_warps)
     if down_row_blocks not in (1, 2) or num_warps not in (1, 2, 4, 8):
         raise ValueError(f"moe_experts(mma=True): down_row_blocks {down_row_blocks} (1 or 2), num_warps "
                          f"{num_warps} (1, 2, 4, 8)")
@@ -250,6 +255,19 @@ def moe_experts_mma(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w
         RB=down_row_blocks, NW=num_warps, RP=w_down.packing == "mma", E4B=e4b, KS=ks,
         num_warps=num_warps, **launch_kw(dev), **cap)
     return y
+
+
+def auto_down_row_blocks(H: int, top_k: int, I: int, dev: torch.device, split: int | None = None,
+                    num_warps: int = MMA_EXPERT_WARPS) -> int:
+    """The down launch's row blocks per warp: 2 (32 rows, two independent 16-row mma chains per warp) where at RB 1
+    down_launch_split would give each program >= 2 slots to stream one after the other, so RB 2 takes the same
+    bytes per program as one slot of twice the rows; else 1 (RB 2 would halve the programs of a grid that already
+    has one slot each). Measured on an H100 (session 20, kernels_micro `down-rb2` rows, both launches' % of the
+    probe): nvfp4 4096 x 4096 top-10 (RB 1: 2 slots per program) 74.0 -> 76.7, DeepSeek-V3 (2) 73.4 -> 74.5, mxfp4
+    4096 top-11 (2) 69.7 -> 70.8, DeepSeek-V3 mxfp4 (2) 74.1 -> 73.9; gpt-oss-120b (1 slot each) 46.7 -> 43.3 /
+    44.0 -> 41.2, qwen3-30b-a3b (1) 30.9 -> 29.7 / 30.6 -> 29.2."""
+    per, _, _ = down_launch_split(triton.cdiv(H, 16 * num_warps), top_k, I, dev, split)
+    return 2 if per >= 2 else 1
 
 
 def down_launch_split(n_tiles: int, top_k: int, I: int, dev: torch.device, split: int | None = None,

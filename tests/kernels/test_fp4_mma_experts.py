@@ -105,6 +105,20 @@ def test_down_launch_split_cuts_k_only_when_slots_cannot_fill_the_gpu(monkeypatc
         FE.down_launch_split(64, 2, 14336, cuda, k_split=0)
 
 
+def test_down_row_blocks_two_where_programs_would_loop_over_slots(monkeypatch):
+    """auto_down_row_blocks on a 132-SM GPU (session 20's H100 rows): RB 2 where RB 1 gives each program >= 2 slots
+    (4096 x 4096 top-10 / top-11, DeepSeek-V3 top-8), RB 1 where every program already has one slot (gpt-oss-120b,
+    qwen3-30b-a3b, Mixtral's top-2 with K chunks); an explicit slot split counts."""
+    import kie_moe.kernels.fp4_mma_experts as FE
+    monkeypatch.setattr(FE, "num_sms", lambda dev: 132)
+    monkeypatch.setattr(FE, "expert_down_split", lambda n, k, dev, per_sm: max(1, min(k, per_sm * 132 // n)))
+    cuda = torch.device("cuda")
+    rb = lambda H, k, I, **kw: FE.auto_down_row_blocks(H, k, I, cuda, **kw)  # noqa: E731
+    assert (rb(4096, 10, 4096), rb(4096, 11, 4096), rb(7168, 8, 2048)) == (2, 2, 2)
+    assert (rb(2880, 4, 2880), rb(2048, 8, 768), rb(4096, 2, 14336)) == (1, 1, 1)
+    assert rb(2048, 8, 768, split=2) == 2                 # 4 slots per program asked for
+
+
 def test_moe_experts_takes_the_tensor_cores_by_active_bytes(monkeypatch):
     """use_mma_experts: fp4 stacks at >= MMA_EXPERT_MIN_BYTES[fmt] of active experts; never a float format, never
     below the threshold, never a format without one; and moe_experts' default then gives the tensor-core path's
