@@ -88,7 +88,9 @@ def main():
     ap.add_argument("--backends", default="graph")
     a = ap.parse_args()
     import triton
-    res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__}
+    from kie_moe.roofline import environment
+    res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+           "env": environment(torch.device("cuda"), prog="python benchmarks/graph_bench.py")}
     res["read_probe_gbps"] = probe = probe_gbps()
     print(json.dumps(res), flush=True)
     res["rows"] = []

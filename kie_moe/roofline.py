@@ -247,11 +247,13 @@ def archive_commit(pkg_dir: str) -> str | None:
     return h[:12] if h and not h.startswith("$Format") else None
 
 
-def environment(device: torch.device, argv: list[str] | None = None) -> dict:
-    """Device, driver and library versions, the git commit of this checkout, the command and the date."""
+def environment(device: torch.device, argv: list[str] | None = None, prog: str = "kie") -> dict:
+    """Device, driver and library versions, the git commit of this checkout, the command and the date, and the KIE_*
+    switches set in the environment (A/B flags such as KIE_GLU_PAIR change the kernels a run measures)."""
     argv = sys.argv[1:] if argv is None else argv
     env = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "command": " ".join(shlex.quote(a) for a in ["kie", *argv]),
+           "command": " ".join(shlex.quote(a) for a in [prog, *argv]),
+           "kie_switches": {k: v for k, v in sorted(os.environ.items()) if k.startswith("KIE_")},
            "python": platform.python_version(), "torch": torch.__version__, "host_cpu": _cpu_name(),
            "cpu_threads": torch.get_num_threads()}
     try:

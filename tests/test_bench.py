@@ -57,8 +57,10 @@ def check_row(r: dict, runs: int):
     assert len(r["token_ids"]) == r["new_tokens"] and (n == 1 or r["parallel"])   # N > 1 names its path
 
 
-def test_bench_checkpoint_json(ckpt, tmp_path, capsys):
+def test_bench_checkpoint_json(ckpt, tmp_path, capsys, monkeypatch):
     out = tmp_path / "sub" / "bench.json"
+    monkeypatch.setenv("KIE_GLU_PAIR", "0")       # an A/B switch in effect: named in the row's environment
+    monkeypatch.delenv("KIE_ROUTER_XN", raising=False)
     rc, res = run_json(capsys, ["bench", ckpt, *RUN, "--json", "--out", str(out)])
     assert rc == 0
     assert res == json.loads(out.read_text())
@@ -67,6 +69,7 @@ def test_bench_checkpoint_json(ckpt, tmp_path, capsys):
     for k in ("date", "command", "torch", "triton", "python", "device", "driver", "git_commit"):
         assert k in env
     assert env["command"].startswith("kie bench ") and env["device"] == "cpu"
+    assert env["kie_switches"]["KIE_GLU_PAIR"] == "0" and "KIE_ROUTER_XN" not in env["kie_switches"]
     assert res["read_probe"]["gbps"] > 0 and res["read_probe"]["bytes"] == 16 << 20
     (r,) = res["rows"]
     check_row(r, 2)
