@@ -14,6 +14,9 @@ Measures, on one GPU:
           fp32 and the KV cache bf16 there, as in the graph backend (the big GEMVs keep bf16 x).
           laneformer-2b rows are one lane's launches (one device of the 8-way lane-parallel layout: 4 q / 2 kv
           heads, 864 FFN rows of 4096); "all lanes on one device" multiplies its layer by 8.
+  experts-topk (--experts-topk 4,5,..) routed experts of 4096 x 4096 at each top-k, every --formats format on
+          its default path (fp4: tensor cores), each launch's own time and its GLU program count: where a launch
+          outgrows one wave of resident programs.
   sweep   (--sweep) launch shapes of the big GEMV per format, to pick DEFAULT_TILES.
   layer-sweep (--layer-sweep MODEL:FMT, e.g. qwen3-30b-a3b:fp8) launch shapes of that layer's q/k/v, o_proj, router,
           expert gate/up and expert down launches at their real sizes: the small launches where the big GEMV's
@@ -52,7 +55,7 @@ from kie_moe.kernels.fp4_mma import (MMA_MAXNREG, MMA_ROW_BLOCKS, MMA_WARPS, gem
                                      pack_for_mma, prepare_xh)
 from kie_moe.kernels.fp4_mma_experts import MMA_GLU_MAXNREG, auto_down_row_blocks
 from kie_moe.kernels.gemv import DEFAULT_GLU_TILES, DEFAULT_TILES, TileConfig, gemv, gemv_glu, gemv_ref, prepare_x8
-from kie_moe.kernels.moe import RouterConfig, Routing, moe_experts, route
+from kie_moe.kernels.moe import DEFAULT_EXPERT_TILES, RouterConfig, Routing, moe_experts, route
 from kie_moe.kernels.rope import rope_append
 from kie_moe.kernels.weights import random_weight
 
@@ -120,6 +123,10 @@ def parse_args(argv=None):
     p.add_argument("--rep-ms", type=int, default=40, help="do_bench measuring time per timing (ms)")
     p.add_argument("--no-eager", action="store_true", help="skip the eager (host launch included) timing")
     p.add_argument("--budget-s", type=float, default=210, help="wall-clock budget of the run (0: none)")
+    p.add_argument("--experts-topk", default="", metavar="K,K,..",
+                   help="routed experts of H = I = 4096 at each of these top-k (2k experts stored), every --formats "
+                        "format on its default path (fp4: the tensor cores), each launch's own time: does a launch "
+                        "slow down per byte when its programs need a second wave of resident slots")
     return p.parse_args(argv)
 
 
@@ -459,6 +466,33 @@ def big_section(formats, mb: float, probe: float, rep_ms: int, K: int = 8192, bu
         return r
 
     return _each_format(formats, budget, "gemv", run)
+
+
+def experts_topk_section(formats, ks, probe: float, rep_ms: int, H: int = 4096, I: int = 4096,
+                         budget: Budget | None = None) -> list:
+    """moe_experts at each top-k of `ks` (2k experts of [I, H] stored): a launch whose programs fit the GPU's resident
+    slots once runs in one wave; one more program per slot adds a second, mostly empty wave. If that is what holds
+    the launches below the GEMV's % of the probe (session 20's reading of the fp4 GLU register-cap results: nvfp4
+    4096 top-10 = 640 GLU programs at 3 per SM = 396 slots; mxfp4 top-11 = 704 at 4 or 5), the per-byte rate steps
+    down between the k whose grid still fits and the next. Each row: both launches, each launch's own time
+    (kernels_us) and its program count."""
+    print(f"experts top-k sweep: H = {H}, I = {I}, k in {ks}", flush=True)
+
+    def run(fmt):
+        rows = []
+        for k in ks:
+            m = dict(experts=max(8, 2 * k), top_k=k, inter=I, act="silu")
+            fp4 = fmt in FP4
+            r = bench_experts(f"experts {fmt} top-{k} of {2 * k} [{I}x{H}]{' mma' if fp4 else ''}", fmt, m, H,
+                              probe, rep_ms, **({"mma": True} if fp4 else {}))
+            if fp4:   # fp4_mma_experts: GLU 16 rows per warp x 4 warps per program
+                r["glu_programs"] = triton.cdiv(I, 64) * k
+            else:
+                r["glu_programs"] = triton.cdiv(I, DEFAULT_EXPERT_TILES[fmt].block_n) * k
+            rows.append(r)
+        return rows
+
+    return _each_format(formats, budget, "experts-topk", run)
 
 
 def big_experts_section(formats, mb: float, probe: float, rep_ms: int, H: int = 4096, I: int = 4096,
@@ -882,6 +916,10 @@ def main(argv=None):
         save()
     if "big-experts" not in skip:
         result["big_experts"] = big_experts_section(big_formats, args.big_mb, probe, args.rep_ms, budget=budget)
+        save()
+    if args.experts_topk:
+        result["experts_topk"] = experts_topk_section(big_formats, [int(v) for v in args.experts_topk.split(",")],
+                                                      probe, args.rep_ms, budget=budget)
         save()
     if "models" not in skip:
         result["models"] = {}

@@ -78,6 +78,10 @@ def test_sections_run_on_tiny_shapes(monkeypatch):
     assert [r["op"].split("] ")[-1] for r in ex[1:4]] == ["glu pair", "glu pair xn", "glu tiles"]
     assert [r["op"].split()[-1] for r in ex[4:6]] == ["cuda-core", "mma"]   # fp4: both paths, then the down
     assert ex[6]["op"].split()[-1] in ("down-rb1", "down-rb2")                  # launch's other row-block choice
+    tk = km.experts_topk_section(["fp8", "nvfp4"], [1, 3], 1000.0, 1, H=128, I=256)
+    assert [(r["fmt"], r["shape"][1], r["glu_programs"]) for r in tk] == [
+        ("fp8", 1, 256 // 8), ("fp8", 3, 3 * 256 // 8), ("nvfp4", 1, 256 // 64), ("nvfp4", 3, 3 * 256 // 64)]
+    assert all(r["op"].endswith(" mma") == (r["fmt"] == "nvfp4") and r["us"] > 0 for r in tk)
     for r in ex:                         # active bytes only: top-k experts of 2k, at least the asked-for size
         E, k, I, H = r["shape"]
         assert E == max(8, 2 * k) and r["mb"] >= 0.05 * 1.048576
