@@ -473,7 +473,7 @@ def experts_topk_section(formats, ks, probe: float, rep_ms: int, H: int = 4096, 
     """moe_experts at each top-k of `ks` (2k experts of [I, H] stored): a launch whose programs fit the GPU's resident
     slots once runs in one wave; one more program per slot adds a second, mostly empty wave. If that is what holds
     the launches below the GEMV's % of the probe (session 20's reading of the fp4 GLU register-cap results: nvfp4
-    4096 top-10 = 640 GLU programs at 3 per SM = 396 slots; mxfp4 top-11 = 704 at 4 or 5), the per-byte rate steps
+    4096 top-10 = 640 GLU programs at 3 per SM = 396 slots; mxfp4 top-11 = 704 at 4 per SM), the per-byte rate steps
     down between the k whose grid still fits and the next. Each row: both launches, each launch's own time
     (kernels_us) and its program count."""
     print(f"experts top-k sweep: H = {H}, I = {I}, k in {ks}", flush=True)
