@@ -53,7 +53,7 @@ import triton
 from kie_moe.kernels.attention import gqa_decode
 from kie_moe.kernels.fp4_mma import (MMA_MAXNREG, MMA_ROW_BLOCKS, MMA_WARPS, gemv_fp4_mma,
                                      pack_for_mma, prepare_xh)
-from kie_moe.kernels.fp4_mma_experts import MMA_GLU_MAXNREG, auto_down_row_blocks
+from kie_moe.kernels.fp4_mma_experts import MMA_EXPERT_WARPS, MMA_GLU_MAXNREG, auto_down_row_blocks
 from kie_moe.kernels.gemv import DEFAULT_GLU_TILES, DEFAULT_TILES, TileConfig, gemv, gemv_glu, gemv_ref, prepare_x8
 from kie_moe.kernels.moe import DEFAULT_EXPERT_TILES, RouterConfig, Routing, moe_experts, route
 from kie_moe.kernels.rope import rope_append
@@ -485,8 +485,8 @@ def experts_topk_section(formats, ks, probe: float, rep_ms: int, H: int = 4096, 
             fp4 = fmt in FP4
             r = bench_experts(f"experts {fmt} top-{k} of {2 * k} [{I}x{H}]{' mma' if fp4 else ''}", fmt, m, H,
                               probe, rep_ms, **({"mma": True} if fp4 else {}))
-            if fp4:   # fp4_mma_experts: GLU 16 rows per warp x 4 warps per program
-                r["glu_programs"] = triton.cdiv(I, 64) * k
+            if fp4:   # fp4_mma_experts: GLU 16 rows per warp
+                r["glu_programs"] = triton.cdiv(I, 16 * MMA_EXPERT_WARPS) * k
             else:
                 r["glu_programs"] = triton.cdiv(I, DEFAULT_EXPERT_TILES[fmt].block_n) * k
             rows.append(r)
