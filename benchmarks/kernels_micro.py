@@ -554,6 +554,10 @@ def big_experts_section(formats, mb: float, probe: float, rep_ms: int, H: int = 
                 other = None if MMA_GLU_MAXNREG[fmt] else 128
                 rows.append(bench_experts(f"{label} mma glu-r{other or 'auto'}", fmt, mm, h, probe, rep_ms,
                                           mma=True, glu_maxnreg=other))
+            if label == name:   # the GLU launch in 2 / 3 K chunks: whole waves of resident programs (session 20)
+                for ks in (2, 3):
+                    rows.append(bench_experts(f"{label} mma glu-ks{ks}", fmt, mm, h, probe, rep_ms, mma=True,
+                                              glu_k_split=ks))
         return rows
 
     return _each_format(formats, budget, "experts", run)

@@ -16,6 +16,8 @@ products and fp32 sums otherwise; fp16 keeps 11 bits, but |h| > 65504 overflows:
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -23,6 +25,7 @@ import triton.language as tl
 from .device_caps import e4m3_native
 from .fp4_mma import (MMA_MAXNREG, _global_factor, _lane_warp, _mine, _quad_sum, _rows_dot, mma_unreadable,
                       prepare_xh)
+from .gemv import counters as _counters
 from .gemv import num_sms
 from .moe import expert_down_split, split_slots
 from .pdl import launch_kw, pdl_begin
@@ -39,6 +42,9 @@ MMA_DOWN_ROW_BLOCKS: int | None = None
 # none. Measured (kernels_micro `glu-r128` row, 4096 x 4096 top-10 / top-11): nvfp4 capped loses (H100 s18 74.6 ->
 # 63.7%, H200 s19 59.2 -> 56.5%), mxfp4 capped wins (H100 69.2 -> 69.9, H200 56.9 -> 61.2%).
 MMA_GLU_MAXNREG: dict[str, int | None] = {"nvfp4": None, "mxfp4": 128}
+# K chunks of the GLU launch (glu_k_split; 1: none). An experiment until measured (NOTES.md session 20: does the GLU
+# launch lose to a mostly empty second wave of resident programs?); KIE_MMA_GLU_KS=N sets it for every launch.
+MMA_GLU_K_SPLIT = int(os.environ.get("KIE_MMA_GLU_KS", "1"))
 # Resident programs per SM at the 128-register cap and 4 warps: the down launch splits its slots until the grid fills
 # the GPU this many times over.
 _PROGRAMS_PER_SM = 4
@@ -58,25 +64,34 @@ def _mma_glu_kernel(xh_ptr, ids_ptr, wg_ptr, wu_ptr, stride_wn, stride_we, sg_pt
                     gsg_ptr, gsu_ptr, stride_ge, bg_ptr, stride_bge, stride_bgn, bu_ptr, stride_bue, stride_bun,
                     h_ptr, I, K, limit, alpha,
                     MX: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, NW: tl.constexpr,
-                    RP: tl.constexpr = False, PDL: tl.constexpr = False, E4B: tl.constexpr = False):
-    """grid (cdiv(I, 16 * NW), top_k): h[slot, I] (fp16, xh layout) = glu(Wg[e] x + bg[e], Wu[e] x + bu[e]),
-    e = ids[slot]; xh = prepare_xh(x, norm) [K]; weights [E, I, K/2] u8, scales [E, I, K/16 | K/32] (bytes)."""
+                    RP: tl.constexpr = False, PDL: tl.constexpr = False, E4B: tl.constexpr = False,
+                    part_ptr=None, cnt_ptr=None, KS: tl.constexpr = 1):
+    """grid (cdiv(I, 16 * NW), top_k * KS): h[slot, I] (fp16, xh layout) = glu(Wg[e] x + bg[e], Wu[e] x + bu[e]),
+    e = ids[slot]; xh = prepare_xh(x, norm) [K]; weights [E, I, K/2] u8, scales [E, I, K/16 | K/32] (bytes).
+    KS > 1 (glu_k_split): program (t, s) takes slot s // KS over K chunk s % KS (whole 256-code steps) and stores
+    its gate / up sums in part [top_k * KS, 2, I]; the last of a (row tile, slot)'s KS programs (a counter per pair
+    in cnt_ptr, left at zero) adds them in chunk order and applies the GLU. Why: more, shorter programs where a
+    one-chunk grid would leave a mostly empty second wave of resident programs (NOTES.md session 20)."""
     pdl_begin(PDL)
     lane, warp = _lane_warp(NW)
     r = lane >> 2
     q = lane & 3
-    slot = tl.program_id(1)
+    pid_n = tl.program_id(0)
+    slot = tl.program_id(1) // KS
     e = tl.load(ids_ptr + slot).to(tl.int64)  # the only data-dependent address: which expert's rows to stream
-    base = (tl.program_id(0) * NW + warp) * 16
+    base = (pid_n * NW + warp) * 16
     ra = tl.minimum(base + r, I - 1).to(tl.int64)
     rb = tl.minimum(base + r + 8, I - 1).to(tl.int64)
     wg = (wg_ptr + e * stride_we).to(tl.pointer_type(tl.uint32))
     wu = (wu_ptr + e * stride_we).to(tl.pointer_type(tl.uint32))
     sg = (sg_ptr + e * stride_se).to(tl.pointer_type(tl.uint8))
     su = (su_ptr + e * stride_se).to(tl.pointer_type(tl.uint8))
+    n_steps = tl.cdiv(K // 8, 32)
+    per_chunk = tl.cdiv(n_steps, KS)
+    st_lo = (tl.program_id(1) % KS) * per_chunk
     ga, gb, ua, ub = _rows_dot(xh_ptr.to(tl.pointer_type(tl.uint32)), wg, sg, ra, rb, wu, su, ra, rb,
-                               stride_wn // 4, stride_sn, q, K // 8, K // 32 if MX else K // 16, _mine(r, q), 0,
-                               tl.cdiv(K // 8, 32), 2, MX, RP, E4B)
+                               stride_wn // 4, stride_sn, q, K // 8, K // 32 if MX else K // 16, _mine(r, q), st_lo,
+                               tl.minimum(st_lo + per_chunk, n_steps), 2, MX, RP, E4B)
     fg = _global_factor(gsg_ptr + e * stride_ge, MX)
     fu = _global_factor(gsu_ptr + e * stride_ge, MX)
     ga = _quad_sum(ga, NW) * fg
@@ -85,14 +100,35 @@ def _mma_glu_kernel(xh_ptr, ids_ptr, wg_ptr, wu_ptr, stride_wn, stride_we, sg_pt
     ub = _quad_sum(ub, NW) * fu
     n = base + r
     lead = q == 0
+    last = True
+    if KS > 1:
+        p = part_ptr + tl.program_id(1) * 2 * I
+        tl.store(p + n, ga, mask=lead & (n < I))
+        tl.store(p + n + 8, gb, mask=lead & (n + 8 < I))
+        tl.store(p + I + n, ua, mask=lead & (n < I))
+        tl.store(p + I + n + 8, ub, mask=lead & (n + 8 < I))
+        tl.debug_barrier()  # every thread's partial store precedes the (release) counter bump
+        cnt = cnt_ptr + slot * tl.num_programs(0) + pid_n
+        ticket = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
+        last = ticket == KS - 1
+        if last:
+            zero = tl.zeros(q.shape, tl.float32)
+            ga, gb, ua, ub = zero, zero, zero, zero
+            for c in range(KS):   # chunk order: deterministic; .cg: L2, never a stale L1 line of another SM
+                p = part_ptr + (slot * KS + c) * 2 * I
+                ga += tl.load(p + n, mask=lead & (n < I), other=0.0, cache_modifier=".cg")
+                gb += tl.load(p + n + 8, mask=lead & (n + 8 < I), other=0.0, cache_modifier=".cg")
+                ua += tl.load(p + I + n, mask=lead & (n < I), other=0.0, cache_modifier=".cg")
+                ub += tl.load(p + I + n + 8, mask=lead & (n + 8 < I), other=0.0, cache_modifier=".cg")
+            tl.atomic_xchg(cnt, 0)
     if HAS_BIAS:
         ga += tl.load(bg_ptr + e * stride_bge + ra * stride_bgn).to(tl.float32)
         gb += tl.load(bg_ptr + e * stride_bge + rb * stride_bgn).to(tl.float32)
         ua += tl.load(bu_ptr + e * stride_bue + ra * stride_bun).to(tl.float32)
         ub += tl.load(bu_ptr + e * stride_bue + rb * stride_bun).to(tl.float32)
     h = h_ptr + slot * I
-    tl.store(h + _xh_pos(n), _glu(ga, ua, limit, alpha, ACT).to(tl.float16), mask=lead & (n < I))
-    tl.store(h + _xh_pos(n + 8), _glu(gb, ub, limit, alpha, ACT).to(tl.float16), mask=lead & (n + 8 < I))
+    tl.store(h + _xh_pos(n), _glu(ga, ua, limit, alpha, ACT).to(tl.float16), mask=last & lead & (n < I))
+    tl.store(h + _xh_pos(n + 8), _glu(gb, ub, limit, alpha, ACT).to(tl.float16), mask=last & lead & (n + 8 < I))
 
 
 @triton.jit
@@ -203,11 +239,12 @@ def moe_experts_mma(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w
                     norm_weight: torch.Tensor | None, eps: float, y: torch.Tensor, counters: torch.Tensor,
                     split: int | None = None, num_warps: int = MMA_EXPERT_WARPS,
                     down_row_blocks: int | None = MMA_DOWN_ROW_BLOCKS, maxnreg: int | None = MMA_MAXNREG,
-                    glu_maxnreg: int | None | str = "auto", down_k_split: int | None = None) -> torch.Tensor:
+                    glu_maxnreg: int | None | str = "auto", down_k_split: int | None = None,
+                    glu_k_split: int = MMA_GLU_K_SPLIT) -> torch.Tensor:
     """moe.moe_experts' body on the tensor cores; its arguments already checked there (biases as (tensor, stride
     0, stride 1) triples, y the output). Callers: moe.moe_experts (mma=True, or its size rule). split: slot groups
     of the down launch, down_k_split: K chunks of each (None: down_launch_split's choice); down_row_blocks: 1 or 2
-    (None: auto_down_row_blocks's rule)."""
+    (None: auto_down_row_blocks's rule); glu_k_split: K chunks of the GLU launch (MMA_GLU_K_SPLIT)."""
     I, H = w_gate.out_features, w_gate.in_features
     for name, w in (("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
         why = mma_experts_unreadable(w)
@@ -217,6 +254,8 @@ def moe_experts_mma(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w
             or w_gate.fmt != w_down.fmt or w_gate.packing != w_up.packing):
         raise ValueError("moe_experts(mma=True): w_gate and w_up must share format, packing and strides, and "
                          "w_down their format")
+    if not isinstance(glu_k_split, int) or glu_k_split < 1:
+        raise ValueError(f"moe_experts(mma=True): glu_k_split {glu_k_split!r}: expected an int >= 1")
     if down_row_blocks is None and num_warps in (1, 2, 4, 8):
         down_row_blocks = auto_down_row_blocks(H, ids.numel(), I, x.device, split, num_warps)
     if down_row_blocks not in (1, 2) or num_warps not in (1, 2, 4, 8):
@@ -235,13 +274,19 @@ def moe_experts_mma(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w
     gs = lambda w: w.global_scale if w.global_scale is not None else h  # noqa: E731
     st = lambda w: w.global_scale.stride(0) if w.global_scale is not None else 0  # noqa: E731
     (bg, sbg0, sbg1), (bu, sbu0, sbu1), (bd, sbd0, _) = gate_bias, up_bias, down_bias
-    _mma_glu_kernel[(triton.cdiv(I, 16 * num_warps), top_k)](
+    glu_tiles = triton.cdiv(I, 16 * num_warps)
+    gks = min(glu_k_split, triton.cdiv(H // 8, 32))          # no empty chunk: at most one per 256-code step
+    ks_args = {}
+    if gks > 1:
+        ks_args = dict(part_ptr=torch.empty((top_k * gks, 2, I), dtype=torch.float32, device=dev),
+                       cnt_ptr=_counters(dev, glu_tiles * top_k), KS=gks)
+    _mma_glu_kernel[(glu_tiles, top_k * gks)](
         xh, ids, w_gate.weight, w_up.weight, w_gate.weight.stride(1), w_gate.weight.stride(0),
         w_gate.scale.view(torch.uint8), w_up.scale.view(torch.uint8), w_gate.scale.stride(1),
         w_gate.scale.stride(0), gs(w_gate), gs(w_up), st(w_gate),
         bg if bg is not None else h, sbg0, sbg1, bu if bu is not None else h, sbu0, sbu1, h, I, H, limit, alpha,
         MX=mx, HAS_BIAS=bg is not None, ACT=act_id, NW=num_warps, RP=w_gate.packing == "mma", E4B=e4b,
-        num_warps=num_warps, **launch_kw(dev), **glu_cap)
+        num_warps=num_warps, **ks_args, **launch_kw(dev), **glu_cap)
     n_tiles = triton.cdiv(H, 16 * down_row_blocks * num_warps)
     per, groups, ks = down_launch_split(n_tiles, top_k, I, dev, split, down_k_split)
     split = groups * ks

@@ -88,6 +88,28 @@ def test_mma_experts_down_k_split(fmt, split, k_split):
     assert_close(y, want, what=f"{fmt} {split} slot groups x {k_split} K chunks")
 
 
+@pytest.mark.parametrize("fmt", FP4)
+@pytest.mark.parametrize("ks", [2, 3, 5])
+def test_mma_experts_glu_k_split(fmt, ks):
+    """The GLU launch with its K (= H = 608: 3 steps of 256 codes, the last ragged) cut into chunks whose last
+    program adds the gate / up partials in order and applies the GLU: 2 and 3 chunks, and 5 (clamped to the 3
+    steps); gate / up biases added once; a repeated expert; a second call on the same counters gives the same y
+    (the counters are left at zero)."""
+    E, I, H = 5, 96, 608
+    wg, wu, wd = _stack(fmt, E, I, H, seed=95)
+    x, nw = _t(H, seed=96), _t(H, seed=97)
+    ids = torch.tensor([3, 0, 3], dtype=torch.int32, device=DEV)
+    wts = torch.tensor([0.5, 0.3, 0.2], device=DEV)
+    kw = dict(gate_bias=_t(E, I, seed=98), up_bias=_t(E, I, seed=99), norm_weight=nw, residual=x)
+    y = moe_experts(x, ids, wts, wg, wu, wd, mma=True, out=torch.empty(H, device=DEV), glu_k_split=ks, **kw)
+    want = moe_experts_ref(x, ids, wts, wg, wu, wd, out_dtype=torch.float32, fp16_inputs=True, **kw)
+    assert_close(y, want, what=f"{fmt} GLU in {ks} K chunks")
+    again = moe_experts(x, ids, wts, wg, wu, wd, mma=True, out=torch.empty(H, device=DEV), glu_k_split=ks, **kw)
+    assert torch.equal(again, y)
+    with pytest.raises(ValueError, match="glu_k_split 0"):
+        moe_experts(x, ids, wts, wg, wu, wd, mma=True, glu_k_split=0, **kw)
+
+
 def test_down_launch_split_cuts_k_only_when_slots_cannot_fill_the_gpu(monkeypatch):
     """down_launch_split on a 132-SM GPU: Mixtral-8x7B's top-2 of [4096, 14336] (64 row tiles) gets K chunks of
     >= 8 steps up to ~4 programs per SM; DeepSeek-V3 (2048 codes: 8 steps), qwen3-30b-a3b and an 8-slot launch that
