@@ -86,12 +86,10 @@ def _mma_glu_kernel(xh_ptr, ids_ptr, wg_ptr, wu_ptr, stride_wn, stride_we, sg_pt
     wu = (wu_ptr + e * stride_we).to(tl.pointer_type(tl.uint32))
     sg = (sg_ptr + e * stride_se).to(tl.pointer_type(tl.uint8))
     su = (su_ptr + e * stride_se).to(tl.pointer_type(tl.uint8))
-    n_steps = tl.cdiv(K // 8, 32)
-    per_chunk = tl.cdiv(n_steps, KS)
-    st_lo = (tl.program_id(1) % KS) * per_chunk
+    st_lo, st_hi = _chunk_steps(K // 8, KS, tl.program_id(1) % KS)
     ga, gb, ua, ub = _rows_dot(xh_ptr.to(tl.pointer_type(tl.uint32)), wg, sg, ra, rb, wu, su, ra, rb,
                                stride_wn // 4, stride_sn, q, K // 8, K // 32 if MX else K // 16, _mine(r, q), st_lo,
-                               tl.minimum(st_lo + per_chunk, n_steps), 2, MX, RP, E4B)
+                               st_hi, 2, MX, RP, E4B)
     fg = _global_factor(gsg_ptr + e * stride_ge, MX)
     fu = _global_factor(gsu_ptr + e * stride_ge, MX)
     ga = _quad_sum(ga, NW) * fg
@@ -101,26 +99,11 @@ def _mma_glu_kernel(xh_ptr, ids_ptr, wg_ptr, wu_ptr, stride_wn, stride_we, sg_pt
     n = base + r
     lead = q == 0
     last = True
-    if KS > 1:
-        p = part_ptr + tl.program_id(1) * 2 * I
-        tl.store(p + n, ga, mask=lead & (n < I))
-        tl.store(p + n + 8, gb, mask=lead & (n + 8 < I))
-        tl.store(p + I + n, ua, mask=lead & (n < I))
-        tl.store(p + I + n + 8, ub, mask=lead & (n + 8 < I))
-        tl.debug_barrier()  # every thread's partial store precedes the (release) counter bump
-        cnt = cnt_ptr + slot * tl.num_programs(0) + pid_n
-        ticket = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
-        last = ticket == KS - 1
-        if last:
-            zero = tl.zeros(q.shape, tl.float32)
-            ga, gb, ua, ub = zero, zero, zero, zero
-            for c in range(KS):   # chunk order: deterministic; .cg: L2, never a stale L1 line of another SM
-                p = part_ptr + (slot * KS + c) * 2 * I
-                ga += tl.load(p + n, mask=lead & (n < I), other=0.0, cache_modifier=".cg")
-                gb += tl.load(p + n + 8, mask=lead & (n + 8 < I), other=0.0, cache_modifier=".cg")
-                ua += tl.load(p + I + n, mask=lead & (n < I), other=0.0, cache_modifier=".cg")
-                ub += tl.load(p + I + n + 8, mask=lead & (n + 8 < I), other=0.0, cache_modifier=".cg")
-            tl.atomic_xchg(cnt, 0)
+    if KS > 1:   # part row slot * KS + chunk: gate rows at [0, I), up rows at [I, 2I)
+        ma, mb = lead & (n < I), lead & (n + 8 < I)
+        ga, gb, ua, ub, last = _reduce_partials(ga, gb, ua, ub, n, 8, I, I + 8, ma, mb, ma, mb, part_ptr,
+                                                2 * I, slot * KS, tl.program_id(1) % KS,
+                                                cnt_ptr + slot * tl.num_programs(0) + pid_n, KS, True)
     if HAS_BIAS:
         ga += tl.load(bg_ptr + e * stride_bge + ra * stride_bgn).to(tl.float32)
         gb += tl.load(bg_ptr + e * stride_bge + rb * stride_bgn).to(tl.float32)
@@ -129,6 +112,45 @@ def _mma_glu_kernel(xh_ptr, ids_ptr, wg_ptr, wu_ptr, stride_wn, stride_we, sg_pt
     h = h_ptr + slot * I
     tl.store(h + _xh_pos(n), _glu(ga, ua, limit, alpha, ACT).to(tl.float16), mask=last & lead & (n < I))
     tl.store(h + _xh_pos(n + 8), _glu(gb, ub, limit, alpha, ACT).to(tl.float16), mask=last & lead & (n + 8 < I))
+
+
+@triton.jit
+def _chunk_steps(KW, KS: tl.constexpr, chunk):
+    """[st_lo, st_hi) of _rows_dot's 256-code steps over a K of KW u32 words cut into KS chunks: chunk `chunk`."""
+    n_steps = tl.cdiv(KW, 32)
+    per_chunk = tl.cdiv(n_steps, KS)
+    st_lo = chunk * per_chunk
+    return st_lo, tl.minimum(st_lo + per_chunk, n_steps)
+
+
+@triton.jit
+def _reduce_partials(v0, v1, v2, v3, n, d1, d2, d3, m0, m1, m2, m3, part_ptr, stride, first, me, cnt,
+                     COUNT: tl.constexpr, FOUR: tl.constexpr):
+    """COUNT programs share one piece of work, each holding lane sums v0, v1 (FOUR: v2, v3 too) for offsets n,
+    n + d1 (n + d2, n + d3) of a part row (masks m*). This one stores them in part row first + me, bumps the counter
+    cnt; the last to arrive adds rows first .. first + COUNT - 1 in that order (deterministic) and leaves cnt at
+    zero. -> (sums, last): the sums are meaningful where last."""
+    p = part_ptr + (first + me) * stride + n
+    tl.store(p, v0, mask=m0)
+    tl.store(p + d1, v1, mask=m1)
+    if FOUR:
+        tl.store(p + d2, v2, mask=m2)
+        tl.store(p + d3, v3, mask=m3)
+    tl.debug_barrier()  # every thread's partial store precedes the (release) counter bump
+    ticket = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
+    last = ticket == COUNT - 1
+    if last:
+        zero = tl.zeros(v0.shape, tl.float32)
+        v0, v1, v2, v3 = zero, zero, zero, zero
+        for c in range(COUNT):   # .cg: read L2, never a stale L1 line of another SM's partial
+            p = part_ptr + (first + c) * stride + n
+            v0 += tl.load(p, mask=m0, other=0.0, cache_modifier=".cg")
+            v1 += tl.load(p + d1, mask=m1, other=0.0, cache_modifier=".cg")
+            if FOUR:
+                v2 += tl.load(p + d2, mask=m2, other=0.0, cache_modifier=".cg")
+                v3 += tl.load(p + d3, mask=m3, other=0.0, cache_modifier=".cg")
+        tl.atomic_xchg(cnt, 0)
+    return v0, v1, v2, v3, last
 
 
 @triton.jit
@@ -153,10 +175,7 @@ def _mma_down_kernel(h_ptr, ids_ptr, wts_ptr, w_ptr, stride_wn, stride_we, s_ptr
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     grp = pid_s // KS
-    n_steps = tl.cdiv(I // 8, 32)
-    per_chunk = tl.cdiv(n_steps, KS)
-    st_lo = (pid_s % KS) * per_chunk
-    st_hi = tl.minimum(st_lo + per_chunk, n_steps)
+    st_lo, st_hi = _chunk_steps(I // 8, KS, pid_s % KS)
     base = (pid_n * NW + warp) * (16 * RB)
     ra0 = tl.minimum(base + r, N - 1).to(tl.int64)
     rb0 = tl.minimum(base + r + 8, N - 1).to(tl.int64)
@@ -195,26 +214,10 @@ def _mma_down_kernel(h_ptr, ids_ptr, wts_ptr, w_ptr, stride_wn, stride_we, s_ptr
         y2 = _quad_sum(y2, NW) + b2
         y3 = _quad_sum(y3, NW) + b3
     last = True
-    if SPLIT > 1:
-        p = part_ptr + pid_s * N
-        tl.store(p + n, y0, mask=lead & (n < N))
-        tl.store(p + n + 8, y1, mask=lead & (n + 8 < N))
-        if RB == 2:
-            tl.store(p + n + 16, y2, mask=lead & (n + 16 < N))
-            tl.store(p + n + 24, y3, mask=lead & (n + 24 < N))
-        tl.debug_barrier()  # every thread's partial store precedes the (release) counter bump
-        ticket = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-        last = ticket == SPLIT - 1
-        if last:
-            y0, y1, y2, y3 = zero, zero, zero, zero
-            for s in range(SPLIT):   # .cg: read L2, never a stale L1 line of another SM's partial
-                p = part_ptr + s * N
-                y0 += tl.load(p + n, mask=lead & (n < N), other=0.0, cache_modifier=".cg")
-                y1 += tl.load(p + n + 8, mask=lead & (n + 8 < N), other=0.0, cache_modifier=".cg")
-                if RB == 2:
-                    y2 += tl.load(p + n + 16, mask=lead & (n + 16 < N), other=0.0, cache_modifier=".cg")
-                    y3 += tl.load(p + n + 24, mask=lead & (n + 24 < N), other=0.0, cache_modifier=".cg")
-            tl.atomic_xchg(cnt_ptr + pid_n, 0)
+    if SPLIT > 1:   # part row pid_s of [SPLIT, N]
+        y0, y1, y2, y3, last = _reduce_partials(y0, y1, y2, y3, n, 8, 16, 24, lead & (n < N),
+                                                lead & (n + 8 < N), lead & (n + 16 < N), lead & (n + 24 < N),
+                                                part_ptr, N, 0, pid_s, cnt_ptr + pid_n, SPLIT, RB == 2)
     if last:
         _store_out(y0, n, lead & (n < N), y_ptr, y_ptr, res_ptr, False, HAS_RES)
         _store_out(y1, n + 8, lead & (n + 8 < N), y_ptr, y_ptr, res_ptr, False, HAS_RES)

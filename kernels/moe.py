@@ -121,16 +121,20 @@ def _topk_key(v, e_idx, BIG: tl.constexpr):
 
 
 @triton.jit
-def _route_topk(part_ptr, b_ptr, corr_ptr, rstd, scaling, E,
+def _route_topk(part_ptr, b_ptr, corr_ptr, scaling, E, K, eps, HAS_NW: tl.constexpr, BLOCK_SPLIT: tl.constexpr,
                 HAS_BIAS: tl.constexpr, HAS_CORR: tl.constexpr, SCORE: tl.constexpr, NORM_TOPK: tl.constexpr,
                 N_GROUP: tl.constexpr, GROUP_SIZE: tl.constexpr, TOPK_GROUP: tl.constexpr,
                 GROUP_TOP2: tl.constexpr, TOP_K: tl.constexpr, SPLIT_K: tl.constexpr,
                 BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_TOPK: tl.constexpr):
-    """(ids int32 [BLOCK_TOPK], weights fp32 [BLOCK_TOPK] (times scaling), logits fp32 [BLOCK_G, BLOCK_S]) from the
-    router's partial logits part[SPLIT_K, E]: scores + (group-limited) top-k over all E experts, held as [BLOCK_G
+    """(ids int32 [BLOCK_TOPK], weights fp32 [BLOCK_TOPK] (times scaling), logits fp32 [BLOCK_G, BLOCK_S], the
+    RMSNorm scale (HAS_NW: from the splits' sums of x^2, _route_rstd; else 1)) from the router's partial logits
+    part[SPLIT_K, E]: scores + (group-limited) top-k over all E experts, held as [BLOCK_G
     groups, BLOCK_S experts per group]. Top-k is TOP_K rounds of one int64 max over (score, id) keys (_topk_key): no
     sort, ties go to the lower id. Each block-wide reduction (warp shuffles, then a shared-memory round behind a
     barrier) is on the critical path of whoever runs this: one per round, not three (max, argmin, sum)."""
+    rstd = 1.0
+    if HAS_NW:
+        rstd = _route_rstd(part_ptr, E, K, eps, SPLIT_K, BLOCK_SPLIT)
     NEG: tl.constexpr = float("-inf")
     BIG: tl.constexpr = 0x7FFFFFFF
     offs_g = tl.arange(0, BLOCK_G)
@@ -195,7 +199,7 @@ def _route_topk(part_ptr, b_ptr, corr_ptr, rstd, scaling, E,
         wts = p / tl.sum(p, axis=0)
     elif NORM_TOPK:
         wts = wts / (tl.sum(tl.where(t_mask, wts, 0.0), axis=0) + 1e-20)
-    return ids, wts * scaling, logit
+    return ids, wts * scaling, logit, rstd
 
 
 @triton.jit
@@ -268,12 +272,9 @@ def _router_kernel(
         ticket = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
         if ticket == tl.num_programs(0) * tl.num_programs(1) - 1:
             tl.atomic_xchg(cnt_ptr, 0)  # leave the counter at zero for the next launch
-            rstd = 1.0
-            if HAS_NW:
-                rstd = _route_rstd(part_ptr, E, K, eps, SPLIT_K, BLOCK_SPLIT)
-            ids, wts, logit = _route_topk(part_ptr, b_ptr, corr_ptr, rstd, scaling, E, HAS_BIAS, HAS_CORR, SCORE,
-                                          NORM_TOPK, N_GROUP, GROUP_SIZE, TOPK_GROUP, GROUP_TOP2, TOP_K, SPLIT_K,
-                                          BLOCK_G, BLOCK_S, BLOCK_TOPK)
+            ids, wts, logit, _ = _route_topk(part_ptr, b_ptr, corr_ptr, scaling, E, K, eps, HAS_NW, BLOCK_SPLIT,
+                                             HAS_BIAS, HAS_CORR, SCORE, NORM_TOPK, N_GROUP, GROUP_SIZE, TOPK_GROUP,
+                                             GROUP_TOP2, TOP_K, SPLIT_K, BLOCK_G, BLOCK_S, BLOCK_TOPK)
             _route_store(ids, wts, logit, logits_ptr, ids_ptr, wts_ptr, N_GROUP, GROUP_SIZE, TOP_K, BLOCK_G,
                          BLOCK_S, BLOCK_TOPK)
 
@@ -405,12 +406,10 @@ def _expert_glu_kernel(
     pid_n = tl.program_id(0)
     slot = tl.program_id(1)
     if SELECT:
-        rstd_sel = 1.0
-        if SEL_NW:
-            rstd_sel = _route_rstd(rpart_ptr, E, K, eps, SPLIT_K, BLOCK_SPLIT)
-        sel_ids, sel_wts, sel_logit = _route_topk(rpart_ptr, rb_ptr, rcorr_ptr, rstd_sel, scaling, E, SEL_BIAS,
-                                                  SEL_CORR, SCORE, NORM_TOPK, N_GROUP, GROUP_SIZE, TOPK_GROUP,
-                                                  GROUP_TOP2, TOP_K, SPLIT_K, BLOCK_G, BLOCK_S, BLOCK_TOPK)
+        sel_ids, sel_wts, sel_logit, rstd_sel = _route_topk(rpart_ptr, rb_ptr, rcorr_ptr, scaling, E, K, eps, SEL_NW,
+                                                            BLOCK_SPLIT, SEL_BIAS, SEL_CORR, SCORE, NORM_TOPK,
+                                                            N_GROUP, GROUP_SIZE, TOPK_GROUP, GROUP_TOP2, TOP_K,
+                                                            SPLIT_K, BLOCK_G, BLOCK_S, BLOCK_TOPK)
         if (pid_n == 0) & (slot == 0):
             _route_store(sel_ids, sel_wts, sel_logit, logits_ptr, ids_ptr, wts_ptr, N_GROUP, GROUP_SIZE, TOP_K,
                          BLOCK_G, BLOCK_S, BLOCK_TOPK)

@@ -209,6 +209,12 @@ def _tile_fp8(w_ptr, stride_wn, s_ptr, stride_sn, x_ptr, nw_ptr, n_start, N, k_l
     """e4m3 [N, K] with a per-row scale [N, 1]: the scale factors out of the dot product, one multiply per row."""
     acc = _tile_float(w_ptr, stride_wn, w_ptr, 0, 0, x_ptr, nw_ptr, n_start, N, k_lo, k_hi,
                       HAS_NW, BLOCK_N, BLOCK_K, False, PIPE)
+    return _row_scaled(acc, s_ptr, stride_sn, n_start, N, BLOCK_N)
+
+
+@triton.jit
+def _row_scaled(acc, s_ptr, stride_sn, n_start, N, BLOCK_N: tl.constexpr):
+    """acc [BLOCK_N] times fp8's per-row scales of rows n_start + [0, BLOCK_N) (clamped to N - 1)."""
     offs_n = tl.minimum(n_start + tl.arange(0, BLOCK_N), N - 1)
     return acc * tl.load(s_ptr + offs_n * stride_sn).to(tl.float32)
 
@@ -433,9 +439,8 @@ def _tile_pair(FMT: tl.constexpr, w_ptr, w2_ptr, stride_wn, s_ptr, s2_ptr, strid
     a, b = _tile_float(w_ptr, stride_wn, s_ptr, stride_sn, stride_sk, x_ptr, nw_ptr, n_start, N, k_lo, k_hi,
                        HAS_NW, BLOCK_N, BLOCK_K, FMT == 2, PIPE, w2_ptr, s2_ptr, True)
     if FMT == 1:   # fp8: one scale per row, after the dot
-        offs_n = tl.minimum(n_start + tl.arange(0, BLOCK_N), N - 1)
-        a = a * tl.load(s_ptr + offs_n * stride_sn).to(tl.float32)
-        b = b * tl.load(s2_ptr + offs_n * stride_sn).to(tl.float32)
+        a = _row_scaled(a, s_ptr, stride_sn, n_start, N, BLOCK_N)
+        b = _row_scaled(b, s2_ptr, stride_sn, n_start, N, BLOCK_N)
     return a, b
 
 
