@@ -53,9 +53,11 @@ SHARE_X8 = os.environ.get("KIE_SHARE_X8", "1") != "0"
 ROUTER_XN = os.environ.get("KIE_ROUTER_XN", "0") == "1"
 # The router launch leaves partial logits and the CUDA-core experts' GLU launch picks the top-k itself (route(defer=
 # True), moe_experts(select=)): no last-program ticket + selection tail on the router's critical path (session 20's
-# per-launch times: the router is 5.7 us of a ~47 us qwen3-30b-a3b fp8 layer); off until measured (NOTES.md session
-# 20); KIE_SELECT_IN_EXPERTS=1 turns it on.
-SELECT_IN_EXPERTS = os.environ.get("KIE_SELECT_IN_EXPERTS", "0") == "1"
+# per-launch times: the router is 5.7 us of a ~47 us qwen3-30b-a3b fp8 layer). On: session 21 measured qwen3-30b-a3b
+# fp8 434.1 -> 450.3 tok/s, nvfp4 407.9 -> 417.5 on an H100 (NOTES.md); both launches sum the top-k's normaliser in
+# one order, so their routing weights are bit-equal (float experts' RMSNorm scale still comes from other sums of x^2,
+# ~1 ULP apart: NOTES.md session 21); KIE_SELECT_IN_EXPERTS=0 turns it off.
+SELECT_IN_EXPERTS = os.environ.get("KIE_SELECT_IN_EXPERTS", "1") != "0"
 
 
 class HandleStore:

@@ -100,7 +100,7 @@ def _select_meta(cfg: RouterConfig, E: int, split: int) -> dict:
     return dict(SCORE=SCORE_ID[cfg.scoring], NORM_TOPK=cfg.norm_topk_prob, N_GROUP=cfg.n_group, GROUP_SIZE=group_size,
                 TOPK_GROUP=cfg.topk_group, GROUP_TOP2=cfg.group_score == "top2", TOP_K=cfg.top_k, SPLIT_K=split,
                 BLOCK_G=triton.next_power_of_2(cfg.n_group), BLOCK_S=triton.next_power_of_2(group_size),
-                BLOCK_TOPK=triton.next_power_of_2(cfg.top_k), BLOCK_SPLIT=triton.next_power_of_2(split))
+                BLOCK_TOPK=triton.next_power_of_2(cfg.top_k))
 
 
 # ======================================================================================================================
@@ -121,7 +121,7 @@ def _topk_key(v, e_idx, BIG: tl.constexpr):
 
 
 @triton.jit
-def _route_topk(part_ptr, b_ptr, corr_ptr, scaling, E, K, eps, HAS_NW: tl.constexpr, BLOCK_SPLIT: tl.constexpr,
+def _route_topk(part_ptr, b_ptr, corr_ptr, scaling, E, K, eps, HAS_NW: tl.constexpr,
                 HAS_BIAS: tl.constexpr, HAS_CORR: tl.constexpr, SCORE: tl.constexpr, NORM_TOPK: tl.constexpr,
                 N_GROUP: tl.constexpr, GROUP_SIZE: tl.constexpr, TOPK_GROUP: tl.constexpr,
                 GROUP_TOP2: tl.constexpr, TOP_K: tl.constexpr, SPLIT_K: tl.constexpr,
@@ -134,7 +134,7 @@ def _route_topk(part_ptr, b_ptr, corr_ptr, scaling, E, K, eps, HAS_NW: tl.conste
     barrier) is on the critical path of whoever runs this: one per round, not three (max, argmin, sum)."""
     rstd = 1.0
     if HAS_NW:
-        rstd = _route_rstd(part_ptr, E, K, eps, SPLIT_K, BLOCK_SPLIT)
+        rstd = _route_rstd(part_ptr, E, K, eps, SPLIT_K)
     NEG: tl.constexpr = float("-inf")
     BIG: tl.constexpr = 0x7FFFFFFF
     offs_g = tl.arange(0, BLOCK_G)
@@ -182,6 +182,10 @@ def _route_topk(part_ptr, b_ptr, corr_ptr, scaling, E, K, eps, HAS_NW: tl.conste
     offs_t = tl.arange(0, BLOCK_TOPK)
     ids = tl.zeros((BLOCK_TOPK,), dtype=tl.int32)
     wts = tl.zeros((BLOCK_TOPK,), dtype=tl.float32)
+    # the top-k's normaliser summed one scalar per round, in round order: a tl.sum's order follows the launch's
+    # warps, and the router and the expert GLU launch (route(defer=True)) must give bit-equal weights
+    top = 0.0
+    tot = 0.0
     for j in tl.static_range(TOP_K):
         m = tl.max(tl.max(key, axis=1), axis=0)
         i = BIG - m.to(tl.int32)  # the low word (non-negative)
@@ -190,15 +194,23 @@ def _route_topk(part_ptr, b_ptr, corr_ptr, scaling, E, K, eps, HAS_NW: tl.conste
             wv = tl.sum(tl.sum(tl.where(sel, score, 0.0), axis=1), axis=0)
         else:  # the key's high word is the score's bits, order-mapped: map back
             wv = _order_bits((m >> 32).to(tl.int32)).to(tl.float32, bitcast=True)
+        if j == 0:
+            top = wv
+        if SCORE == 2 and not HAS_CORR:  # round 0 holds the largest logit: softmax's shift
+            tot += tl.exp(wv - top)
+        else:
+            tot += wv
         ids = tl.where(offs_t == j, i, ids)
         wts = tl.where(offs_t == j, wv, wts)
         key = tl.where(sel, tl.full((BLOCK_G, BLOCK_S), -9223372036854775808, tl.int64), key)  # int64 min
     t_mask = offs_t < TOP_K
-    if SCORE == 2:
+    if SCORE == 2 and HAS_CORR:  # the choice's order is not the logits': shift by their max
         p = tl.where(t_mask, tl.exp(wts - tl.max(tl.where(t_mask, wts, NEG), axis=0)), 0.0)
         wts = p / tl.sum(p, axis=0)
+    elif SCORE == 2:
+        wts = tl.where(t_mask, tl.exp(wts - top), 0.0) / tot
     elif NORM_TOPK:
-        wts = wts / (tl.sum(tl.where(t_mask, wts, 0.0), axis=0) + 1e-20)
+        wts = wts / (tot + 1e-20)
     return ids, wts * scaling, logit, rstd
 
 
@@ -216,11 +228,12 @@ def _route_store(ids, wts, logit, logits_ptr, ids_ptr, wts_ptr, N_GROUP: tl.cons
 
 
 @triton.jit
-def _route_rstd(part_ptr, E, K, eps, SPLIT_K: tl.constexpr, BLOCK_SPLIT: tl.constexpr):
+def _route_rstd(part_ptr, E, K, eps, SPLIT_K: tl.constexpr):
     """The RMSNorm scale of the router's input from its splits' sums of x^2 (part[SPLIT_K * E + split])."""
-    offs_sp = tl.arange(0, BLOCK_SPLIT)
-    ss_all = tl.load(part_ptr + SPLIT_K * E + offs_sp, mask=offs_sp < SPLIT_K, other=0.0, cache_modifier=".cg")
-    return 1.0 / tl.sqrt(tl.sum(ss_all, axis=0) / K + eps)
+    ss = 0.0
+    for s in tl.static_range(SPLIT_K):  # in split order, not a tl.sum's warp order (see _route_topk's normaliser)
+        ss += tl.load(part_ptr + SPLIT_K * E + s, cache_modifier=".cg")
+    return 1.0 / tl.sqrt(ss / K + eps)
 
 
 @triton.jit
@@ -231,7 +244,7 @@ def _router_kernel(
     NORM_TOPK: tl.constexpr, N_GROUP: tl.constexpr, GROUP_SIZE: tl.constexpr, TOPK_GROUP: tl.constexpr,
     GROUP_TOP2: tl.constexpr, TOP_K: tl.constexpr, SPLIT_K: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_X: tl.constexpr,
-    BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_TOPK: tl.constexpr, BLOCK_SPLIT: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_TOPK: tl.constexpr,
     PIPE: tl.constexpr, PDL: tl.constexpr = False, X8_LAYOUT: tl.constexpr = True, SELECT: tl.constexpr = True,
 ):
     """grid (cdiv(E, BLOCK_N), SPLIT_K): partial logits part[SPLIT_K, E] and (row tile 0) each split's sum of x^2
@@ -272,7 +285,7 @@ def _router_kernel(
         ticket = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
         if ticket == tl.num_programs(0) * tl.num_programs(1) - 1:
             tl.atomic_xchg(cnt_ptr, 0)  # leave the counter at zero for the next launch
-            ids, wts, logit, _ = _route_topk(part_ptr, b_ptr, corr_ptr, scaling, E, K, eps, HAS_NW, BLOCK_SPLIT,
+            ids, wts, logit, _ = _route_topk(part_ptr, b_ptr, corr_ptr, scaling, E, K, eps, HAS_NW,
                                              HAS_BIAS, HAS_CORR, SCORE, NORM_TOPK, N_GROUP, GROUP_SIZE, TOPK_GROUP,
                                              GROUP_TOP2, TOP_K, SPLIT_K, BLOCK_G, BLOCK_S, BLOCK_TOPK)
             _route_store(ids, wts, logit, logits_ptr, ids_ptr, wts_ptr, N_GROUP, GROUP_SIZE, TOP_K, BLOCK_G,
@@ -393,7 +406,7 @@ def _expert_glu_kernel(
     SEL_CORR: tl.constexpr = False, SCORE: tl.constexpr = 0, NORM_TOPK: tl.constexpr = True,
     N_GROUP: tl.constexpr = 1, GROUP_SIZE: tl.constexpr = 1, TOPK_GROUP: tl.constexpr = 1,
     GROUP_TOP2: tl.constexpr = False, TOP_K: tl.constexpr = 1, SPLIT_K: tl.constexpr = 1, BLOCK_G: tl.constexpr = 1,
-    BLOCK_S: tl.constexpr = 1, BLOCK_TOPK: tl.constexpr = 1, BLOCK_SPLIT: tl.constexpr = 1,
+    BLOCK_S: tl.constexpr = 1, BLOCK_TOPK: tl.constexpr = 1,
 ):
     """grid (cdiv(I, BLOCK_N), TOP_K): h[slot, I] = glu(Wg[e] x + bg[e], Wu[e] x + bu[e]), e = ids[slot].
     H_X8: store each h[slot] in the x8 layout (an fp4 down projection reads it that way). PAIR (float formats, gate
@@ -407,7 +420,7 @@ def _expert_glu_kernel(
     slot = tl.program_id(1)
     if SELECT:
         sel_ids, sel_wts, sel_logit, rstd_sel = _route_topk(rpart_ptr, rb_ptr, rcorr_ptr, scaling, E, K, eps, SEL_NW,
-                                                            BLOCK_SPLIT, SEL_BIAS, SEL_CORR, SCORE, NORM_TOPK,
+                                                            SEL_BIAS, SEL_CORR, SCORE, NORM_TOPK,
                                                             N_GROUP, GROUP_SIZE, TOPK_GROUP, GROUP_TOP2, TOP_K,
                                                             SPLIT_K, BLOCK_G, BLOCK_S, BLOCK_TOPK)
         if (pid_n == 0) & (slot == 0):
@@ -585,9 +598,9 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gat
         sel = dict(rpart_ptr=p, rb_ptr=select.router_bias if select.router_bias is not None else p,
                    rcorr_ptr=select.correction_bias if select.correction_bias is not None else p,
                    logits_ptr=select.logits, wts_ptr=weights, scaling=float(c.routed_scaling_factor),
-                   E=select.logits.numel(), SELECT=True, SEL_NW=select.normed,
+                   E=E, SELECT=True, SEL_NW=select.normed,   # E: _check_select held the router to the stacks'
                    SEL_BIAS=select.router_bias is not None, SEL_CORR=select.correction_bias is not None,
-                   **_select_meta(c, select.logits.numel(), select.split))
+                   **_select_meta(c, E, select.split))
         if select.normed:
             eps = select.eps  # the router's scale; _check_select refused an experts' norm with another eps
     _expert_glu_kernel[(triton.cdiv(I, cu.block_n), top_k)](

@@ -97,7 +97,7 @@ def _compile_all(arch: int = 90, formats=("bf16", "fp8", "fp8_block", "nvfp4", "
                                     256, 7168, 2048, 1e-6, 2.5, WRITE_X8=True, HAS_NW=True, HAS_BIAS=True,
                                     HAS_CORR=score == 1, SCORE=score, NORM_TOPK=True, N_GROUP=groups,
                                     GROUP_SIZE=256 // groups, TOPK_GROUP=min(4, groups), GROUP_TOP2=True, TOP_K=8,
-                                    SPLIT_K=4, BLOCK_N=8, BLOCK_K=512, BLOCK_X=1024, BLOCK_SPLIT=4,
+                                    SPLIT_K=4, BLOCK_N=8, BLOCK_K=512, BLOCK_X=1024,
                                     BLOCK_G=triton.next_power_of_2(groups), BLOCK_S=256 // groups, BLOCK_TOPK=8,
                                     PIPE=True, num_warps=4, grid=(1,))
         record(f"router[score={score},groups={groups}]", k)

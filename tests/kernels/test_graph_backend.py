@@ -69,7 +69,7 @@ def test_router_xn_and_glu_pair_in_the_decode_step(case, tmp_path, monkeypatch):
 @pytest.mark.parametrize("case,fmt", [("qwen3_moe_mixed", None), ("deepseek_v3", None), ("gpt_oss", None),
                                       ("qwen2_moe", "nvfp4")])
 def test_top_k_picked_in_the_expert_launch_in_the_decode_step(case, fmt, tmp_path, monkeypatch):
-    """KIE_SELECT_IN_EXPERTS (off by default): the router launch leaves partial logits and the experts' GLU launch
+    """KIE_SELECT_IN_EXPERTS (on by default): the router launch leaves partial logits and the experts' GLU launch
     picks the top-k (route(defer=True), moe_experts(select=)) in every MoE layer: the same tokens and last logits as
     the one-launch router, and the reference decoder's greedy tokens (DeepSeek-V3: sigmoid, groups, correction bias,
     MLA; gpt-oss: router bias, softmax over the top-k; Qwen2-MoE nvfp4: the fp4 experts' x8 from the same router

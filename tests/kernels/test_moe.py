@@ -162,8 +162,14 @@ def test_deferred_routing_picks_the_experts_in_the_glu_launch(name, fmt, split, 
     once = route(x, w, cfg, config=tiles, **norm, **kw)
     assert p.ids.tolist() == once.ids.tolist() == want_r.ids.tolist()
     assert_close(p.weights, want_r.weights, what=f"{name} deferred weights")
-    assert_close(p.logits, once.logits, what=f"{name} deferred logits")   # the same code; the reduction order may
-    assert_close(p.weights, once.weights, what=f"{name} deferred vs one-launch weights")   # differ with warps
+    # the same code in launches of other warp counts: the normaliser and the RMSNorm scale are summed in a fixed
+    # order, so bit-equal; only a softmax over all experts (without the top-k's renormalisation) sums in tl.sum's
+    assert torch.equal(p.logits, once.logits), f"{name}: deferred logits differ from the router's own"
+    if cfg.scoring == "softmax" and ("correction_bias" in extra or not cfg.norm_topk_prob):
+        assert_close(p.weights, once.weights, what=f"{name} deferred vs one-launch weights")
+    else:
+        assert torch.equal(p.weights, once.weights), (f"{name}: deferred weights {p.weights.tolist()} differ from the "
+                                                      f"router's own {once.weights.tolist()}")
     want = moe_experts_ref(x, want_r.ids, want_r.weights, wg, wu, wd, residual=res, out_dtype=torch.float32, **norm)
     assert_close(y, want, what=f"{name} {fmt} experts after a deferred top-k")
 
