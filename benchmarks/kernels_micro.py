@@ -53,7 +53,8 @@ import triton
 from kie_moe.kernels.attention import gqa_decode
 from kie_moe.kernels.fp4_mma import (MMA_MAXNREG, MMA_ROW_BLOCKS, MMA_WARPS, gemv_fp4_mma,
                                      pack_for_mma, prepare_xh)
-from kie_moe.kernels.fp4_mma_experts import MMA_EXPERT_WARPS, MMA_GLU_MAXNREG, auto_down_row_blocks
+from kie_moe.kernels.fp4_mma_experts import (MMA_EXPERT_WARPS, MMA_GLU_K_SPLIT, MMA_GLU_MAXNREG,
+                                             auto_down_row_blocks, glu_k_chunks)
 from kie_moe.kernels.gemv import DEFAULT_GLU_TILES, DEFAULT_TILES, TileConfig, gemv, gemv_glu, gemv_ref, prepare_x8
 from kie_moe.kernels.moe import DEFAULT_EXPERT_TILES, RouterConfig, Routing, moe_experts, route
 from kie_moe.kernels.rope import rope_append
@@ -485,8 +486,9 @@ def experts_topk_section(formats, ks, probe: float, rep_ms: int, H: int = 4096, 
             fp4 = fmt in FP4
             r = bench_experts(f"experts {fmt} top-{k} of {2 * k} [{I}x{H}]{' mma' if fp4 else ''}", fmt, m, H,
                               probe, rep_ms, **({"mma": True} if fp4 else {}))
-            if fp4:   # fp4_mma_experts: GLU 16 rows per warp
-                r["glu_programs"] = triton.cdiv(I, 16 * MMA_EXPERT_WARPS) * k
+            if fp4:   # fp4_mma_experts: GLU 16 rows per warp, times its K chunks
+                r["glu_k_chunks"] = glu_k_chunks(MMA_GLU_K_SPLIT, I, H, k, fmt, torch.device(DEV))
+                r["glu_programs"] = triton.cdiv(I, 16 * MMA_EXPERT_WARPS) * k * r["glu_k_chunks"]
             else:
                 r["glu_programs"] = triton.cdiv(I, DEFAULT_EXPERT_TILES[fmt].block_n) * k
             rows.append(r)

@@ -16,6 +16,7 @@ products and fp32 sums otherwise; fp16 keeps 11 bits, but |h| > 65504 overflows:
 """
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -42,9 +43,15 @@ MMA_DOWN_ROW_BLOCKS: int | None = None
 # none. Measured (kernels_micro `glu-r128` row, 4096 x 4096 top-10 / top-11): nvfp4 capped loses (H100 s18 74.6 ->
 # 63.7%, H200 s19 59.2 -> 56.5%), mxfp4 capped wins (H100 69.2 -> 69.9, H200 56.9 -> 61.2%).
 MMA_GLU_MAXNREG: dict[str, int | None] = {"nvfp4": None, "mxfp4": 128}
-# K chunks of the GLU launch (glu_k_split; 1: none). An experiment until measured (NOTES.md session 20: does the GLU
-# launch lose to a mostly empty second wave of resident programs?); KIE_MMA_GLU_KS=N sets it for every launch.
-MMA_GLU_K_SPLIT = int(os.environ.get("KIE_MMA_GLU_KS", "1"))
+# K chunks of the GLU launch (glu_k_split): None = auto_glu_k_split's wave rule (KIE_MMA_GLU_KS unset or auto);
+# KIE_MMA_GLU_KS=N sets N for every launch (1: none).
+MMA_GLU_K_SPLIT: int | None = (None if os.environ.get("KIE_MMA_GLU_KS", "auto") in ("", "auto")
+                                else int(os.environ["KIE_MMA_GLU_KS"]))
+# Resident GLU programs per SM at 4 warps (sm_90, 64K registers): nvfp4 uncapped takes 130 registers (136 x 128
+# threads: 3), mxfp4 at its 128 cap 4 (MMA_GLU_MAXNREG).
+_GLU_PROGRAMS_PER_SM = {"nvfp4": 3, "mxfp4": 4}
+# auto_glu_k_split cuts K only where one-chunk waves waste at least this share of the launch (ceil(w) / w).
+_GLU_WAVE_WASTE = 1.3
 # Resident programs per SM at the 128-register cap and 4 warps: the down launch splits its slots until the grid fills
 # the GPU this many times over.
 _PROGRAMS_PER_SM = 4
@@ -243,11 +250,11 @@ def moe_experts_mma(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w
                     split: int | None = None, num_warps: int = MMA_EXPERT_WARPS,
                     down_row_blocks: int | None = MMA_DOWN_ROW_BLOCKS, maxnreg: int | None = MMA_MAXNREG,
                     glu_maxnreg: int | None | str = "auto", down_k_split: int | None = None,
-                    glu_k_split: int = MMA_GLU_K_SPLIT) -> torch.Tensor:
+                    glu_k_split: int | None = MMA_GLU_K_SPLIT) -> torch.Tensor:
     """moe.moe_experts' body on the tensor cores; its arguments already checked there (biases as (tensor, stride
     0, stride 1) triples, y the output). Callers: moe.moe_experts (mma=True, or its size rule). split: slot groups
     of the down launch, down_k_split: K chunks of each (None: down_launch_split's choice); down_row_blocks: 1 or 2
-    (None: auto_down_row_blocks's rule); glu_k_split: K chunks of the GLU launch (MMA_GLU_K_SPLIT)."""
+    (None: auto_down_row_blocks's rule); glu_k_split: K chunks of the GLU launch (None: auto_glu_k_split's rule)."""
     I, H = w_gate.out_features, w_gate.in_features
     for name, w in (("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
         why = mma_experts_unreadable(w)
@@ -257,8 +264,7 @@ def moe_experts_mma(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w
             or w_gate.fmt != w_down.fmt or w_gate.packing != w_up.packing):
         raise ValueError("moe_experts(mma=True): w_gate and w_up must share format, packing and strides, and "
                          "w_down their format")
-    if not isinstance(glu_k_split, int) or glu_k_split < 1:
-        raise ValueError(f"moe_experts(mma=True): glu_k_split {glu_k_split!r}: expected an int >= 1")
+    gks = glu_k_chunks(glu_k_split, I, H, ids.numel(), w_gate.fmt, x.device, num_warps)
     if down_row_blocks is None and num_warps in (1, 2, 4, 8):
         down_row_blocks = auto_down_row_blocks(H, ids.numel(), I, x.device, split, num_warps)
     if down_row_blocks not in (1, 2) or num_warps not in (1, 2, 4, 8):
@@ -278,7 +284,6 @@ def moe_experts_mma(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w
     st = lambda w: w.global_scale.stride(0) if w.global_scale is not None else 0  # noqa: E731
     (bg, sbg0, sbg1), (bu, sbu0, sbu1), (bd, sbd0, _) = gate_bias, up_bias, down_bias
     glu_tiles = triton.cdiv(I, 16 * num_warps)
-    gks = min(glu_k_split, triton.cdiv(H // 8, 32))          # no empty chunk: at most one per 256-code step
     ks_args = {}
     if gks > 1:
         ks_args = dict(part_ptr=torch.empty((top_k * gks, 2, I), dtype=torch.float32, device=dev),
@@ -303,6 +308,43 @@ def moe_experts_mma(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w
         RB=down_row_blocks, NW=num_warps, RP=w_down.packing == "mma", E4B=e4b, KS=ks,
         num_warps=num_warps, **launch_kw(dev), **cap)
     return y
+
+
+def glu_k_chunks(glu_k_split: int | None, I: int, H: int, top_k: int, fmt: str, dev: torch.device,
+                 num_warps: int = MMA_EXPERT_WARPS) -> int:
+    """The GLU launch's K chunks for moe_experts_mma(glu_k_split=): None takes auto_glu_k_split's rule (at the
+    default warps; 1 at others), and any count is clamped to the 256-code steps of K (no empty chunk)."""
+    if glu_k_split is None:
+        glu_k_split = auto_glu_k_split(I, H, top_k, fmt, dev) if num_warps == MMA_EXPERT_WARPS else 1
+    if not isinstance(glu_k_split, int) or glu_k_split < 1:
+        raise ValueError(f"moe_experts(mma=True): glu_k_split {glu_k_split!r}: expected an int >= 1")
+    return min(glu_k_split, _k_steps(H))
+
+
+def _k_steps(K: int) -> int:
+    """256-code steps of _rows_dot's K loop (K // 8 u32 words, 32 per step): the most chunks a K can be cut into."""
+    return triton.cdiv(K // 8, 32)
+
+
+def auto_glu_k_split(I: int, H: int, top_k: int, fmt: str, dev: torch.device) -> int:
+    """K chunks of the GLU launch: 1, unless its (row tile, slot) programs overflow the resident slots (programs per
+    SM x SMs) into a last wave so empty that ceil(w) / w >= _GLU_WAVE_WASTE (w: waves of programs); then the count
+    of 2 or 3 chunks whose waves waste least (chunks add a partial-sum round trip). Measured on an H100 (session 21,
+    both launches' % of the probe, chunks 1 / 2 / 3): Mixtral-8x7B nvfp4 (1.13 waves) 63.9 / 69.6 / 71.4, mxfp4 4096
+    x 4096 top-11 (1.33) 70.3 / 76.7 / 77.4 -> 3 chunks; nvfp4 4096 top-10 (1.62) 77.0 / 74.1 / 74.6, under one
+    wave (DeepSeek-V3 nvfp4 / mxfp4, Mixtral mxfp4) 74.3 / 66.5 / 73.9, 73.8 / 73.4 / 70.0, 73.3 / 71.5 / 71.7 -> 1."""
+    if dev.type != "cuda":
+        return 1                                               # the interpreter runs programs one by one
+    slots = _GLU_PROGRAMS_PER_SM.get(fmt, 4) * num_sms(dev)
+    programs = triton.cdiv(I, 16 * MMA_EXPERT_WARPS) * top_k
+    most = _k_steps(H)
+
+    def waste(ks):
+        w = programs * ks / slots
+        return 1.0 if w <= 1 else math.ceil(w) / w
+    if waste(1) < _GLU_WAVE_WASTE:
+        return 1
+    return min((ks for ks in (2, 3) if ks <= most), key=waste, default=1)
 
 
 def auto_down_row_blocks(H: int, top_k: int, I: int, dev: torch.device, split: int | None = None,

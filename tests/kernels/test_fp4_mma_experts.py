@@ -127,6 +127,22 @@ def test_down_launch_split_cuts_k_only_when_slots_cannot_fill_the_gpu(monkeypatc
         FE.down_launch_split(64, 2, 14336, cuda, k_split=0)
 
 
+def test_glu_k_chunks_where_one_chunk_leaves_a_mostly_empty_last_wave(monkeypatch):
+    """auto_glu_k_split on a 132-SM GPU (session 21's H100 rows): 3 chunks for Mixtral-8x7B nvfp4 (448 programs on
+    396 slots: 1.13 waves) and mxfp4 4096 x 4096 top-11 (704 on 528: 1.33), 1 for nvfp4 4096 top-10 (1.62 waves),
+    launches under one wave (DeepSeek-V3, Mixtral mxfp4) and on the CPU; 2 where 2 chunks waste less than 3."""
+    import kie_moe.kernels.fp4_mma_experts as FE
+    monkeypatch.setattr(FE, "num_sms", lambda dev: 132)
+    ks = lambda I, H, k, fmt, dev=torch.device("cuda"): FE.auto_glu_k_split(I, H, k, fmt, dev)  # noqa: E731
+    assert (ks(14336, 4096, 2, "nvfp4"), ks(4096, 4096, 11, "mxfp4")) == (3, 3)
+    assert (ks(4096, 4096, 10, "nvfp4"), ks(2048, 7168, 8, "nvfp4"), ks(2048, 7168, 8, "mxfp4"),
+            ks(14336, 4096, 2, "mxfp4")) == (1, 1, 1, 1)
+    assert ks(14336, 4096, 2, "nvfp4", torch.device("cpu")) == 1
+    assert ks(4096, 4096, 9, "mxfp4") == 3                      # 576 on 528: 2 chunks 1.38 of waste, 3 chunks 1.22
+    assert ks(4224, 4096, 9, "nvfp4") == 2                      # 594 on 396 (1.5 waves): 2 chunks fill 3 waves
+    assert ks(14336, 256, 2, "nvfp4") == 1                      # K = 256: one 256-code step, nothing to cut
+
+
 def test_down_row_blocks_two_where_programs_would_loop_over_slots(monkeypatch):
     """auto_down_row_blocks on a 132-SM GPU (session 20's H100 rows): RB 2 where RB 1 gives each program >= 2 slots
     (4096 x 4096 top-10 / top-11, DeepSeek-V3 top-8), RB 1 where every program already has one slot (gpt-oss-120b,
