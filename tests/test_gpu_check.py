@@ -42,7 +42,7 @@ def test_ncu_launches_refuses_bad_cases(case, msg, monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", ["ncu_launches.py", "--case", case])
     with pytest.raises(SystemExit) as e:
         mod.main()
-    assert msg in str(e.value) and "experts-FMT | qkv-FMT | big-FMT" in str(e.value)
+    assert msg in str(e.value) and "experts-FMT | qkv-FMT | big-FMT | bigexperts-FMT" in str(e.value)
 
 
 def test_ncu_launches_needs_a_gpu(monkeypatch):
