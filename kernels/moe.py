@@ -24,7 +24,8 @@ from .pdl import launch_kw, pdl_begin
 from .tiles import ACT_ID, FMT_ID, _glu, _rstd, _split_reduce, _store_out, _tile, _tile_bf16, _tile_pair, _x8_offs
 from .weights import WeightHandle, dequantize
 
-__all__ = ["RouterConfig", "Routing", "PendingRouting", "route", "route_ref", "moe_experts", "moe_experts_ref"]
+__all__ = ["RouterConfig", "Routing", "PendingRouting", "route", "route_ref", "fold_router", "gemv_route", "moe_experts",
+           "moe_experts_ref"]
 
 SCORE_ID = {"softmax": 0, "sigmoid": 1, "softmax_topk": 2}
 
@@ -92,6 +93,9 @@ class PendingRouting(NamedTuple):
     router_bias: torch.Tensor | None
     correction_bias: torch.Tensor | None
     eps: float
+    # gemv_route: the logits come without the RMSNorm scale (normed is True, part holds no sums of x^2); the GLU
+    # launch takes the scale of its own x, which must be this tensor (the GEMV's output: the MoE input)
+    rstd_x: torch.Tensor | None = None
 
 
 def _select_meta(cfg: RouterConfig, E: int, split: int) -> dict:
@@ -121,20 +125,16 @@ def _topk_key(v, e_idx, BIG: tl.constexpr):
 
 
 @triton.jit
-def _route_topk(part_ptr, b_ptr, corr_ptr, scaling, E, K, eps, HAS_NW: tl.constexpr,
+def _route_topk(part_ptr, rstd, b_ptr, corr_ptr, scaling, E,
                 HAS_BIAS: tl.constexpr, HAS_CORR: tl.constexpr, SCORE: tl.constexpr, NORM_TOPK: tl.constexpr,
                 N_GROUP: tl.constexpr, GROUP_SIZE: tl.constexpr, TOPK_GROUP: tl.constexpr,
                 GROUP_TOP2: tl.constexpr, TOP_K: tl.constexpr, SPLIT_K: tl.constexpr,
                 BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_TOPK: tl.constexpr):
-    """(ids int32 [BLOCK_TOPK], weights fp32 [BLOCK_TOPK] (times scaling), logits fp32 [BLOCK_G, BLOCK_S], the
-    RMSNorm scale (HAS_NW: from the splits' sums of x^2, _route_rstd; else 1)) from the router's partial logits
-    part[SPLIT_K, E]: scores + (group-limited) top-k over all E experts, held as [BLOCK_G
+    """(ids int32 [BLOCK_TOPK], weights fp32 [BLOCK_TOPK] (times scaling), logits fp32 [BLOCK_G, BLOCK_S]) from the
+    router's partial logits part[SPLIT_K, E] times the RMSNorm scale rstd (1.0 without a norm): scores + (group-limited) top-k over all E experts, held as [BLOCK_G
     groups, BLOCK_S experts per group]. Top-k is TOP_K rounds of one int64 max over (score, id) keys (_topk_key): no
     sort, ties go to the lower id. Each block-wide reduction (warp shuffles, then a shared-memory round behind a
     barrier) is on the critical path of whoever runs this: one per round, not three (max, argmin, sum)."""
-    rstd = 1.0
-    if HAS_NW:
-        rstd = _route_rstd(part_ptr, E, K, eps, SPLIT_K)
     NEG: tl.constexpr = float("-inf")
     BIG: tl.constexpr = 0x7FFFFFFF
     offs_g = tl.arange(0, BLOCK_G)
@@ -211,7 +211,7 @@ def _route_topk(part_ptr, b_ptr, corr_ptr, scaling, E, K, eps, HAS_NW: tl.conste
         wts = tl.where(t_mask, tl.exp(wts - top), 0.0) / tot
     elif NORM_TOPK:
         wts = wts / (tot + 1e-20)
-    return ids, wts * scaling, logit, rstd
+    return ids, wts * scaling, logit
 
 
 @triton.jit
@@ -285,9 +285,12 @@ def _router_kernel(
         ticket = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
         if ticket == tl.num_programs(0) * tl.num_programs(1) - 1:
             tl.atomic_xchg(cnt_ptr, 0)  # leave the counter at zero for the next launch
-            ids, wts, logit, _ = _route_topk(part_ptr, b_ptr, corr_ptr, scaling, E, K, eps, HAS_NW,
-                                             HAS_BIAS, HAS_CORR, SCORE, NORM_TOPK, N_GROUP, GROUP_SIZE, TOPK_GROUP,
-                                             GROUP_TOP2, TOP_K, SPLIT_K, BLOCK_G, BLOCK_S, BLOCK_TOPK)
+            rstd = 1.0
+            if HAS_NW:
+                rstd = _route_rstd(part_ptr, E, K, eps, SPLIT_K)
+            ids, wts, logit = _route_topk(part_ptr, rstd, b_ptr, corr_ptr, scaling, E,
+                                          HAS_BIAS, HAS_CORR, SCORE, NORM_TOPK, N_GROUP, GROUP_SIZE, TOPK_GROUP,
+                                          GROUP_TOP2, TOP_K, SPLIT_K, BLOCK_G, BLOCK_S, BLOCK_TOPK)
             _route_store(ids, wts, logit, logits_ptr, ids_ptr, wts_ptr, N_GROUP, GROUP_SIZE, TOP_K, BLOCK_G,
                          BLOCK_S, BLOCK_TOPK)
 
@@ -312,17 +315,7 @@ def route(x: torch.Tensor, router_weight: torch.Tensor, cfg: RouterConfig, *, ro
     check_vec(router_bias, E, dev, "router_bias")
     check_vec(correction_bias, E, dev, "correction_bias")
     check_vec(norm_weight, K, dev, "norm_weight")
-    if cfg.top_k > E or E % cfg.n_group:
-        raise ValueError(f"route: top_k {cfg.top_k} / n_group {cfg.n_group} do not fit {E} experts")
-    group_size = E // cfg.n_group
-    if cfg.n_group > 1 and cfg.group_score == "top2" and group_size < 2:
-        raise ValueError(f"route: group_score 'top2' needs >= 2 experts per group, got {group_size}")
-    if cfg.n_group > 1 and cfg.topk_group * group_size < cfg.top_k:
-        raise ValueError(f"route: topk_group {cfg.topk_group} x {group_size} experts < top_k {cfg.top_k}")
-    if out is None:
-        out = Routing(torch.empty(cfg.top_k, dtype=torch.int32, device=dev),
-                      torch.empty(cfg.top_k, dtype=torch.float32, device=dev),
-                      torch.empty(E, dtype=torch.float32, device=dev))
+    out = _routing_out(cfg, E, dev, out, "route")
     if x8_out is not None and xn_out is not None:
         raise ValueError("route: pass x8_out or xn_out, not both")
     if x8_out is not None and (x8_out.shape != (8, K // 8) or x8_out.dtype != torch.float32 or K % 8
@@ -353,6 +346,136 @@ def route(x: torch.Tensor, router_weight: torch.Tensor, cfg: RouterConfig, *, ro
         return PendingRouting(out.ids, out.weights, out.logits, part, split, norm_weight is not None, cfg, router_bias,
                               correction_bias, eps)
     return out
+
+
+def _routing_out(cfg: RouterConfig, E: int, dev: torch.device, out: Routing | None, who: str) -> Routing:
+    """cfg checked against E experts; out, or new ids / weights / logits buffers."""
+    if cfg.top_k > E or E % cfg.n_group:
+        raise ValueError(f"{who}: top_k {cfg.top_k} / n_group {cfg.n_group} do not fit {E} experts")
+    group_size = E // cfg.n_group
+    if cfg.n_group > 1 and cfg.group_score == "top2" and group_size < 2:
+        raise ValueError(f"{who}: group_score 'top2' needs >= 2 experts per group, got {group_size}")
+    if cfg.n_group > 1 and cfg.topk_group * group_size < cfg.top_k:
+        raise ValueError(f"{who}: topk_group {cfg.topk_group} x {group_size} experts < top_k {cfg.top_k}")
+    if out is None:
+        return Routing(torch.empty(cfg.top_k, dtype=torch.int32, device=dev),
+                       torch.empty(cfg.top_k, dtype=torch.float32, device=dev),
+                       torch.empty(E, dtype=torch.float32, device=dev))
+    for name, t, n, dt in (("ids", out.ids, cfg.top_k, torch.int32), ("weights", out.weights, cfg.top_k, torch.float32),
+                           ("logits", out.logits, E, torch.float32)):
+        if t.dtype != dt or t.numel() != n or not t.is_contiguous() or t.device != dev:
+            raise ValueError(f"{who}: out.{name} must be a contiguous {dt} [{n}] on {dev}, got {t.dtype} "
+                             f"{tuple(t.shape)} on {t.device}")
+    return out
+
+
+# ---- the router folded into the GEMV in front of it (o_proj) ----------------------------------------------------
+@triton.jit
+def _gemv_route_kernel(
+    a_ptr, w_ptr, stride_wn, s_ptr, stride_sn, stride_sk, gs_ptr, res_ptr, y_ptr,
+    wf_ptr, stride_wfn, wr_ptr, stride_wrn, nw_ptr, part_ptr,
+    N, K, E, r_tiles, r_programs, a_splits, k_per_split,
+    FMT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PIPE: tl.constexpr,
+    R_BLOCK_N: tl.constexpr, R_BLOCK_K: tl.constexpr, R_PIPE: tl.constexpr, PDL: tl.constexpr = False,
+):
+    """grid (r_programs + cdiv(N, BLOCK_N),): the first r_programs write the router's partial logits of y without
+    its RMSNorm scale, part[s, E]: splits s < a_splits over K ranges of W_f a (W_f [E, K] = W_r diag(nw) W,
+    fold_router), the rest over N ranges of W_r (nw * res); the others are the GEMV's row tiles,
+    y[N] = W[N, K] a[K] + res, as gemv's split-free launch (a float-format W)."""
+    pdl_begin(PDL)
+    pid = tl.program_id(0)
+    if pid < r_programs:
+        n0 = (pid % r_tiles) * R_BLOCK_N
+        s = pid // r_tiles
+        if s < a_splits:
+            k_lo = s * k_per_split
+            acc = _tile_bf16(wf_ptr, stride_wfn, a_ptr, a_ptr, n0, E, k_lo, tl.minimum(k_lo + k_per_split, K), False,
+                             R_BLOCK_N, R_BLOCK_K, R_PIPE)
+        else:
+            k_lo = (s - a_splits) * k_per_split
+            acc = _tile_bf16(wr_ptr, stride_wrn, res_ptr, nw_ptr, n0, E, k_lo, tl.minimum(k_lo + k_per_split, N),
+                             True, R_BLOCK_N, R_BLOCK_K, R_PIPE)
+        offs_e = n0 + tl.arange(0, R_BLOCK_N)
+        tl.store(part_ptr + s * E + offs_e, acc, mask=offs_e < E)
+    else:
+        n_start = (pid - r_programs) * BLOCK_N
+        acc = _tile(FMT, w_ptr, stride_wn, s_ptr, stride_sn, stride_sk, gs_ptr, a_ptr, a_ptr, 0, n_start, N, 0, K,
+                    False, BLOCK_N, BLOCK_K, PIPE)
+        offs_n = n_start + tl.arange(0, BLOCK_N)
+        _store_out(acc, offs_n, offs_n < N, y_ptr, y_ptr, res_ptr, False, True)
+
+
+def fold_router(router_weight: torch.Tensor, norm_weight: torch.Tensor, w: WeightHandle,
+                dtype: torch.dtype | None = None) -> torch.Tensor:
+    """W_f [E, K] = W_r diag(nw) W for gemv_route: the router's logits of y = W a + x (before y's RMSNorm scale) are
+    W_f a + W_r (nw * x). W is taken as the GEMV reads it (dequantized), the product in fp32, kept in dtype (default:
+    the router's; bf16 rounds each folded weight once, ~2^-9 relative: the size of rounding y to bf16)."""
+    E, N = router_weight.shape
+    if w.num_experts or w.out_features != N or is_fp4(w.fmt):
+        raise ValueError(f"fold_router: w must be a float-format [{N}, K] matrix (the router reads its {N} outputs), "
+                         f"got {w.fmt} [{w.out_features}, {w.in_features}]" + (" experts" if w.num_experts else ""))
+    check_vec(norm_weight, N, router_weight.device, "norm_weight")
+    wf = (router_weight.float() * norm_weight.float()) @ dequantize(w).float()
+    return wf.to(dtype or router_weight.dtype).contiguous()
+
+
+def gemv_route(a: torch.Tensor, w: WeightHandle, residual: torch.Tensor, w_fold: torch.Tensor,
+               router_weight: torch.Tensor, norm_weight: torch.Tensor, cfg: RouterConfig, *,
+               router_bias: torch.Tensor | None = None,
+               correction_bias: torch.Tensor | None = None, eps: float = 1e-6, out: torch.Tensor | None = None,
+               routing: Routing | None = None, config: TileConfig | None = None,
+               router_config: TileConfig = TileConfig(8, 512), router_k_steps: int = 2
+               ) -> tuple[torch.Tensor, PendingRouting]:
+    """y = W a + residual, and in the same launch the router's partial logits of RMSNorm(y): the router
+    launch between this GEMV and the experts folded away (o_proj in front of a MoE layer). Returns (y, a
+    PendingRouting for moe_experts(y, select=)), whose GLU launch scales the logits by y's RMSNorm scale (computed
+    there, as the experts' own norm) and picks the top-k. w_fold = fold_router(router_weight, norm_weight, w).
+    W: bf16 / fp16 / fp32 / fp8 / fp8_block (an fp4 W reads a in the x8 layout: not here), no bias (its logit
+    term W_r (nw * b) is not folded: gpt-oss's o_proj keeps the router launch). The GEMV's row tiles are
+    gemv's (config, else its rows-first rule) without split-K; the router rows run router_config's tiles over K
+    ranges of router_k_steps K steps each (W_f over a, then W_r over the residual)."""
+    from .gemv import ROWS_FIRST, rows_first
+    if w.num_experts or is_fp4(w.fmt):
+        raise ValueError(f"gemv_route: w must be one float-format matrix (bf16 / fp16 / fp32 / fp8 / fp8_block), got "
+                         f"{w.fmt}" + (" experts" if w.num_experts else ""))
+    N, K = w.out_features, w.in_features
+    dev = w.device
+    check_x(a, K, dev, "a")
+    check_vec(residual, N, dev, "residual")
+    if (router_weight.dim() != 2 or router_weight.shape[1] != N or not router_weight.is_floating_point()
+            or router_weight.stride(-1) != 1 or router_weight.device != dev):
+        raise ValueError(f"gemv_route: router_weight must be a float [E, {N}] with contiguous rows on {dev}, got "
+                         f"{router_weight.dtype} {tuple(router_weight.shape)} on {router_weight.device}")
+    E = router_weight.shape[0]
+    if (tuple(w_fold.shape) != (E, K) or not w_fold.is_floating_point() or w_fold.stride(-1) != 1
+            or w_fold.device != dev):
+        raise ValueError(f"gemv_route: w_fold must be fold_router's float [{E}, {K}] on {dev}, got {w_fold.dtype} "
+                         f"{tuple(w_fold.shape)} on {w_fold.device}")
+    check_vec(norm_weight, N, dev, "norm_weight")
+    check_vec(router_bias, E, dev, "router_bias")
+    check_vec(correction_bias, E, dev, "correction_bias")
+    if not isinstance(router_k_steps, int) or router_k_steps < 1:
+        raise ValueError(f"gemv_route: router_k_steps {router_k_steps!r}: expected an int >= 1")
+    routing = _routing_out(cfg, E, dev, routing, "gemv_route")
+    y = make_out(a, N, out)
+    tiles = resolve_config(w, config)
+    if ROWS_FIRST and config is None:
+        tiles = rows_first(tiles, N, K, w.fmt, dev)
+    kps = router_k_steps * router_config.block_k
+    a_splits, x_splits = triton.cdiv(K, kps), triton.cdiv(N, kps)
+    r_tiles = triton.cdiv(E, router_config.block_n)
+    split = a_splits + x_splits
+    part = torch.empty(split * E, dtype=torch.float32, device=dev)  # partial logits [split, E]
+    _gemv_route_kernel[(r_tiles * split + triton.cdiv(N, tiles.block_n),)](
+        a, *weight_args(w), residual, y,
+        w_fold, w_fold.stride(0), router_weight, router_weight.stride(0), norm_weight, part,
+        N, K, E, r_tiles, r_tiles * split, a_splits, kps,
+        FMT=FMT_ID[w.fmt], BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+        PIPE=tiles.prefetch, R_BLOCK_N=router_config.block_n, R_BLOCK_K=router_config.block_k,
+        R_PIPE=router_config.prefetch, num_warps=tiles.num_warps, num_stages=tiles.num_stages, **launch_kw(dev)
+    )
+    return y, PendingRouting(routing.ids, routing.weights, routing.logits, part, split, True, cfg, router_bias,
+                             correction_bias, eps, rstd_x=y)
 
 
 def route_ref(x, router_weight, cfg: RouterConfig, *, router_bias=None, correction_bias=None, norm_weight=None,
@@ -402,7 +525,7 @@ def _expert_glu_kernel(
     PAIR: tl.constexpr = False,
     # SELECT (route(defer=True)): this launch scores the router's partial logits and picks the top-k itself
     rpart_ptr=None, rb_ptr=None, rcorr_ptr=None, logits_ptr=None, wts_ptr=None, scaling=1.0, E=1,
-    SELECT: tl.constexpr = False, SEL_NW: tl.constexpr = False, SEL_BIAS: tl.constexpr = False,
+    SELECT: tl.constexpr = False, SEL_NW: tl.constexpr = 0, SEL_BIAS: tl.constexpr = False,
     SEL_CORR: tl.constexpr = False, SCORE: tl.constexpr = 0, NORM_TOPK: tl.constexpr = True,
     N_GROUP: tl.constexpr = 1, GROUP_SIZE: tl.constexpr = 1, TOPK_GROUP: tl.constexpr = 1,
     GROUP_TOP2: tl.constexpr = False, TOP_K: tl.constexpr = 1, SPLIT_K: tl.constexpr = 1, BLOCK_G: tl.constexpr = 1,
@@ -414,15 +537,21 @@ def _expert_glu_kernel(
     instead of two loops that load it twice.
     SELECT: ids come from the router's partial logits (rpart_ptr, route(defer=True)): every program runs the top-k
     (_route_topk, the router tail's own code) and takes its slot's id; program (0, 0) stores ids / weights / logits
-    for the down launch. SEL_NW: the router normed x, so the RMSNorm scale comes from its sums of x^2 too."""
+    for the down launch. SEL_NW, the logits' RMSNorm scale: 0 none; 1 the router normed x, so the scale comes from
+    its sums of x^2 (and serves the experts' norm too); 2 (gemv_route: the logits come unscaled) this launch's own
+    scale of x, in front of the top-k."""
     pdl_begin(PDL)
     pid_n = tl.program_id(0)
     slot = tl.program_id(1)
     if SELECT:
-        sel_ids, sel_wts, sel_logit, rstd_sel = _route_topk(rpart_ptr, rb_ptr, rcorr_ptr, scaling, E, K, eps, SEL_NW,
-                                                            SEL_BIAS, SEL_CORR, SCORE, NORM_TOPK,
-                                                            N_GROUP, GROUP_SIZE, TOPK_GROUP, GROUP_TOP2, TOP_K,
-                                                            SPLIT_K, BLOCK_G, BLOCK_S, BLOCK_TOPK)
+        rstd_sel = 1.0
+        if SEL_NW == 1:
+            rstd_sel = _route_rstd(rpart_ptr, E, K, eps, SPLIT_K)
+        elif SEL_NW == 2:
+            rstd_sel = _rstd(x_ptr, K, eps, BLOCK_X)
+        sel_ids, sel_wts, sel_logit = _route_topk(rpart_ptr, rstd_sel, rb_ptr, rcorr_ptr, scaling, E, SEL_BIAS,
+                                                  SEL_CORR, SCORE, NORM_TOPK, N_GROUP, GROUP_SIZE, TOPK_GROUP,
+                                                  GROUP_TOP2, TOP_K, SPLIT_K, BLOCK_G, BLOCK_S, BLOCK_TOPK)
         if (pid_n == 0) & (slot == 0):
             _route_store(sel_ids, sel_wts, sel_logit, logits_ptr, ids_ptr, wts_ptr, N_GROUP, GROUP_SIZE, TOP_K,
                          BLOCK_G, BLOCK_S, BLOCK_TOPK)
@@ -444,7 +573,7 @@ def _expert_glu_kernel(
     offs_n = n_start + tl.arange(0, BLOCK_N)
     n_mask = offs_n < I
     if HAS_NW:
-        if SELECT and SEL_NW:  # the same x and eps: the router's scale (no re-read of x)
+        if SELECT and SEL_NW != 0:  # the same x and eps: the scale the top-k used (SEL_NW 1: no re-read of x)
             r = rstd_sel
         else:
             r = _rstd(x_ptr, K, eps, BLOCK_X)
@@ -579,7 +708,7 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gat
     if mma_launch and not mma:
         raise ValueError(f"moe_experts: {sorted(mma_launch)} apply to the tensor-core path only (mma=True)")
     if select is not None:
-        _check_select(select, ids, weights, E, mma, norm_weight, eps)
+        _check_select(select, x, ids, weights, E, w_gate.fmt, mma, norm_weight, eps)
     if mma:
         from .fp4_mma_experts import moe_experts_mma  # it imports this module: not at the top
         return moe_experts_mma(x, ids, weights, w_gate, w_up, w_down, act_id=ACT_ID[act], limit=limit, alpha=alpha,
@@ -598,9 +727,9 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gat
         sel = dict(rpart_ptr=p, rb_ptr=select.router_bias if select.router_bias is not None else p,
                    rcorr_ptr=select.correction_bias if select.correction_bias is not None else p,
                    logits_ptr=select.logits, wts_ptr=weights, scaling=float(c.routed_scaling_factor),
-                   E=E, SELECT=True, SEL_NW=select.normed,   # E: _check_select held the router to the stacks'
+                   E=E, SELECT=True, SEL_NW=2 if select.rstd_x is not None else int(select.normed),
                    SEL_BIAS=select.router_bias is not None, SEL_CORR=select.correction_bias is not None,
-                   **_select_meta(c, E, select.split))
+                   **_select_meta(c, E, select.split))   # E: _check_select held the router to the stacks' count
         if select.normed:
             eps = select.eps  # the router's scale; _check_select refused an experts' norm with another eps
     _expert_glu_kernel[(triton.cdiv(I, cu.block_n), top_k)](
@@ -630,7 +759,7 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gat
     return y
 
 
-def _check_select(select, ids, weights, E: int, mma: bool, norm_weight, eps: float):
+def _check_select(select, x, ids, weights, E: int, fmt: str, mma: bool, norm_weight, eps: float):
     """moe_experts(select=): a PendingRouting of this stack, whose buffers are ids / weights, on the CUDA cores."""
     if not isinstance(select, PendingRouting):
         raise ValueError(f"moe_experts: select must be route(defer=True)'s PendingRouting, got {type(select).__name__}")
@@ -641,6 +770,12 @@ def _check_select(select, ids, weights, E: int, mma: bool, norm_weight, eps: flo
         raise ValueError(f"moe_experts: select routes over {select.logits.numel()} experts, the stacks hold {E}")
     if mma:
         raise ValueError("moe_experts: select= needs the CUDA-core expert launches (mma=False)")
+    if select.rstd_x is not None and not (x.data_ptr() == select.rstd_x.data_ptr() and x.numel() == select.rstd_x.numel()
+                                          and x.dtype == select.rstd_x.dtype):
+        raise ValueError("moe_experts: select= is gemv_route's: x must be its output y (the logits take y's RMSNorm "
+                         "scale in the GLU launch)")
+    if select.rstd_x is not None and is_fp4(fmt):
+        raise ValueError(f"moe_experts: select= from gemv_route needs float experts (they read y itself), got {fmt}")
     if select.normed and norm_weight is not None and eps != select.eps:
         raise ValueError(f"moe_experts: norm eps {eps} differs from the router's {select.eps} (select= shares its "
                          f"RMSNorm scale)")

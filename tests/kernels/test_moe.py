@@ -4,8 +4,9 @@ import pytest
 import torch
 import triton
 
-from kie_moe.kernels.gemv import TileConfig
-from kie_moe.kernels.moe import PendingRouting, RouterConfig, moe_experts, moe_experts_ref, route, route_ref
+from kie_moe.kernels.gemv import TileConfig, gemv, gemv_ref
+from kie_moe.kernels.moe import (PendingRouting, RouterConfig, fold_router, gemv_route, moe_experts, moe_experts_ref,
+                                 route, route_ref)
 from kie_moe.kernels.weights import WeightHandle, random_weight
 
 from .helpers import DEV, FORMATS, assert_close, needs_device
@@ -191,6 +192,77 @@ def test_deferred_routing_errors():
         moe_experts(x, p.ids, p.weights, *_experts("bf16", 5, I, H, seed=45), select=p)
     with pytest.raises(ValueError, match="select must be route\\(defer=True\\)'s PendingRouting"):
         moe_experts(x, p.ids, p.weights, wg, wu, wd, select=route(x, w, cfg))
+
+
+@pytest.mark.parametrize("name,o_fmt,e_fmt,k_steps", [
+    ("softmax_norm", "fp8", "fp8", 1), ("softmax_raw", "bf16", "fp8_block", 2), ("sigmoid_groups", "fp8_block", "bf16", 1),
+    ("softmax_groups_max", "fp8", "bf16", 3), ("softmax_topk_bias", "bf16", "fp8", 1)])
+def test_router_folded_into_the_gemv_in_front(name, o_fmt, e_fmt, k_steps):
+    """gemv_route (the router launch folded into o_proj's): y equals gemv's own y bit for bit, and the experts' GLU
+    launch, scaling the folded logits by y's RMSNorm scale, picks route_ref's experts on y with its weights and
+    logits, whatever the router variant, the o_proj format, the K ranges of the router rows (32 / 64 / 96 columns:
+    5 / 3 / 2 ragged ranges over a's K = 136, 3 / 2 / 1 over the residual's N = 96); y after the experts matches
+    moe_experts_ref on that routing. fp32 activations and folded weights, as the interpreter's graph backend."""
+    E, cfg, extra = ROUTERS[name]
+    N, K, I = 96, 136, 64
+    f32 = torch.float32
+    wo = random_weight(o_fmt, N, K, seed=50, device=DEV)
+    a, x = _t(K, seed=51, dtype=f32), _t(N, seed=52, dtype=f32, scale=3.0)
+    w_r, nw = _t(E, N, seed=53, scale=0.2, dtype=f32), _t(N, seed=54, dtype=f32)
+    kw = {}
+    if "correction_bias" in extra:
+        kw["correction_bias"] = _t(E, seed=55, dtype=f32, scale=0.1)
+    if "router_bias" in extra:
+        kw["router_bias"] = _t(E, seed=56, dtype=f32, scale=0.5)
+    o_tiles = TileConfig(8, 32)
+    w_f = fold_router(w_r, nw, wo)
+    assert w_f.dtype == f32 and w_f.shape == (E, K)
+    y, p = gemv_route(a, wo, x, w_f, w_r, nw, cfg, eps=1e-5, config=o_tiles,
+                      router_config=TileConfig(8, 32), router_k_steps=k_steps, **kw)
+    assert isinstance(p, PendingRouting) and p.rstd_x is y and p.split == -(-K // (32 * k_steps)) + -(-N // (32 * k_steps))
+    assert torch.equal(y, gemv(a, wo, residual=x, config=o_tiles)), "gemv_route's y differs from gemv's"
+    assert_close(y, gemv_ref(a, wo, residual=x), what=f"{o_fmt} y")
+    for t in (p.ids, p.weights, p.logits):   # nothing selected yet: poison what the GLU launch must write
+        t.fill_(-7)
+    wg, wu, wd = _experts(e_fmt, E, I, N, seed=58)
+    res = _t(N, seed=59, dtype=f32)
+    cfg_e = TileConfig(16, 32, num_warps=2)
+    out = moe_experts(y, p.ids, p.weights, wg, wu, wd, residual=res, norm_weight=nw, eps=1e-5,
+                      out=torch.empty(N, device=DEV), config_up=cfg_e, config_down=cfg_e, select=p)
+    want_r = route_ref(y, w_r, cfg, norm_weight=nw, eps=1e-5, **kw)
+    assert p.ids.tolist() == want_r.ids.tolist(), f"{name}: folded ids {p.ids.tolist()} vs {want_r.ids.tolist()}"
+    assert_close(p.weights, want_r.weights, what=f"{name} folded weights")
+    assert_close(p.logits, want_r.logits, what=f"{name} folded logits")
+    want = moe_experts_ref(y, want_r.ids, want_r.weights, wg, wu, wd, residual=res, norm_weight=nw, eps=1e-5,
+                           out_dtype=f32)
+    assert_close(out, want, what=f"{name} {e_fmt} experts after the folded router")
+
+
+def test_router_fold_errors():
+    E, cfg, _ = ROUTERS["softmax_norm"]
+    N, K, f32 = 64, 96, torch.float32
+    wo = random_weight("fp8", N, K, seed=60, device=DEV)
+    a, x, nw = _t(K, seed=61, dtype=f32), _t(N, seed=62, dtype=f32), _t(N, seed=63, dtype=f32)
+    w_r = _t(E, N, seed=64, dtype=f32, scale=0.2)
+    w_f = fold_router(w_r, nw, wo)
+    with pytest.raises(ValueError, match="fold_router: w must be a float-format \\[64, K\\] matrix"):
+        fold_router(w_r, nw, random_weight("nvfp4", N, K, seed=65, device=DEV))
+    with pytest.raises(ValueError, match="gemv_route: w must be one float-format matrix"):
+        gemv_route(a, random_weight("mxfp4", N, K, seed=66, device=DEV), x, w_f, w_r, nw, cfg)
+    with pytest.raises(ValueError, match="gemv_route: w_fold must be fold_router's float \\[20, 96\\]"):
+        gemv_route(a, wo, x, w_f[:, :64].contiguous(), w_r, nw, cfg)
+    with pytest.raises(ValueError, match="gemv_route: router_weight must be a float \\[E, 64\\]"):
+        gemv_route(a, wo, x, w_f, w_r[:, :32].contiguous(), nw, cfg)
+    with pytest.raises(ValueError, match="gemv_route: top_k 30 / n_group 1 do not fit 20 experts"):
+        gemv_route(a, wo, x, w_f, w_r, nw, RouterConfig(top_k=30))
+    with pytest.raises(ValueError, match="gemv_route: router_k_steps 0"):
+        gemv_route(a, wo, x, w_f, w_r, nw, cfg, router_k_steps=0)
+    y, p = gemv_route(a, wo, x, w_f, w_r, nw, cfg)
+    wg, wu, wd = _experts("bf16", E, 32, N, seed=67)
+    with pytest.raises(ValueError, match="select= is gemv_route's: x must be its output y"):
+        moe_experts(x, p.ids, p.weights, wg, wu, wd, norm_weight=nw, select=p)
+    with pytest.raises(ValueError, match="select= from gemv_route needs float experts"):
+        moe_experts(y, p.ids, p.weights, *_experts("nvfp4", E, 32, N, seed=68), mma=False, select=p)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
