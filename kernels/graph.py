@@ -29,7 +29,7 @@ from kie_moe.models.spec import canonical
 from .attention import gqa_decode, mla_decode, rope_gqa_decode
 from .fp4_mma import pack_for_mma
 from .gemv import gemv, gemv_glu, is_fp4, prepare_x8, use_mma
-from .moe import RouterConfig, Routing, moe_experts, route, use_mma_experts
+from .moe import RouterConfig, Routing, fold_router, gemv_route, moe_experts, route, use_mma_experts
 from .prefill import Prefill
 from .rope import mla_rope_append, rope_append, rope_tables
 from .sampling import DeviceSampler
@@ -58,6 +58,12 @@ ROUTER_XN = os.environ.get("KIE_ROUTER_XN", "0") == "1"
 # one order, so their routing weights are bit-equal (float experts' RMSNorm scale still comes from other sums of x^2,
 # ~1 ULP apart: NOTES.md session 21); KIE_SELECT_IN_EXPERTS=0 turns it off.
 SELECT_IN_EXPERTS = os.environ.get("KIE_SELECT_IN_EXPERTS", "1") != "0"
+# With SELECT_IN_EXPERTS, the router launch is a plain 0.5 MB GEMV between o_proj and the expert GLU (qwen3-30b-a3b
+# fp8: ~4 us of a ~46 us layer, session 21): KIE_ROUTER_FOLD=1 folds it into o_proj's launch (moe.gemv_route: extra
+# programs stream W_r diag(nw) W_o over the attention output and W_r over nw * the residual; the GLU launch scales
+# the logits by its own RMSNorm scale of x'). Where o_proj is float without a bias and the experts float on the CUDA
+# cores. An experiment, off until timed on a GPU (NOTES.md session 22).
+ROUTER_FOLD = os.environ.get("KIE_ROUTER_FOLD", "0") == "1"
 
 
 class HandleStore:
@@ -217,6 +223,8 @@ class GraphBackend:
                 for part in ("gate", "up", "down"):
                     L["m_" + part] = W.handle(c(f"mlp.{part}"))
                     L["mb_" + part] = W.vec(c(f"mlp.{part}_bias"))
+            if self._folds_router(L, lay):
+                L["router_fold"] = fold_router(L["router"], L["mlp_norm"], L["o"])
             self.layers.append(L)
         self.bytes_per_token = self._bytes_per_token()
         self.final_norm = W.vec("final_norm")
@@ -246,7 +254,7 @@ class GraphBackend:
                 if isinstance(v, WeightHandle):
                     frac = L["spec"].moe.top_k / v.num_experts if v.num_experts else 1.0
                     n += int(v.nbytes * frac)
-                elif isinstance(v, torch.Tensor) and k in ("router", "kv_b"):
+                elif isinstance(v, torch.Tensor) and k in ("router", "router_fold", "kv_b"):
                     n += v.numel() * v.element_size()
         return n + self.lm_head.nbytes
 
@@ -309,8 +317,13 @@ class GraphBackend:
                             style=a.rope.style, kv_norm=L["kv_a_norm"], eps=eps)
             o = mla_decode(q, self.caches[i], L["kv_b"], self.pos, nope=a.qk_nope_head_dim, v_head_dim=a.v_head_dim,
                            softmax_scale=a.softmax_scale, window=L["spec"].sliding_window)
-        gemv(None if o8 else o.reshape(-1), L["o"], bias=L.get("o_bias"), residual=x, out=self.x2,
-             x8=o if o8 else None)
+        if "router_fold" in L:   # o_proj's launch also writes the MoE router's partial logits (ROUTER_FOLD)
+            _, self.pending = gemv_route(o.reshape(-1), L["o"], x, L["router_fold"], L["router"], L["mlp_norm"],
+                                         L["rcfg"], router_bias=L["router_bias"], correction_bias=L["score_bias"],
+                                         eps=eps, out=self.x2, routing=L["routing"])
+        else:
+            gemv(None if o8 else o.reshape(-1), L["o"], bias=L.get("o_bias"), residual=x, out=self.x2,
+                 x8=o if o8 else None)
         self._swap()
 
     def _ffn(self, L, lay):
@@ -325,9 +338,12 @@ class GraphBackend:
         m = lay.moe
         x8 = self.x8 if self.x8 is not None and is_fp4(L["e_gate"].fmt) else None
         xn = self.xn if self.xn is not None and not is_fp4(L["e_gate"].fmt) else None
-        defer = SELECT_IN_EXPERTS and not use_mma_experts(L["e_gate"], L["e_up"], L["e_down"], L["rcfg"].top_k)
-        r = route(x, L["router"], L["rcfg"], router_bias=L["router_bias"], correction_bias=L["score_bias"],
-                  norm_weight=L["mlp_norm"], eps=eps, out=L["routing"], x8_out=x8, xn_out=xn, defer=defer)
+        if "router_fold" in L:     # o_proj's launch wrote the partial logits of this x (gemv_route)
+            r, defer = self.pending, True
+        else:
+            defer = SELECT_IN_EXPERTS and not use_mma_experts(L["e_gate"], L["e_up"], L["e_down"], L["rcfg"].top_k)
+            r = route(x, L["router"], L["rcfg"], router_bias=L["router_bias"], correction_bias=L["score_bias"],
+                      norm_weight=L["mlp_norm"], eps=eps, out=L["routing"], x8_out=x8, xn_out=xn, defer=defer)
         act = "gpt_oss" if m.expert_act == "gptoss_glu" else "silu"
         # xn: the router's normed x, so no norm here (residual stays the un-normed x)
         moe_experts(x if xn is None else xn, r.ids, r.weights, L["e_gate"], L["e_up"], L["e_down"], act=act,
@@ -345,6 +361,16 @@ class GraphBackend:
                 sh = sh * torch.sigmoid(g)
             self.x2.add_(sh)
         self._swap()
+
+    @staticmethod
+    def _folds_router(L: dict, lay) -> bool:
+        """ROUTER_FOLD's layers: a MoE layer whose float experts pick the top-k in their GLU launch (select, CUDA
+        cores), behind a float o_proj without a bias, with the router's RMSNorm (gemv_route's conditions)."""
+        if not (ROUTER_FOLD and SELECT_IN_EXPERTS and not ROUTER_XN and lay.moe is not None and "o" in L):
+            return False
+        experts = (L["e_gate"], L["e_up"], L["e_down"])
+        return (not is_fp4(L["o"].fmt) and L.get("o_bias") is None and L["mlp_norm"] is not None
+                and not is_fp4(L["e_gate"].fmt) and not use_mma_experts(*experts, lay.moe.top_k))
 
     @staticmethod
     def _x8_out(w: WeightHandle) -> bool:

@@ -389,14 +389,14 @@ def _gemv_route_kernel(
         s = pid // r_tiles
         if s < a_splits:
             k_lo = s * k_per_split
-            acc = _tile_bf16(wf_ptr, stride_wfn, a_ptr, a_ptr, n0, E, k_lo, tl.minimum(k_lo + k_per_split, K), False,
+            lg = _tile_bf16(wf_ptr, stride_wfn, a_ptr, a_ptr, n0, E, k_lo, tl.minimum(k_lo + k_per_split, K), False,
                              R_BLOCK_N, R_BLOCK_K, R_PIPE)
         else:
             k_lo = (s - a_splits) * k_per_split
-            acc = _tile_bf16(wr_ptr, stride_wrn, res_ptr, nw_ptr, n0, E, k_lo, tl.minimum(k_lo + k_per_split, N),
+            lg = _tile_bf16(wr_ptr, stride_wrn, res_ptr, nw_ptr, n0, E, k_lo, tl.minimum(k_lo + k_per_split, N),
                              True, R_BLOCK_N, R_BLOCK_K, R_PIPE)
         offs_e = n0 + tl.arange(0, R_BLOCK_N)
-        tl.store(part_ptr + s * E + offs_e, acc, mask=offs_e < E)
+        tl.store(part_ptr + s * E + offs_e, lg, mask=offs_e < E)
     else:
         n_start = (pid - r_programs) * BLOCK_N
         acc = _tile(FMT, w_ptr, stride_wn, s_ptr, stride_sn, stride_sk, gs_ptr, a_ptr, a_ptr, 0, n_start, N, 0, K,

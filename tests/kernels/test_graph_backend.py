@@ -99,6 +99,41 @@ def test_top_k_picked_in_the_expert_launch_in_the_decode_step(case, fmt, tmp_pat
     assert_logits_close(runs[True][1], want_logits)
 
 
+@pytest.mark.parametrize("case,fmt,folds", [("qwen3_moe_norm", "fp8", True), ("deepseek_v3", None, True),
+                                            ("qwen2_moe", "fp8-block", True), ("gpt_oss", None, False)])
+def test_router_folded_into_o_proj_in_the_decode_step(case, fmt, folds, tmp_path, monkeypatch):
+    """KIE_ROUTER_FOLD (off by default): o_proj's launch writes the router's partial logits (moe.gemv_route) and the
+    experts' GLU launch scales them and picks the top-k: the reference decoder's greedy tokens, and last logits equal
+    to the router launch's path up to reassociation (Qwen3-MoE fp8 o_proj and experts, renormalised top-k; DeepSeek-V3
+    MLA o_proj, sigmoid groups, correction bias; Qwen2-MoE fp8-block experts (the tiny o_proj falls back to per-row
+    fp8) and a shared expert with its gate). gpt-oss (an o_proj bias, whose logit term the fold does not carry) keeps
+    the router launch."""
+    import kie_moe.kernels.graph as G
+    make_checkpoint(case, str(tmp_path))
+    m = load_model(str(tmp_path))
+    if fmt is not None:
+        from kie_moe.models.registry import LoadedModel
+        from kie_moe.synthetic import QuantizingStore
+        m = LoadedModel(m.path, m.config, m.spec, QuantizingStore(m.weights, fmt))
+    prompt = list(range(7, 15))
+    seen = []
+    fold = G.gemv_route
+    monkeypatch.setattr(G, "gemv_route", lambda *a, **k: seen.append(1) or fold(*a, **k))
+    runs = {}
+    for on in (False, True):
+        monkeypatch.setattr(G, "ROUTER_FOLD", on)
+        seen.clear()
+        be = GraphBackend(m, torch.device("cpu"))
+        runs[on] = (list(be.generate(prompt, SamplingParams(max_new_tokens=STEPS, ignore_eos=True), set())),
+                    be.logits.float().clone())
+        moe_layers = sum(lay.moe is not None for lay in m.spec.layers)
+        assert len(seen) == (STEPS * moe_layers if on and folds else 0)
+    want, want_logits = ref_greedy(m, prompt, STEPS)
+    assert runs[True][0] == runs[False][0] == want
+    assert_logits_close(runs[True][1], runs[False][1], rel=1e-5)
+    assert_logits_close(runs[True][1], want_logits)
+
+
 @pytest.mark.parametrize("case", ["qwen3", "gpt_oss"])
 def test_fused_rope_attention_step_equals_the_two_launches(case, tmp_path, monkeypatch):
     """KIE_FUSED_ROPE_ATTN's path (attention.rope_gqa_decode) in the whole decode step: the same tokens and the
