@@ -56,7 +56,8 @@ from kie_moe.kernels.fp4_mma import (MMA_MAXNREG, MMA_ROW_BLOCKS, MMA_WARPS, gem
 from kie_moe.kernels.fp4_mma_experts import (MMA_EXPERT_WARPS, MMA_GLU_K_SPLIT, MMA_GLU_MAXNREG,
                                              auto_down_row_blocks, glu_k_chunks)
 from kie_moe.kernels.gemv import DEFAULT_GLU_TILES, DEFAULT_TILES, TileConfig, gemv, gemv_glu, gemv_ref, prepare_x8
-from kie_moe.kernels.moe import DEFAULT_EXPERT_TILES, RouterConfig, Routing, moe_experts, route
+from kie_moe.kernels.moe import (DEFAULT_EXPERT_TILES, RouterConfig, Routing, fold_router, gemv_route, moe_experts,
+                                 route)
 from kie_moe.kernels.rope import rope_append
 from kie_moe.kernels.weights import random_weight
 
@@ -630,6 +631,44 @@ def check_rows(fmt, N, K) -> float:
     return float((got - want).abs().max() / want.abs().max())
 
 
+def bench_oproj_moe(name, attn_fmt, ffn_fmt, m, H, Kq, probe, rep_ms, fold):
+    """o_proj (+ residual), the router and both CUDA-core expert launches with the top-k picked in the expert GLU
+    launch, as the graph backend runs them: the router as its own launch (fold False: gemv + route(defer=True)) or
+    folded into o_proj's (fold True: moe.gemv_route, KIE_ROUTER_FOLD). o_proj / router / folded weights rotate over
+    copies (every call routes to other experts, o_proj comes from HBM). Bytes: o_proj + router (+ the folded rows)
+    + top_k experts."""
+    E, k = m["experts"], m["top_k"]
+    wg, wu, wd, per_expert, bias = _expert_stacks(ffn_fmt, m, H)
+    cfg = RouterConfig(top_k=k, scoring=m["router"])
+    wo0 = random_weight(attn_fmt, H, Kq, seed=10, device=DEV)
+    o_bytes = wo0.nbytes
+    n = n_copies(o_bytes + E * (H + Kq) * 2)
+    wos = [wo0] + [random_weight(attn_fmt, H, Kq, seed=10 + i, device=DEV) for i in range(1, n)]
+    wrs = [(torch.randn(E, H, device=DEV) * 0.05).to(torch.bfloat16) for _ in range(n)]
+    a, x, nw = _x(Kq), _f32(H), _f32(H)
+    wfs = [fold_router(wr, nw, wo) for wr, wo in zip(wrs, wos)] if fold else None
+    rb = torch.randn(E, device=DEV) if m.get("bias") else None
+    out = Routing(torch.empty(k, dtype=torch.int32, device=DEV), torch.empty(k, device=DEV),
+                  torch.empty(E, device=DEV))
+    x1, y = torch.empty(H, device=DEV), torch.empty(H, device=DEV)
+
+    def call(i):
+        if fold:
+            _, r = gemv_route(a, wos[i], x, wfs[i], wrs[i], nw, cfg, router_bias=rb, out=x1, routing=out)
+        else:
+            gemv(a, wos[i], residual=x, out=x1)
+            r = route(x1, wrs[i], cfg, norm_weight=nw, router_bias=rb, out=out, defer=True)
+        moe_experts(x1, r.ids, r.weights, wg, wu, wd, act=m["act"], norm_weight=nw, residual=x1, out=y, mma=False,
+                    select=r, **bias)
+
+    us, us_e = timed(call, n, rep_ms)
+    extra = dict(kernels_us=kernel_us(call, n))
+    nbytes = o_bytes + E * H * 2 + (E * Kq * 2 if fold else 0) + k * per_expert
+    return row(name, us, nbytes, probe, us_e, fmt=ffn_fmt, fn="gemv_route+moe_experts" if fold else
+               "gemv+route+moe_experts", shape=[E, k, m["inter"], H, Kq], launches=3 if fold else 4, ab_row=True,
+               **extra)
+
+
 def _layer_ops(spec, attn_fmt, ffn_fmt):
     """(key, label, thunk -> row) for every launch of one layer in this plan; keys let plans share a measurement
     (the same bf16 attention in two plans is timed once)."""
@@ -660,6 +699,11 @@ def _layer_ops(spec, attn_fmt, ffn_fmt):
             lab2 = f"router + experts{' (top-k in the expert launch)' if defer else ''}"
             ops.append((("moe-block", ffn_fmt, defer), lab2, lambda probe, rep, lab2=lab2, defer=defer:
                         bench_moe_block(lab2, ffn_fmt, m, H, probe, rep, defer)))
+        if attn_fmt not in FP4 and not fp4:   # KIE_ROUTER_FOLD's A/B (session 22's prediction)
+            for fold in (False, True):
+                lab3 = f"o_proj + {'router folded in' if fold else 'router'} + experts (top-k in the expert launch)"
+                ops.append((("oproj-moe", attn_fmt, ffn_fmt, fold), lab3, lambda probe, rep, lab3=lab3, fold=fold:
+                            bench_oproj_moe(lab3, attn_fmt, ffn_fmt, m, H, hq * hd, probe, rep, fold)))
     else:
         I = spec["inter"]
         ops.append((("glu", ffn_fmt), "gate/up swiglu (rmsnorm fused)", lambda probe, rep: bench_gemv(
