@@ -62,8 +62,12 @@ SELECT_IN_EXPERTS = os.environ.get("KIE_SELECT_IN_EXPERTS", "1") != "0"
 # fp8: ~4 us of a ~46 us layer, session 21): KIE_ROUTER_FOLD=1 folds it into o_proj's launch (moe.gemv_route: extra
 # programs stream W_r diag(nw) W_o over the attention output and W_r over nw * the residual; the GLU launch scales
 # the logits by its own RMSNorm scale of x'). Where o_proj is float without a bias and the experts float on the CUDA
-# cores. An experiment, off until timed on a GPU (NOTES.md session 22).
-ROUTER_FOLD = os.environ.get("KIE_ROUTER_FOLD", "0") == "1"
+# cores. An experiment, off until timed on a GPU (NOTES.md session 22). KIE_ROUTER_FOLD=1 keeps the folded rows in
+# the model's dtype (bf16: ~2^-9 relative rounding of each, as HF's bf16 router input has), =fp32 in fp32 (2x the
+# bytes, routing as exact as the router launch's).
+ROUTER_FOLD = os.environ.get("KIE_ROUTER_FOLD", "0")
+if ROUTER_FOLD not in ("0", "1", "fp32"):
+    raise ValueError(f"KIE_ROUTER_FOLD={ROUTER_FOLD!r}: expected 0, 1 or fp32")
 
 
 class HandleStore:
@@ -224,7 +228,8 @@ class GraphBackend:
                     L["m_" + part] = W.handle(c(f"mlp.{part}"))
                     L["mb_" + part] = W.vec(c(f"mlp.{part}_bias"))
             if self._folds_router(L, lay):
-                L["router_fold"] = fold_router(L["router"], L["mlp_norm"], L["o"])
+                L["router_fold"] = fold_router(L["router"], L["mlp_norm"], L["o"],
+                                               torch.float32 if ROUTER_FOLD == "fp32" else None)
             self.layers.append(L)
         self.bytes_per_token = self._bytes_per_token()
         self.final_norm = W.vec("final_norm")
@@ -366,7 +371,7 @@ class GraphBackend:
     def _folds_router(L: dict, lay) -> bool:
         """ROUTER_FOLD's layers: a MoE layer whose float experts pick the top-k in their GLU launch (select, CUDA
         cores), behind a float o_proj without a bias, with the router's RMSNorm (gemv_route's conditions)."""
-        if not (ROUTER_FOLD and SELECT_IN_EXPERTS and not ROUTER_XN and lay.moe is not None and "o" in L):
+        if not (ROUTER_FOLD != "0" and SELECT_IN_EXPERTS and not ROUTER_XN and lay.moe is not None and "o" in L):
             return False
         experts = (L["e_gate"], L["e_up"], L["e_down"])
         return (not is_fp4(L["o"].fmt) and L.get("o_bias") is None and L["mlp_norm"] is not None

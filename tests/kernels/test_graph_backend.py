@@ -121,7 +121,7 @@ def test_router_folded_into_o_proj_in_the_decode_step(case, fmt, folds, tmp_path
     monkeypatch.setattr(G, "gemv_route", lambda *a, **k: seen.append(1) or fold(*a, **k))
     runs = {}
     for on in (False, True):
-        monkeypatch.setattr(G, "ROUTER_FOLD", on)
+        monkeypatch.setattr(G, "ROUTER_FOLD", "1" if on else "0")
         seen.clear()
         be = GraphBackend(m, torch.device("cpu"))
         runs[on] = (list(be.generate(prompt, SamplingParams(max_new_tokens=STEPS, ignore_eos=True), set())),

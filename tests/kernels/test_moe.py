@@ -238,6 +238,32 @@ def test_router_folded_into_the_gemv_in_front(name, o_fmt, e_fmt, k_steps):
     assert_close(out, want, what=f"{name} {e_fmt} experts after the folded router")
 
 
+def test_router_folded_in_bf16_moves_logits_by_its_rounding_only():
+    """fold_router(dtype=bf16) (the graph backend's KIE_ROUTER_FOLD=1 on a bf16 model): each folded weight rounded
+    once, so the logits differ from route_ref on y by at most rstd * |bf16(W_f) - W_f| @ |a| (plus fp32 sums); the
+    fp32 fold stays within the sums' error."""
+    E, cfg, _ = ROUTERS["softmax_norm"]
+    N, K, I, f32 = 96, 136, 32, torch.float32
+    wo = random_weight("fp8", N, K, seed=70, device=DEV)
+    a, x = _t(K, seed=71), _t(N, seed=72, dtype=f32, scale=3.0)
+    w_r, nw = _t(E, N, seed=73, scale=0.2), _t(N, seed=74, dtype=f32)
+    wg, wu, wd = _experts("bf16", E, I, N, seed=75)
+    exact = fold_router(w_r, nw, wo, torch.float32)
+    for dtype in (torch.bfloat16, torch.float32):
+        w_f = fold_router(w_r, nw, wo, dtype)
+        assert w_f.dtype == dtype
+        y, p = gemv_route(a, wo, x, w_f, w_r, nw, cfg, out=torch.empty(N, device=DEV), config=TileConfig(8, 32),
+                          router_config=TileConfig(8, 32))      # y in fp32, as the graph backend's residual stream
+        moe_experts(y, p.ids, p.weights, wg, wu, wd, norm_weight=nw, config_up=TileConfig(16, 32, num_warps=2),
+                    config_down=TileConfig(16, 32, num_warps=2), select=p)
+        want = route_ref(y, w_r, cfg, norm_weight=nw)
+        rstd = torch.rsqrt(y.float().pow(2).mean() + 1e-6)
+        bound = rstd * ((w_f.float() - exact).abs() @ a.float().abs()) + 1e-5 * want.logits.abs().max()
+        assert ((p.logits - want.logits).abs() <= bound).all(), f"{dtype}: logits moved past the folded rounding"
+        if dtype == torch.bfloat16:
+            assert (w_f.float() != exact).any()    # the bound is not vacuous: bf16 did round
+
+
 def test_router_fold_errors():
     E, cfg, _ = ROUTERS["softmax_norm"]
     N, K, f32 = 64, 96, torch.float32
