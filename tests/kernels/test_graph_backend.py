@@ -66,6 +66,27 @@ def test_router_xn_and_glu_pair_in_the_decode_step(case, tmp_path, monkeypatch):
     assert seen and all(seen)
 
 
+PROMPT = list(range(7, 15))
+
+
+def _tiny(case, fmt, tmp_path):
+    """A tiny `case` checkpoint, quantized on load to scheme `fmt` (None: as saved)."""
+    make_checkpoint(case, str(tmp_path))
+    m = load_model(str(tmp_path))
+    if fmt is None:
+        return m
+    from kie_moe.models.registry import LoadedModel
+    from kie_moe.synthetic import QuantizingStore
+    return LoadedModel(m.path, m.config, m.spec, QuantizingStore(m.weights, fmt))
+
+
+def _greedy(m):
+    """The graph backend's STEPS greedy tokens from PROMPT (CPU, interpreter) and the logits behind the last."""
+    be = GraphBackend(m, torch.device("cpu"))
+    return (list(be.generate(PROMPT, SamplingParams(max_new_tokens=STEPS, ignore_eos=True), set())),
+            be.logits.float().clone())
+
+
 @pytest.mark.parametrize("case,fmt", [("qwen3_moe_mixed", None), ("deepseek_v3", None), ("gpt_oss", None),
                                       ("qwen2_moe", "nvfp4")])
 def test_top_k_picked_in_the_expert_launch_in_the_decode_step(case, fmt, tmp_path, monkeypatch):
@@ -75,13 +96,7 @@ def test_top_k_picked_in_the_expert_launch_in_the_decode_step(case, fmt, tmp_pat
     MLA; gpt-oss: router bias, softmax over the top-k; Qwen2-MoE nvfp4: the fp4 experts' x8 from the same router
     launch, a shared expert)."""
     import kie_moe.kernels.graph as G
-    make_checkpoint(case, str(tmp_path))
-    m = load_model(str(tmp_path))
-    if fmt is not None:
-        from kie_moe.models.registry import LoadedModel
-        from kie_moe.synthetic import QuantizingStore
-        m = LoadedModel(m.path, m.config, m.spec, QuantizingStore(m.weights, fmt))
-    prompt = list(range(7, 15))
+    m = _tiny(case, fmt, tmp_path)
     seen = []
     experts = G.moe_experts
     monkeypatch.setattr(G, "moe_experts", lambda *a, **k: seen.append(k.get("select") is not None) or experts(*a, **k))
@@ -89,11 +104,9 @@ def test_top_k_picked_in_the_expert_launch_in_the_decode_step(case, fmt, tmp_pat
     for on in (False, True):
         monkeypatch.setattr(G, "SELECT_IN_EXPERTS", on)
         seen.clear()
-        be = GraphBackend(m, torch.device("cpu"))
-        runs[on] = (list(be.generate(prompt, SamplingParams(max_new_tokens=STEPS, ignore_eos=True), set())),
-                    be.logits.float().clone())
+        runs[on] = _greedy(m)
         assert seen and all(s == on for s in seen)
-    want, want_logits = ref_greedy(m, prompt, STEPS)
+    want, want_logits = ref_greedy(m, PROMPT, STEPS)
     assert runs[True][0] == runs[False][0] == want
     assert_logits_close(runs[True][1], runs[False][1], rel=1e-6)
     assert_logits_close(runs[True][1], want_logits)
@@ -109,13 +122,7 @@ def test_router_folded_into_o_proj_in_the_decode_step(case, fmt, folds, tmp_path
     fp8) and a shared expert with its gate). gpt-oss (an o_proj bias, whose logit term the fold does not carry) keeps
     the router launch."""
     import kie_moe.kernels.graph as G
-    make_checkpoint(case, str(tmp_path))
-    m = load_model(str(tmp_path))
-    if fmt is not None:
-        from kie_moe.models.registry import LoadedModel
-        from kie_moe.synthetic import QuantizingStore
-        m = LoadedModel(m.path, m.config, m.spec, QuantizingStore(m.weights, fmt))
-    prompt = list(range(7, 15))
+    m = _tiny(case, fmt, tmp_path)
     seen = []
     fold = G.gemv_route
     monkeypatch.setattr(G, "gemv_route", lambda *a, **k: seen.append(1) or fold(*a, **k))
@@ -123,12 +130,10 @@ def test_router_folded_into_o_proj_in_the_decode_step(case, fmt, folds, tmp_path
     for on in (False, True):
         monkeypatch.setattr(G, "ROUTER_FOLD", "1" if on else "0")
         seen.clear()
-        be = GraphBackend(m, torch.device("cpu"))
-        runs[on] = (list(be.generate(prompt, SamplingParams(max_new_tokens=STEPS, ignore_eos=True), set())),
-                    be.logits.float().clone())
+        runs[on] = _greedy(m)
         moe_layers = sum(lay.moe is not None for lay in m.spec.layers)
         assert len(seen) == (STEPS * moe_layers if on and folds else 0)
-    want, want_logits = ref_greedy(m, prompt, STEPS)
+    want, want_logits = ref_greedy(m, PROMPT, STEPS)
     assert runs[True][0] == runs[False][0] == want
     assert_logits_close(runs[True][1], runs[False][1], rel=1e-5)
     assert_logits_close(runs[True][1], want_logits)
