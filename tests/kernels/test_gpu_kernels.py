@@ -7,7 +7,8 @@ import torch
 
 from kie_moe.kernels.gemv import (DEFAULT_TILES, TileConfig, gemv, gemv_glu, gemv_glu_ref, gemv_ref, gemv_swiglu,
                                   prepare_x8, rmsnorm_gemv, rmsnorm_gemv_ref)
-from kie_moe.kernels.moe import RouterConfig, moe_experts, moe_experts_ref, route, route_ref
+from kie_moe.kernels.moe import (RouterConfig, fold_router, gemv_route, moe_experts, moe_experts_ref, route,
+                                 route_ref)
 from kie_moe.kernels.weights import random_weight
 
 from .helpers import FORMATS, assert_close
@@ -97,6 +98,39 @@ def test_router_real(name):
     assert got.ids.tolist() == want.ids.tolist()
     assert_close(got.weights, want.weights, rel=1e-5, what=f"{name} weights")
     assert_close(x8, prepare_x8(x, nw, 1e-6), rel=1e-6, what="router x8")
+
+
+@pytest.mark.parametrize("name", ["qwen3", "deepseek_v3"])
+@pytest.mark.parametrize("fold_dtype", [torch.float32, torch.bfloat16])
+def test_router_fold_real(name, fold_dtype):
+    """gemv_route at real sizes (the graph backend's KIE_ROUTER_FOLD): y bit-equal to gemv's (the same rows-first
+    tiles), then the fp8 expert GLU's select picks route_ref's experts on y; logits within fp32 sums' error (fp32
+    fold) or within the bf16 rounding's bound (rstd * |bf16(W_f) - W_f| @ |a|)."""
+    E, H, Kq, cfg, kw = {
+        "qwen3": (128, 2048, 4096, RouterConfig(top_k=8), {}),
+        "deepseek_v3": (256, 7168, 16384, RouterConfig(top_k=8, scoring="sigmoid", n_group=8, topk_group=4,
+                                                       routed_scaling_factor=2.5), {"correction_bias": 1}),
+    }[name]
+    wo = random_weight("fp8", H, Kq, seed=60, device=DEV)
+    a, x = _x(Kq, 61), _x(H, 62, torch.float32, 3.0)
+    w_r, nw = _x(E * H, 63, scale=0.05).reshape(E, H), _x(H, 64, torch.float32)
+    kw = {k: _x(E, 65, torch.float32, 0.05) for k in kw}
+    exact = fold_router(w_r, nw, wo, torch.float32)
+    w_f = fold_router(w_r, nw, wo, fold_dtype)
+    y, p = gemv_route(a, wo, x, w_f, w_r, nw, cfg, out=torch.empty(H, device=DEV), **kw)
+    assert torch.equal(y, gemv(a, wo, residual=x, out=torch.empty(H, device=DEV)))
+    wg, wu, wd = (random_weight("fp8", 64, H, experts=E, seed=66, device=DEV),
+                  random_weight("fp8", 64, H, experts=E, seed=67, device=DEV),
+                  random_weight("fp8", H, 64, experts=E, seed=68, device=DEV))
+    moe_experts(y, p.ids, p.weights, wg, wu, wd, norm_weight=nw, residual=y, out=torch.empty(H, device=DEV),
+                select=p)
+    want = route_ref(y, w_r, cfg, norm_weight=nw, **kw)
+    rstd = torch.rsqrt(y.pow(2).mean() + 1e-6)
+    bound = rstd * ((w_f.float() - exact).abs() @ a.float().abs()) + 2e-6 * want.logits.abs().max()
+    assert ((p.logits - want.logits).abs() <= bound).all(), f"{name}: folded logits past their bound"
+    if fold_dtype == torch.float32:
+        assert p.ids.tolist() == want.ids.tolist()
+        assert_close(p.weights, want.weights, rel=1e-5, what=f"{name} folded weights")
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
