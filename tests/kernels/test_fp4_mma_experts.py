@@ -89,11 +89,11 @@ def test_mma_experts_down_k_split(fmt, split, k_split):
 
 
 @pytest.mark.parametrize("fmt", FP4)
-@pytest.mark.parametrize("ks", [2, 3, 5])
+@pytest.mark.parametrize("ks", [2, 3])
 def test_mma_experts_glu_k_split(fmt, ks):
     """The GLU launch with its K (= H = 608: 3 steps of 256 codes, the last ragged) cut into chunks whose last
-    program adds the gate / up partials in order and applies the GLU: 2 and 3 chunks, and 5 (clamped to the 3
-    steps); gate / up biases added once; a repeated expert; a second call on the same counters gives the same y
+    program adds the gate / up partials in order and applies the GLU: 2 and 3 chunks (more are clamped to the 3
+    steps: test_glu_k_chunks_clamps_to_the_k_steps); gate / up biases added once; a repeated expert; a second call on the same counters gives the same y
     (the counters are left at zero)."""
     E, I, H = 5, 96, 608
     wg, wu, wd = _stack(fmt, E, I, H, seed=95)
@@ -108,6 +108,16 @@ def test_mma_experts_glu_k_split(fmt, ks):
     assert torch.equal(again, y)
     with pytest.raises(ValueError, match="glu_k_split 0"):
         moe_experts(x, ids, wts, wg, wu, wd, mma=True, glu_k_split=0, **kw)
+
+
+def test_glu_k_chunks_clamps_to_the_k_steps():
+    """glu_k_chunks: an explicit count past K's 256-code steps is clamped to them (608: 3 steps), None takes the
+    rule (1 off CUDA), a bad count is named."""
+    import kie_moe.kernels.fp4_mma_experts as FE
+    cpu = torch.device("cpu")
+    assert [FE.glu_k_chunks(ks, 96, 608, 3, "nvfp4", cpu) for ks in (5, 3, 2, 1, None)] == [3, 3, 2, 1, 1]
+    with pytest.raises(ValueError, match="glu_k_split 0"):
+        FE.glu_k_chunks(0, 96, 608, 3, "mxfp4", cpu)
 
 
 def test_down_launch_split_cuts_k_only_when_slots_cannot_fill_the_gpu(monkeypatch):

@@ -112,15 +112,13 @@ def test_top_k_picked_in_the_expert_launch_in_the_decode_step(case, fmt, tmp_pat
     assert_logits_close(runs[True][1], want_logits)
 
 
-@pytest.mark.parametrize("case,fmt,folds", [("qwen3_moe_norm", "fp8", True), ("deepseek_v3", None, True),
-                                            ("qwen2_moe", "fp8-block", True), ("gpt_oss", None, False)])
-def test_router_folded_into_o_proj_in_the_decode_step(case, fmt, folds, tmp_path, monkeypatch):
+@pytest.mark.parametrize("case,fmt", [("qwen3_moe_norm", "fp8"), ("deepseek_v3", None), ("qwen2_moe", "fp8-block")])
+def test_router_folded_into_o_proj_in_the_decode_step(case, fmt, tmp_path, monkeypatch):
     """KIE_ROUTER_FOLD (off by default): o_proj's launch writes the router's partial logits (moe.gemv_route) and the
     experts' GLU launch scales them and picks the top-k: the reference decoder's greedy tokens, and last logits equal
     to the router launch's path up to reassociation (Qwen3-MoE fp8 o_proj and experts, renormalised top-k; DeepSeek-V3
     MLA o_proj, sigmoid groups, correction bias; Qwen2-MoE fp8-block experts (the tiny o_proj falls back to per-row
-    fp8) and a shared expert with its gate). gpt-oss (an o_proj bias, whose logit term the fold does not carry) keeps
-    the router launch."""
+    fp8) and a shared expert with its gate)."""
     import kie_moe.kernels.graph as G
     m = _tiny(case, fmt, tmp_path)
     seen = []
@@ -132,11 +130,22 @@ def test_router_folded_into_o_proj_in_the_decode_step(case, fmt, folds, tmp_path
         seen.clear()
         runs[on] = _greedy(m)
         moe_layers = sum(lay.moe is not None for lay in m.spec.layers)
-        assert len(seen) == (STEPS * moe_layers if on and folds else 0)
+        assert len(seen) == (STEPS * moe_layers if on else 0)
     want, want_logits = ref_greedy(m, PROMPT, STEPS)
     assert runs[True][0] == runs[False][0] == want
     assert_logits_close(runs[True][1], runs[False][1], rel=1e-5)
     assert_logits_close(runs[True][1], want_logits)
+
+
+@pytest.mark.parametrize("case,fmt", [("gpt_oss", None), ("qwen3_moe_norm", "nvfp4")])
+def test_router_fold_keeps_the_router_launch_where_it_cannot_fold(case, fmt, tmp_path, monkeypatch):
+    """KIE_ROUTER_FOLD on, but gpt-oss's o_proj has a bias (its logit term is not folded) and nvfp4 experts read the
+    router's x8: no layer folds, so the step keeps its router launches."""
+    import kie_moe.kernels.graph as G
+    monkeypatch.setattr(G, "ROUTER_FOLD", "1")
+    be = GraphBackend(_tiny(case, fmt, tmp_path), torch.device("cpu"))
+    moe = [L for L in be.layers if L["spec"].moe is not None]
+    assert moe and not any("router_fold" in L for L in moe)
 
 
 @pytest.mark.parametrize("case", ["qwen3", "gpt_oss"])
