@@ -66,8 +66,6 @@ SELECT_IN_EXPERTS = os.environ.get("KIE_SELECT_IN_EXPERTS", "1") != "0"
 # the model's dtype (bf16: ~2^-9 relative rounding of each, as HF's bf16 router input has), =fp32 in fp32 (2x the
 # bytes, routing as exact as the router launch's).
 ROUTER_FOLD = os.environ.get("KIE_ROUTER_FOLD", "0")
-if ROUTER_FOLD not in ("0", "1", "fp32"):
-    raise ValueError(f"KIE_ROUTER_FOLD={ROUTER_FOLD!r}: expected 0, 1 or fp32")
 
 
 class HandleStore:
@@ -163,6 +161,8 @@ class GraphBackend:
         self.eager = self.device.type != "cuda"
         if self.eager and os.environ.get("TRITON_INTERPRET") != "1":
             raise InputError("graph backend: needs a CUDA GPU (or TRITON_INTERPRET=1 on CPU, for tests)")
+        if ROUTER_FOLD not in ("0", "1", "fp32"):
+            raise InputError(f"graph backend: KIE_ROUTER_FOLD={ROUTER_FOLD!r}: expected 0, 1 or fp32")
         dtype = dtype or (torch.float32 if self.eager else torch.bfloat16)
         spec = model.spec
         if not hasattr(spec, "layers") or spec.family == "laneformer":

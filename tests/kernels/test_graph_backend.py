@@ -140,12 +140,17 @@ def test_router_folded_into_o_proj_in_the_decode_step(case, fmt, tmp_path, monke
 @pytest.mark.parametrize("case,fmt", [("gpt_oss", None), ("qwen3_moe_norm", "nvfp4")])
 def test_router_fold_keeps_the_router_launch_where_it_cannot_fold(case, fmt, tmp_path, monkeypatch):
     """KIE_ROUTER_FOLD on, but gpt-oss's o_proj has a bias (its logit term is not folded) and nvfp4 experts read the
-    router's x8: no layer folds, so the step keeps its router launches."""
+    router's x8: no layer folds, so the step keeps its router launches. A value the switch does not know is named."""
     import kie_moe.kernels.graph as G
+    from kie_moe.models.errors import InputError
+    m = _tiny(case, fmt, tmp_path)
     monkeypatch.setattr(G, "ROUTER_FOLD", "1")
-    be = GraphBackend(_tiny(case, fmt, tmp_path), torch.device("cpu"))
+    be = GraphBackend(m, torch.device("cpu"))
     moe = [L for L in be.layers if L["spec"].moe is not None]
     assert moe and not any("router_fold" in L for L in moe)
+    monkeypatch.setattr(G, "ROUTER_FOLD", "yes")
+    with pytest.raises(InputError, match="KIE_ROUTER_FOLD='yes': expected 0, 1 or fp32"):
+        GraphBackend(m, torch.device("cpu"))
 
 
 @pytest.mark.parametrize("case", ["qwen3", "gpt_oss"])
