@@ -131,8 +131,8 @@ def _route_topk(part_ptr, rstd, b_ptr, corr_ptr, scaling, E,
                 GROUP_TOP2: tl.constexpr, TOP_K: tl.constexpr, SPLIT_K: tl.constexpr,
                 BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_TOPK: tl.constexpr):
     """(ids int32 [BLOCK_TOPK], weights fp32 [BLOCK_TOPK] (times scaling), logits fp32 [BLOCK_G, BLOCK_S]) from the
-    router's partial logits part[SPLIT_K, E] times the RMSNorm scale rstd (1.0 without a norm): scores + (group-limited) top-k over all E experts, held as [BLOCK_G
-    groups, BLOCK_S experts per group]. Top-k is TOP_K rounds of one int64 max over (score, id) keys (_topk_key): no
+    router's partial logits part[SPLIT_K, E] times the RMSNorm scale rstd (1.0 without a norm): scores +
+    (group-limited) top-k over all E experts, held as [BLOCK_G groups, BLOCK_S experts per group]. Top-k is TOP_K rounds of one int64 max over (score, id) keys (_topk_key): no
     sort, ties go to the lower id. Each block-wide reduction (warp shuffles, then a shared-memory round behind a
     barrier) is on the critical path of whoever runs this: one per round, not three (max, argmin, sum)."""
     NEG: tl.constexpr = float("-inf")
@@ -390,11 +390,11 @@ def _gemv_route_kernel(
         if s < a_splits:
             k_lo = s * k_per_split
             lg = _tile_bf16(wf_ptr, stride_wfn, a_ptr, a_ptr, n0, E, k_lo, tl.minimum(k_lo + k_per_split, K), False,
-                             R_BLOCK_N, R_BLOCK_K, R_PIPE)
+                            R_BLOCK_N, R_BLOCK_K, R_PIPE)
         else:
             k_lo = (s - a_splits) * k_per_split
             lg = _tile_bf16(wr_ptr, stride_wrn, res_ptr, nw_ptr, n0, E, k_lo, tl.minimum(k_lo + k_per_split, N),
-                             True, R_BLOCK_N, R_BLOCK_K, R_PIPE)
+                            True, R_BLOCK_N, R_BLOCK_K, R_PIPE)
         offs_e = n0 + tl.arange(0, R_BLOCK_N)
         tl.store(part_ptr + s * E + offs_e, lg, mask=offs_e < E)
     else:
@@ -421,8 +421,8 @@ def fold_router(router_weight: torch.Tensor, norm_weight: torch.Tensor, w: Weigh
 
 def gemv_route(a: torch.Tensor, w: WeightHandle, residual: torch.Tensor, w_fold: torch.Tensor,
                router_weight: torch.Tensor, norm_weight: torch.Tensor, cfg: RouterConfig, *,
-               router_bias: torch.Tensor | None = None,
-               correction_bias: torch.Tensor | None = None, eps: float = 1e-6, out: torch.Tensor | None = None,
+               router_bias: torch.Tensor | None = None, correction_bias: torch.Tensor | None = None,
+               eps: float = 1e-6, out: torch.Tensor | None = None,
                routing: Routing | None = None, config: TileConfig | None = None,
                router_config: TileConfig = TileConfig(8, 512), router_k_steps: int = 2
                ) -> tuple[torch.Tensor, PendingRouting]:
