@@ -29,7 +29,8 @@ from kie_moe.models.spec import canonical
 from .attention import gqa_decode, mla_decode, rope_gqa_decode
 from .fp4_mma import pack_for_mma
 from .gemv import gemv, gemv_glu, is_fp4, prepare_x8, use_mma
-from .moe import RouterConfig, Routing, fold_router, gemv_route, moe_experts, route, use_mma_experts
+from .moe import (RouterConfig, Routing, fold_router, fold_router_bias, gemv_route, moe_experts, route,
+                  use_mma_experts)
 from .prefill import Prefill
 from .rope import mla_rope_append, rope_append, rope_tables
 from .sampling import DeviceSampler
@@ -61,8 +62,7 @@ SELECT_IN_EXPERTS = os.environ.get("KIE_SELECT_IN_EXPERTS", "1") != "0"
 # With SELECT_IN_EXPERTS, the router launch is a plain 0.5 MB GEMV between o_proj and the expert GLU (qwen3-30b-a3b
 # fp8: ~4 us of a ~46 us layer, session 21): KIE_ROUTER_FOLD=1 folds it into o_proj's launch (moe.gemv_route: extra
 # programs stream W_r diag(nw) W_o over the attention output and W_r over nw * the residual; the GLU launch scales
-# the logits by its own RMSNorm scale of x'). Where o_proj is float without a bias and the experts float on the CUDA
-# cores. An experiment, off until timed on a GPU (NOTES.md session 22). KIE_ROUTER_FOLD=1 keeps the folded rows in
+# the logits by its own RMSNorm scale of x'). Where o_proj is float and the experts float on the CUDA cores. An experiment, off until timed on a GPU (NOTES.md session 22). KIE_ROUTER_FOLD=1 keeps the folded rows in
 # the model's dtype (bf16: ~2^-9 relative rounding of each, as HF's bf16 router input has), =fp32 in fp32 (2x the
 # bytes, routing as exact as the router launch's).
 ROUTER_FOLD = os.environ.get("KIE_ROUTER_FOLD", "0")
@@ -230,6 +230,8 @@ class GraphBackend:
             if self._folds_router(L, lay):
                 L["router_fold"] = fold_router(L["router"], L["mlp_norm"], L["o"],
                                                torch.float32 if ROUTER_FOLD == "fp32" else None)
+                if L.get("o_bias") is not None:    # gpt-oss: o_proj's bias has a logit term of its own
+                    L["router_fold_bias"] = fold_router_bias(L["router"], L["mlp_norm"], L["o_bias"])
             self.layers.append(L)
         self.bytes_per_token = self._bytes_per_token()
         self.final_norm = W.vec("final_norm")
@@ -324,8 +326,9 @@ class GraphBackend:
                            softmax_scale=a.softmax_scale, window=L["spec"].sliding_window)
         if "router_fold" in L:   # o_proj's launch also writes the MoE router's partial logits (ROUTER_FOLD)
             _, self.pending = gemv_route(o.reshape(-1), L["o"], x, L["router_fold"], L["router"], L["mlp_norm"],
-                                         L["rcfg"], router_bias=L["router_bias"], correction_bias=L["score_bias"],
-                                         eps=eps, out=self.x2, routing=L["routing"])
+                                         L["rcfg"], bias=L.get("o_bias"), fold_bias=L.get("router_fold_bias"),
+                                         router_bias=L["router_bias"], correction_bias=L["score_bias"], eps=eps,
+                                         out=self.x2, routing=L["routing"])
         else:
             gemv(None if o8 else o.reshape(-1), L["o"], bias=L.get("o_bias"), residual=x, out=self.x2,
                  x8=o if o8 else None)
@@ -370,11 +373,11 @@ class GraphBackend:
     @staticmethod
     def _folds_router(L: dict, lay) -> bool:
         """ROUTER_FOLD's layers: a MoE layer whose float experts pick the top-k in their GLU launch (select, CUDA
-        cores), behind a float o_proj without a bias, with the router's RMSNorm (gemv_route's conditions)."""
+        cores), behind a float o_proj, with the router's RMSNorm (gemv_route's conditions)."""
         if not (ROUTER_FOLD != "0" and SELECT_IN_EXPERTS and not ROUTER_XN and lay.moe is not None and "o" in L):
             return False
         experts = (L["e_gate"], L["e_up"], L["e_down"])
-        return (not is_fp4(L["o"].fmt) and L.get("o_bias") is None and L["mlp_norm"] is not None
+        return (not is_fp4(L["o"].fmt) and L["mlp_norm"] is not None
                 and not is_fp4(L["e_gate"].fmt) and not use_mma_experts(*experts, lay.moe.top_k))
 
     @staticmethod

@@ -24,8 +24,8 @@ from .pdl import launch_kw, pdl_begin
 from .tiles import ACT_ID, FMT_ID, _glu, _rstd, _split_reduce, _store_out, _tile, _tile_bf16, _tile_pair, _x8_offs
 from .weights import WeightHandle, dequantize
 
-__all__ = ["RouterConfig", "Routing", "PendingRouting", "route", "route_ref", "fold_router", "gemv_route", "moe_experts",
-           "moe_experts_ref"]
+__all__ = ["RouterConfig", "Routing", "PendingRouting", "route", "route_ref", "fold_router", "fold_router_bias",
+           "gemv_route", "moe_experts", "moe_experts_ref"]
 
 SCORE_ID = {"softmax": 0, "sigmoid": 1, "softmax_topk": 2}
 
@@ -372,16 +372,17 @@ def _routing_out(cfg: RouterConfig, E: int, dev: torch.device, out: Routing | No
 # ---- the router folded into the GEMV in front of it (o_proj) ----------------------------------------------------
 @triton.jit
 def _gemv_route_kernel(
-    a_ptr, w_ptr, stride_wn, s_ptr, stride_sn, stride_sk, gs_ptr, res_ptr, y_ptr,
-    wf_ptr, stride_wfn, wr_ptr, stride_wrn, nw_ptr, part_ptr,
+    a_ptr, w_ptr, stride_wn, s_ptr, stride_sn, stride_sk, gs_ptr, bias_ptr, res_ptr, y_ptr,
+    wf_ptr, stride_wfn, wr_ptr, stride_wrn, nw_ptr, fb_ptr, part_ptr,
     N, K, E, r_tiles, r_programs, a_splits, k_per_split,
-    FMT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PIPE: tl.constexpr,
+    FMT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PIPE: tl.constexpr,
     R_BLOCK_N: tl.constexpr, R_BLOCK_K: tl.constexpr, R_PIPE: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """grid (r_programs + cdiv(N, BLOCK_N),): the first r_programs write the router's partial logits of y without
     its RMSNorm scale, part[s, E]: splits s < a_splits over K ranges of W_f a (W_f [E, K] = W_r diag(nw) W,
-    fold_router), the rest over N ranges of W_r (nw * res); the others are the GEMV's row tiles,
-    y[N] = W[N, K] a[K] + res, as gemv's split-free launch (a float-format W)."""
+    fold_router), the rest over N ranges of W_r (nw * res) (HAS_BIAS: the first of those adds W_r (nw * bias),
+    fold_router_bias); the others are the GEMV's row tiles, y[N] = W[N, K] a[K] (+ bias) + res, as gemv's split-free
+    launch (a float-format W)."""
     pdl_begin(PDL)
     pid = tl.program_id(0)
     if pid < r_programs:
@@ -395,6 +396,10 @@ def _gemv_route_kernel(
             k_lo = (s - a_splits) * k_per_split
             lg = _tile_bf16(wr_ptr, stride_wrn, res_ptr, nw_ptr, n0, E, k_lo, tl.minimum(k_lo + k_per_split, N),
                             True, R_BLOCK_N, R_BLOCK_K, R_PIPE)
+            if HAS_BIAS:
+                if s == a_splits:
+                    offs_b = n0 + tl.arange(0, R_BLOCK_N)
+                    lg += tl.load(fb_ptr + offs_b, mask=offs_b < E, other=0.0)
         offs_e = n0 + tl.arange(0, R_BLOCK_N)
         tl.store(part_ptr + s * E + offs_e, lg, mask=offs_e < E)
     else:
@@ -402,7 +407,7 @@ def _gemv_route_kernel(
         acc = _tile(FMT, w_ptr, stride_wn, s_ptr, stride_sn, stride_sk, gs_ptr, a_ptr, a_ptr, 0, n_start, N, 0, K,
                     False, BLOCK_N, BLOCK_K, PIPE)
         offs_n = n_start + tl.arange(0, BLOCK_N)
-        _store_out(acc, offs_n, offs_n < N, y_ptr, y_ptr, res_ptr, False, True)
+        _store_out(acc, offs_n, offs_n < N, y_ptr, bias_ptr, res_ptr, HAS_BIAS, True)
 
 
 def fold_router(router_weight: torch.Tensor, norm_weight: torch.Tensor, w: WeightHandle,
@@ -419,8 +424,17 @@ def fold_router(router_weight: torch.Tensor, norm_weight: torch.Tensor, w: Weigh
     return wf.to(dtype or router_weight.dtype).contiguous()
 
 
+def fold_router_bias(router_weight: torch.Tensor, norm_weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """The logit term of a GEMV bias b for gemv_route(bias=b): W_r (nw * b), fp32 [E] (before y's RMSNorm scale)."""
+    E, N = router_weight.shape
+    check_vec(norm_weight, N, router_weight.device, "norm_weight")
+    check_vec(bias, N, router_weight.device, "bias")
+    return ((router_weight.float() * norm_weight.float()) @ bias.float().reshape(-1)).contiguous()
+
+
 def gemv_route(a: torch.Tensor, w: WeightHandle, residual: torch.Tensor, w_fold: torch.Tensor,
                router_weight: torch.Tensor, norm_weight: torch.Tensor, cfg: RouterConfig, *,
+               bias: torch.Tensor | None = None, fold_bias: torch.Tensor | None = None,
                router_bias: torch.Tensor | None = None, correction_bias: torch.Tensor | None = None,
                eps: float = 1e-6, out: torch.Tensor | None = None,
                routing: Routing | None = None, config: TileConfig | None = None,
@@ -430,8 +444,8 @@ def gemv_route(a: torch.Tensor, w: WeightHandle, residual: torch.Tensor, w_fold:
     launch between this GEMV and the experts folded away (o_proj in front of a MoE layer). Returns (y, a
     PendingRouting for moe_experts(y, select=)), whose GLU launch scales the logits by y's RMSNorm scale (computed
     there, as the experts' own norm) and picks the top-k. w_fold = fold_router(router_weight, norm_weight, w).
-    W: bf16 / fp16 / fp32 / fp8 / fp8_block (an fp4 W reads a in the x8 layout: not here), no bias (its logit
-    term W_r (nw * b) is not folded: gpt-oss's o_proj keeps the router launch). The GEMV's row tiles are
+    W: bf16 / fp16 / fp32 / fp8 / fp8_block (an fp4 W reads a in the x8 layout: not here). bias: y's (gpt-oss's
+    o_proj), with fold_bias = fold_router_bias(router_weight, norm_weight, bias), its logit term. The GEMV's row tiles are
     gemv's (config, else its rows-first rule) without split-K; the router rows run router_config's tiles over K
     ranges of router_k_steps K steps each (W_f over a, then W_r over the residual)."""
     from .gemv import ROWS_FIRST, rows_first
@@ -452,6 +466,12 @@ def gemv_route(a: torch.Tensor, w: WeightHandle, residual: torch.Tensor, w_fold:
         raise ValueError(f"gemv_route: w_fold must be fold_router's float [{E}, {K}] on {dev}, got {w_fold.dtype} "
                          f"{tuple(w_fold.shape)} on {w_fold.device}")
     check_vec(norm_weight, N, dev, "norm_weight")
+    if (bias is None) != (fold_bias is None):
+        raise ValueError("gemv_route: pass bias with fold_bias (fold_router_bias: its logit term) or neither")
+    check_vec(bias, N, dev, "bias")
+    check_vec(fold_bias, E, dev, "fold_bias")
+    if fold_bias is not None and fold_bias.dtype != torch.float32:
+        raise ValueError(f"gemv_route: fold_bias must be fold_router_bias's fp32 [{E}], got {fold_bias.dtype}")
     check_vec(router_bias, E, dev, "router_bias")
     check_vec(correction_bias, E, dev, "correction_bias")
     if not isinstance(router_k_steps, int) or router_k_steps < 1:
@@ -467,10 +487,11 @@ def gemv_route(a: torch.Tensor, w: WeightHandle, residual: torch.Tensor, w_fold:
     split = a_splits + x_splits
     part = torch.empty(split * E, dtype=torch.float32, device=dev)  # partial logits [split, E]
     _gemv_route_kernel[(r_tiles * split + triton.cdiv(N, tiles.block_n),)](
-        a, *weight_args(w), residual, y,
-        w_fold, w_fold.stride(0), router_weight, router_weight.stride(0), norm_weight, part,
+        a, *weight_args(w), bias if bias is not None else y, residual, y,
+        w_fold, w_fold.stride(0), router_weight, router_weight.stride(0), norm_weight,
+        fold_bias if fold_bias is not None else part, part,
         N, K, E, r_tiles, r_tiles * split, a_splits, kps,
-        FMT=FMT_ID[w.fmt], BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+        FMT=FMT_ID[w.fmt], HAS_BIAS=bias is not None, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
         PIPE=tiles.prefetch, R_BLOCK_N=router_config.block_n, R_BLOCK_K=router_config.block_k,
         R_PIPE=router_config.prefetch, num_warps=tiles.num_warps, num_stages=tiles.num_stages, **launch_kw(dev)
     )

@@ -122,13 +122,13 @@ def _compile_all(arch: int = 90, formats=("bf16", "fp8", "fp8_block", "nvfp4", "
                                     SELECT=True, SEL_NW=2, **M._select_meta(M.RouterConfig(top_k=8), 128, 6))
     record("expert_glu[fp8,select,own scale]", k)
     # o_proj with the router's rows folded in (moe.gemv_route; qwen3-30b-a3b: [2048, 4096], 128 experts), fp8 and
-    # bf16 o_proj in the graph backend's rows-first tiles (4 x 1024), router rows 8 x 512
+    # bf16 (with a bias, as gpt-oss's) o_proj in the graph backend's rows-first tiles (4 x 1024), router rows 8 x 512
     for fmt in ("fp8", "bf16"):
         wo, a = random_weight(fmt, H, 4096), torch.empty(4096, dtype=torch.bfloat16)
         wr, wf, xf = torch.empty(128, H, dtype=torch.bfloat16), torch.empty(128, 4096, dtype=torch.bfloat16), torch.empty(H)
         t = G.TileConfig(4, 1024, prefetch=G.DEFAULT_TILES[fmt].prefetch)
-        k = M._gemv_route_kernel.warmup(a, *G.weight_args(wo), xf, xf, wf, 4096, wr, H, x, sel, H, 4096, 128, 16, 96,
-                                        4, 1024, FMT=G.FMT_ID[fmt], BLOCK_N=t.block_n, BLOCK_K=t.block_k,
+        k = M._gemv_route_kernel.warmup(a, *G.weight_args(wo), xf, xf, xf, wf, 4096, wr, H, x, sel, sel, H, 4096, 128,
+                                        16, 96, 4, 1024, FMT=G.FMT_ID[fmt], HAS_BIAS=fmt == "bf16", BLOCK_N=t.block_n, BLOCK_K=t.block_k,
                                         PIPE=t.prefetch, R_BLOCK_N=8, R_BLOCK_K=512, R_PIPE=True, num_warps=4,
                                         grid=(1,))
         record(f"gemv_route[{fmt}]", k)

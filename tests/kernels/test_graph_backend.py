@@ -112,13 +112,15 @@ def test_top_k_picked_in_the_expert_launch_in_the_decode_step(case, fmt, tmp_pat
     assert_logits_close(runs[True][1], want_logits)
 
 
-@pytest.mark.parametrize("case,fmt", [("qwen3_moe_norm", "fp8"), ("deepseek_v3", None), ("qwen2_moe", "fp8-block")])
+@pytest.mark.parametrize("case,fmt", [("qwen3_moe_norm", "fp8"), ("deepseek_v3", None), ("qwen2_moe", "fp8-block"),
+                                      ("gpt_oss", None)])
 def test_router_folded_into_o_proj_in_the_decode_step(case, fmt, tmp_path, monkeypatch):
     """KIE_ROUTER_FOLD (off by default): o_proj's launch writes the router's partial logits (moe.gemv_route) and the
     experts' GLU launch scales them and picks the top-k: the reference decoder's greedy tokens, and last logits equal
     to the router launch's path up to reassociation (Qwen3-MoE fp8 o_proj and experts, renormalised top-k; DeepSeek-V3
     MLA o_proj, sigmoid groups, correction bias; Qwen2-MoE fp8-block experts (the tiny o_proj falls back to per-row
-    fp8) and a shared expert with its gate)."""
+    fp8) and a shared expert with its gate; gpt-oss: o_proj's bias and its logit term, a router bias, softmax over the
+    top-k, sinks)."""
     import kie_moe.kernels.graph as G
     m = _tiny(case, fmt, tmp_path)
     seen = []
@@ -137,10 +139,10 @@ def test_router_folded_into_o_proj_in_the_decode_step(case, fmt, tmp_path, monke
     assert_logits_close(runs[True][1], want_logits)
 
 
-@pytest.mark.parametrize("case,fmt", [("gpt_oss", None), ("qwen3_moe_norm", "nvfp4")])
+@pytest.mark.parametrize("case,fmt", [("gpt_oss", "mxfp4"), ("qwen3_moe_norm", "nvfp4")])
 def test_router_fold_keeps_the_router_launch_where_it_cannot_fold(case, fmt, tmp_path, monkeypatch):
-    """KIE_ROUTER_FOLD on, but gpt-oss's o_proj has a bias (its logit term is not folded) and nvfp4 experts read the
-    router's x8: no layer folds, so the step keeps its router launches. A value the switch does not know is named."""
+    """KIE_ROUTER_FOLD on, but fp4 experts (and fp4 o_proj) read the router's x8: no layer folds, so the step keeps
+    its router launches. A value the switch does not know is named."""
     import kie_moe.kernels.graph as G
     from kie_moe.models.errors import InputError
     m = _tiny(case, fmt, tmp_path)

@@ -5,8 +5,8 @@ import torch
 import triton
 
 from kie_moe.kernels.gemv import TileConfig, gemv, gemv_ref
-from kie_moe.kernels.moe import (PendingRouting, RouterConfig, fold_router, gemv_route, moe_experts, moe_experts_ref,
-                                 route, route_ref)
+from kie_moe.kernels.moe import (PendingRouting, RouterConfig, fold_router, fold_router_bias, gemv_route, moe_experts,
+                                 moe_experts_ref, route, route_ref)
 from kie_moe.kernels.weights import WeightHandle, random_weight
 
 from .helpers import DEV, FORMATS, assert_close, needs_device
@@ -194,14 +194,16 @@ def test_deferred_routing_errors():
         moe_experts(x, p.ids, p.weights, wg, wu, wd, select=route(x, w, cfg))
 
 
-@pytest.mark.parametrize("name,o_fmt,e_fmt,k_steps", [
-    ("softmax_norm", "fp8", "fp8", 1), ("softmax_raw", "bf16", "fp8_block", 2), ("sigmoid_groups", "fp8_block", "bf16", 1),
-    ("softmax_groups_max", "fp8", "bf16", 3), ("softmax_topk_bias", "bf16", "fp8", 1)])
-def test_router_folded_into_the_gemv_in_front(name, o_fmt, e_fmt, k_steps):
+@pytest.mark.parametrize("name,o_fmt,e_fmt,k_steps,bias", [
+    ("softmax_norm", "fp8", "fp8", 1, False), ("softmax_raw", "bf16", "fp8_block", 2, True),
+    ("sigmoid_groups", "fp8_block", "bf16", 1, False), ("softmax_groups_max", "fp8", "bf16", 3, False),
+    ("softmax_topk_bias", "bf16", "fp8", 1, True)])
+def test_router_folded_into_the_gemv_in_front(name, o_fmt, e_fmt, k_steps, bias):
     """gemv_route (the router launch folded into o_proj's): y equals gemv's own y bit for bit, and the experts' GLU
     launch, scaling the folded logits by y's RMSNorm scale, picks route_ref's experts on y with its weights and
     logits, whatever the router variant, the o_proj format, the K ranges of the router rows (32 / 64 / 96 columns:
-    5 / 3 / 2 ragged ranges over a's K = 136, 3 / 2 / 1 over the residual's N = 96); y after the experts matches
+    5 / 3 / 2 ragged ranges over a's K = 136, 3 / 2 / 1 over the residual's N = 96) or a GEMV bias (its logit
+    term folded too: fold_router_bias); y after the experts matches
     moe_experts_ref on that routing. fp32 activations and folded weights, as the interpreter's graph backend."""
     E, cfg, extra = ROUTERS[name]
     N, K, I = 96, 136, 64
@@ -215,13 +217,15 @@ def test_router_folded_into_the_gemv_in_front(name, o_fmt, e_fmt, k_steps):
     if "router_bias" in extra:
         kw["router_bias"] = _t(E, seed=56, dtype=f32, scale=0.5)
     o_tiles = TileConfig(8, 32)
+    o_bias = _t(N, seed=57, dtype=f32) if bias else None
+    fb = dict(bias=o_bias, fold_bias=fold_router_bias(w_r, nw, o_bias)) if bias else {}
     w_f = fold_router(w_r, nw, wo)
     assert w_f.dtype == f32 and w_f.shape == (E, K)
-    y, p = gemv_route(a, wo, x, w_f, w_r, nw, cfg, eps=1e-5, config=o_tiles,
+    y, p = gemv_route(a, wo, x, w_f, w_r, nw, cfg, eps=1e-5, config=o_tiles, **fb,
                       router_config=TileConfig(8, 32), router_k_steps=k_steps, **kw)
     assert isinstance(p, PendingRouting) and p.rstd_x is y and p.split == -(-K // (32 * k_steps)) + -(-N // (32 * k_steps))
-    assert torch.equal(y, gemv(a, wo, residual=x, config=o_tiles)), "gemv_route's y differs from gemv's"
-    assert_close(y, gemv_ref(a, wo, residual=x), what=f"{o_fmt} y")
+    assert torch.equal(y, gemv(a, wo, bias=o_bias, residual=x, config=o_tiles)), "gemv_route's y differs from gemv's"
+    assert_close(y, gemv_ref(a, wo, bias=o_bias, residual=x), what=f"{o_fmt} y")
     for t in (p.ids, p.weights, p.logits):   # nothing selected yet: poison what the GLU launch must write
         t.fill_(-7)
     wg, wu, wd = _experts(e_fmt, E, I, N, seed=58)
@@ -281,6 +285,10 @@ def test_router_fold_errors():
         gemv_route(a, wo, x, w_f, w_r[:, :32].contiguous(), nw, cfg)
     with pytest.raises(ValueError, match="gemv_route: top_k 30 / n_group 1 do not fit 20 experts"):
         gemv_route(a, wo, x, w_f, w_r, nw, RouterConfig(top_k=30))
+    with pytest.raises(ValueError, match="gemv_route: pass bias with fold_bias"):
+        gemv_route(a, wo, x, w_f, w_r, nw, cfg, bias=x)
+    with pytest.raises(ValueError, match="gemv_route: fold_bias must be fold_router_bias's fp32"):
+        gemv_route(a, wo, x, w_f, w_r, nw, cfg, bias=x, fold_bias=fold_router_bias(w_r, nw, x).half())
     with pytest.raises(ValueError, match="gemv_route: router_k_steps 0"):
         gemv_route(a, wo, x, w_f, w_r, nw, cfg, router_k_steps=0)
     y, p = gemv_route(a, wo, x, w_f, w_r, nw, cfg)
