@@ -93,6 +93,13 @@ ROWS_FIRST = os.environ.get("KIE_GEMV_ROWS_FIRST", "1") == "1"
 # KIE_GEMV_MMA=0 turns the dispatch off (A/B).
 MMA_MIN_ROWS = 32768
 MMA_GEMV = os.environ.get("KIE_GEMV_MMA", "1") == "1"
+# fp8 / fp8-block GEMVs of < FP8_PIPE_MAX_BYTES (q/k/v, o_proj: ~2-4 programs per SM, each waiting on one 8 KB step
+# at a time) with the one-deep weight prefetch (PIPE) their default tiles leave off. Off was chosen on >= 256 MB
+# launches, where the prefetch's byte repacking costs ALU (5.5 instead of 3.3 instructions per byte); the layer
+# sweep's fp8 q/k/v and o_proj grids never tried it. An experiment, off until timed (NOTES.md session 22):
+# KIE_GEMV_FP8_PIPE=1.
+FP8_PIPE = os.environ.get("KIE_GEMV_FP8_PIPE", "0") == "1"
+FP8_PIPE_MAX_BYTES = 32 << 20
 
 
 # ======================================================================================================================
@@ -356,9 +363,7 @@ def gemv(x: torch.Tensor, w: WeightHandle, *, bias: torch.Tensor | None = None, 
     check_vec(residual, N, w.device, "residual")
     check_vec(norm_weight, K, w.device, "norm_weight")
     y = make_out(x, N, out) if x is not None else out
-    cfg = resolve_config(w, config)
-    if ROWS_FIRST and config is None:
-        cfg = rows_first(cfg, N, K, w.fmt, w.device)
+    cfg = gemv_tiles(w, config)
     n_tiles = triton.cdiv(N, cfg.block_n)
     split, k_per_split = plan_split(n_tiles, K, cfg.block_k, cfg.split_k, w.device)
     part = torch.empty((split, N), dtype=torch.float32, device=w.device) if split > 1 else y
@@ -383,6 +388,19 @@ def use_mma(w: WeightHandle, x8: torch.Tensor | None, config: TileConfig | None)
         return False
     from .fp4_mma import mma_unreadable  # fp4_mma imports this module's checks
     return mma_unreadable(w) is None
+
+
+def gemv_tiles(w: WeightHandle, config: TileConfig | None) -> TileConfig:
+    """A GEMV's tiles: config as given, else the format's default with the rows-first rule (ROWS_FIRST) and, for a
+    small fp8 / fp8-block launch, the weight prefetch (FP8_PIPE)."""
+    cfg = resolve_config(w, config)
+    if config is not None:
+        return cfg
+    if ROWS_FIRST:
+        cfg = rows_first(cfg, w.out_features, w.in_features, w.fmt, w.device)
+    if FP8_PIPE and w.fmt in ("fp8", "fp8_block") and not cfg.prefetch and w.nbytes < FP8_PIPE_MAX_BYTES:
+        cfg = dataclasses.replace(cfg, prefetch=True)
+    return cfg
 
 
 def rows_first(cfg: TileConfig, N: int, K: int, fmt: str, device: torch.device) -> TileConfig:

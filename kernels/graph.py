@@ -62,8 +62,9 @@ SELECT_IN_EXPERTS = os.environ.get("KIE_SELECT_IN_EXPERTS", "1") != "0"
 # With SELECT_IN_EXPERTS, the router launch is a plain 0.5 MB GEMV between o_proj and the expert GLU (qwen3-30b-a3b
 # fp8: ~4 us of a ~46 us layer, session 21): KIE_ROUTER_FOLD=1 folds it into o_proj's launch (moe.gemv_route: extra
 # programs stream W_r diag(nw) W_o over the attention output and W_r over nw * the residual; the GLU launch scales
-# the logits by its own RMSNorm scale of x'). Where o_proj is float and the experts float on the CUDA cores. An experiment, off until timed on a GPU (NOTES.md session 22). KIE_ROUTER_FOLD=1 keeps the folded rows in
-# the model's dtype (bf16: ~2^-9 relative rounding of each, as HF's bf16 router input has), =fp32 in fp32 (2x the
+# the logits by its own RMSNorm scale of x'). Where o_proj is float and the experts float on the CUDA cores. An
+# experiment, off until timed on a GPU (NOTES.md session 22). KIE_ROUTER_FOLD=1 keeps the folded rows in the model's
+# dtype (bf16: ~2^-9 relative rounding of each, as HF's bf16 router input has), =fp32 in fp32 (2x the
 # bytes, routing as exact as the router launch's).
 ROUTER_FOLD = os.environ.get("KIE_ROUTER_FOLD", "0")
 

@@ -18,8 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .gemv import (DEFAULT_GLU_TILES, TileConfig, check_vec, check_x, counters, glu_pair_choice, glu_ref,
-                   input_args, is_fp4, make_out, num_sms, plan_split, resolve_config, weight_args)
+from .gemv import (DEFAULT_GLU_TILES, TileConfig, check_vec, check_x, counters, gemv_tiles, glu_pair_choice,
+                   glu_ref, input_args, is_fp4, make_out, num_sms, plan_split, resolve_config, weight_args)
 from .pdl import launch_kw, pdl_begin
 from .tiles import ACT_ID, FMT_ID, _glu, _rstd, _split_reduce, _store_out, _tile, _tile_bf16, _tile_pair, _x8_offs
 from .weights import WeightHandle, dequantize
@@ -132,9 +132,10 @@ def _route_topk(part_ptr, rstd, b_ptr, corr_ptr, scaling, E,
                 BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_TOPK: tl.constexpr):
     """(ids int32 [BLOCK_TOPK], weights fp32 [BLOCK_TOPK] (times scaling), logits fp32 [BLOCK_G, BLOCK_S]) from the
     router's partial logits part[SPLIT_K, E] times the RMSNorm scale rstd (1.0 without a norm): scores +
-    (group-limited) top-k over all E experts, held as [BLOCK_G groups, BLOCK_S experts per group]. Top-k is TOP_K rounds of one int64 max over (score, id) keys (_topk_key): no
-    sort, ties go to the lower id. Each block-wide reduction (warp shuffles, then a shared-memory round behind a
-    barrier) is on the critical path of whoever runs this: one per round, not three (max, argmin, sum)."""
+    (group-limited) top-k over all E experts, held as [BLOCK_G groups, BLOCK_S experts per group]. Top-k is TOP_K
+    rounds of one int64 max over (score, id) keys (_topk_key): no sort, ties go to the lower id. Each block-wide
+    reduction (warp shuffles, then a shared-memory round behind a barrier) is on the critical path of whoever runs
+    this: one per round, not three (max, argmin, sum)."""
     NEG: tl.constexpr = float("-inf")
     BIG: tl.constexpr = 0x7FFFFFFF
     offs_g = tl.arange(0, BLOCK_G)
@@ -445,10 +446,9 @@ def gemv_route(a: torch.Tensor, w: WeightHandle, residual: torch.Tensor, w_fold:
     PendingRouting for moe_experts(y, select=)), whose GLU launch scales the logits by y's RMSNorm scale (computed
     there, as the experts' own norm) and picks the top-k. w_fold = fold_router(router_weight, norm_weight, w).
     W: bf16 / fp16 / fp32 / fp8 / fp8_block (an fp4 W reads a in the x8 layout: not here). bias: y's (gpt-oss's
-    o_proj), with fold_bias = fold_router_bias(router_weight, norm_weight, bias), its logit term. The GEMV's row tiles are
-    gemv's (config, else its rows-first rule) without split-K; the router rows run router_config's tiles over K
-    ranges of router_k_steps K steps each (W_f over a, then W_r over the residual)."""
-    from .gemv import ROWS_FIRST, rows_first
+    o_proj), with fold_bias = fold_router_bias(router_weight, norm_weight, bias), its logit term. The GEMV's row
+    tiles are gemv's (gemv_tiles) without split-K; the router rows run router_config's tiles over K ranges of
+    router_k_steps K steps each (W_f over a, then W_r over the residual)."""
     if w.num_experts or is_fp4(w.fmt):
         raise ValueError(f"gemv_route: w must be one float-format matrix (bf16 / fp16 / fp32 / fp8 / fp8_block), got "
                          f"{w.fmt}" + (" experts" if w.num_experts else ""))
@@ -478,9 +478,7 @@ def gemv_route(a: torch.Tensor, w: WeightHandle, residual: torch.Tensor, w_fold:
         raise ValueError(f"gemv_route: router_k_steps {router_k_steps!r}: expected an int >= 1")
     routing = _routing_out(cfg, E, dev, routing, "gemv_route")
     y = make_out(a, N, out)
-    tiles = resolve_config(w, config)
-    if ROWS_FIRST and config is None:
-        tiles = rows_first(tiles, N, K, w.fmt, dev)
+    tiles = gemv_tiles(w, config)
     kps = router_k_steps * router_config.block_k
     a_splits, x_splits = triton.cdiv(K, kps), triton.cdiv(N, kps)
     r_tiles = triton.cdiv(E, router_config.block_n)
@@ -791,8 +789,8 @@ def _check_select(select, x, ids, weights, E: int, fmt: str, mma: bool, norm_wei
         raise ValueError(f"moe_experts: select routes over {select.logits.numel()} experts, the stacks hold {E}")
     if mma:
         raise ValueError("moe_experts: select= needs the CUDA-core expert launches (mma=False)")
-    if select.rstd_x is not None and not (x.data_ptr() == select.rstd_x.data_ptr() and x.numel() == select.rstd_x.numel()
-                                          and x.dtype == select.rstd_x.dtype):
+    rx = select.rstd_x
+    if rx is not None and not (x.data_ptr() == rx.data_ptr() and x.numel() == rx.numel() and x.dtype == rx.dtype):
         raise ValueError("moe_experts: select= is gemv_route's: x must be its output y (the logits take y's RMSNorm "
                          "scale in the GLU launch)")
     if select.rstd_x is not None and is_fp4(fmt):

@@ -62,6 +62,11 @@ def _compile_all(arch: int = 90, formats=("bf16", "fp8", "fp8_block", "nvfp4", "
                                       PDL=True, launch_pdl=True, **common)
             assert "griddepcontrol.wait" in k.asm["ptx"]
             record("gemv[bf16,pdl]", k)
+        if fmt == "fp8":   # KIE_GEMV_FP8_PIPE: q/k/v's tiles with the weight prefetch
+            k = G._gemv_kernel.warmup(xin, xin, *G.weight_args(w), y, y, y, part, cnt, N, H, H, 1e-6, H // 8,
+                                      FMT=fid, HAS_NW=True, HAS_BIAS=False, HAS_RES=False, SPLIT_K=1, BLOCK_X=1024,
+                                      **dict(common, PIPE=True))
+            record("gemv[fp8,pipe]", k)
         gcfg = G.DEFAULT_GLU_TILES[fmt]
         gl = dict(BLOCK_N=gcfg.block_n, BLOCK_K=gcfg.block_k, PIPE=gcfg.prefetch, num_warps=gcfg.num_warps,
                   num_stages=gcfg.num_stages, grid=(1,))
@@ -167,7 +172,7 @@ def test_kernels_compile_for_sm90():
     pytest.importorskip("triton.backends.nvidia")
     from tests.kernels.helpers import compiled_json    # not at the top: this file also runs as a script
     rows = compiled_json([__file__], KIE_GPU_TESTS="1")
-    assert len(rows) == 5 * 5 + 2 + 1 + 3 + 1 + 3 + 1 + 1 + 1 + 1
+    assert len(rows) == 5 * 5 + 2 + 1 + 1 + 3 + 1 + 3 + 1 + 1 + 1 + 1
     spills = [r for r in rows if r["local_bytes"]]
     assert not spills, f"register spills to local memory: {spills}"
     heavy = [r for r in rows if r["regs"] and r["regs"] > 128]
@@ -180,7 +185,7 @@ def test_graph_kernels_compile_for_sm80():
     pytest.importorskip("triton.backends.nvidia")
     from tests.kernels.helpers import compiled_json
     rows = compiled_json([__file__, "80", "bf16,fp8,fp8_block,nvfp4,mxfp4"], KIE_E4M3_BITS="1")
-    assert len(rows) == 5 * 5 + 2 + 3 + 1 + 3 + 1 + 1 + 1 + 1
+    assert len(rows) == 5 * 5 + 2 + 1 + 3 + 1 + 3 + 1 + 1 + 1 + 1
 
 
 if __name__ == "__main__":
