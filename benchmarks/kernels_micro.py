@@ -651,15 +651,16 @@ def bench_oproj_moe(name, attn_fmt, ffn_fmt, m, H, Kq, probe, rep_ms, fold):
     out = Routing(torch.empty(k, dtype=torch.int32, device=DEV), torch.empty(k, device=DEV),
                   torch.empty(E, device=DEV))
     x1, y = torch.empty(H, device=DEV), torch.empty(H, device=DEV)
+    x8 = torch.empty(8, H // 8, device=DEV) if ffn_fmt in FP4 else None   # fp4 experts' input, as the graph shares it
 
     def call(i):
         if fold:
-            _, r = gemv_route(a, wos[i], x, wfs[i], wrs[i], nw, cfg, router_bias=rb, out=x1, routing=out)
+            _, r = gemv_route(a, wos[i], x, wfs[i], wrs[i], nw, cfg, router_bias=rb, out=x1, x8_out=x8, routing=out)
         else:
             gemv(a, wos[i], residual=x, out=x1)
-            r = route(x1, wrs[i], cfg, norm_weight=nw, router_bias=rb, out=out, defer=True)
+            r = route(x1, wrs[i], cfg, norm_weight=nw, router_bias=rb, out=out, x8_out=x8, defer=True)
         moe_experts(x1, r.ids, r.weights, wg, wu, wd, act=m["act"], norm_weight=nw, residual=x1, out=y, mma=False,
-                    select=r, **bias)
+                    x8=x8, select=r, **bias)
 
     us, us_e = timed(call, n, rep_ms)
     extra = dict(kernels_us=kernel_us(call, n))
@@ -699,7 +700,7 @@ def _layer_ops(spec, attn_fmt, ffn_fmt):
             lab2 = f"router + experts{' (top-k in the expert launch)' if defer else ''}"
             ops.append((("moe-block", ffn_fmt, defer), lab2, lambda probe, rep, lab2=lab2, defer=defer:
                         bench_moe_block(lab2, ffn_fmt, m, H, probe, rep, defer)))
-        if attn_fmt not in FP4 and not fp4:   # KIE_ROUTER_FOLD's A/B (session 22's prediction)
+        if attn_fmt not in FP4:   # KIE_ROUTER_FOLD's A/B (session 22's prediction)
             for fold in (False, True):
                 lab3 = f"o_proj + {'router folded in' if fold else 'router'} + experts (top-k in the expert launch)"
                 ops.append((("oproj-moe", attn_fmt, ffn_fmt, fold), lab3, lambda probe, rep, lab3=lab3, fold=fold:

@@ -62,8 +62,8 @@ SELECT_IN_EXPERTS = os.environ.get("KIE_SELECT_IN_EXPERTS", "1") != "0"
 # With SELECT_IN_EXPERTS, the router launch is a plain 0.5 MB GEMV between o_proj and the expert GLU (qwen3-30b-a3b
 # fp8: ~4 us of a ~46 us layer, session 21): KIE_ROUTER_FOLD=1 folds it into o_proj's launch (moe.gemv_route: extra
 # programs stream W_r diag(nw) W_o over the attention output and W_r over nw * the residual; the GLU launch scales
-# the logits by its own RMSNorm scale of x'). Where o_proj is float and the experts float on the CUDA cores. An
-# experiment, off until timed on a GPU (NOTES.md session 22). KIE_ROUTER_FOLD=1 keeps the folded rows in the model's
+# the logits by its own RMSNorm scale of x'; fp4 experts read nw * x' that o_proj's launch writes as x8 and scale
+# their sums by it). Where o_proj is float and the experts run on the CUDA cores. An experiment, off until timed on a GPU (NOTES.md session 22). KIE_ROUTER_FOLD=1 keeps the folded rows in the model's
 # dtype (bf16: ~2^-9 relative rounding of each, as HF's bf16 router input has), =fp32 in fp32 (2x the
 # bytes, routing as exact as the router launch's).
 ROUTER_FOLD = os.environ.get("KIE_ROUTER_FOLD", "0")
@@ -228,7 +228,7 @@ class GraphBackend:
                 for part in ("gate", "up", "down"):
                     L["m_" + part] = W.handle(c(f"mlp.{part}"))
                     L["mb_" + part] = W.vec(c(f"mlp.{part}_bias"))
-            if self._folds_router(L, lay):
+            if self._folds_router(L, lay, D):
                 L["router_fold"] = fold_router(L["router"], L["mlp_norm"], L["o"],
                                                torch.float32 if ROUTER_FOLD == "fp32" else None)
                 if L.get("o_bias") is not None:    # gpt-oss: o_proj's bias has a logit term of its own
@@ -326,10 +326,11 @@ class GraphBackend:
             o = mla_decode(q, self.caches[i], L["kv_b"], self.pos, nope=a.qk_nope_head_dim, v_head_dim=a.v_head_dim,
                            softmax_scale=a.softmax_scale, window=L["spec"].sliding_window)
         if "router_fold" in L:   # o_proj's launch also writes the MoE router's partial logits (ROUTER_FOLD)
+            x8 = self.x8 if is_fp4(L["e_gate"].fmt) else None   # fp4 experts: nw * x' as x8, unscaled
             _, self.pending = gemv_route(o.reshape(-1), L["o"], x, L["router_fold"], L["router"], L["mlp_norm"],
                                          L["rcfg"], bias=L.get("o_bias"), fold_bias=L.get("router_fold_bias"),
                                          router_bias=L["router_bias"], correction_bias=L["score_bias"], eps=eps,
-                                         out=self.x2, routing=L["routing"])
+                                         out=self.x2, x8_out=x8, routing=L["routing"])
         else:
             gemv(None if o8 else o.reshape(-1), L["o"], bias=L.get("o_bias"), residual=x, out=self.x2,
                  x8=o if o8 else None)
@@ -372,14 +373,17 @@ class GraphBackend:
         self._swap()
 
     @staticmethod
-    def _folds_router(L: dict, lay) -> bool:
-        """ROUTER_FOLD's layers: a MoE layer whose float experts pick the top-k in their GLU launch (select, CUDA
-        cores), behind a float o_proj, with the router's RMSNorm (gemv_route's conditions)."""
+    def _folds_router(L: dict, lay, D: int) -> bool:
+        """ROUTER_FOLD's layers: a MoE layer whose experts pick the top-k in their GLU launch (select, CUDA cores)
+        behind a float o_proj, with the router's RMSNorm (gemv_route's conditions); fp4 experts read the x8 o_proj's
+        launch writes (the shared buffer, SHARE_X8), so an fp4 shared expert, which wants the normed x8, keeps the
+        router launch."""
         if not (ROUTER_FOLD != "0" and SELECT_IN_EXPERTS and not ROUTER_XN and lay.moe is not None and "o" in L):
             return False
         experts = (L["e_gate"], L["e_up"], L["e_down"])
-        return (not is_fp4(L["o"].fmt) and L["mlp_norm"] is not None
-                and not is_fp4(L["e_gate"].fmt) and not use_mma_experts(*experts, lay.moe.top_k))
+        if is_fp4(L["e_gate"].fmt) and not (SHARE_X8 and D % 8 == 0 and not is_fp4(L.get("s_gate", L["o"]).fmt)):
+            return False
+        return not is_fp4(L["o"].fmt) and L["mlp_norm"] is not None and not use_mma_experts(*experts, lay.moe.top_k)
 
     @staticmethod
     def _x8_out(w: WeightHandle) -> bool:

@@ -96,6 +96,7 @@ class PendingRouting(NamedTuple):
     # gemv_route: the logits come without the RMSNorm scale (normed is True, part holds no sums of x^2); the GLU
     # launch takes the scale of its own x, which must be this tensor (the GEMV's output: the MoE input)
     rstd_x: torch.Tensor | None = None
+    x8: torch.Tensor | None = None   # gemv_route(x8_out=): fp4 experts' input, nw * y without y's scale
 
 
 def _select_meta(cfg: RouterConfig, E: int, split: int) -> dict:
@@ -374,16 +375,17 @@ def _routing_out(cfg: RouterConfig, E: int, dev: torch.device, out: Routing | No
 @triton.jit
 def _gemv_route_kernel(
     a_ptr, w_ptr, stride_wn, s_ptr, stride_sn, stride_sk, gs_ptr, bias_ptr, res_ptr, y_ptr,
-    wf_ptr, stride_wfn, wr_ptr, stride_wrn, nw_ptr, fb_ptr, part_ptr,
+    wf_ptr, stride_wfn, wr_ptr, stride_wrn, nw_ptr, fb_ptr, part_ptr, u8_ptr,
     N, K, E, r_tiles, r_programs, a_splits, k_per_split,
-    FMT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PIPE: tl.constexpr,
+    FMT: tl.constexpr, HAS_BIAS: tl.constexpr, WRITE_U8: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PIPE: tl.constexpr,
     R_BLOCK_N: tl.constexpr, R_BLOCK_K: tl.constexpr, R_PIPE: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """grid (r_programs + cdiv(N, BLOCK_N),): the first r_programs write the router's partial logits of y without
     its RMSNorm scale, part[s, E]: splits s < a_splits over K ranges of W_f a (W_f [E, K] = W_r diag(nw) W,
     fold_router), the rest over N ranges of W_r (nw * res) (HAS_BIAS: the first of those adds W_r (nw * bias),
     fold_router_bias); the others are the GEMV's row tiles, y[N] = W[N, K] a[K] (+ bias) + res, as gemv's split-free
-    launch (a float-format W)."""
+    launch (a float-format W). WRITE_U8: they also write nw * y, without y's RMSNorm scale, in the x8 layout (u8_ptr:
+    fp32 [8, N / 8]), the input of fp4 experts that scale their sums by it."""
     pdl_begin(PDL)
     pid = tl.program_id(0)
     if pid < r_programs:
@@ -408,7 +410,12 @@ def _gemv_route_kernel(
         acc = _tile(FMT, w_ptr, stride_wn, s_ptr, stride_sn, stride_sk, gs_ptr, a_ptr, a_ptr, 0, n_start, N, 0, K,
                     False, BLOCK_N, BLOCK_K, PIPE)
         offs_n = n_start + tl.arange(0, BLOCK_N)
-        _store_out(acc, offs_n, offs_n < N, y_ptr, bias_ptr, res_ptr, HAS_BIAS, True)
+        n_mask = offs_n < N
+        _store_out(acc, offs_n, n_mask, y_ptr, bias_ptr, res_ptr, HAS_BIAS, True)
+        if WRITE_U8:   # y as stored (its dtype's rounding), times the norm weight
+            yv = tl.load(y_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+            nwv = tl.load(nw_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+            tl.store(u8_ptr + _x8_offs(offs_n, N // 8), yv * nwv, mask=n_mask)
 
 
 def fold_router(router_weight: torch.Tensor, norm_weight: torch.Tensor, w: WeightHandle,
@@ -437,7 +444,7 @@ def gemv_route(a: torch.Tensor, w: WeightHandle, residual: torch.Tensor, w_fold:
                router_weight: torch.Tensor, norm_weight: torch.Tensor, cfg: RouterConfig, *,
                bias: torch.Tensor | None = None, fold_bias: torch.Tensor | None = None,
                router_bias: torch.Tensor | None = None, correction_bias: torch.Tensor | None = None,
-               eps: float = 1e-6, out: torch.Tensor | None = None,
+               eps: float = 1e-6, out: torch.Tensor | None = None, x8_out: torch.Tensor | None = None,
                routing: Routing | None = None, config: TileConfig | None = None,
                router_config: TileConfig = TileConfig(8, 512), router_k_steps: int = 2
                ) -> tuple[torch.Tensor, PendingRouting]:
@@ -448,7 +455,9 @@ def gemv_route(a: torch.Tensor, w: WeightHandle, residual: torch.Tensor, w_fold:
     W: bf16 / fp16 / fp32 / fp8 / fp8_block (an fp4 W reads a in the x8 layout: not here). bias: y's (gpt-oss's
     o_proj), with fold_bias = fold_router_bias(router_weight, norm_weight, bias), its logit term. The GEMV's row
     tiles are gemv's (gemv_tiles) without split-K; the router rows run router_config's tiles over K ranges of
-    router_k_steps K steps each (W_f over a, then W_r over the residual)."""
+    router_k_steps K steps each (W_f over a, then W_r over the residual). x8_out: fp32 [8, N / 8] filled with
+    norm_weight * y in the x8 layout, without y's RMSNorm scale: fp4 experts' input (moe_experts(y, x8=x8_out,
+    select=) scales their gate / up sums by y's scale)."""
     if w.num_experts or is_fp4(w.fmt):
         raise ValueError(f"gemv_route: w must be one float-format matrix (bf16 / fp16 / fp32 / fp8 / fp8_block), got "
                          f"{w.fmt}" + (" experts" if w.num_experts else ""))
@@ -476,6 +485,10 @@ def gemv_route(a: torch.Tensor, w: WeightHandle, residual: torch.Tensor, w_fold:
     check_vec(correction_bias, E, dev, "correction_bias")
     if not isinstance(router_k_steps, int) or router_k_steps < 1:
         raise ValueError(f"gemv_route: router_k_steps {router_k_steps!r}: expected an int >= 1")
+    if x8_out is not None and (x8_out.shape != (8, N // 8) or x8_out.dtype != torch.float32 or N % 8
+                               or not x8_out.is_contiguous() or x8_out.device != dev):
+        raise ValueError(f"gemv_route: x8_out must be a contiguous fp32 [8, {N // 8}] on {dev}, got {x8_out.dtype} "
+                         f"{tuple(x8_out.shape)}")
     routing = _routing_out(cfg, E, dev, routing, "gemv_route")
     y = make_out(a, N, out)
     tiles = gemv_tiles(w, config)
@@ -487,14 +500,14 @@ def gemv_route(a: torch.Tensor, w: WeightHandle, residual: torch.Tensor, w_fold:
     _gemv_route_kernel[(r_tiles * split + triton.cdiv(N, tiles.block_n),)](
         a, *weight_args(w), bias if bias is not None else y, residual, y,
         w_fold, w_fold.stride(0), router_weight, router_weight.stride(0), norm_weight,
-        fold_bias if fold_bias is not None else part, part,
+        fold_bias if fold_bias is not None else part, part, x8_out if x8_out is not None else part,
         N, K, E, r_tiles, r_tiles * split, a_splits, kps,
-        FMT=FMT_ID[w.fmt], HAS_BIAS=bias is not None, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+        FMT=FMT_ID[w.fmt], HAS_BIAS=bias is not None, WRITE_U8=x8_out is not None, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
         PIPE=tiles.prefetch, R_BLOCK_N=router_config.block_n, R_BLOCK_K=router_config.block_k,
         R_PIPE=router_config.prefetch, num_warps=tiles.num_warps, num_stages=tiles.num_stages, **launch_kw(dev)
     )
     return y, PendingRouting(routing.ids, routing.weights, routing.logits, part, split, True, cfg, router_bias,
-                             correction_bias, eps, rstd_x=y)
+                             correction_bias, eps, rstd_x=y, x8=x8_out)
 
 
 def route_ref(x, router_weight, cfg: RouterConfig, *, router_bias=None, correction_bias=None, norm_weight=None,
@@ -543,12 +556,12 @@ def _expert_glu_kernel(
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_X: tl.constexpr, PIPE: tl.constexpr, PDL: tl.constexpr = False,
     PAIR: tl.constexpr = False,
     # SELECT (route(defer=True)): this launch scores the router's partial logits and picks the top-k itself
-    rpart_ptr=None, rb_ptr=None, rcorr_ptr=None, logits_ptr=None, wts_ptr=None, scaling=1.0, E=1,
+    rpart_ptr=None, rb_ptr=None, rcorr_ptr=None, logits_ptr=None, wts_ptr=None, scaling=1.0, E=1, rx_ptr=None,
     SELECT: tl.constexpr = False, SEL_NW: tl.constexpr = 0, SEL_BIAS: tl.constexpr = False,
     SEL_CORR: tl.constexpr = False, SCORE: tl.constexpr = 0, NORM_TOPK: tl.constexpr = True,
     N_GROUP: tl.constexpr = 1, GROUP_SIZE: tl.constexpr = 1, TOPK_GROUP: tl.constexpr = 1,
     GROUP_TOP2: tl.constexpr = False, TOP_K: tl.constexpr = 1, SPLIT_K: tl.constexpr = 1, BLOCK_G: tl.constexpr = 1,
-    BLOCK_S: tl.constexpr = 1, BLOCK_TOPK: tl.constexpr = 1,
+    BLOCK_S: tl.constexpr = 1, BLOCK_TOPK: tl.constexpr = 1, SCALE_GLU: tl.constexpr = False,
 ):
     """grid (cdiv(I, BLOCK_N), TOP_K): h[slot, I] = glu(Wg[e] x + bg[e], Wu[e] x + bu[e]), e = ids[slot].
     H_X8: store each h[slot] in the x8 layout (an fp4 down projection reads it that way). PAIR (float formats, gate
@@ -557,8 +570,9 @@ def _expert_glu_kernel(
     SELECT: ids come from the router's partial logits (rpart_ptr, route(defer=True)): every program runs the top-k
     (_route_topk, the router tail's own code) and takes its slot's id; program (0, 0) stores ids / weights / logits
     for the down launch. SEL_NW, the logits' RMSNorm scale: 0 none; 1 the router normed x, so the scale comes from
-    its sums of x^2 (and serves the experts' norm too); 2 (gemv_route: the logits come unscaled) this launch's own
-    scale of x, in front of the top-k."""
+    its sums of x^2 (and serves the experts' norm too); 2 (gemv_route: the logits come unscaled) the scale of
+    rx_ptr's vector (gemv_route's y), in front of the top-k. SCALE_GLU (fp4 experts on gemv_route's x8, nw * y
+    without the scale): the gate / up sums times that scale."""
     pdl_begin(PDL)
     pid_n = tl.program_id(0)
     slot = tl.program_id(1)
@@ -567,7 +581,7 @@ def _expert_glu_kernel(
         if SEL_NW == 1:
             rstd_sel = _route_rstd(rpart_ptr, E, K, eps, SPLIT_K)
         elif SEL_NW == 2:
-            rstd_sel = _rstd(x_ptr, K, eps, BLOCK_X)
+            rstd_sel = _rstd(rx_ptr, K, eps, BLOCK_X)
         sel_ids, sel_wts, sel_logit = _route_topk(rpart_ptr, rstd_sel, rb_ptr, rcorr_ptr, scaling, E, SEL_BIAS,
                                                   SEL_CORR, SCORE, NORM_TOPK, N_GROUP, GROUP_SIZE, TOPK_GROUP,
                                                   GROUP_TOP2, TOP_K, SPLIT_K, BLOCK_G, BLOCK_S, BLOCK_TOPK)
@@ -598,6 +612,9 @@ def _expert_glu_kernel(
             r = _rstd(x_ptr, K, eps, BLOCK_X)
         g = g * r
         u = u * r
+    elif SCALE_GLU:
+        g = g * rstd_sel
+        u = u * rstd_sel
     if HAS_BIAS:
         g += tl.load(bg_ptr + e * stride_bge + offs_n * stride_bgn, mask=n_mask, other=0.0).to(tl.float32)
         u += tl.load(bu_ptr + e * stride_bue + offs_n * stride_bun, mask=n_mask, other=0.0).to(tl.float32)
@@ -727,7 +744,7 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gat
     if mma_launch and not mma:
         raise ValueError(f"moe_experts: {sorted(mma_launch)} apply to the tensor-core path only (mma=True)")
     if select is not None:
-        _check_select(select, x, ids, weights, E, w_gate.fmt, mma, norm_weight, eps)
+        _check_select(select, x, x8, ids, weights, E, w_gate.fmt, mma, norm_weight, eps)
     if mma:
         from .fp4_mma_experts import moe_experts_mma  # it imports this module: not at the top
         return moe_experts_mma(x, ids, weights, w_gate, w_up, w_down, act_id=ACT_ID[act], limit=limit, alpha=alpha,
@@ -747,6 +764,7 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gat
                    rcorr_ptr=select.correction_bias if select.correction_bias is not None else p,
                    logits_ptr=select.logits, wts_ptr=weights, scaling=float(c.routed_scaling_factor),
                    E=E, SELECT=True, SEL_NW=2 if select.rstd_x is not None else int(select.normed),
+                   rx_ptr=select.rstd_x if select.rstd_x is not None else p, SCALE_GLU=select.x8 is not None,
                    SEL_BIAS=select.router_bias is not None, SEL_CORR=select.correction_bias is not None,
                    **_select_meta(c, E, select.split))   # E: _check_select held the router to the stacks' count
         if select.normed:
@@ -778,7 +796,7 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gat
     return y
 
 
-def _check_select(select, x, ids, weights, E: int, fmt: str, mma: bool, norm_weight, eps: float):
+def _check_select(select, x, x8, ids, weights, E: int, fmt: str, mma: bool, norm_weight, eps: float):
     """moe_experts(select=): a PendingRouting of this stack, whose buffers are ids / weights, on the CUDA cores."""
     if not isinstance(select, PendingRouting):
         raise ValueError(f"moe_experts: select must be route(defer=True)'s PendingRouting, got {type(select).__name__}")
@@ -793,8 +811,12 @@ def _check_select(select, x, ids, weights, E: int, fmt: str, mma: bool, norm_wei
     if rx is not None and not (x.data_ptr() == rx.data_ptr() and x.numel() == rx.numel() and x.dtype == rx.dtype):
         raise ValueError("moe_experts: select= is gemv_route's: x must be its output y (the logits take y's RMSNorm "
                          "scale in the GLU launch)")
-    if select.rstd_x is not None and is_fp4(fmt):
-        raise ValueError(f"moe_experts: select= from gemv_route needs float experts (they read y itself), got {fmt}")
+    if rx is not None and is_fp4(fmt) and (select.x8 is None or x8 is not select.x8):
+        raise ValueError(f"moe_experts: {fmt} experts after gemv_route read its x8_out: pass x8=select.x8 (gemv_route "
+                         f"with x8_out=)")
+    if rx is not None and not is_fp4(fmt) and (select.x8 is not None or norm_weight is None):
+        raise ValueError("moe_experts: float experts after gemv_route norm y themselves: pass norm_weight (and no "
+                         "x8_out to gemv_route)")
     if select.normed and norm_weight is not None and eps != select.eps:
         raise ValueError(f"moe_experts: norm eps {eps} differs from the router's {select.eps} (select= shares its "
                          f"RMSNorm scale)")

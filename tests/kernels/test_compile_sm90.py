@@ -124,19 +124,34 @@ def _compile_all(arch: int = 90, formats=("bf16", "fp8", "fp8_block", "nvfp4", "
                                     BLOCK_X=1024, BLOCK_N=ecfg.block_n, BLOCK_K=ecfg.block_k, PIPE=ecfg.prefetch,
                                     PAIR=True, num_warps=ecfg.num_warps, grid=(1,), rpart_ptr=sel, rb_ptr=sel,
                                     rcorr_ptr=sel, logits_ptr=torch.empty(128), wts_ptr=wts, scaling=1.0, E=128,
-                                    SELECT=True, SEL_NW=2, **M._select_meta(M.RouterConfig(top_k=8), 128, 6))
+                                    rx_ptr=x, SELECT=True, SEL_NW=2, **M._select_meta(M.RouterConfig(top_k=8), 128, 6))
     record("expert_glu[fp8,select,own scale]", k)
     # o_proj with the router's rows folded in (moe.gemv_route; qwen3-30b-a3b: [2048, 4096], 128 experts), fp8 and
-    # bf16 (with a bias, as gpt-oss's) o_proj in the graph backend's rows-first tiles (4 x 1024), router rows 8 x 512
+    # bf16 o_proj in the graph backend's rows-first tiles (4 x 1024), router rows 8 x 512; bf16 as gpt-oss's: a bias,
+    # and nw * y written as its fp4 experts' x8
     for fmt in ("fp8", "bf16"):
         wo, a = random_weight(fmt, H, 4096), torch.empty(4096, dtype=torch.bfloat16)
-        wr, wf, xf = torch.empty(128, H, dtype=torch.bfloat16), torch.empty(128, 4096, dtype=torch.bfloat16), torch.empty(H)
+        wr, wf = torch.empty(128, H, dtype=torch.bfloat16), torch.empty(128, 4096, dtype=torch.bfloat16)
+        xf, u8 = torch.empty(H), torch.empty(8, H // 8)
         t = G.TileConfig(4, 1024, prefetch=G.DEFAULT_TILES[fmt].prefetch)
-        k = M._gemv_route_kernel.warmup(a, *G.weight_args(wo), xf, xf, xf, wf, 4096, wr, H, x, sel, sel, H, 4096, 128,
-                                        16, 96, 4, 1024, FMT=G.FMT_ID[fmt], HAS_BIAS=fmt == "bf16", BLOCK_N=t.block_n, BLOCK_K=t.block_k,
+        k = M._gemv_route_kernel.warmup(a, *G.weight_args(wo), xf, xf, xf, wf, 4096, wr, H, x, sel, sel, u8, H, 4096,
+                                        128, 16, 96, 4, 1024, FMT=G.FMT_ID[fmt], HAS_BIAS=fmt == "bf16",
+                                        WRITE_U8=fmt == "bf16", BLOCK_N=t.block_n, BLOCK_K=t.block_k,
                                         PIPE=t.prefetch, R_BLOCK_N=8, R_BLOCK_K=512, R_PIPE=True, num_warps=4,
                                         grid=(1,))
         record(f"gemv_route[{fmt}]", k)
+    # mxfp4 experts after it (gpt-oss-120b: 128 experts of 2880, top-4): the GLU on the unscaled x8, its sums scaled
+    wm = random_weight("mxfp4", 2880, 2880, experts=E)
+    mcfg = M.DEFAULT_EXPERT_TILES["mxfp4"]
+    xm, hm, ym = torch.empty(8, 360), torch.empty(4, 2880), torch.empty(2880)
+    k = M._expert_glu_kernel.warmup(xm, xm, ids, *M._expert_args(wm), *M._expert_args(wm), hm, 0, 0, hm, 0, 0, hm,
+                                    2880, 2880, 1e-6, 7.0, 1.702, 360, FMT=G.FMT_ID["mxfp4"], HAS_NW=False,
+                                    HAS_BIAS=False, ACT=1, H_X8=True, BLOCK_X=4096, BLOCK_N=mcfg.block_n,
+                                    BLOCK_K=mcfg.block_k, PIPE=mcfg.prefetch, num_warps=mcfg.num_warps, grid=(1,),
+                                    rpart_ptr=sel, rb_ptr=sel, rcorr_ptr=sel, logits_ptr=torch.empty(128), wts_ptr=wts,
+                                    scaling=1.0, E=128, rx_ptr=ym, SELECT=True, SEL_NW=2, SCALE_GLU=True,
+                                    **M._select_meta(M.RouterConfig(top_k=4, scoring="softmax_topk"), 128, 8))
+    record("expert_glu[mxfp4,select,scaled x8]", k)
     k = G._x8_kernel.warmup(x, x, torch.empty(8, H // 8), H, 1e-6, HAS_NW=True, BLOCK=1024, BLOCK_X=1024, grid=(1,))
     record("x8", k)
     # RoPE + KV append + decode attention in one launch (qwen3-30b-a3b: 32 q / 4 kv heads of 128, per-head norm)
@@ -172,7 +187,7 @@ def test_kernels_compile_for_sm90():
     pytest.importorskip("triton.backends.nvidia")
     from tests.kernels.helpers import compiled_json    # not at the top: this file also runs as a script
     rows = compiled_json([__file__], KIE_GPU_TESTS="1")
-    assert len(rows) == 5 * 5 + 2 + 1 + 1 + 3 + 1 + 3 + 1 + 1 + 1 + 1
+    assert len(rows) == 5 * 5 + 2 + 1 + 1 + 3 + 1 + 4 + 1 + 1 + 1 + 1
     spills = [r for r in rows if r["local_bytes"]]
     assert not spills, f"register spills to local memory: {spills}"
     heavy = [r for r in rows if r["regs"] and r["regs"] > 128]
@@ -185,7 +200,7 @@ def test_graph_kernels_compile_for_sm80():
     pytest.importorskip("triton.backends.nvidia")
     from tests.kernels.helpers import compiled_json
     rows = compiled_json([__file__, "80", "bf16,fp8,fp8_block,nvfp4,mxfp4"], KIE_E4M3_BITS="1")
-    assert len(rows) == 5 * 5 + 2 + 1 + 3 + 1 + 3 + 1 + 1 + 1 + 1
+    assert len(rows) == 5 * 5 + 2 + 1 + 3 + 1 + 4 + 1 + 1 + 1 + 1
 
 
 if __name__ == "__main__":

@@ -69,15 +69,20 @@ def test_router_xn_and_glu_pair_in_the_decode_step(case, tmp_path, monkeypatch):
 PROMPT = list(range(7, 15))
 
 
-def _tiny(case, fmt, tmp_path):
-    """A tiny `case` checkpoint, quantized on load to scheme `fmt` (None: as saved)."""
+def _tiny(case, fmt, tmp_path, experts_only=False):
+    """A tiny `case` checkpoint, quantized on load to scheme `fmt` (None: as saved); experts_only: the routed
+    experts only (gpt-oss's released layout: float attention, mxfp4 experts)."""
     make_checkpoint(case, str(tmp_path))
     m = load_model(str(tmp_path))
     if fmt is None:
         return m
     from kie_moe.models.registry import LoadedModel
     from kie_moe.synthetic import QuantizingStore
-    return LoadedModel(m.path, m.config, m.spec, QuantizingStore(m.weights, fmt))
+
+    class ExpertsOnly(QuantizingStore):
+        def _quantize(self, n, w):
+            return super()._quantize(n, w) if ".moe.experts." in n else None
+    return LoadedModel(m.path, m.config, m.spec, (ExpertsOnly if experts_only else QuantizingStore)(m.weights, fmt))
 
 
 def _greedy(m):
@@ -112,17 +117,19 @@ def test_top_k_picked_in_the_expert_launch_in_the_decode_step(case, fmt, tmp_pat
     assert_logits_close(runs[True][1], want_logits)
 
 
-@pytest.mark.parametrize("case,fmt", [("qwen3_moe_norm", "fp8"), ("deepseek_v3", None), ("qwen2_moe", "fp8-block"),
-                                      ("gpt_oss", None)])
-def test_router_folded_into_o_proj_in_the_decode_step(case, fmt, tmp_path, monkeypatch):
+@pytest.mark.parametrize("case,fmt,experts_only", [
+    ("qwen3_moe_norm", "fp8", False), ("deepseek_v3", None, False), ("qwen2_moe", "fp8-block", False),
+    ("gpt_oss", None, False), ("gpt_oss", "mxfp4", True), ("qwen3_moe_norm", "nvfp4", True)])
+def test_router_folded_into_o_proj_in_the_decode_step(case, fmt, experts_only, tmp_path, monkeypatch):
     """KIE_ROUTER_FOLD (off by default): o_proj's launch writes the router's partial logits (moe.gemv_route) and the
     experts' GLU launch scales them and picks the top-k: the reference decoder's greedy tokens, and last logits equal
     to the router launch's path up to reassociation (Qwen3-MoE fp8 o_proj and experts, renormalised top-k; DeepSeek-V3
     MLA o_proj, sigmoid groups, correction bias; Qwen2-MoE fp8-block experts (the tiny o_proj falls back to per-row
     fp8) and a shared expert with its gate; gpt-oss: o_proj's bias and its logit term, a router bias, softmax over the
-    top-k, sinks)."""
+    top-k, sinks; fp4 experts behind float attention (gpt-oss mxfp4, Qwen3-MoE nvfp4): o_proj's launch writes their
+    x8 unscaled)."""
     import kie_moe.kernels.graph as G
-    m = _tiny(case, fmt, tmp_path)
+    m = _tiny(case, fmt, tmp_path, experts_only)
     seen = []
     fold = G.gemv_route
     monkeypatch.setattr(G, "gemv_route", lambda *a, **k: seen.append(1) or fold(*a, **k))

@@ -197,14 +197,16 @@ def test_deferred_routing_errors():
 @pytest.mark.parametrize("name,o_fmt,e_fmt,k_steps,bias", [
     ("softmax_norm", "fp8", "fp8", 1, False), ("softmax_raw", "bf16", "fp8_block", 2, True),
     ("sigmoid_groups", "fp8_block", "bf16", 1, False), ("softmax_groups_max", "fp8", "bf16", 3, False),
-    ("softmax_topk_bias", "bf16", "fp8", 1, True)])
+    ("softmax_topk_bias", "bf16", "fp8", 1, True), ("softmax_norm", "fp8", "nvfp4", 1, False),
+    ("softmax_topk_bias", "bf16", "mxfp4", 2, True)])
 def test_router_folded_into_the_gemv_in_front(name, o_fmt, e_fmt, k_steps, bias):
     """gemv_route (the router launch folded into o_proj's): y equals gemv's own y bit for bit, and the experts' GLU
     launch, scaling the folded logits by y's RMSNorm scale, picks route_ref's experts on y with its weights and
     logits, whatever the router variant, the o_proj format, the K ranges of the router rows (32 / 64 / 96 columns:
     5 / 3 / 2 ragged ranges over a's K = 136, 3 / 2 / 1 over the residual's N = 96) or a GEMV bias (its logit
-    term folded too: fold_router_bias); y after the experts matches
-    moe_experts_ref on that routing. fp32 activations and folded weights, as the interpreter's graph backend."""
+    term folded too: fold_router_bias); y after the experts matches moe_experts_ref on that routing (fp4 experts:
+    on gemv_route's x8_out, nw * y without y's scale, their gate / up sums scaled in the GLU launch). fp32
+    activations and folded weights, as the interpreter's graph backend."""
     E, cfg, extra = ROUTERS[name]
     N, K, I = 96, 136, 64
     f32 = torch.float32
@@ -221,9 +223,12 @@ def test_router_folded_into_the_gemv_in_front(name, o_fmt, e_fmt, k_steps, bias)
     fb = dict(bias=o_bias, fold_bias=fold_router_bias(w_r, nw, o_bias)) if bias else {}
     w_f = fold_router(w_r, nw, wo)
     assert w_f.dtype == f32 and w_f.shape == (E, K)
-    y, p = gemv_route(a, wo, x, w_f, w_r, nw, cfg, eps=1e-5, config=o_tiles, **fb,
+    x8 = torch.full((8, N // 8), float("nan"), device=DEV) if e_fmt in ("nvfp4", "mxfp4") else None
+    y, p = gemv_route(a, wo, x, w_f, w_r, nw, cfg, eps=1e-5, config=o_tiles, **fb, x8_out=x8,
                       router_config=TileConfig(8, 32), router_k_steps=k_steps, **kw)
-    assert isinstance(p, PendingRouting) and p.rstd_x is y
+    assert isinstance(p, PendingRouting) and p.rstd_x is y and p.x8 is x8
+    if x8 is not None:   # nw * y in the x8 layout: x8[e, j] = (nw * y)[8 j + e]
+        assert torch.equal(x8, (nw * y).reshape(N // 8, 8).t())
     assert p.split == -(-K // (32 * k_steps)) + -(-N // (32 * k_steps))
     assert torch.equal(y, gemv(a, wo, bias=o_bias, residual=x, config=o_tiles)), "gemv_route's y differs from gemv's"
     assert_close(y, gemv_ref(a, wo, bias=o_bias, residual=x), what=f"{o_fmt} y")
@@ -232,7 +237,7 @@ def test_router_folded_into_the_gemv_in_front(name, o_fmt, e_fmt, k_steps, bias)
     wg, wu, wd = _experts(e_fmt, E, I, N, seed=58)
     res = _t(N, seed=59, dtype=f32)
     cfg_e = TileConfig(16, 32, num_warps=2)
-    out = moe_experts(y, p.ids, p.weights, wg, wu, wd, residual=res, norm_weight=nw, eps=1e-5,
+    out = moe_experts(y, p.ids, p.weights, wg, wu, wd, residual=res, norm_weight=nw, eps=1e-5, x8=x8,
                       out=torch.empty(N, device=DEV), config_up=cfg_e, config_down=cfg_e, select=p)
     want_r = route_ref(y, w_r, cfg, norm_weight=nw, eps=1e-5, **kw)
     assert p.ids.tolist() == want_r.ids.tolist(), f"{name}: folded ids {p.ids.tolist()} vs {want_r.ids.tolist()}"
@@ -296,8 +301,12 @@ def test_router_fold_errors():
     wg, wu, wd = _experts("bf16", E, 32, N, seed=67)
     with pytest.raises(ValueError, match="select= is gemv_route's: x must be its output y"):
         moe_experts(x, p.ids, p.weights, wg, wu, wd, norm_weight=nw, select=p)
-    with pytest.raises(ValueError, match="select= from gemv_route needs float experts"):
+    with pytest.raises(ValueError, match="nvfp4 experts after gemv_route read its x8_out: pass x8=select.x8"):
         moe_experts(y, p.ids, p.weights, *_experts("nvfp4", E, 32, N, seed=68), mma=False, select=p)
+    with pytest.raises(ValueError, match="float experts after gemv_route norm y themselves: pass norm_weight"):
+        moe_experts(y, p.ids, p.weights, wg, wu, wd, select=p)
+    with pytest.raises(ValueError, match="gemv_route: x8_out must be a contiguous fp32 \\[8, 8\\]"):
+        gemv_route(a, wo, x, w_f, w_r, nw, cfg, x8_out=torch.empty(8, 8, dtype=torch.bfloat16, device=DEV))
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
