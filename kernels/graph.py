@@ -63,9 +63,10 @@ SELECT_IN_EXPERTS = os.environ.get("KIE_SELECT_IN_EXPERTS", "1") != "0"
 # fp8: ~4 us of a ~46 us layer, session 21): KIE_ROUTER_FOLD=1 folds it into o_proj's launch (moe.gemv_route: extra
 # programs stream W_r diag(nw) W_o over the attention output and W_r over nw * the residual; the GLU launch scales
 # the logits by its own RMSNorm scale of x'; fp4 experts read nw * x' that o_proj's launch writes as x8 and scale
-# their sums by it). Where o_proj is float and the experts run on the CUDA cores. An experiment, off until timed on a GPU (NOTES.md session 22). KIE_ROUTER_FOLD=1 keeps the folded rows in the model's
-# dtype (bf16: ~2^-9 relative rounding of each, as HF's bf16 router input has), =fp32 in fp32 (2x the
-# bytes, routing as exact as the router launch's).
+# their sums by it). Where o_proj is float and the experts run on the CUDA cores. An experiment, off until timed on
+# a GPU (NOTES.md session 22). KIE_ROUTER_FOLD=1 keeps the folded rows in the model's dtype (bf16: ~2^-9 relative
+# rounding of each, as HF's bf16 router input has), =fp32 in fp32 (2x the bytes, routing as exact as the router
+# launch's).
 ROUTER_FOLD = os.environ.get("KIE_ROUTER_FOLD", "0")
 
 
@@ -381,7 +382,8 @@ class GraphBackend:
         if not (ROUTER_FOLD != "0" and SELECT_IN_EXPERTS and not ROUTER_XN and lay.moe is not None and "o" in L):
             return False
         experts = (L["e_gate"], L["e_up"], L["e_down"])
-        if is_fp4(L["e_gate"].fmt) and not (SHARE_X8 and D % 8 == 0 and not is_fp4(L.get("s_gate", L["o"]).fmt)):
+        fp4_shared = "s_gate" in L and is_fp4(L["s_gate"].fmt)
+        if is_fp4(L["e_gate"].fmt) and not (SHARE_X8 and D % 8 == 0 and not fp4_shared):
             return False
         return not is_fp4(L["o"].fmt) and L["mlp_norm"] is not None and not use_mma_experts(*experts, lay.moe.top_k)
 
