@@ -320,10 +320,7 @@ def route(x: torch.Tensor, router_weight: torch.Tensor, cfg: RouterConfig, *, ro
     out = _routing_out(cfg, E, dev, out, "route")
     if x8_out is not None and xn_out is not None:
         raise ValueError("route: pass x8_out or xn_out, not both")
-    if x8_out is not None and (x8_out.shape != (8, K // 8) or x8_out.dtype != torch.float32 or K % 8
-                               or not x8_out.is_contiguous() or x8_out.device != dev):
-        raise ValueError(f"route: x8_out must be a contiguous fp32 [8, {K // 8}] on {dev}, got {x8_out.dtype} "
-                         f"{tuple(x8_out.shape)}")
+    _check_x8_out(x8_out, K, dev, "route")
     if xn_out is not None and (xn_out.shape != (K,) or xn_out.dtype != torch.float32 or not xn_out.is_contiguous()
                                or xn_out.device != dev):
         raise ValueError(f"route: xn_out must be a contiguous fp32 [{K}] on {dev}, got {xn_out.dtype} "
@@ -348,6 +345,14 @@ def route(x: torch.Tensor, router_weight: torch.Tensor, cfg: RouterConfig, *, ro
         return PendingRouting(out.ids, out.weights, out.logits, part, split, norm_weight is not None, cfg, router_bias,
                               correction_bias, eps)
     return out
+
+
+def _check_x8_out(x8_out: torch.Tensor | None, K: int, dev: torch.device, who: str):
+    """An x8_out buffer for a K-long vector: a contiguous fp32 [8, K / 8] on dev (K % 8 == 0)."""
+    if x8_out is not None and (x8_out.shape != (8, K // 8) or x8_out.dtype != torch.float32 or K % 8
+                               or not x8_out.is_contiguous() or x8_out.device != dev):
+        raise ValueError(f"{who}: x8_out must be a contiguous fp32 [8, {K // 8}] on {dev}, got {x8_out.dtype} "
+                         f"{tuple(x8_out.shape)}")
 
 
 def _routing_out(cfg: RouterConfig, E: int, dev: torch.device, out: Routing | None, who: str) -> Routing:
@@ -377,8 +382,9 @@ def _gemv_route_kernel(
     a_ptr, w_ptr, stride_wn, s_ptr, stride_sn, stride_sk, gs_ptr, bias_ptr, res_ptr, y_ptr,
     wf_ptr, stride_wfn, wr_ptr, stride_wrn, nw_ptr, fb_ptr, part_ptr, u8_ptr,
     N, K, E, r_tiles, r_programs, a_splits, k_per_split,
-    FMT: tl.constexpr, HAS_BIAS: tl.constexpr, WRITE_U8: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PIPE: tl.constexpr,
-    R_BLOCK_N: tl.constexpr, R_BLOCK_K: tl.constexpr, R_PIPE: tl.constexpr, PDL: tl.constexpr = False,
+    FMT: tl.constexpr, HAS_BIAS: tl.constexpr, WRITE_U8: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PIPE: tl.constexpr, R_BLOCK_N: tl.constexpr, R_BLOCK_K: tl.constexpr, R_PIPE: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """grid (r_programs + cdiv(N, BLOCK_N),): the first r_programs write the router's partial logits of y without
     its RMSNorm scale, part[s, E]: splits s < a_splits over K ranges of W_f a (W_f [E, K] = W_r diag(nw) W,
@@ -485,10 +491,7 @@ def gemv_route(a: torch.Tensor, w: WeightHandle, residual: torch.Tensor, w_fold:
     check_vec(correction_bias, E, dev, "correction_bias")
     if not isinstance(router_k_steps, int) or router_k_steps < 1:
         raise ValueError(f"gemv_route: router_k_steps {router_k_steps!r}: expected an int >= 1")
-    if x8_out is not None and (x8_out.shape != (8, N // 8) or x8_out.dtype != torch.float32 or N % 8
-                               or not x8_out.is_contiguous() or x8_out.device != dev):
-        raise ValueError(f"gemv_route: x8_out must be a contiguous fp32 [8, {N // 8}] on {dev}, got {x8_out.dtype} "
-                         f"{tuple(x8_out.shape)}")
+    _check_x8_out(x8_out, N, dev, "gemv_route")
     routing = _routing_out(cfg, E, dev, routing, "gemv_route")
     y = make_out(a, N, out)
     tiles = gemv_tiles(w, config)
@@ -502,8 +505,8 @@ def gemv_route(a: torch.Tensor, w: WeightHandle, residual: torch.Tensor, w_fold:
         w_fold, w_fold.stride(0), router_weight, router_weight.stride(0), norm_weight,
         fold_bias if fold_bias is not None else part, part, x8_out if x8_out is not None else part,
         N, K, E, r_tiles, r_tiles * split, a_splits, kps,
-        FMT=FMT_ID[w.fmt], HAS_BIAS=bias is not None, WRITE_U8=x8_out is not None, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-        PIPE=tiles.prefetch, R_BLOCK_N=router_config.block_n, R_BLOCK_K=router_config.block_k,
+        FMT=FMT_ID[w.fmt], HAS_BIAS=bias is not None, WRITE_U8=x8_out is not None, BLOCK_N=tiles.block_n,
+        BLOCK_K=tiles.block_k, PIPE=tiles.prefetch, R_BLOCK_N=router_config.block_n, R_BLOCK_K=router_config.block_k,
         R_PIPE=router_config.prefetch, num_warps=tiles.num_warps, num_stages=tiles.num_stages, **launch_kw(dev)
     )
     return y, PendingRouting(routing.ids, routing.weights, routing.logits, part, split, True, cfg, router_bias,
@@ -605,16 +608,13 @@ def _expert_glu_kernel(
                   PIPE)
     offs_n = n_start + tl.arange(0, BLOCK_N)
     n_mask = offs_n < I
-    if HAS_NW:
+    if HAS_NW or SCALE_GLU:
         if SELECT and SEL_NW != 0:  # the same x and eps: the scale the top-k used (SEL_NW 1: no re-read of x)
             r = rstd_sel
         else:
             r = _rstd(x_ptr, K, eps, BLOCK_X)
         g = g * r
         u = u * r
-    elif SCALE_GLU:
-        g = g * rstd_sel
-        u = u * rstd_sel
     if HAS_BIAS:
         g += tl.load(bg_ptr + e * stride_bge + offs_n * stride_bgn, mask=n_mask, other=0.0).to(tl.float32)
         u += tl.load(bu_ptr + e * stride_bue + offs_n * stride_bun, mask=n_mask, other=0.0).to(tl.float32)
