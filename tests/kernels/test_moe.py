@@ -7,9 +7,9 @@ import triton
 from kie_moe.kernels.gemv import TileConfig, gemv, gemv_ref
 from kie_moe.kernels.moe import (PendingRouting, RouterConfig, fold_router, fold_router_bias, gemv_route, moe_experts,
                                  moe_experts_ref, route, route_ref)
-from kie_moe.kernels.weights import WeightHandle, random_weight
+from kie_moe.kernels.weights import WeightHandle, dequantize, random_weight
 
-from .helpers import DEV, FORMATS, assert_close, needs_device
+from .helpers import DEV, FORMATS, INTERPRET, assert_close, needs_device
 
 pytestmark = needs_device
 
@@ -194,6 +194,19 @@ def test_deferred_routing_errors():
         moe_experts(x, p.ids, p.weights, wg, wu, wd, select=route(x, w, cfg))
 
 
+def _assert_same_gemv(y, y_gemv, a, wo, x, bias):
+    """gemv_route's o_proj rows against gemv()'s: the same tile loop, so bit for bit under the interpreter. Compiled,
+    the two kernels' other code lets ptxas contract and order the fp32 epilogue differently (H100: a few ulps of
+    |W| |a| + |x|), so there the allowance is 8 fp32 ulps of that absolute sum."""
+    if INTERPRET:
+        assert torch.equal(y, y_gemv), "gemv_route's y differs from gemv's"
+        return
+    mag = dequantize(wo).abs() @ a.float().abs() + x.float().abs() + (bias.float().abs() if bias is not None else 0)
+    err = (y.float() - y_gemv.float()).abs()
+    assert (err <= 8 * 2.0 ** -24 * mag).all(), (f"gemv_route's y differs from gemv's by {(err / mag).max().item():.3g}"
+                                                  " of |W| |a| + |x|")
+
+
 @pytest.mark.parametrize("name,o_fmt,e_fmt,k_steps,bias", [
     ("softmax_norm", "fp8", "fp8", 1, False), ("softmax_raw", "bf16", "fp8_block", 2, True),
     ("sigmoid_groups", "fp8_block", "bf16", 1, False), ("softmax_groups_max", "fp8", "bf16", 3, False),
@@ -230,7 +243,7 @@ def test_router_folded_into_the_gemv_in_front(name, o_fmt, e_fmt, k_steps, bias)
     if x8 is not None:   # nw * y in the x8 layout: x8[e, j] = (nw * y)[8 j + e]
         assert torch.equal(x8, (nw * y).reshape(N // 8, 8).t())
     assert p.split == -(-K // (32 * k_steps)) + -(-N // (32 * k_steps))
-    assert torch.equal(y, gemv(a, wo, bias=o_bias, residual=x, config=o_tiles)), "gemv_route's y differs from gemv's"
+    _assert_same_gemv(y, gemv(a, wo, bias=o_bias, residual=x, config=o_tiles), a, wo, x, o_bias)
     assert_close(y, gemv_ref(a, wo, bias=o_bias, residual=x), what=f"{o_fmt} y")
     for t in (p.ids, p.weights, p.logits):   # nothing selected yet: poison what the GLU launch must write
         t.fill_(-7)
