@@ -93,13 +93,6 @@ ROWS_FIRST = os.environ.get("KIE_GEMV_ROWS_FIRST", "1") == "1"
 # KIE_GEMV_MMA=0 turns the dispatch off (A/B).
 MMA_MIN_ROWS = 32768
 MMA_GEMV = os.environ.get("KIE_GEMV_MMA", "1") == "1"
-# fp8 / fp8-block GEMVs of < FP8_PIPE_MAX_BYTES (q/k/v, o_proj: ~2-4 programs per SM, each waiting on one 8 KB step
-# at a time) with the one-deep weight prefetch (PIPE) their default tiles leave off. Off was chosen on >= 256 MB
-# launches, where the prefetch's byte repacking costs ALU (5.5 instead of 3.3 instructions per byte); the layer
-# sweep's fp8 q/k/v and o_proj grids never tried it. An experiment, off until timed (NOTES.md session 22):
-# KIE_GEMV_FP8_PIPE=1.
-FP8_PIPE = os.environ.get("KIE_GEMV_FP8_PIPE", "0") == "1"
-FP8_PIPE_MAX_BYTES = 32 << 20
 
 
 # ======================================================================================================================
@@ -391,15 +384,14 @@ def use_mma(w: WeightHandle, x8: torch.Tensor | None, config: TileConfig | None)
 
 
 def gemv_tiles(w: WeightHandle, config: TileConfig | None) -> TileConfig:
-    """A GEMV's tiles: config as given, else the format's default with the rows-first rule (ROWS_FIRST) and, for a
-    small fp8 / fp8-block launch, the weight prefetch (FP8_PIPE)."""
+    """A GEMV's tiles: config as given, else the format's default with the rows-first rule (ROWS_FIRST). Small fp8 /
+    fp8-block launches keep their tiles without the weight prefetch: with it, qwen3-30b-a3b fp8 lost 2.7% (H200,
+    NOTES.md session 23)."""
     cfg = resolve_config(w, config)
     if config is not None:
         return cfg
     if ROWS_FIRST:
         cfg = rows_first(cfg, w.out_features, w.in_features, w.fmt, w.device)
-    if FP8_PIPE and w.fmt in ("fp8", "fp8_block") and not cfg.prefetch and w.nbytes < FP8_PIPE_MAX_BYTES:
-        cfg = dataclasses.replace(cfg, prefetch=True)
     return cfg
 
 

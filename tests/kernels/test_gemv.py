@@ -316,28 +316,6 @@ def test_rows_first_tiles(monkeypatch):
     assert (small.block_n, small.block_k, small.split_k) == (4, 256, None)
 
 
-@pytest.mark.parametrize("fmt", ["fp8", "fp8_block"])
-def test_small_fp8_gemv_with_the_weight_prefetch(fmt, monkeypatch):
-    """KIE_GEMV_FP8_PIPE: an fp8 / fp8-block GEMV under FP8_PIPE_MAX_BYTES takes the one-deep weight prefetch (its
-    tiles otherwise as gemv's), a larger one, a float format or a caller's config keeps its tiles; the prefetching
-    launch (ragged K = 1000 in 512-steps, rows past N, a fused norm, a residual) gives the reference's result."""
-    import kie_moe.kernels.gemv as G
-    monkeypatch.setattr(G, "FP8_PIPE", True)
-    monkeypatch.setattr(G, "FP8_PIPE_MAX_BYTES", 1 << 20)
-    N, K = 300, 1000
-    w = random_weight(fmt, N, K, seed=35, device=DEV)
-    cfg = G.gemv_tiles(w, None)
-    assert cfg.prefetch and not G.DEFAULT_TILES[fmt].prefetch
-    assert cfg.block_n == G.DEFAULT_TILES[fmt].block_n
-    assert not G.gemv_tiles(random_weight(fmt, 1024, 1024, seed=36, device=DEV), None).prefetch   # >= 1 MB
-    assert G.gemv_tiles(w, TileConfig(16, 512)) == TileConfig(16, 512)
-    assert G.gemv_tiles(random_weight("bf16", N, K, seed=37, device=DEV), None) == G.DEFAULT_TILES["bf16"]
-    x, res = _x(K, 38), _x(N, 39, torch.float32)
-    nw = torch.rand(K, generator=torch.Generator().manual_seed(40)).to(torch.bfloat16).to(DEV)
-    y = gemv(x, w, residual=res, norm_weight=nw, out=torch.empty(N, device=DEV))
-    assert_close(y, gemv_ref(x, w, residual=res, norm_weight=nw, out_dtype=torch.float32), what=f"{fmt} prefetch")
-
-
 @pytest.mark.parametrize("fmt", ["fp8", "bf16", "nvfp4"])
 def test_gemv_rows_first_equals_reference(fmt, monkeypatch):
     """The rows-first tiles on a many-SM device (odd N, residual, norm) give the reference's result."""
