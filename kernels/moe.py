@@ -47,6 +47,11 @@ EXPERT_DOWN_PROGRAMS_PER_SM = 16
 # KIE_MMA_EXPERTS=0: never (the CUDA-core tiles everywhere; an A/B switch, graph-ab:KIE_MMA_EXPERTS).
 MMA_EXPERT_MIN_BYTES: dict[str, int] = ({} if os.environ.get("KIE_MMA_EXPERTS", "1") == "0"
                                         else {"nvfp4": 50 << 20, "mxfp4": 128 << 20})
+# Register cap of the CUDA-core expert GLU launch, per format. mxfp4 (gpt-oss: I = H = 2880, 16-row tiles of 4 warps,
+# top-4: 720 programs) needs 74 registers as a plain launch, 84 when it picks the top-k itself (SELECT, sm_90 offline);
+# at 84 (allocated 88) 5 programs fit an SM, 660 on 132 SMs, so a second wave of 60 programs doubled the launch
+# (H200, session 23: 20.8 -> 30.5 us). At 80 six fit (792), no spills (NOTES.md session 23). KIE_EXPERT_GLU_CAP=0: no cap.
+EXPERT_GLU_MAXNREG: dict[str, int] = {} if os.environ.get("KIE_EXPERT_GLU_CAP", "1") == "0" else {"mxfp4": 80}
 
 
 @dataclass(frozen=True)
@@ -776,7 +781,9 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gat
         FMT=FMT_ID[w_gate.fmt], HAS_NW=has_nw, HAS_BIAS=bg[0] is not None, ACT=ACT_ID[act],
         H_X8=is_fp4(w_down.fmt),
         BLOCK_N=cu.block_n, BLOCK_K=cu.block_k, BLOCK_X=min(1024, triton.next_power_of_2(H)),
-        PIPE=cu.prefetch, PAIR=pair, num_warps=cu.num_warps, num_stages=cu.num_stages, **sel, **launch_kw(dev)
+        PIPE=cu.prefetch, PAIR=pair, num_warps=cu.num_warps, num_stages=cu.num_stages, **sel, **launch_kw(dev),
+        **({"maxnreg": EXPERT_GLU_MAXNREG[w_gate.fmt]} if dev.type == "cuda" and w_gate.fmt in EXPERT_GLU_MAXNREG
+           else {})
     )
 
     cd = resolve_config(w_down, config_down, DEFAULT_EXPERT_TILES)
