@@ -47,10 +47,11 @@ EXPERT_DOWN_PROGRAMS_PER_SM = 16
 # KIE_MMA_EXPERTS=0: never (the CUDA-core tiles everywhere; an A/B switch, graph-ab:KIE_MMA_EXPERTS).
 MMA_EXPERT_MIN_BYTES: dict[str, int] = ({} if os.environ.get("KIE_MMA_EXPERTS", "1") == "0"
                                         else {"nvfp4": 50 << 20, "mxfp4": 128 << 20})
-# Register cap of the CUDA-core expert GLU launch, per format. mxfp4 (gpt-oss: I = H = 2880, 16-row tiles of 4 warps,
-# top-4: 720 programs) needs 74 registers as a plain launch, 84 when it picks the top-k itself (SELECT, sm_90 offline);
-# at 84 (allocated 88) 5 programs fit an SM, 660 on 132 SMs, so a second wave of 60 programs doubled the launch
-# (H200, session 23: 20.8 -> 30.5 us). At 80 six fit (792), no spills (NOTES.md session 23). KIE_EXPERT_GLU_CAP=0: no cap.
+# Register cap of the CUDA-core expert GLU launch, per format. mxfp4 (gpt-oss: I = H = 2880, 16-row tiles of 4
+# warps, top-4: 720 programs) needs 74 registers as a plain launch, 84 when it picks the top-k itself (SELECT, sm_90
+# offline); at 84 (allocated 88) 5 programs fit an SM, 660 on 132 SMs, so a second wave of 60 programs made the launch
+# 20.8 -> 30.5 us (H200, session 23). At 80 six fit (792), no spills (NOTES.md session 23).
+# KIE_EXPERT_GLU_CAP=0: no cap.
 EXPERT_GLU_MAXNREG: dict[str, int] = {} if os.environ.get("KIE_EXPERT_GLU_CAP", "1") == "0" else {"mxfp4": 80}
 
 

@@ -199,7 +199,8 @@ def test_kernels_compile_for_sm90():
     heavy = [r for r in rows if r["regs"] and r["regs"] > 128]
     assert not heavy, f"> 128 registers per thread (< 4 programs of 128 threads per SM): {heavy}"
     capped = [r for r in rows if r["name"] == "expert_glu[mxfp4,select,capped]"]
-    assert len(capped) == 1 and (capped[0]["regs"] is None or capped[0]["regs"] <= 80), f"the cap did not hold: {capped}"
+    assert len(capped) == 1 and (capped[0]["regs"] is None or capped[0]["regs"] <= 80), \
+        f"the cap did not hold: {capped}"
 
 
 def test_graph_kernels_compile_for_sm80():

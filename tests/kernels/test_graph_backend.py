@@ -121,10 +121,10 @@ def test_top_k_picked_in_the_expert_launch_in_the_decode_step(case, fmt, tmp_pat
     ("qwen3_moe_norm", "fp8", False), ("deepseek_v3", None, False), ("qwen2_moe", "fp8-block", False),
     ("gpt_oss", "mxfp4", True), ("qwen3_moe_norm", "nvfp4", True)])
 def test_router_folded_into_o_proj_in_the_decode_step(case, fmt, experts_only, tmp_path, monkeypatch):
-    """KIE_ROUTER_FOLD (on by default; 0 keeps the router launch): o_proj's launch writes the router's partial logits (moe.gemv_route) and the
-    experts' GLU launch scales them and picks the top-k: the reference decoder's greedy tokens, and last logits equal
-    to the router launch's path up to reassociation (Qwen3-MoE fp8 o_proj and experts, renormalised top-k; DeepSeek-V3
-    MLA o_proj, sigmoid groups, correction bias; Qwen2-MoE fp8-block experts (the tiny o_proj falls back to per-row
+    """KIE_ROUTER_FOLD (on by default; 0 keeps the router launch): o_proj's launch writes the router's partial logits
+    (moe.gemv_route) and the experts' GLU launch scales them and picks the top-k: the reference decoder's greedy
+    tokens, and last logits equal to the router launch's path up to reassociation (Qwen3-MoE fp8 o_proj and experts,
+    renormalised top-k; DeepSeek-V3 MLA o_proj, sigmoid groups, correction bias; Qwen2-MoE fp8-block experts (the tiny o_proj falls back to per-row
     fp8) and a shared expert with its gate; fp4 experts behind float attention, o_proj's launch writing their x8
     unscaled: gpt-oss mxfp4 (o_proj's bias and its logit term, a router bias, softmax over the top-k, sinks), Qwen3-MoE
     nvfp4)."""
