@@ -46,7 +46,7 @@ import triton.language as tl
 from triton.language.target_info import cuda_capability_geq
 
 from .gemv import check_vec, check_x, make_out
-from .pdl import launch_kw, pdl_begin
+from .pdl import launch_kw, pdl_begin, reg_cap
 from .device_caps import e4m3_native
 from .tiles import _ASM, E2M1_F16X2_PTX, _as_f32, _e2m1_word, _normed_block, _store_out
 from .weights import WeightHandle, mma_bytes
@@ -445,7 +445,7 @@ def gemv_fp4_mma(x: torch.Tensor, w: WeightHandle, *, bias: torch.Tensor | None 
     elif xh.shape != (K,) or xh.dtype != torch.float16 or not xh.is_contiguous() or xh.data_ptr() % 16:
         raise ValueError(f"xh: expected a contiguous, 16-byte aligned fp16 [{K}] (prepare_xh), got {xh.dtype} "
                          f"{tuple(xh.shape)}")
-    cap = {"maxnreg": maxnreg} if x.device.type == "cuda" and maxnreg else {}
+    cap = reg_cap(x.device, maxnreg)
     _fp4_mma_kernel[(triton.cdiv(N, 16 * row_blocks * num_warps),)](
         xh, w.weight, w.weight.stride(-2), w.scale.view(torch.uint8), w.scale.stride(-2),
         w.global_scale if w.global_scale is not None else y,

@@ -29,7 +29,7 @@ from .fp4_mma import (MMA_MAXNREG, _global_factor, _lane_warp, _mine, _quad_sum,
 from .gemv import counters as _counters
 from .gemv import num_sms
 from .moe import expert_down_split, split_slots
-from .pdl import launch_kw, pdl_begin
+from .pdl import launch_kw, pdl_begin, reg_cap
 from .tiles import _glu, _store_out
 from .weights import WeightHandle
 
@@ -274,10 +274,10 @@ def moe_experts_mma(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w
     top_k = ids.numel()
     mx = w_gate.fmt == "mxfp4"
     e4b = not e4m3_native(dev)
-    cap = {"maxnreg": maxnreg} if dev.type == "cuda" and maxnreg else {}
+    cap = reg_cap(dev, maxnreg)
     if glu_maxnreg == "auto":
         glu_maxnreg = MMA_GLU_MAXNREG.get(w_gate.fmt)
-    glu_cap = {"maxnreg": glu_maxnreg} if dev.type == "cuda" and glu_maxnreg else {}
+    glu_cap = reg_cap(dev, glu_maxnreg)
     xh = prepare_xh(x.reshape(-1), norm_weight, eps)
     h = torch.empty((top_k, I), dtype=torch.float16, device=dev)
     gs = lambda w: w.global_scale if w.global_scale is not None else h  # noqa: E731

@@ -49,3 +49,8 @@ def launch_kw(device: torch.device) -> dict:
     """Launch options + the PDL constexpr of a kernel that calls pdl_begin(PDL) first."""
     on = enabled(device)
     return {"launch_pdl": on, "PDL": on}
+
+
+def reg_cap(device: torch.device, maxnreg: int | None) -> dict:
+    """The register-cap launch option (maxnreg) on CUDA; nothing elsewhere or for None (ptxas's choice)."""
+    return {"maxnreg": maxnreg} if device.type == "cuda" and maxnreg else {}

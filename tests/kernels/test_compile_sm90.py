@@ -139,25 +139,22 @@ def _compile_all(arch: int = 90, formats=("bf16", "fp8", "fp8_block", "nvfp4", "
     wm = random_weight("mxfp4", 2880, 2880, experts=E)
     mcfg = M.DEFAULT_EXPERT_TILES["mxfp4"]
     xm, hm, ym = torch.empty(8, 360), torch.empty(4, 2880), torch.empty(2880)
-    k = M._expert_glu_kernel.warmup(xm, xm, ids, *M._expert_args(wm), *M._expert_args(wm), hm, 0, 0, hm, 0, 0, hm,
-                                    2880, 2880, 1e-6, 7.0, 1.702, 360, FMT=G.FMT_ID["mxfp4"], HAS_NW=False,
-                                    HAS_BIAS=False, ACT=1, H_X8=True, BLOCK_X=4096, BLOCK_N=mcfg.block_n,
-                                    BLOCK_K=mcfg.block_k, PIPE=mcfg.prefetch, num_warps=mcfg.num_warps, grid=(1,),
-                                    rpart_ptr=sel, rb_ptr=sel, rcorr_ptr=sel, logits_ptr=torch.empty(128), wts_ptr=wts,
-                                    scaling=1.0, E=128, rx_ptr=ym, SELECT=True, SEL_NW=2, SCALE_GLU=True,
-                                    **M._select_meta(M.RouterConfig(top_k=4, scoring="softmax_topk"), 128, 8))
-    record("expert_glu[mxfp4,select,scaled x8]", k)
+    oss = M.RouterConfig(top_k=4, scoring="softmax_topk")
+
+    def mxfp4_select_glu(split, **kw):
+        return M._expert_glu_kernel.warmup(xm, xm, ids, *M._expert_args(wm), *M._expert_args(wm), hm, 0, 0, hm, 0, 0,
+                                           hm, 2880, 2880, 1e-6, 7.0, 1.702, 360, FMT=G.FMT_ID["mxfp4"], HAS_NW=False,
+                                           ACT=1, H_X8=True, BLOCK_N=mcfg.block_n, BLOCK_K=mcfg.block_k,
+                                           PIPE=mcfg.prefetch, num_warps=mcfg.num_warps, grid=(1,), rpart_ptr=sel,
+                                           rb_ptr=sel, rcorr_ptr=sel, logits_ptr=torch.empty(128), wts_ptr=wts,
+                                           scaling=1.0, E=128, SELECT=True, **M._select_meta(oss, 128, split), **kw)
+    record("expert_glu[mxfp4,select,scaled x8]", mxfp4_select_glu(8, HAS_BIAS=False, BLOCK_X=4096, rx_ptr=ym,
+                                                                   SEL_NW=2, SCALE_GLU=True))
     # gpt-oss's mxfp4 GLU picking the top-k from the router launch's 6 splits, under its register cap
     # (EXPERT_GLU_MAXNREG: 84 uncapped, which leaves 5 programs per SM for 720: a second wave)
-    k = M._expert_glu_kernel.warmup(xm, xm, ids, *M._expert_args(wm), *M._expert_args(wm), hm, 0, 0, hm, 0, 0, hm,
-                                    2880, 2880, 1e-6, 7.0, 1.702, 360, FMT=G.FMT_ID["mxfp4"], HAS_NW=False,
-                                    HAS_BIAS=True, ACT=1, H_X8=True, BLOCK_X=1024, BLOCK_N=mcfg.block_n,
-                                    BLOCK_K=mcfg.block_k, PIPE=mcfg.prefetch, num_warps=mcfg.num_warps, grid=(1,),
-                                    rpart_ptr=sel, rb_ptr=sel, rcorr_ptr=sel, logits_ptr=torch.empty(128), wts_ptr=wts,
-                                    scaling=1.0, E=128, SELECT=True, SEL_NW=1, SEL_BIAS=True,
-                                    maxnreg=M.EXPERT_GLU_MAXNREG["mxfp4"],
-                                    **M._select_meta(M.RouterConfig(top_k=4, scoring="softmax_topk"), 128, 6))
-    record("expert_glu[mxfp4,select,capped]", k)
+    record("expert_glu[mxfp4,select,capped]", mxfp4_select_glu(6, HAS_BIAS=True, BLOCK_X=1024, SEL_NW=1,
+                                                                SEL_BIAS=True,
+                                                                maxnreg=M.EXPERT_GLU_MAXNREG["mxfp4"]))
     k = G._x8_kernel.warmup(x, x, torch.empty(8, H // 8), H, 1e-6, HAS_NW=True, BLOCK=1024, BLOCK_X=1024, grid=(1,))
     record("x8", k)
     # RoPE + KV append + decode attention in one launch (qwen3-30b-a3b: 32 q / 4 kv heads of 128, per-head norm)

@@ -93,8 +93,8 @@ def test_mma_experts_down_k_split(fmt, split, k_split):
 def test_mma_experts_glu_k_split(fmt, ks):
     """The GLU launch with its K (= H = 608: 3 steps of 256 codes, the last ragged) cut into chunks whose last
     program adds the gate / up partials in order and applies the GLU: 2 and 3 chunks (more are clamped to the 3
-    steps: test_glu_k_chunks_clamps_to_the_k_steps); gate / up biases added once; a repeated expert; a second call on the same counters gives the same y
-    (the counters are left at zero)."""
+    steps: test_glu_k_chunks_clamps_to_the_k_steps); gate / up biases added once; a repeated expert; a second call
+    on the same counters gives the same y (the counters are left at zero)."""
     E, I, H = 5, 96, 608
     wg, wu, wd = _stack(fmt, E, I, H, seed=95)
     x, nw = _t(H, seed=96), _t(H, seed=97)

@@ -124,10 +124,10 @@ def test_router_folded_into_o_proj_in_the_decode_step(case, fmt, experts_only, t
     """KIE_ROUTER_FOLD (on by default; 0 keeps the router launch): o_proj's launch writes the router's partial logits
     (moe.gemv_route) and the experts' GLU launch scales them and picks the top-k: the reference decoder's greedy
     tokens, and last logits equal to the router launch's path up to reassociation (Qwen3-MoE fp8 o_proj and experts,
-    renormalised top-k; DeepSeek-V3 MLA o_proj, sigmoid groups, correction bias; Qwen2-MoE fp8-block experts (the tiny o_proj falls back to per-row
-    fp8) and a shared expert with its gate; fp4 experts behind float attention, o_proj's launch writing their x8
-    unscaled: gpt-oss mxfp4 (o_proj's bias and its logit term, a router bias, softmax over the top-k, sinks), Qwen3-MoE
-    nvfp4)."""
+    renormalised top-k; DeepSeek-V3 MLA o_proj, sigmoid groups, correction bias; Qwen2-MoE fp8-block experts (the
+    tiny o_proj falls back to per-row fp8) and a shared expert with its gate; fp4 experts behind float attention,
+    o_proj's launch writing their x8 unscaled: gpt-oss mxfp4 (o_proj's bias and its logit term, a router bias,
+    softmax over the top-k, sinks), Qwen3-MoE nvfp4)."""
     import kie_moe.kernels.graph as G
     m = _tiny(case, fmt, tmp_path, experts_only)
     seen = []
