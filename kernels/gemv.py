@@ -33,7 +33,8 @@ import triton.language as tl
 from .device_caps import e4m3_arg
 from .pdl import launch_kw, pdl_begin
 from .tiles import (ACT_ID, FMT_ID, _glu, _normed_block, _rstd, _split_reduce, _store_out, _tile,  # noqa: F401
-                    _tile_bf16, _tile_fp8, _tile_fp8_block, _tile_mxfp4, _tile_nvfp4, _tile_pair, _x8_offs)
+                    _tile_bf16, _tile_fp8, _tile_fp8_block, _tile_mxfp4, _tile_nvfp4, _tile_pair, _x8_offs,
+                    rstd_block)
 from .weights import FP8_BLOCK, WeightHandle, dequantize
 
 __all__ = [
@@ -367,7 +368,7 @@ def gemv(x: torch.Tensor, w: WeightHandle, *, bias: torch.Tensor | None = None, 
         bias if bias is not None else y, residual if residual is not None else y, y, part, cnt,
         N, K, k_per_split, eps, stride_x8,
         FMT=FMT_ID[w.fmt], HAS_NW=has_nw, HAS_BIAS=bias is not None, HAS_RES=residual is not None,
-        SPLIT_K=split, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_X=min(1024, triton.next_power_of_2(K)),
+        SPLIT_K=split, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_X=rstd_block(K, cfg.num_warps),
         PIPE=cfg.prefetch, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_kw(w.device)
     )
     return y
@@ -477,7 +478,7 @@ def gemv_glu(x: torch.Tensor, w_gate: WeightHandle, w_up: WeightHandle, *, act: 
         up_bias if up_bias is not None else y, up_bias.stride(-1) if up_bias is not None else 0, y,
         N, K, eps, limit, alpha, stride_x8,
         FMT=FMT_ID[w_gate.fmt], HAS_NW=has_nw, HAS_BIAS=gate_bias is not None, ACT=ACT_ID[act],
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_X=min(1024, triton.next_power_of_2(K)),
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_X=rstd_block(K, cfg.num_warps),
         PIPE=cfg.prefetch, Y_X8=out_x8, PAIR=pair, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **launch_kw(x.device)
     )

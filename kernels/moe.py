@@ -21,7 +21,8 @@ import triton.language as tl
 from .gemv import (DEFAULT_GLU_TILES, TileConfig, check_vec, check_x, counters, gemv_tiles, glu_pair_choice,
                    glu_ref, input_args, is_fp4, make_out, num_sms, plan_split, resolve_config, weight_args)
 from .pdl import launch_kw, pdl_begin, reg_cap
-from .tiles import ACT_ID, FMT_ID, _glu, _rstd, _split_reduce, _store_out, _tile, _tile_bf16, _tile_pair, _x8_offs
+from .tiles import (ACT_ID, FMT_ID, _glu, _rstd, _split_reduce, _store_out, _tile, _tile_bf16, _tile_pair, _x8_offs,
+                    rstd_block)
 from .weights import WeightHandle, dequantize
 
 __all__ = ["RouterConfig", "Routing", "PendingRouting", "route", "route_ref", "fold_router", "fold_router_bias",
@@ -781,7 +782,7 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gat
         I, H, eps, limit, alpha, stride_x8,
         FMT=FMT_ID[w_gate.fmt], HAS_NW=has_nw, HAS_BIAS=bg[0] is not None, ACT=ACT_ID[act],
         H_X8=is_fp4(w_down.fmt),
-        BLOCK_N=cu.block_n, BLOCK_K=cu.block_k, BLOCK_X=min(1024, triton.next_power_of_2(H)),
+        BLOCK_N=cu.block_n, BLOCK_K=cu.block_k, BLOCK_X=rstd_block(H, cu.num_warps),
         PIPE=cu.prefetch, PAIR=pair, num_warps=cu.num_warps, num_stages=cu.num_stages, **sel, **launch_kw(dev),
         **reg_cap(dev, EXPERT_GLU_MAXNREG.get(w_gate.fmt))
     )

@@ -447,6 +447,21 @@ def _tile_pair(FMT: tl.constexpr, w_ptr, w2_ptr, stride_wn, s_ptr, s2_ptr, strid
 # ======================================================================================================================
 # Epilogue helpers
 # ======================================================================================================================
+# KIE_RSTD_ONE_LOAD=1: the RMSNorm scale of a fused-norm launch reads x in one load (rstd_block) instead of
+# 1024-wide steps; each step is a dependent L2 round trip on the critical path of every program (the tail of q/k/v,
+# the top-k front of the expert GLU). Off until measured (benchmarks/NOTES.md, session 24).
+RSTD_ONE_LOAD = os.environ.get("KIE_RSTD_ONE_LOAD", "0") == "1"
+
+
+def rstd_block(K: int, num_warps: int) -> int:
+    """_rstd's BLOCK_X for an input of K elements: all of x in one load when that is at most 32 values per thread
+    (RSTD_ONE_LOAD), else 1024-wide steps. qwen3-30b-a3b (K 2048): one load at 2 or 4 warps."""
+    full = triton.next_power_of_2(K)
+    if RSTD_ONE_LOAD and full <= 32 * 32 * num_warps:
+        return full
+    return min(1024, full)
+
+
 @triton.jit
 def _rstd(x_ptr, K, eps, BLOCK_X: tl.constexpr):
     """1 / sqrt(mean(x^2) + eps) over the whole input (every program recomputes it: x is a few KB, in L2)."""

@@ -476,3 +476,28 @@ def test_route_ref_is_the_reference_decoders_routing(cfg, hf_group_score):
         order = torch.argsort(ids[0])
         assert ids[0][order].tolist() == sorted(want.ids.tolist())
         torch.testing.assert_close(wts[0][order], want.weights[torch.argsort(want.ids)], rtol=1e-6, atol=1e-7)
+
+
+def test_folded_router_with_the_one_load_norm_scale(monkeypatch):
+    """KIE_RSTD_ONE_LOAD in the GLU launch that picks the top-k after gemv_route: y's RMSNorm scale from one masked
+    load of all N = 1100 values (two 1024-wide steps without it) gives route_ref's experts and moe_experts_ref's y."""
+    import kie_moe.kernels.tiles as T
+    monkeypatch.setattr(T, "RSTD_ONE_LOAD", True)
+    E, cfg, _ = ROUTERS["softmax_norm"]
+    N, K, I = 1100, 40, 24
+    f32 = torch.float32
+    wo = random_weight("fp8", N, K, seed=60, device=DEV)
+    a, x = _t(K, seed=61, dtype=f32), _t(N, seed=62, dtype=f32, scale=3.0)
+    w_r, nw = _t(E, N, seed=63, scale=0.2, dtype=f32), _t(N, seed=64, dtype=f32)
+    y, p = gemv_route(a, wo, x, fold_router(w_r, nw, wo), w_r, nw, cfg, eps=1e-5, config=TileConfig(64, 64),
+                      router_config=TileConfig(8, 256), router_k_steps=2)
+    wg, wu, wd = _experts("fp8", E, I, N, seed=65)
+    cfg_e = TileConfig(16, 256, num_warps=2)
+    assert T.rstd_block(N, cfg_e.num_warps) == 2048
+    out = moe_experts(y, p.ids, p.weights, wg, wu, wd, norm_weight=nw, eps=1e-5, out=torch.empty(N, device=DEV),
+                      config_up=cfg_e, config_down=cfg_e, select=p)
+    want_r = route_ref(y, w_r, cfg, norm_weight=nw, eps=1e-5)
+    assert p.ids.tolist() == want_r.ids.tolist(), f"ids {p.ids.tolist()} vs {want_r.ids.tolist()}"
+    assert_close(p.weights, want_r.weights, what="weights")
+    want = moe_experts_ref(y, want_r.ids, want_r.weights, wg, wu, wd, norm_weight=nw, eps=1e-5, out_dtype=f32)
+    assert_close(out, want, what="experts")
