@@ -18,8 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .gemv import (DEFAULT_GLU_TILES, TileConfig, check_vec, check_x, counters, gemv_tiles, glu_pair_choice,
-                   glu_ref, input_args, is_fp4, make_out, num_sms, plan_split, resolve_config, weight_args)
+from .gemv import (DEFAULT_GLU_TILES, GEMV_UNROLL, TileConfig, check_vec, check_x, counters, gemv_tiles,
+                   glu_pair_choice, glu_ref, input_args, is_fp4, make_out, num_sms, plan_split, resolve_config, weight_args)
 from .pdl import launch_kw, pdl_begin, reg_cap
 from .tiles import (ACT_ID, FMT_ID, _glu, _rstd, _split_reduce, _store_out, _tile, _tile_bf16, _tile_pair, _x8_offs,
                     rstd_block)
@@ -40,6 +40,11 @@ SCORE_ID = {"softmax": 0, "sigmoid": 1, "softmax_topk": 2}
 _FP8_EXPERT_TILE = TileConfig(8, 512, num_warps=2, prefetch=False)
 DEFAULT_EXPERT_TILES = {**DEFAULT_GLU_TILES, "fp8": _FP8_EXPERT_TILE, "fp8_block": _FP8_EXPERT_TILE}
 EXPERT_DOWN_PROGRAMS_PER_SM = 16
+# KIE_EXPERT_GLU_UNROLL / KIE_EXPERT_DOWN_UNROLL = n: the float-format expert launches take n K steps per loop trip,
+# their loads in flight together (tiles._tile_float UNROLL; qwen3-30b-a3b fp8: the GLU walks H = 2048 in 4 steps of
+# 512, the down I = 768 in 3 of 256, each step a dependent HBM round trip). 1 (as before) until timed: session 24.
+EXPERT_GLU_UNROLL = int(os.environ.get("KIE_EXPERT_GLU_UNROLL", "1"))
+EXPERT_DOWN_UNROLL = int(os.environ.get("KIE_EXPERT_DOWN_UNROLL", "1"))
 # Active fp4 expert bytes per token (top_k experts' gate + up + down) from which moe_experts runs on the tensor cores
 # (use_mma_experts), per format; a format not named: never. Measured on an H100 (session 18, benchmarks/NOTES.md),
 # tensor-core vs CUDA-core % of the read probe: nvfp4 56 MB 47 vs 37, 198 MB 74 vs 37, 283 MB 74 vs 44; mxfp4 53 MB
@@ -391,7 +396,7 @@ def _gemv_route_kernel(
     N, K, E, r_tiles, r_programs, a_splits, k_per_split,
     FMT: tl.constexpr, HAS_BIAS: tl.constexpr, WRITE_U8: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PIPE: tl.constexpr, R_BLOCK_N: tl.constexpr, R_BLOCK_K: tl.constexpr, R_PIPE: tl.constexpr,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = False, UNROLL: tl.constexpr = 1,
 ):
     """grid (r_programs + cdiv(N, BLOCK_N),): the first r_programs write the router's partial logits of y without
     its RMSNorm scale, part[s, E]: splits s < a_splits over K ranges of W_f a (W_f [E, K] = W_r diag(nw) W,
@@ -421,7 +426,7 @@ def _gemv_route_kernel(
     else:
         n_start = (pid - r_programs) * BLOCK_N
         acc = _tile(FMT, w_ptr, stride_wn, s_ptr, stride_sn, stride_sk, gs_ptr, a_ptr, a_ptr, 0, n_start, N, 0, K,
-                    False, BLOCK_N, BLOCK_K, PIPE)
+                    False, BLOCK_N, BLOCK_K, PIPE, UNROLL)
         offs_n = n_start + tl.arange(0, BLOCK_N)
         n_mask = offs_n < N
         _store_out(acc, offs_n, n_mask, y_ptr, bias_ptr, res_ptr, HAS_BIAS, True)
@@ -514,7 +519,8 @@ def gemv_route(a: torch.Tensor, w: WeightHandle, residual: torch.Tensor, w_fold:
         N, K, E, r_tiles, r_tiles * split, a_splits, kps,
         FMT=FMT_ID[w.fmt], HAS_BIAS=bias is not None, WRITE_U8=x8_out is not None, BLOCK_N=tiles.block_n,
         BLOCK_K=tiles.block_k, PIPE=tiles.prefetch, R_BLOCK_N=router_config.block_n, R_BLOCK_K=router_config.block_k,
-        R_PIPE=router_config.prefetch, num_warps=tiles.num_warps, num_stages=tiles.num_stages, **launch_kw(dev)
+        R_PIPE=router_config.prefetch, UNROLL=GEMV_UNROLL, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        **launch_kw(dev)
     )
     return y, PendingRouting(routing.ids, routing.weights, routing.logits, part, split, True, cfg, router_bias,
                              correction_bias, eps, rstd_x=y, x8=x8_out)
@@ -572,6 +578,7 @@ def _expert_glu_kernel(
     N_GROUP: tl.constexpr = 1, GROUP_SIZE: tl.constexpr = 1, TOPK_GROUP: tl.constexpr = 1,
     GROUP_TOP2: tl.constexpr = False, TOP_K: tl.constexpr = 1, SPLIT_K: tl.constexpr = 1, BLOCK_G: tl.constexpr = 1,
     BLOCK_S: tl.constexpr = 1, BLOCK_TOPK: tl.constexpr = 1, SCALE_GLU: tl.constexpr = False,
+    UNROLL: tl.constexpr = 1,
 ):
     """grid (cdiv(I, BLOCK_N), TOP_K): h[slot, I] = glu(Wg[e] x + bg[e], Wu[e] x + bu[e]), e = ids[slot].
     H_X8: store each h[slot] in the x8 layout (an fp4 down projection reads it that way). PAIR (float formats, gate
@@ -605,14 +612,14 @@ def _expert_glu_kernel(
     if PAIR:
         g, u = _tile_pair(FMT, wg_ptr + e * stride_wge, wu_ptr + e * stride_wue, stride_wgn, sg_ptr + e * stride_sge,
                           su_ptr + e * stride_sue, stride_sgn, stride_sgk, x_ptr, nw_ptr, n_start, I, 0, K, HAS_NW,
-                          BLOCK_N, BLOCK_K, PIPE)
+                          BLOCK_N, BLOCK_K, PIPE, UNROLL)
     else:
         g = _tile(FMT, wg_ptr + e * stride_wge, stride_wgn, sg_ptr + e * stride_sge, stride_sgn, stride_sgk,
                   gsg_ptr + e * stride_gge, x_ptr, nw_ptr, stride_x8, n_start, I, 0, K, HAS_NW, BLOCK_N, BLOCK_K,
-                  PIPE)
+                  PIPE, UNROLL)
         u = _tile(FMT, wu_ptr + e * stride_wue, stride_wun, su_ptr + e * stride_sue, stride_sun, stride_suk,
                   gsu_ptr + e * stride_gue, x_ptr, nw_ptr, stride_x8, n_start, I, 0, K, HAS_NW, BLOCK_N, BLOCK_K,
-                  PIPE)
+                  PIPE, UNROLL)
     offs_n = n_start + tl.arange(0, BLOCK_N)
     n_mask = offs_n < I
     if HAS_NW or SCALE_GLU:
@@ -637,6 +644,7 @@ def _expert_down_kernel(
     N, I, slots_per_split,
     FMT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, TOP_K: tl.constexpr,
     SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PIPE: tl.constexpr, PDL: tl.constexpr = False,
+    UNROLL: tl.constexpr = 1,
 ):
     """grid (cdiv(N, BLOCK_N), SPLIT): y[N] = sum_slot wts[slot] * (Wd[e] h[slot] + bd[e]) (+ residual); the slots
     are split over SPLIT programs per row tile (reduced in slot order by the last one)."""
@@ -651,7 +659,7 @@ def _expert_down_kernel(
         e = tl.load(ids_ptr + slot).to(tl.int64)
         d = _tile(FMT, wd_ptr + e * stride_wde, stride_wdn, sd_ptr + e * stride_sde, stride_sdn, stride_sdk,
                   gsd_ptr + e * stride_gde, h_ptr + slot * I, h_ptr, I // 8, n_start, N, 0, I, False,
-                  BLOCK_N, BLOCK_K, PIPE)
+                  BLOCK_N, BLOCK_K, PIPE, UNROLL)
         if HAS_BIAS:
             d += tl.load(bd_ptr + e * stride_bde + offs_n, mask=n_mask, other=0.0).to(tl.float32)
         acc += tl.load(wts_ptr + slot) * d
@@ -783,7 +791,8 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gat
         FMT=FMT_ID[w_gate.fmt], HAS_NW=has_nw, HAS_BIAS=bg[0] is not None, ACT=ACT_ID[act],
         H_X8=is_fp4(w_down.fmt),
         BLOCK_N=cu.block_n, BLOCK_K=cu.block_k, BLOCK_X=rstd_block(H, cu.num_warps),
-        PIPE=cu.prefetch, PAIR=pair, num_warps=cu.num_warps, num_stages=cu.num_stages, **sel, **launch_kw(dev),
+        PIPE=cu.prefetch, PAIR=pair, UNROLL=EXPERT_GLU_UNROLL, num_warps=cu.num_warps, num_stages=cu.num_stages,
+        **sel, **launch_kw(dev),
         **reg_cap(dev, EXPERT_GLU_MAXNREG.get(w_gate.fmt))
     )
 
@@ -799,7 +808,8 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gat
         H, I, per,
         FMT=FMT_ID[w_down.fmt], HAS_BIAS=bd[0] is not None, HAS_RES=residual is not None, TOP_K=top_k,
         SPLIT=split, BLOCK_N=cd.block_n, BLOCK_K=cd.block_k,
-        PIPE=cd.prefetch, num_warps=cd.num_warps, num_stages=cd.num_stages, **launch_kw(dev)
+        PIPE=cd.prefetch, UNROLL=EXPERT_DOWN_UNROLL, num_warps=cd.num_warps, num_stages=cd.num_stages,
+        **launch_kw(dev)
     )
     return y
 

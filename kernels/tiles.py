@@ -138,7 +138,7 @@ def _float_step(acc, acc2, w, w2, x_ptr, nw_ptr, s_row, s2_row, stride_sk, k0, k
 @triton.jit
 def _tile_float(w_ptr, stride_wn, s_ptr, stride_sn, stride_sk, x_ptr, nw_ptr, n_start, N, k_lo, k_hi,
                 HAS_NW: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_SCALED: tl.constexpr,
-                PIPE: tl.constexpr, w2_ptr=None, s2_ptr=None, PAIR: tl.constexpr = False):
+                PIPE: tl.constexpr, w2_ptr=None, s2_ptr=None, PAIR: tl.constexpr = False, UNROLL: tl.constexpr = 1):
     """Row sums of w [N, K] . x over [k_lo, k_hi) for rows n_start + [0, BLOCK_N); PAIR: also those of w2 (same
     shape, strides and scale layout as w: a GLU's up rows beside its gate rows), returned as (w's, w2's), each
     step's x (and norm weight) loaded once for both."""
@@ -173,6 +173,16 @@ def _tile_float(w_ptr, stride_wn, s_ptr, stride_sn, stride_sk, x_ptr, nw_ptr, n_
                 w2_next = tl.load(w2_rows + (k_n + offs)[None, :])
             acc, acc2 = _float_step(acc, acc2, w, w2, x_ptr, nw_ptr, s_row, s2_row, stride_sk, k0, k_hi, HAS_NW,
                                     BLOCK_N, BLOCK_K, BLOCK_SCALED, False, PAIR)
+    elif UNROLL > 1:
+        # UNROLL whole steps per loop trip: their loads are independent of one another, so they can be in flight
+        # together (a plain loop waits for each step's bytes before the next step's loads issue)
+        for k0 in tl.range(k_lo, k_full, BLOCK_K, loop_unroll_factor=UNROLL):
+            w = tl.load(w_rows + (k0 + offs)[None, :])
+            w2 = w
+            if PAIR:
+                w2 = tl.load(w2_rows + (k0 + offs)[None, :])
+            acc, acc2 = _float_step(acc, acc2, w, w2, x_ptr, nw_ptr, s_row, s2_row, stride_sk, k0, k_hi, HAS_NW,
+                                    BLOCK_N, BLOCK_K, BLOCK_SCALED, False, PAIR)
     else:
         for k0 in range(k_lo, k_full, BLOCK_K):
             w = tl.load(w_rows + (k0 + offs)[None, :])
@@ -197,18 +207,20 @@ def _tile_float(w_ptr, stride_wn, s_ptr, stride_sn, stride_sk, x_ptr, nw_ptr, n_
 
 @triton.jit
 def _tile_bf16(w_ptr, stride_wn, x_ptr, nw_ptr, n_start, N, k_lo, k_hi,
-               HAS_NW: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PIPE: tl.constexpr):
+               HAS_NW: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PIPE: tl.constexpr,
+               UNROLL: tl.constexpr = 1):
     """Float weights (bf16 / fp16 / fp32) [N, K]."""
     return _tile_float(w_ptr, stride_wn, w_ptr, 0, 0, x_ptr, nw_ptr, n_start, N, k_lo, k_hi,
-                       HAS_NW, BLOCK_N, BLOCK_K, False, PIPE)
+                       HAS_NW, BLOCK_N, BLOCK_K, False, PIPE, UNROLL=UNROLL)
 
 
 @triton.jit
 def _tile_fp8(w_ptr, stride_wn, s_ptr, stride_sn, x_ptr, nw_ptr, n_start, N, k_lo, k_hi,
-              HAS_NW: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PIPE: tl.constexpr):
+              HAS_NW: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PIPE: tl.constexpr,
+              UNROLL: tl.constexpr = 1):
     """e4m3 [N, K] with a per-row scale [N, 1]: the scale factors out of the dot product, one multiply per row."""
     acc = _tile_float(w_ptr, stride_wn, w_ptr, 0, 0, x_ptr, nw_ptr, n_start, N, k_lo, k_hi,
-                      HAS_NW, BLOCK_N, BLOCK_K, False, PIPE)
+                      HAS_NW, BLOCK_N, BLOCK_K, False, PIPE, UNROLL=UNROLL)
     return _row_scaled(acc, s_ptr, stride_sn, n_start, N, BLOCK_N)
 
 
@@ -409,15 +421,17 @@ def _tile_mxfp4(w_ptr, stride_wn, s_ptr, stride_sn, stride_sk, x8_ptr, stride_x8
 @triton.jit
 def _tile(FMT: tl.constexpr, w_ptr, stride_wn, s_ptr, stride_sn, stride_sk, gs_ptr, x_ptr, nw_ptr, stride_x8,
           n_start, N, k_lo, k_hi, HAS_NW: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-          PIPE: tl.constexpr):
+          PIPE: tl.constexpr, UNROLL: tl.constexpr = 1):
     """Format dispatch (constexpr: one variant compiled per format); unused pointers may be any tensor.
     Float formats read x [K] (times nw when HAS_NW); fp4 formats read x_ptr as x8 [8, K/8] with row stride
-    stride_x8 and ignore nw (prepare_x8 applies the norm)."""
+    stride_x8 and ignore nw (prepare_x8 applies the norm). UNROLL (bf16 / fp8, without PIPE): K steps per loop
+    trip, their loads in flight together."""
     if FMT == 0:
-        acc = _tile_bf16(w_ptr, stride_wn, x_ptr, nw_ptr, n_start, N, k_lo, k_hi, HAS_NW, BLOCK_N, BLOCK_K, PIPE)
+        acc = _tile_bf16(w_ptr, stride_wn, x_ptr, nw_ptr, n_start, N, k_lo, k_hi, HAS_NW, BLOCK_N, BLOCK_K, PIPE,
+                         UNROLL)
     elif FMT == 1:
         acc = _tile_fp8(w_ptr, stride_wn, s_ptr, stride_sn, x_ptr, nw_ptr, n_start, N, k_lo, k_hi,
-                        HAS_NW, BLOCK_N, BLOCK_K, PIPE)
+                        HAS_NW, BLOCK_N, BLOCK_K, PIPE, UNROLL)
     elif FMT == 2:
         acc = _tile_fp8_block(w_ptr, stride_wn, s_ptr, stride_sn, stride_sk, x_ptr, nw_ptr, n_start, N, k_lo, k_hi,
                               HAS_NW, BLOCK_N, BLOCK_K, PIPE)
@@ -433,11 +447,11 @@ def _tile(FMT: tl.constexpr, w_ptr, stride_wn, s_ptr, stride_sn, stride_sk, gs_p
 @triton.jit
 def _tile_pair(FMT: tl.constexpr, w_ptr, w2_ptr, stride_wn, s_ptr, s2_ptr, stride_sn, stride_sk, x_ptr, nw_ptr,
                n_start, N, k_lo, k_hi, HAS_NW: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-               PIPE: tl.constexpr):
+               PIPE: tl.constexpr, UNROLL: tl.constexpr = 1):
     """_tile over two float-format weights of one shape, strides and scale layout (a GLU's gate and up rows), each
     step's x loaded once for both (FMT 0-2 only): (w's row sums, w2's)."""
     a, b = _tile_float(w_ptr, stride_wn, s_ptr, stride_sn, stride_sk, x_ptr, nw_ptr, n_start, N, k_lo, k_hi,
-                       HAS_NW, BLOCK_N, BLOCK_K, FMT == 2, PIPE, w2_ptr, s2_ptr, True)
+                       HAS_NW, BLOCK_N, BLOCK_K, FMT == 2, PIPE, w2_ptr, s2_ptr, True, UNROLL)
     if FMT == 1:   # fp8: one scale per row, after the dot
         a = _row_scaled(a, s_ptr, stride_sn, n_start, N, BLOCK_N)
         b = _row_scaled(b, s2_ptr, stride_sn, n_start, N, BLOCK_N)

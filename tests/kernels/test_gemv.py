@@ -350,3 +350,17 @@ def test_rstd_one_load(monkeypatch):
     wg, wu = random_weight("bf16", N, K, seed=44, device=DEV), random_weight("bf16", N, K, seed=45, device=DEV)
     y = gemv_swiglu(x, wg, wu, norm_weight=nw, eps=1e-5, out=torch.empty(N, device=DEV), config=TileConfig(8, 256))
     assert_close(y, gemv_glu_ref(x, wg, wu, norm_weight=nw, eps=1e-5, out_dtype=torch.float32), what="one-load glu")
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "bf16"])
+def test_gemv_unroll(fmt, monkeypatch):
+    """KIE_GEMV_UNROLL: 3 K steps per loop trip over 5 whole steps (one unrolled trip, two left over) and a ragged
+    tail, with the fused norm and a residual, equals the reference."""
+    import kie_moe.kernels.gemv as G
+    monkeypatch.setattr(G, "GEMV_UNROLL", 3)
+    N, K = 13, 5 * 64 + 20
+    w = random_weight(fmt, N, K, seed=46, device=DEV)
+    x, nw, res = _x(K, 47), 1 + 0.1 * _x(K, 48), _x(N, 49)
+    y = G.rmsnorm_gemv(x, nw, 1e-5, w, residual=res, out=torch.empty(N, device=DEV),
+                       config=TileConfig(8, 64, prefetch=False))
+    assert_close(y, rmsnorm_gemv_ref(x, nw, 1e-5, w, residual=res, out_dtype=torch.float32), what=f"unroll {fmt}")

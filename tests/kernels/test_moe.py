@@ -501,3 +501,29 @@ def test_folded_router_with_the_one_load_norm_scale(monkeypatch):
     assert_close(p.weights, want_r.weights, what="weights")
     want = moe_experts_ref(y, want_r.ids, want_r.weights, wg, wu, wd, norm_weight=nw, eps=1e-5, out_dtype=f32)
     assert_close(out, want, what="experts")
+
+
+def test_expert_launches_unrolled(monkeypatch):
+    """KIE_EXPERT_GLU_UNROLL / KIE_EXPERT_DOWN_UNROLL / KIE_GEMV_UNROLL (gemv_route): the fp8 expert launches and the
+    folded o_proj with several K steps per loop trip (whole trips, leftover steps and a ragged tail) still pick
+    route_ref's experts and give moe_experts_ref's y."""
+    import kie_moe.kernels.moe as M
+    for name, v in (("EXPERT_GLU_UNROLL", 2), ("EXPERT_DOWN_UNROLL", 3), ("GEMV_UNROLL", 2)):
+        monkeypatch.setattr(M, name, v)
+    E, cfg, _ = ROUTERS["softmax_norm"]
+    N, K, I = 232, 200, 168      # experts: 7 / 5 whole 32-wide steps + a ragged one; o_proj: 6 + a ragged one
+    f32 = torch.float32
+    wo = random_weight("fp8", N, K, seed=70, device=DEV)
+    a, x = _t(K, seed=71, dtype=f32), _t(N, seed=72, dtype=f32, scale=3.0)
+    w_r, nw = _t(E, N, seed=73, scale=0.2, dtype=f32), _t(N, seed=74, dtype=f32)
+    y, p = gemv_route(a, wo, x, fold_router(w_r, nw, wo), w_r, nw, cfg, eps=1e-5,
+                      config=TileConfig(16, 32, prefetch=False), router_config=TileConfig(8, 64))
+    assert_close(y, gemv_ref(a, wo, residual=x), what="unrolled o_proj")
+    wg, wu, wd = _experts("fp8", E, I, N, seed=75)
+    cfg_e = TileConfig(16, 32, num_warps=2, prefetch=False)
+    out = moe_experts(y, p.ids, p.weights, wg, wu, wd, norm_weight=nw, eps=1e-5, out=torch.empty(N, device=DEV),
+                      config_up=cfg_e, config_down=cfg_e, select=p)
+    want_r = route_ref(y, w_r, cfg, norm_weight=nw, eps=1e-5)
+    assert p.ids.tolist() == want_r.ids.tolist(), f"ids {p.ids.tolist()} vs {want_r.ids.tolist()}"
+    want = moe_experts_ref(y, want_r.ids, want_r.weights, wg, wu, wd, norm_weight=nw, eps=1e-5, out_dtype=f32)
+    assert_close(out, want, what="unrolled experts")
