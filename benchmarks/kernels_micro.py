@@ -842,7 +842,9 @@ def _layer_sweep_grid(fmt: str) -> dict:
     pf = DEFAULT_TILES[fmt].prefetch
     gemv_grid = [("default", {})] + [
         (f"bn={bn} bk={bk} w=4 split={sp}", dict(config=TileConfig(bn, bk, 4, split_k=sp, prefetch=pf)))
-        for bn in (4, 8, 16) for bk in (256, 512, 1024) for sp in (None, 2)]
+        for bn in (4, 8, 16) for bk in (256, 512, 1024) for sp in (None, 2)] + [
+        (f"bn={bn} bk={bk} w=2 split=None", dict(config=TileConfig(bn, bk, 2, prefetch=pf)))
+        for bn in (4, 8, 16) for bk in (256, 512, 1024)]   # 2 warps: twice the programs per SM at the same bytes
     if not pf:   # fp8 / fp8-block: the weight prefetch their tiles leave off (on for all: -2.7% decode, session 23)
         gemv_grid += [(f"bn={bn} bk={bk} w=4 split=None pf=1", dict(config=TileConfig(bn, bk, 4, prefetch=True)))
                       for bn, bk in ((16, 512), (8, 512), (4, 1024), (8, 1024))]
