@@ -44,6 +44,11 @@ EXPERT_DOWN_PROGRAMS_PER_SM = 16
 # their loads in flight together (tiles._tile_float UNROLL; qwen3-30b-a3b fp8: the GLU walks H = 2048 in 4 steps of
 # 512, the down I = 768 in 3 of 256, each step a dependent HBM round trip). 1 (as before) until timed: session 24.
 EXPERT_GLU_UNROLL = int(os.environ.get("KIE_EXPERT_GLU_UNROLL", "1"))
+# KIE_EXPERT_DOWN_ATOMIC=1: the down launch adds each program's rows into an fp32 y with relaxed atomics (y set to the
+# residual by the GLU launch) instead of partials + a counter + the last program's ordered sum. That tail is a
+# release fence, an atomic round trip and a re-read on every row tile's critical path; the atomics make the sum's
+# order the hardware's, so y is not bit-reproducible run to run (fp32 rounding of SPLIT terms). Off until timed.
+EXPERT_DOWN_ATOMIC = os.environ.get("KIE_EXPERT_DOWN_ATOMIC", "0") == "1"
 EXPERT_DOWN_UNROLL = int(os.environ.get("KIE_EXPERT_DOWN_UNROLL", "1"))
 # Active fp4 expert bytes per token (top_k experts' gate + up + down) from which moe_experts runs on the tensor cores
 # (use_mma_experts), per format; a format not named: never. Measured on an H100 (session 18, benchmarks/NOTES.md),
@@ -579,6 +584,9 @@ def _expert_glu_kernel(
     GROUP_TOP2: tl.constexpr = False, TOP_K: tl.constexpr = 1, SPLIT_K: tl.constexpr = 1, BLOCK_G: tl.constexpr = 1,
     BLOCK_S: tl.constexpr = 1, BLOCK_TOPK: tl.constexpr = 1, SCALE_GLU: tl.constexpr = False,
     UNROLL: tl.constexpr = 1,
+    # INIT_Y (the down launch adds into y with atomics, EXPERT_DOWN_ATOMIC): 1 y = residual, 2 y = 0, by slot 0's
+    # programs, INIT_BLOCK values each
+    y_ptr=None, res_ptr=None, N_Y=0, INIT_Y: tl.constexpr = 0, INIT_BLOCK: tl.constexpr = 1,
 ):
     """grid (cdiv(I, BLOCK_N), TOP_K): h[slot, I] = glu(Wg[e] x + bg[e], Wu[e] x + bu[e]), e = ids[slot].
     H_X8: store each h[slot] in the x8 layout (an fp4 down projection reads it that way). PAIR (float formats, gate
@@ -634,6 +642,13 @@ def _expert_glu_kernel(
         u += tl.load(bu_ptr + e * stride_bue + offs_n * stride_bun, mask=n_mask, other=0.0).to(tl.float32)
     h_offs = _x8_offs(offs_n, I // 8) if H_X8 else offs_n
     tl.store(h_ptr + slot * I + h_offs, _glu(g, u, limit, alpha, ACT), mask=n_mask)
+    if INIT_Y != 0:
+        if slot == 0:   # the down launch's atomics start from y = residual (or 0); the launch boundary orders them
+            offs_y = pid_n * INIT_BLOCK + tl.arange(0, INIT_BLOCK)
+            y0 = tl.zeros((INIT_BLOCK,), dtype=tl.float32)
+            if INIT_Y == 1:
+                y0 = tl.load(res_ptr + offs_y, mask=offs_y < N_Y, other=0.0).to(tl.float32)
+            tl.store(y_ptr + offs_y, y0, mask=offs_y < N_Y)
 
 
 @triton.jit
@@ -644,10 +659,12 @@ def _expert_down_kernel(
     N, I, slots_per_split,
     FMT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, TOP_K: tl.constexpr,
     SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PIPE: tl.constexpr, PDL: tl.constexpr = False,
-    UNROLL: tl.constexpr = 1,
+    UNROLL: tl.constexpr = 1, ATOMIC: tl.constexpr = False,
 ):
     """grid (cdiv(N, BLOCK_N), SPLIT): y[N] = sum_slot wts[slot] * (Wd[e] h[slot] + bd[e]) (+ residual); the slots
-    are split over SPLIT programs per row tile (reduced in slot order by the last one)."""
+    are split over SPLIT programs per row tile (reduced in slot order by the last one). ATOMIC: each program adds its
+    sum into fp32 y (set to the residual by the GLU launch's INIT_Y) with a relaxed atomic; the order of the SPLIT
+    additions is the hardware's (not bit-reproducible run to run)."""
     pdl_begin(PDL)
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -663,7 +680,9 @@ def _expert_down_kernel(
         if HAS_BIAS:
             d += tl.load(bd_ptr + e * stride_bde + offs_n, mask=n_mask, other=0.0).to(tl.float32)
         acc += tl.load(wts_ptr + slot) * d
-    if SPLIT == 1:
+    if ATOMIC:   # fp32 y holds the residual already (the GLU launch wrote it): no partials, counter or last program
+        tl.atomic_add(y_ptr + offs_n, acc, mask=n_mask, sem="relaxed", scope="gpu")
+    elif SPLIT == 1:
         _store_out(acc, offs_n, n_mask, y_ptr, y_ptr, res_ptr, False, HAS_RES)
     else:
         acc, is_last = _split_reduce(acc, part_ptr, cnt_ptr, pid_n, pid_s, offs_n, n_mask, N, SPLIT)
@@ -784,7 +803,18 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gat
                    **_select_meta(c, E, select.split))   # E: _check_select held the router to the stacks' count
         if select.normed:
             eps = select.eps  # the router's scale; _check_select refused an experts' norm with another eps
-    _expert_glu_kernel[(triton.cdiv(I, cu.block_n), top_k)](
+    n_glu_tiles = triton.cdiv(I, cu.block_n)
+    cd = resolve_config(w_down, config_down, DEFAULT_EXPERT_TILES)
+    n_tiles = triton.cdiv(H, cd.block_n)
+    if split is None:
+        split = expert_down_split(n_tiles, top_k, dev)
+    per, split = split_slots(split, top_k)
+    atomic = EXPERT_DOWN_ATOMIC and y.dtype == torch.float32 and split > 1
+    if atomic:
+        init_block = triton.next_power_of_2(triton.cdiv(H, n_glu_tiles))
+        sel.update(y_ptr=y, res_ptr=residual if residual is not None else y, N_Y=H,
+                   INIT_Y=1 if residual is not None else 2, INIT_BLOCK=init_block)
+    _expert_glu_kernel[(n_glu_tiles, top_k)](
         x_in, nw_in, ids, *ga, *ua,
         bg[0] if bg[0] is not None else h, bg[1], bg[2], bu[0] if bu[0] is not None else h, bu[1], bu[2], h,
         I, H, eps, limit, alpha, stride_x8,
@@ -796,18 +826,13 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gat
         **reg_cap(dev, EXPERT_GLU_MAXNREG.get(w_gate.fmt))
     )
 
-    cd = resolve_config(w_down, config_down, DEFAULT_EXPERT_TILES)
-    n_tiles = triton.cdiv(H, cd.block_n)
-    if split is None:
-        split = expert_down_split(n_tiles, top_k, dev)
-    per, split = split_slots(split, top_k)
-    part = torch.empty((split, H), dtype=torch.float32, device=dev) if split > 1 else h
+    part = torch.empty((split, H), dtype=torch.float32, device=dev) if split > 1 and not atomic else h
     _expert_down_kernel[(n_tiles, split)](
         h, ids, weights, *_expert_args(w_down), bd[0] if bd[0] is not None else h, bd[1],
-        residual if residual is not None else y, y, part, counters(dev, n_tiles) if split > 1 else h,
+        residual if residual is not None else y, y, part, counters(dev, n_tiles) if split > 1 and not atomic else h,
         H, I, per,
         FMT=FMT_ID[w_down.fmt], HAS_BIAS=bd[0] is not None, HAS_RES=residual is not None, TOP_K=top_k,
-        SPLIT=split, BLOCK_N=cd.block_n, BLOCK_K=cd.block_k,
+        SPLIT=split, BLOCK_N=cd.block_n, BLOCK_K=cd.block_k, ATOMIC=atomic,
         PIPE=cd.prefetch, UNROLL=EXPERT_DOWN_UNROLL, num_warps=cd.num_warps, num_stages=cd.num_stages,
         **launch_kw(dev)
     )

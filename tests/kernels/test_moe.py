@@ -527,3 +527,48 @@ def test_expert_launches_unrolled(monkeypatch):
     assert p.ids.tolist() == want_r.ids.tolist(), f"ids {p.ids.tolist()} vs {want_r.ids.tolist()}"
     want = moe_experts_ref(y, want_r.ids, want_r.weights, wg, wu, wd, norm_weight=nw, eps=1e-5, out_dtype=f32)
     assert_close(out, want, what="unrolled experts")
+
+
+@pytest.mark.parametrize("fmt,case", [("fp8", "residual"), ("bf16", "in_place"), ("nvfp4", "no_residual"),
+                                      ("fp8", "bf16_out")])
+def test_expert_down_atomic(fmt, case, monkeypatch):
+    """KIE_EXPERT_DOWN_ATOMIC: the GLU launch sets fp32 y to the residual (or 0) and each down program adds its rows
+    with an atomic: the reference's y with a residual in another buffer, in y's own buffer (the residual updated in
+    place), without one, with a down bias, repeated ids and 2-4 programs per row tile (one slot each, or two);
+    a bf16 y keeps the ordered reduction."""
+    import kie_moe.kernels.moe as M
+    monkeypatch.setattr(M, "EXPERT_DOWN_ATOMIC", True)
+    seen = []
+
+    class Spy:   # records the down launch's ATOMIC constexpr
+        def __getitem__(self, grid):
+            def launch(*a, **k):
+                seen.append(k["ATOMIC"])
+                return real[grid](*a, **k)
+            return launch
+    real = M._expert_down_kernel
+    monkeypatch.setattr(M, "_expert_down_kernel", Spy())
+    E, H = 5, 80   # 80: nvfp4's 16-column groups over H
+    I = 64 if fmt == "nvfp4" else 37
+    wg, wu, wd = _experts(fmt, E, I, H, seed=80)
+    x, res = _t(H, seed=81), _t(H, seed=82, dtype=torch.float32)
+    ids = torch.tensor([E - 1, 0, 2, 0], dtype=torch.int32, device=DEV)
+    wts = torch.tensor([0.4, 0.3, 0.2, 0.1], device=DEV)
+    bd = _t(E, H, seed=83, dtype=torch.float32)
+    cfg = TileConfig(16, 32, num_warps=2)
+    kw = dict(config_up=cfg, config_down=cfg, down_bias=bd)
+    if case == "residual":
+        y = moe_experts(x, ids, wts, wg, wu, wd, residual=res, out=torch.full((H,), float("nan"), device=DEV),
+                        split=4, **kw)
+    elif case == "in_place":
+        y = res.clone()
+        assert moe_experts(x, ids, wts, wg, wu, wd, residual=y, out=y, split=2, **kw) is y
+    elif case == "no_residual":
+        y = moe_experts(x, ids, wts, wg, wu, wd, out=torch.full((H,), float("nan"), device=DEV), split=4, **kw)
+    else:
+        y = moe_experts(x, ids, wts, wg, wu, wd, residual=res, out=torch.empty(H, dtype=torch.bfloat16, device=DEV),
+                        split=4, **kw)
+    want = moe_experts_ref(x, ids, wts, wg, wu, wd, residual=None if case == "no_residual" else res, down_bias=bd,
+                           out_dtype=torch.float32)
+    assert_close(y.float(), want, rel=1e-2 if case == "bf16_out" else 1e-5, what=f"{fmt} {case}")
+    assert seen == [case != "bf16_out"]
