@@ -19,7 +19,8 @@ import triton
 import triton.language as tl
 
 from .gemv import (DEFAULT_GLU_TILES, GEMV_UNROLL, TileConfig, check_vec, check_x, counters, gemv_tiles,
-                   glu_pair_choice, glu_ref, input_args, is_fp4, make_out, num_sms, plan_split, resolve_config, weight_args)
+                   glu_pair_choice, glu_ref, input_args, is_fp4, make_out, num_sms, plan_split, resolve_config,
+                   weight_args)
 from .pdl import launch_kw, pdl_begin, reg_cap
 from .tiles import (ACT_ID, FMT_ID, _glu, _rstd, _split_reduce, _store_out, _tile, _tile_bf16, _tile_pair, _x8_offs,
                     rstd_block)
@@ -44,12 +45,12 @@ EXPERT_DOWN_PROGRAMS_PER_SM = 16
 # their loads in flight together (tiles._tile_float UNROLL; qwen3-30b-a3b fp8: the GLU walks H = 2048 in 4 steps of
 # 512, the down I = 768 in 3 of 256, each step a dependent HBM round trip). 1 (as before) until timed: session 24.
 EXPERT_GLU_UNROLL = int(os.environ.get("KIE_EXPERT_GLU_UNROLL", "1"))
+EXPERT_DOWN_UNROLL = int(os.environ.get("KIE_EXPERT_DOWN_UNROLL", "1"))
 # KIE_EXPERT_DOWN_ATOMIC=1: the down launch adds each program's rows into an fp32 y with relaxed atomics (y set to the
 # residual by the GLU launch) instead of partials + a counter + the last program's ordered sum. That tail is a
 # release fence, an atomic round trip and a re-read on every row tile's critical path; the atomics make the sum's
 # order the hardware's, so y is not bit-reproducible run to run (fp32 rounding of SPLIT terms). Off until timed.
 EXPERT_DOWN_ATOMIC = os.environ.get("KIE_EXPERT_DOWN_ATOMIC", "0") == "1"
-EXPERT_DOWN_UNROLL = int(os.environ.get("KIE_EXPERT_DOWN_UNROLL", "1"))
 # Active fp4 expert bytes per token (top_k experts' gate + up + down) from which moe_experts runs on the tensor cores
 # (use_mma_experts), per format; a format not named: never. Measured on an H100 (session 18, benchmarks/NOTES.md),
 # tensor-core vs CUDA-core % of the read probe: nvfp4 56 MB 47 vs 37, 198 MB 74 vs 37, 283 MB 74 vs 44; mxfp4 53 MB
