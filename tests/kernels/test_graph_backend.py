@@ -9,7 +9,7 @@ from kie_moe.models.registry import load_model
 from kie_moe.sampling import SamplingParams
 from tests.models.hf_tiny import make_checkpoint
 
-STEPS = 4
+STEPS = 3   # greedy steps per decode run: each step feeds the last token back; the interpreter's cost per step
 
 
 def ref_greedy(m, prompt, n):
