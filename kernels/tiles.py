@@ -173,18 +173,11 @@ def _tile_float(w_ptr, stride_wn, s_ptr, stride_sn, stride_sk, x_ptr, nw_ptr, n_
                 w2_next = tl.load(w2_rows + (k_n + offs)[None, :])
             acc, acc2 = _float_step(acc, acc2, w, w2, x_ptr, nw_ptr, s_row, s2_row, stride_sk, k0, k_hi, HAS_NW,
                                     BLOCK_N, BLOCK_K, BLOCK_SCALED, False, PAIR)
-    elif UNROLL > 1:
-        # UNROLL whole steps per loop trip: their loads are independent of one another, so they can be in flight
-        # together (a plain loop waits for each step's bytes before the next step's loads issue)
-        for k0 in tl.range(k_lo, k_full, BLOCK_K, loop_unroll_factor=UNROLL):
-            w = tl.load(w_rows + (k0 + offs)[None, :])
-            w2 = w
-            if PAIR:
-                w2 = tl.load(w2_rows + (k0 + offs)[None, :])
-            acc, acc2 = _float_step(acc, acc2, w, w2, x_ptr, nw_ptr, s_row, s2_row, stride_sk, k0, k_hi, HAS_NW,
-                                    BLOCK_N, BLOCK_K, BLOCK_SCALED, False, PAIR)
     else:
-        for k0 in range(k_lo, k_full, BLOCK_K):
+        # UNROLL > 1: that many whole steps per loop trip, their loads independent of one another, so they can be in
+        # flight together (a plain loop waits for each step's bytes before the next step's loads issue); None: no
+        # unroll attribute, the plain loop
+        for k0 in tl.range(k_lo, k_full, BLOCK_K, loop_unroll_factor=UNROLL if UNROLL > 1 else None):
             w = tl.load(w_rows + (k0 + offs)[None, :])
             w2 = w
             if PAIR:
