@@ -811,10 +811,11 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gat
         split = expert_down_split(n_tiles, top_k, dev)
     per, split = split_slots(split, top_k)
     atomic = EXPERT_DOWN_ATOMIC and y.dtype == torch.float32 and split > 1
+    init_y = {}   # atomic: slot 0's GLU programs set y to the residual (or 0) before the down launch adds into it
     if atomic:
-        init_block = triton.next_power_of_2(triton.cdiv(H, n_glu_tiles))
-        sel.update(y_ptr=y, res_ptr=residual if residual is not None else y, N_Y=H,
-                   INIT_Y=1 if residual is not None else 2, INIT_BLOCK=init_block)
+        init_y = dict(y_ptr=y, res_ptr=residual if residual is not None else y, N_Y=H,
+                      INIT_Y=1 if residual is not None else 2,
+                      INIT_BLOCK=triton.next_power_of_2(triton.cdiv(H, n_glu_tiles)))
     _expert_glu_kernel[(n_glu_tiles, top_k)](
         x_in, nw_in, ids, *ga, *ua,
         bg[0] if bg[0] is not None else h, bg[1], bg[2], bu[0] if bu[0] is not None else h, bu[1], bu[2], h,
@@ -823,7 +824,7 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gat
         H_X8=is_fp4(w_down.fmt),
         BLOCK_N=cu.block_n, BLOCK_K=cu.block_k, BLOCK_X=rstd_block(H, cu.num_warps),
         PIPE=cu.prefetch, PAIR=pair, UNROLL=EXPERT_GLU_UNROLL, num_warps=cu.num_warps, num_stages=cu.num_stages,
-        **sel, **launch_kw(dev),
+        **sel, **init_y, **launch_kw(dev),
         **reg_cap(dev, EXPERT_GLU_MAXNREG.get(w_gate.fmt))
     )
 
