@@ -13,8 +13,8 @@ from typing import Protocol
 
 import torch
 
-from .config import ALL, DELAYED, SCALED, LaneformerSpec
-from .lanes import ALL_GATHER, ALL_REDUCE, FINAL, SUBLAYERS, DevicePlan, Transfer, lane_plan
+from .config import ALL, SCALED, LaneformerSpec
+from .lanes import ALL_GATHER, ALL_REDUCE, FINAL, DevicePlan, Transfer, lane_plan
 from .reference import aggregate_lanes, check_positions, lane_attention, lane_ffn, lane_rms_norm, layer_weights
 
 

@@ -375,13 +375,14 @@ def sampling_of(a) -> dict | None:
     return opts if a.temperature > 0 else None
 
 
+def _progress(r: dict):
+    what = f"error {r['error'][:100]}" if "error" in r else f"{r['tok_per_s']:.1f} tok/s"
+    print(f"  {r['model']} {r['scheme']} {r['backend']}: {what}", file=sys.stderr, flush=True)
+
+
 @user_errors
 def _bench(a, prepared: tuple | None = None) -> int:
-    log = None
-    if a.all:                                   # progress on stderr: the suite takes minutes on a GPU
-        def log(r):
-            what = f"error {r['error'][:100]}" if "error" in r else f"{r['tok_per_s']:.1f} tok/s"
-            print(f"  {r['model']} {r['scheme']} {r['backend']}: {what}", file=sys.stderr, flush=True)
+    log = _progress if a.all else None          # progress on stderr: the suite takes minutes on a GPU
     res = run(a.model, backend=a.backend, device=a.device, scheme=a.scheme, tiny=a.tiny, all_=a.all,
               archs=[x for x in a.archs.split(",") if x] if a.archs else None,
               prompt_len=a.prompt_len, new_tokens=a.new_tokens, context_len=a.context_len, runs=a.runs,

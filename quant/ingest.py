@@ -40,7 +40,7 @@ from compressed_tensors.quantization import QuantizationMetadata
 from kie_moe.models.errors import CheckpointError, ConfigError  # user-facing error classes (a leaf module)
 
 from .ct_format import dequant_fp8_block_native, native_fp8_block_size, parse_quantization_config, read_quantized
-from .schemes import QuantizedTensor, get_scheme
+from .schemes import QuantizedTensor
 
 __all__ = ["QuantizedSource", "quantized", "GPTOSS_SUFFIXES", "STACKED_SUFFIXES"]
 

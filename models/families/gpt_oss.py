@@ -2,7 +2,6 @@
 (`layer_types`), YaRN RoPE (rotate-half), router with bias and softmax over the top-k logits, experts stored
 fused as [E, in, out] with gate/up interleaved (gate = even columns), clamped GLU:
     gate = min(gate, limit); up = clamp(up, -limit, limit); out = (up + 1) * gate * sigmoid(1.702 * gate)."""
-import re
 
 from ..spec import LayerSpec, MoESpec, canonical
 from .common import Cfg, L, base_spec, dense_family_refs, gqa_attention, layer_windows, ref
