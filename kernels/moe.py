@@ -51,6 +51,13 @@ EXPERT_DOWN_UNROLL = int(os.environ.get("KIE_EXPERT_DOWN_UNROLL", "1"))
 # release fence, an atomic round trip and a re-read on every row tile's critical path; the atomics make the sum's
 # order the hardware's, so y is not bit-reproducible run to run (fp32 rounding of SPLIT terms). Off until timed.
 EXPERT_DOWN_ATOMIC = os.environ.get("KIE_EXPERT_DOWN_ATOMIC", "0") == "1"
+# KIE_TOPK_PER_ROUND = 2 or 4: the router tail's / the selecting GLU launch's top-k takes that many picks per
+# block-wide reduction (tl.reduce over sorted lists, _top2 / _top4) instead of one: qwen3-30b-a3b's 8 rounds, each a
+# chain of shuffles and a barrier on every GLU program's critical path (~1.9 us over the plain GLU, H200 s23), become
+# 4 or 2 with more work per step. Same picks, same weights (bit-equal). 1 (as before) until timed: session 25.
+TOPK_PER_ROUND = int(os.environ.get("KIE_TOPK_PER_ROUND", "1"))
+if TOPK_PER_ROUND not in (1, 2, 4):
+    raise ValueError(f"KIE_TOPK_PER_ROUND={TOPK_PER_ROUND}: must be 1, 2 or 4")
 # Active fp4 expert bytes per token (top_k experts' gate + up + down) from which moe_experts runs on the tensor cores
 # (use_mma_experts), per format; a format not named: never. Measured on an H100 (session 18, benchmarks/NOTES.md),
 # tensor-core vs CUDA-core % of the read probe: nvfp4 56 MB 47 vs 37, 198 MB 74 vs 37, 283 MB 74 vs 44; mxfp4 53 MB
@@ -123,7 +130,8 @@ def _select_meta(cfg: RouterConfig, E: int, split: int) -> dict:
     return dict(SCORE=SCORE_ID[cfg.scoring], NORM_TOPK=cfg.norm_topk_prob, N_GROUP=cfg.n_group, GROUP_SIZE=group_size,
                 TOPK_GROUP=cfg.topk_group, GROUP_TOP2=cfg.group_score == "top2", TOP_K=cfg.top_k, SPLIT_K=split,
                 BLOCK_G=triton.next_power_of_2(cfg.n_group), BLOCK_S=triton.next_power_of_2(group_size),
-                BLOCK_TOPK=triton.next_power_of_2(cfg.top_k))
+                BLOCK_TOPK=triton.next_power_of_2(cfg.top_k),
+                PER_ROUND=min(TOPK_PER_ROUND, triton.next_power_of_2(cfg.top_k)))
 
 
 # ======================================================================================================================
@@ -144,11 +152,32 @@ def _topk_key(v, e_idx, BIG: tl.constexpr):
 
 
 @triton.jit
+def _top2(a0, a1, b0, b1):
+    """The 2 largest of two descending pairs, descending (tl.reduce's combine; keys are unique)."""
+    return tl.maximum(a0, b0), tl.maximum(tl.minimum(a0, b0), tl.maximum(a1, b1))
+
+
+@triton.jit
+def _top4(a0, a1, a2, a3, b0, b1, b2, b3):
+    """The 4 largest of two descending 4-lists, descending: max(a_i, b_3-i) holds them as a bitonic sequence,
+    which two compare-exchange stages sort (tl.reduce's combine)."""
+    c0 = tl.maximum(a0, b3)
+    c1 = tl.maximum(a1, b2)
+    c2 = tl.maximum(a2, b1)
+    c3 = tl.maximum(a3, b0)
+    d0 = tl.maximum(c0, c2)
+    d2 = tl.minimum(c0, c2)
+    d1 = tl.maximum(c1, c3)
+    d3 = tl.minimum(c1, c3)
+    return tl.maximum(d0, d1), tl.minimum(d0, d1), tl.maximum(d2, d3), tl.minimum(d2, d3)
+
+
+@triton.jit
 def _route_topk(part_ptr, rstd, b_ptr, corr_ptr, scaling, E,
                 HAS_BIAS: tl.constexpr, HAS_CORR: tl.constexpr, SCORE: tl.constexpr, NORM_TOPK: tl.constexpr,
                 N_GROUP: tl.constexpr, GROUP_SIZE: tl.constexpr, TOPK_GROUP: tl.constexpr,
                 GROUP_TOP2: tl.constexpr, TOP_K: tl.constexpr, SPLIT_K: tl.constexpr,
-                BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_TOPK: tl.constexpr):
+                BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_TOPK: tl.constexpr, PER_ROUND: tl.constexpr = 1):
     """(ids int32 [BLOCK_TOPK], weights fp32 [BLOCK_TOPK] (times scaling), logits fp32 [BLOCK_G, BLOCK_S]) from the
     router's partial logits part[SPLIT_K, E] times the RMSNorm scale rstd (1.0 without a norm): scores +
     (group-limited) top-k over all E experts, held as [BLOCK_G groups, BLOCK_S experts per group]. Top-k is TOP_K
@@ -202,27 +231,56 @@ def _route_topk(part_ptr, rstd, b_ptr, corr_ptr, scaling, E,
     offs_t = tl.arange(0, BLOCK_TOPK)
     ids = tl.zeros((BLOCK_TOPK,), dtype=tl.int32)
     wts = tl.zeros((BLOCK_TOPK,), dtype=tl.float32)
-    # the top-k's normaliser summed one scalar per round, in round order: a tl.sum's order follows the launch's
+    # the top-k's normaliser summed one scalar per pick, in rank order: a tl.sum's order follows the launch's
     # warps, and the router and the expert GLU launch (route(defer=True)) must give bit-equal weights
     top = 0.0
     tot = 0.0
-    for j in tl.static_range(TOP_K):
-        m = tl.max(tl.max(key, axis=1), axis=0)
-        i = BIG - m.to(tl.int32)  # the low word (non-negative)
-        sel = e_idx == i
-        if HAS_CORR:  # the key holds score + correction: take the score itself
-            wv = tl.sum(tl.sum(tl.where(sel, score, 0.0), axis=1), axis=0)
-        else:  # the key's high word is the score's bits, order-mapped: map back
-            wv = _order_bits((m >> 32).to(tl.int32)).to(tl.float32, bitcast=True)
-        if j == 0:
-            top = wv
-        if SCORE == 2 and not HAS_CORR:  # round 0 holds the largest logit: softmax's shift
-            tot += tl.exp(wv - top)
+    KMIN: tl.constexpr = -9223372036854775808  # int64 min: below every key
+    # PER_ROUND (1, 2 or 4; a correction bias still costs a score lookup per pick): the keys of that many picks from
+    # one block-wide reduction of sorted PER_ROUND-lists (_top2 / _top4), then every key at or above the round's
+    # last pick retired (keys are unique), so TOP_K picks take cdiv(TOP_K, PER_ROUND) reductions.
+    for j0 in tl.static_range(0, TOP_K, PER_ROUND):
+        if PER_ROUND == 4:
+            lo = tl.full((BLOCK_G, BLOCK_S), KMIN, tl.int64)
+            r0, r1, r2, r3 = tl.reduce((key, lo, lo, lo), 1, _top4)
+            m0, m1, m2, m3 = tl.reduce((r0, r1, r2, r3), 0, _top4)
+        elif PER_ROUND == 2:
+            lo = tl.full((BLOCK_G, BLOCK_S), KMIN, tl.int64)
+            r0, r1 = tl.reduce((key, lo), 1, _top2)
+            m0, m1 = tl.reduce((r0, r1), 0, _top2)
+            m2 = m1
+            m3 = m1
         else:
-            tot += wv
-        ids = tl.where(offs_t == j, i, ids)
-        wts = tl.where(offs_t == j, wv, wts)
-        key = tl.where(sel, tl.full((BLOCK_G, BLOCK_S), -9223372036854775808, tl.int64), key)  # int64 min
+            m0 = tl.max(tl.max(key, axis=1), axis=0)
+            m1 = m0
+            m2 = m0
+            m3 = m0
+        for t in tl.static_range(PER_ROUND):
+            if j0 + t < TOP_K:
+                m = m0
+                if t == 1:
+                    m = m1
+                elif t == 2:
+                    m = m2
+                elif t == 3:
+                    m = m3
+                i = BIG - m.to(tl.int32)  # the low word (non-negative)
+                if HAS_CORR:  # the key holds score + correction: take the score itself
+                    wv = tl.sum(tl.sum(tl.where(e_idx == i, score, 0.0), axis=1), axis=0)
+                else:  # the key's high word is the score's bits, order-mapped: map back
+                    wv = _order_bits((m >> 32).to(tl.int32)).to(tl.float32, bitcast=True)
+                if j0 + t == 0:
+                    top = wv
+                if SCORE == 2 and not HAS_CORR:  # pick 0 holds the largest logit: softmax's shift
+                    tot += tl.exp(wv - top)
+                else:
+                    tot += wv
+                ids = tl.where(offs_t == j0 + t, i, ids)
+                wts = tl.where(offs_t == j0 + t, wv, wts)
+                if PER_ROUND == 1:
+                    key = tl.where(e_idx == i, tl.full((BLOCK_G, BLOCK_S), KMIN, tl.int64), key)
+                elif t == PER_ROUND - 1:
+                    key = tl.where(key >= m, tl.full((BLOCK_G, BLOCK_S), KMIN, tl.int64), key)
     t_mask = offs_t < TOP_K
     if SCORE == 2 and HAS_CORR:  # the choice's order is not the logits': shift by their max
         p = tl.where(t_mask, tl.exp(wts - tl.max(tl.where(t_mask, wts, NEG), axis=0)), 0.0)
@@ -266,6 +324,7 @@ def _router_kernel(
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_X: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_TOPK: tl.constexpr,
     PIPE: tl.constexpr, PDL: tl.constexpr = False, X8_LAYOUT: tl.constexpr = True, SELECT: tl.constexpr = True,
+    PER_ROUND: tl.constexpr = 1,
 ):
     """grid (cdiv(E, BLOCK_N), SPLIT_K): partial logits part[SPLIT_K, E] and (row tile 0) each split's sum of x^2
     part[SPLIT_K * E + split]; the last program to finish selects (SELECT; else the experts' GLU launch does,
@@ -310,7 +369,7 @@ def _router_kernel(
                 rstd = _route_rstd(part_ptr, E, K, eps, SPLIT_K)
             ids, wts, logit = _route_topk(part_ptr, rstd, b_ptr, corr_ptr, scaling, E,
                                           HAS_BIAS, HAS_CORR, SCORE, NORM_TOPK, N_GROUP, GROUP_SIZE, TOPK_GROUP,
-                                          GROUP_TOP2, TOP_K, SPLIT_K, BLOCK_G, BLOCK_S, BLOCK_TOPK)
+                                          GROUP_TOP2, TOP_K, SPLIT_K, BLOCK_G, BLOCK_S, BLOCK_TOPK, PER_ROUND)
             _route_store(ids, wts, logit, logits_ptr, ids_ptr, wts_ptr, N_GROUP, GROUP_SIZE, TOP_K, BLOCK_G,
                          BLOCK_S, BLOCK_TOPK)
 
@@ -583,7 +642,7 @@ def _expert_glu_kernel(
     SEL_CORR: tl.constexpr = False, SCORE: tl.constexpr = 0, NORM_TOPK: tl.constexpr = True,
     N_GROUP: tl.constexpr = 1, GROUP_SIZE: tl.constexpr = 1, TOPK_GROUP: tl.constexpr = 1,
     GROUP_TOP2: tl.constexpr = False, TOP_K: tl.constexpr = 1, SPLIT_K: tl.constexpr = 1, BLOCK_G: tl.constexpr = 1,
-    BLOCK_S: tl.constexpr = 1, BLOCK_TOPK: tl.constexpr = 1, SCALE_GLU: tl.constexpr = False,
+    BLOCK_S: tl.constexpr = 1, BLOCK_TOPK: tl.constexpr = 1, SCALE_GLU: tl.constexpr = False, PER_ROUND: tl.constexpr = 1,
     UNROLL: tl.constexpr = 1,
     # INIT_Y (the down launch adds into y with atomics, EXPERT_DOWN_ATOMIC): 1 y = residual, 2 y = 0, by slot 0's
     # programs, INIT_BLOCK values each
@@ -610,7 +669,7 @@ def _expert_glu_kernel(
             rstd_sel = _rstd(rx_ptr, K, eps, BLOCK_X)
         sel_ids, sel_wts, sel_logit = _route_topk(rpart_ptr, rstd_sel, rb_ptr, rcorr_ptr, scaling, E, SEL_BIAS,
                                                   SEL_CORR, SCORE, NORM_TOPK, N_GROUP, GROUP_SIZE, TOPK_GROUP,
-                                                  GROUP_TOP2, TOP_K, SPLIT_K, BLOCK_G, BLOCK_S, BLOCK_TOPK)
+                                                  GROUP_TOP2, TOP_K, SPLIT_K, BLOCK_G, BLOCK_S, BLOCK_TOPK, PER_ROUND)
         if (pid_n == 0) & (slot == 0):
             _route_store(sel_ids, sel_wts, sel_logit, logits_ptr, ids_ptr, wts_ptr, N_GROUP, GROUP_SIZE, TOP_K,
                          BLOCK_G, BLOCK_S, BLOCK_TOPK)

@@ -126,6 +126,15 @@ def _compile_all(arch: int = 90, formats=("bf16", "fp8", "fp8_block", "nvfp4", "
                                     rcorr_ptr=sel, logits_ptr=torch.empty(128), wts_ptr=wts, scaling=1.0, E=128,
                                     rx_ptr=x, SELECT=True, SEL_NW=2, **M._select_meta(M.RouterConfig(top_k=8), 128, 6))
     record("expert_glu[fp8,select,own scale]", k)
+    # the same with 4 picks per block-wide reduction (KIE_TOPK_PER_ROUND=4: tl.reduce over sorted 4-lists of int64)
+    k = M._expert_glu_kernel.warmup(x, x, ids, *M._expert_args(wg), *M._expert_args(wg), h, 0, 0, h, 0, 0, h, I, H, 1e-6,
+                                    7.0, 1.702, H // 8, FMT=fid, HAS_NW=True, HAS_BIAS=False, ACT=0, H_X8=False,
+                                    BLOCK_X=1024, BLOCK_N=ecfg.block_n, BLOCK_K=ecfg.block_k, PIPE=ecfg.prefetch,
+                                    PAIR=True, num_warps=ecfg.num_warps, grid=(1,), rpart_ptr=sel, rb_ptr=sel,
+                                    rcorr_ptr=sel, logits_ptr=torch.empty(128), wts_ptr=wts, scaling=1.0, E=128,
+                                    rx_ptr=x, SELECT=True, SEL_NW=2,
+                                    **{**M._select_meta(M.RouterConfig(top_k=8), 128, 6), "PER_ROUND": 4})
+    record("expert_glu[fp8,select,own scale,4 per round]", k)
     # o_proj with the router's rows folded in (moe.gemv_route; qwen3-30b-a3b: [2048, 4096], 128 experts), fp8 and
     # bf16 o_proj in the graph backend's rows-first tiles (4 x 1024), router rows 8 x 512; bf16 as gpt-oss's: a bias,
     # and nw * y written as its fp4 experts' x8
@@ -195,7 +204,7 @@ def test_kernels_compile_for_sm90():
     pytest.importorskip("triton.backends.nvidia")
     from tests.kernels.helpers import compiled_json    # not at the top: this file also runs as a script
     rows = compiled_json([__file__], KIE_GPU_TESTS="1")
-    assert len(rows) == 5 * 5 + 2 + 2 + 1 + 1 + 3 + 1 + 4 + 1 + 1 + 1 + 1
+    assert len(rows) == 5 * 5 + 2 + 2 + 1 + 1 + 3 + 1 + 4 + 1 + 1 + 1 + 1 + 1
     spills = [r for r in rows if r["local_bytes"]]
     assert not spills, f"register spills to local memory: {spills}"
     heavy = [r for r in rows if r["regs"] and r["regs"] > 128]
@@ -211,7 +220,7 @@ def test_graph_kernels_compile_for_sm80():
     pytest.importorskip("triton.backends.nvidia")
     from tests.kernels.helpers import compiled_json
     rows = compiled_json([__file__, "80", "bf16,fp8,fp8_block,nvfp4,mxfp4"], KIE_E4M3_BITS="1")
-    assert len(rows) == 5 * 5 + 2 + 2 + 1 + 3 + 1 + 4 + 1 + 1 + 1 + 1
+    assert len(rows) == 5 * 5 + 2 + 2 + 1 + 3 + 1 + 4 + 1 + 1 + 1 + 1 + 1
 
 
 if __name__ == "__main__":

@@ -175,6 +175,37 @@ def test_deferred_routing_picks_the_experts_in_the_glu_launch(name, fmt, split, 
     assert_close(y, want, what=f"{name} {fmt} experts after a deferred top-k")
 
 
+@pytest.mark.parametrize("per_round", [2, 4])
+def test_topk_picks_per_round(per_round, monkeypatch):
+    """KIE_TOPK_PER_ROUND: 2 or 4 picks per block-wide reduction (tl.reduce over sorted lists) give the one-pick
+    rounds' ids and bit-equal weights and logits for every router variant (top-3 and top-5 end on a part round;
+    groups, correction bias, softmax over the top-k), in the router's tail and in the GLU launch that picks
+    (defer=True); ties still go to the lower id."""
+    import kie_moe.kernels.moe as M
+    H = 160
+    x, w_all = _t(H, seed=1), {n: _t(E, H, seed=2, scale=0.2) for n, (E, _, _) in ROUTERS.items()}
+    kws = {}
+    for name, (E, cfg, extra) in ROUTERS.items():
+        kws[name] = {}
+        if "correction_bias" in extra:
+            kws[name]["correction_bias"] = _t(E, seed=3, dtype=torch.float32, scale=0.1)
+        if "router_bias" in extra:
+            kws[name]["router_bias"] = _t(E, seed=4, scale=0.5)
+    tiles = TileConfig(8, 64, split_k=3)
+    base = {n: route(x, w_all[n], cfg, config=tiles, **kws[n]) for n, (_, cfg, _) in ROUTERS.items()}
+    monkeypatch.setattr(M, "TOPK_PER_ROUND", per_round)
+    for name, (E, cfg, _) in ROUTERS.items():
+        assert M._select_meta(cfg, E, 3)["PER_ROUND"] == min(per_round, triton.next_power_of_2(cfg.top_k))
+        got = route(x, w_all[name], cfg, config=tiles, **kws[name])
+        assert got.ids.tolist() == base[name].ids.tolist() == route_ref(x, w_all[name], cfg, **kws[name]).ids.tolist()
+        assert torch.equal(got.weights, base[name].weights), f"{name}: {got.weights} vs {base[name].weights}"
+        assert torch.equal(got.logits, base[name].logits), name
+    for scoring in ("softmax", "softmax_topk", "sigmoid"):
+        test_route_ties_go_to_the_lower_id(scoring)
+    test_deferred_routing_picks_the_experts_in_the_glu_launch("softmax_norm", "fp8", 3, True)
+    test_deferred_routing_picks_the_experts_in_the_glu_launch("sigmoid_groups", "bf16", 1, True)
+
+
 def test_deferred_routing_errors():
     E, cfg, _ = ROUTERS["softmax_norm"]
     H, I = 64, 32
