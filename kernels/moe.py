@@ -51,11 +51,12 @@ EXPERT_DOWN_UNROLL = int(os.environ.get("KIE_EXPERT_DOWN_UNROLL", "1"))
 # release fence, an atomic round trip and a re-read on every row tile's critical path; the atomics make the sum's
 # order the hardware's, so y is not bit-reproducible run to run (fp32 rounding of SPLIT terms). Off until timed.
 EXPERT_DOWN_ATOMIC = os.environ.get("KIE_EXPERT_DOWN_ATOMIC", "0") == "1"
-# KIE_TOPK_PER_ROUND = 2 or 4: the router tail's / the selecting GLU launch's top-k takes that many picks per
-# block-wide reduction (tl.reduce over sorted lists, _top2 / _top4) instead of one: qwen3-30b-a3b's 8 rounds, each a
-# chain of shuffles and a barrier on every GLU program's critical path (~1.9 us over the plain GLU, H200 s23), become
-# 4 or 2 with more work per step. Same picks, same weights (bit-equal). 1 (as before) until timed: session 25.
-TOPK_PER_ROUND = int(os.environ.get("KIE_TOPK_PER_ROUND", "1"))
+# The router tail's / the selecting GLU launch's top-k takes 4 picks per block-wide reduction (tl.reduce over sorted
+# lists, _top4) instead of one: qwen3-30b-a3b's 8 rounds, each a chain of shuffles and a barrier on every GLU
+# program's critical path, become 2. Same picks, same weights (bit-equal). H100, session 25: the GLU picking the
+# top-k 13.60 -> 13.26 us (13.77 -> 13.42 after the folded o_proj), qwen3-30b-a3b graph fp8 464.6 -> 468.4 tok/s
+# with the same 128 greedy tokens. KIE_TOPK_PER_ROUND=1: one pick per round (as before), 2: two.
+TOPK_PER_ROUND = int(os.environ.get("KIE_TOPK_PER_ROUND", "4"))
 if TOPK_PER_ROUND not in (1, 2, 4):
     raise ValueError(f"KIE_TOPK_PER_ROUND={TOPK_PER_ROUND}: must be 1, 2 or 4")
 # Active fp4 expert bytes per token (top_k experts' gate + up + down) from which moe_experts runs on the tensor cores
@@ -180,10 +181,11 @@ def _route_topk(part_ptr, rstd, b_ptr, corr_ptr, scaling, E,
                 BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_TOPK: tl.constexpr, PER_ROUND: tl.constexpr = 1):
     """(ids int32 [BLOCK_TOPK], weights fp32 [BLOCK_TOPK] (times scaling), logits fp32 [BLOCK_G, BLOCK_S]) from the
     router's partial logits part[SPLIT_K, E] times the RMSNorm scale rstd (1.0 without a norm): scores +
-    (group-limited) top-k over all E experts, held as [BLOCK_G groups, BLOCK_S experts per group]. Top-k is TOP_K
-    rounds of one int64 max over (score, id) keys (_topk_key): no sort, ties go to the lower id. Each block-wide
-    reduction (warp shuffles, then a shared-memory round behind a barrier) is on the critical path of whoever runs
-    this: one per round, not three (max, argmin, sum)."""
+    (group-limited) top-k over all E experts, held as [BLOCK_G groups, BLOCK_S experts per group]. Top-k is
+    cdiv(TOP_K, PER_ROUND) rounds of one reduction over (score, id) keys (_topk_key), each giving PER_ROUND picks
+    (an int64 max for 1): no sort, ties go to the lower id. Each block-wide reduction (warp shuffles, then a
+    shared-memory round behind a barrier) is on the critical path of whoever runs this: one per round, not three
+    (max, argmin, sum)."""
     NEG: tl.constexpr = float("-inf")
     BIG: tl.constexpr = 0x7FFFFFFF
     offs_g = tl.arange(0, BLOCK_G)
@@ -642,8 +644,8 @@ def _expert_glu_kernel(
     SEL_CORR: tl.constexpr = False, SCORE: tl.constexpr = 0, NORM_TOPK: tl.constexpr = True,
     N_GROUP: tl.constexpr = 1, GROUP_SIZE: tl.constexpr = 1, TOPK_GROUP: tl.constexpr = 1,
     GROUP_TOP2: tl.constexpr = False, TOP_K: tl.constexpr = 1, SPLIT_K: tl.constexpr = 1, BLOCK_G: tl.constexpr = 1,
-    BLOCK_S: tl.constexpr = 1, BLOCK_TOPK: tl.constexpr = 1, SCALE_GLU: tl.constexpr = False, PER_ROUND: tl.constexpr = 1,
-    UNROLL: tl.constexpr = 1,
+    BLOCK_S: tl.constexpr = 1, BLOCK_TOPK: tl.constexpr = 1, SCALE_GLU: tl.constexpr = False,
+    PER_ROUND: tl.constexpr = 1, UNROLL: tl.constexpr = 1,
     # INIT_Y (the down launch adds into y with atomics, EXPERT_DOWN_ATOMIC): 1 y = residual, 2 y = 0, by slot 0's
     # programs, INIT_BLOCK values each
     y_ptr=None, res_ptr=None, N_Y=0, INIT_Y: tl.constexpr = 0, INIT_BLOCK: tl.constexpr = 1,

@@ -104,7 +104,7 @@ def _compile_all(arch: int = 90, formats=("bf16", "fp8", "fp8_block", "nvfp4", "
                                     GROUP_SIZE=256 // groups, TOPK_GROUP=min(4, groups), GROUP_TOP2=True, TOP_K=8,
                                     SPLIT_K=4, BLOCK_N=8, BLOCK_K=512, BLOCK_X=1024,
                                     BLOCK_G=triton.next_power_of_2(groups), BLOCK_S=256 // groups, BLOCK_TOPK=8,
-                                    PIPE=True, num_warps=4, grid=(1,))
+                                    PER_ROUND=M.TOPK_PER_ROUND, PIPE=True, num_warps=4, grid=(1,))
         record(f"router[score={score},groups={groups}]", k)
     # the expert GLU picking the top-k itself from the router's partial logits (route(defer=True), moe_experts(select=);
     # qwen3-30b-a3b: 128 experts, top-8, 4 splits), fp8 with gate / up in one loop as the graph backend runs it
@@ -126,15 +126,15 @@ def _compile_all(arch: int = 90, formats=("bf16", "fp8", "fp8_block", "nvfp4", "
                                     rcorr_ptr=sel, logits_ptr=torch.empty(128), wts_ptr=wts, scaling=1.0, E=128,
                                     rx_ptr=x, SELECT=True, SEL_NW=2, **M._select_meta(M.RouterConfig(top_k=8), 128, 6))
     record("expert_glu[fp8,select,own scale]", k)
-    # the same with 4 picks per block-wide reduction (KIE_TOPK_PER_ROUND=4: tl.reduce over sorted 4-lists of int64)
+    # the same with one pick per block-wide reduction (KIE_TOPK_PER_ROUND=1; the default takes 4 per tl.reduce)
     k = M._expert_glu_kernel.warmup(x, x, ids, *M._expert_args(wg), *M._expert_args(wg), h, 0, 0, h, 0, 0, h, I, H, 1e-6,
                                     7.0, 1.702, H // 8, FMT=fid, HAS_NW=True, HAS_BIAS=False, ACT=0, H_X8=False,
                                     BLOCK_X=1024, BLOCK_N=ecfg.block_n, BLOCK_K=ecfg.block_k, PIPE=ecfg.prefetch,
                                     PAIR=True, num_warps=ecfg.num_warps, grid=(1,), rpart_ptr=sel, rb_ptr=sel,
                                     rcorr_ptr=sel, logits_ptr=torch.empty(128), wts_ptr=wts, scaling=1.0, E=128,
                                     rx_ptr=x, SELECT=True, SEL_NW=2,
-                                    **{**M._select_meta(M.RouterConfig(top_k=8), 128, 6), "PER_ROUND": 4})
-    record("expert_glu[fp8,select,own scale,4 per round]", k)
+                                    **{**M._select_meta(M.RouterConfig(top_k=8), 128, 6), "PER_ROUND": 1})
+    record("expert_glu[fp8,select,own scale,1 per round]", k)
     # o_proj with the router's rows folded in (moe.gemv_route; qwen3-30b-a3b: [2048, 4096], 128 experts), fp8 and
     # bf16 o_proj in the graph backend's rows-first tiles (4 x 1024), router rows 8 x 512; bf16 as gpt-oss's: a bias,
     # and nw * y written as its fp4 experts' x8

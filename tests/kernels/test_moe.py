@@ -177,8 +177,8 @@ def test_deferred_routing_picks_the_experts_in_the_glu_launch(name, fmt, split, 
 
 @pytest.mark.parametrize("per_round", [2, 4])
 def test_topk_picks_per_round(per_round, monkeypatch):
-    """KIE_TOPK_PER_ROUND: 2 or 4 picks per block-wide reduction (tl.reduce over sorted lists) give the one-pick
-    rounds' ids and bit-equal weights and logits for every router variant (top-3 and top-5 end on a part round;
+    """KIE_TOPK_PER_ROUND: 2 or 4 (the default) picks per block-wide reduction (tl.reduce over sorted lists) give the
+    one-pick rounds' ids and bit-equal weights and logits for every router variant (top-3 and top-5 end on a part round;
     groups, correction bias, softmax over the top-k), in the router's tail and in the GLU launch that picks
     (defer=True); ties still go to the lower id."""
     import kie_moe.kernels.moe as M
@@ -192,6 +192,7 @@ def test_topk_picks_per_round(per_round, monkeypatch):
         if "router_bias" in extra:
             kws[name]["router_bias"] = _t(E, seed=4, scale=0.5)
     tiles = TileConfig(8, 64, split_k=3)
+    monkeypatch.setattr(M, "TOPK_PER_ROUND", 1)
     base = {n: route(x, w_all[n], cfg, config=tiles, **kws[n]) for n, (_, cfg, _) in ROUTERS.items()}
     monkeypatch.setattr(M, "TOPK_PER_ROUND", per_round)
     for name, (E, cfg, _) in ROUTERS.items():
