@@ -85,7 +85,8 @@ PROGRAMS_PER_SM = 4  # split-K / slot-split target: enough resident programs per
 # tok/s, llama-3.2-1b bf16 1,032.5 -> 1,078.6. On by default since; KIE_GEMV_ROWS_FIRST=0 restores split-K.
 ROWS_FIRST = os.environ.get("KIE_GEMV_ROWS_FIRST", "1") == "1"
 # KIE_GEMV_UNROLL=n: bf16 / fp8 GEMV tiles without PIPE (fp8's q/k/v, o_proj) take n K steps per loop trip, their
-# loads in flight together (tiles._tile_float UNROLL). 1 (the loop as before) until timed: session 24's A/B.
+# loads in flight together (tiles._tile_float UNROLL). 1 (the loop as before): on an H100 (session 25)
+# n = 2 took q/k/v 7.35 -> 7.07 us but gemv_route 6.21 -> 6.35, within the rows' spread between processes.
 GEMV_UNROLL = int(os.environ.get("KIE_GEMV_UNROLL", "1"))
 # An nvfp4 / mxfp4 GEMV of >= MMA_MIN_ROWS rows whose caller has no x8 runs on the tensor cores (kernels/fp4_mma.py).
 # H200, same process (results/2026-12-04-h200-s13-mma): 65536 x 8192 nvfp4 62.0 -> 83.2%, mxfp4 63.9 -> 80.8% of the

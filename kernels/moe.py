@@ -43,13 +43,16 @@ DEFAULT_EXPERT_TILES = {**DEFAULT_GLU_TILES, "fp8": _FP8_EXPERT_TILE, "fp8_block
 EXPERT_DOWN_PROGRAMS_PER_SM = 16
 # KIE_EXPERT_GLU_UNROLL / KIE_EXPERT_DOWN_UNROLL = n: the float-format expert launches take n K steps per loop trip,
 # their loads in flight together (tiles._tile_float UNROLL; qwen3-30b-a3b fp8: the GLU walks H = 2048 in 4 steps of
-# 512, the down I = 768 in 3 of 256, each step a dependent HBM round trip). 1 (as before) until timed: session 24.
+# 512, the down I = 768 in 3 of 256, each step a dependent HBM round trip). 1 (as before): slower on an H100
+# (session 25: down at 3 8.57 -> 9.23 us, the GLU at 2 13.77 -> 13.87).
 EXPERT_GLU_UNROLL = int(os.environ.get("KIE_EXPERT_GLU_UNROLL", "1"))
 EXPERT_DOWN_UNROLL = int(os.environ.get("KIE_EXPERT_DOWN_UNROLL", "1"))
 # KIE_EXPERT_DOWN_ATOMIC=1: the down launch adds each program's rows into an fp32 y with relaxed atomics (y set to the
 # residual by the GLU launch) instead of partials + a counter + the last program's ordered sum. That tail is a
 # release fence, an atomic round trip and a re-read on every row tile's critical path; the atomics make the sum's
-# order the hardware's, so y is not bit-reproducible run to run (fp32 rounding of SPLIT terms). Off until timed.
+# order the hardware's, so y is not bit-reproducible run to run (fp32 rounding of SPLIT terms). H100, session 25:
+# down 8.57 -> 6.44 us, qwen3-30b-a3b graph fp8 464.6 -> 488.1 tok/s (+5.1%). Off until the GPU parity stages
+# (graph vs the fp32 reference, 32 greedy steps per family) have passed with it.
 EXPERT_DOWN_ATOMIC = os.environ.get("KIE_EXPERT_DOWN_ATOMIC", "0") == "1"
 # The router tail's / the selecting GLU launch's top-k takes 4 picks per block-wide reduction (tl.reduce over sorted
 # lists, _top4) instead of one: qwen3-30b-a3b's 8 rounds, each a chain of shuffles and a barrier on every GLU

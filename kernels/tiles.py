@@ -456,7 +456,8 @@ def _tile_pair(FMT: tl.constexpr, w_ptr, w2_ptr, stride_wn, s_ptr, s2_ptr, strid
 # ======================================================================================================================
 # KIE_RSTD_ONE_LOAD=1: the RMSNorm scale of a fused-norm launch reads x in one load (rstd_block) instead of
 # 1024-wide steps; each step is a dependent L2 round trip on the critical path of every program (the tail of q/k/v,
-# the top-k front of the expert GLU). Off until measured (benchmarks/NOTES.md, session 24).
+# the top-k front of the expert GLU). Off: no gain on an H100 (session 25:
+# q/k/v 7.35 -> 7.34 us, the selecting GLU 13.77 -> 13.61, graph fp8 +0.2%; benchmarks/NOTES.md).
 RSTD_ONE_LOAD = os.environ.get("KIE_RSTD_ONE_LOAD", "0") == "1"
 
 
