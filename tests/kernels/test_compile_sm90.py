@@ -119,22 +119,16 @@ def _compile_all(arch: int = 90, formats=("bf16", "fp8", "fp8_block", "nvfp4", "
                                     SELECT=True, SEL_NW=True, **M._select_meta(M.RouterConfig(top_k=8), 128, 4))
     record("expert_glu[fp8,select]", k)
     # the same, after gemv_route (KIE_ROUTER_FOLD): the scale of x computed in front of the top-k (SEL_NW 2), 6 splits
-    k = M._expert_glu_kernel.warmup(x, x, ids, *M._expert_args(wg), *M._expert_args(wg), h, 0, 0, h, 0, 0, h, I, H, 1e-6,
-                                    7.0, 1.702, H // 8, FMT=fid, HAS_NW=True, HAS_BIAS=False, ACT=0, H_X8=False,
-                                    BLOCK_X=1024, BLOCK_N=ecfg.block_n, BLOCK_K=ecfg.block_k, PIPE=ecfg.prefetch,
-                                    PAIR=True, num_warps=ecfg.num_warps, grid=(1,), rpart_ptr=sel, rb_ptr=sel,
-                                    rcorr_ptr=sel, logits_ptr=torch.empty(128), wts_ptr=wts, scaling=1.0, E=128,
-                                    rx_ptr=x, SELECT=True, SEL_NW=2, **M._select_meta(M.RouterConfig(top_k=8), 128, 6))
-    record("expert_glu[fp8,select,own scale]", k)
-    # the same with one pick per block-wide reduction (KIE_TOPK_PER_ROUND=1; the default takes 4 per tl.reduce)
-    k = M._expert_glu_kernel.warmup(x, x, ids, *M._expert_args(wg), *M._expert_args(wg), h, 0, 0, h, 0, 0, h, I, H, 1e-6,
-                                    7.0, 1.702, H // 8, FMT=fid, HAS_NW=True, HAS_BIAS=False, ACT=0, H_X8=False,
-                                    BLOCK_X=1024, BLOCK_N=ecfg.block_n, BLOCK_K=ecfg.block_k, PIPE=ecfg.prefetch,
-                                    PAIR=True, num_warps=ecfg.num_warps, grid=(1,), rpart_ptr=sel, rb_ptr=sel,
-                                    rcorr_ptr=sel, logits_ptr=torch.empty(128), wts_ptr=wts, scaling=1.0, E=128,
-                                    rx_ptr=x, SELECT=True, SEL_NW=2,
-                                    **{**M._select_meta(M.RouterConfig(top_k=8), 128, 6), "PER_ROUND": 1})
-    record("expert_glu[fp8,select,own scale,1 per round]", k)
+    # ... and with one pick per block-wide reduction (KIE_TOPK_PER_ROUND=1; the default takes 4 per tl.reduce)
+    for tag, per_round in (("", {}), (",1 per round", {"PER_ROUND": 1})):
+        k = M._expert_glu_kernel.warmup(x, x, ids, *M._expert_args(wg), *M._expert_args(wg), h, 0, 0, h, 0, 0, h, I, H,
+                                        1e-6, 7.0, 1.702, H // 8, FMT=fid, HAS_NW=True, HAS_BIAS=False, ACT=0,
+                                        H_X8=False, BLOCK_X=1024, BLOCK_N=ecfg.block_n, BLOCK_K=ecfg.block_k,
+                                        PIPE=ecfg.prefetch, PAIR=True, num_warps=ecfg.num_warps, grid=(1,),
+                                        rpart_ptr=sel, rb_ptr=sel, rcorr_ptr=sel, logits_ptr=torch.empty(128),
+                                        wts_ptr=wts, scaling=1.0, E=128, rx_ptr=x, SELECT=True, SEL_NW=2,
+                                        **{**M._select_meta(M.RouterConfig(top_k=8), 128, 6), **per_round})
+        record(f"expert_glu[fp8,select,own scale{tag}]", k)
     # o_proj with the router's rows folded in (moe.gemv_route; qwen3-30b-a3b: [2048, 4096], 128 experts), fp8 and
     # bf16 o_proj in the graph backend's rows-first tiles (4 x 1024), router rows 8 x 512; bf16 as gpt-oss's: a bias,
     # and nw * y written as its fp4 experts' x8

@@ -34,17 +34,23 @@ ROUTERS = {
 }
 
 
+def _router_extras(E: int, extra: dict, seed: int, bias_dtype=torch.bfloat16) -> dict:
+    """route()'s optional tensors a ROUTERS entry names: correction bias (fp32, seed), router bias (seed + 1)."""
+    kw = {}
+    if "correction_bias" in extra:
+        kw["correction_bias"] = _t(E, seed=seed, dtype=torch.float32, scale=0.1)
+    if "router_bias" in extra:
+        kw["router_bias"] = _t(E, seed=seed + 1, dtype=bias_dtype, scale=0.5)
+    return kw
+
+
 @pytest.mark.parametrize("name", list(ROUTERS))
 @pytest.mark.parametrize("split", [1, 3])
 def test_route(name, split):
     E, cfg, extra = ROUTERS[name]
     H = 160
     x, w = _t(H, seed=1), _t(E, H, seed=2, scale=0.2)
-    kw = {}
-    if "correction_bias" in extra:
-        kw["correction_bias"] = _t(E, seed=3, dtype=torch.float32, scale=0.1)
-    if "router_bias" in extra:
-        kw["router_bias"] = _t(E, seed=4, scale=0.5)
+    kw = _router_extras(E, extra, seed=3)
     got = route(x, w, cfg, config=TileConfig(8, 64, split_k=split), **kw)
     want = route_ref(x, w, cfg, **kw)
     assert got.ids.dtype == torch.int32 and got.weights.dtype == torch.float32
@@ -141,11 +147,7 @@ def test_deferred_routing_picks_the_experts_in_the_glu_launch(name, fmt, split, 
     E, cfg, extra = ROUTERS[name]
     H, I = 96, 64
     x, w, nw = _t(H, seed=30, scale=3.0), _t(E, H, seed=31, scale=0.2), _t(H, seed=32)
-    kw = {}
-    if "correction_bias" in extra:
-        kw["correction_bias"] = _t(E, seed=33, dtype=torch.float32, scale=0.1)
-    if "router_bias" in extra:
-        kw["router_bias"] = _t(E, seed=34, scale=0.5)
+    kw = _router_extras(E, extra, seed=33)
     norm = dict(norm_weight=nw, eps=1e-5) if normed else {}
     tiles = TileConfig(8, 32, split_k=split)
     fp4 = fmt in ("nvfp4", "mxfp4")
@@ -184,13 +186,7 @@ def test_topk_picks_per_round(per_round, monkeypatch):
     import kie_moe.kernels.moe as M
     H = 160
     x, w_all = _t(H, seed=1), {n: _t(E, H, seed=2, scale=0.2) for n, (E, _, _) in ROUTERS.items()}
-    kws = {}
-    for name, (E, cfg, extra) in ROUTERS.items():
-        kws[name] = {}
-        if "correction_bias" in extra:
-            kws[name]["correction_bias"] = _t(E, seed=3, dtype=torch.float32, scale=0.1)
-        if "router_bias" in extra:
-            kws[name]["router_bias"] = _t(E, seed=4, scale=0.5)
+    kws = {name: _router_extras(E, extra, seed=3) for name, (E, _, extra) in ROUTERS.items()}
     tiles = TileConfig(8, 64, split_k=3)
     monkeypatch.setattr(M, "TOPK_PER_ROUND", 1)
     base = {n: route(x, w_all[n], cfg, config=tiles, **kws[n]) for n, (_, cfg, _) in ROUTERS.items()}
@@ -258,11 +254,7 @@ def test_router_folded_into_the_gemv_in_front(name, o_fmt, e_fmt, k_steps, bias)
     wo = random_weight(o_fmt, N, K, seed=50, device=DEV)
     a, x = _t(K, seed=51, dtype=f32), _t(N, seed=52, dtype=f32, scale=3.0)
     w_r, nw = _t(E, N, seed=53, scale=0.2, dtype=f32), _t(N, seed=54, dtype=f32)
-    kw = {}
-    if "correction_bias" in extra:
-        kw["correction_bias"] = _t(E, seed=55, dtype=f32, scale=0.1)
-    if "router_bias" in extra:
-        kw["router_bias"] = _t(E, seed=56, dtype=f32, scale=0.5)
+    kw = _router_extras(E, extra, seed=55, bias_dtype=f32)
     o_tiles = TileConfig(8, 32)
     o_bias = _t(N, seed=57, dtype=f32) if bias else None
     fb = dict(bias=o_bias, fold_bias=fold_router_bias(w_r, nw, o_bias)) if bias else {}
