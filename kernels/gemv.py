@@ -84,10 +84,6 @@ PROGRAMS_PER_SM = 4  # split-K / slot-split target: enough resident programs per
 # (H200, separate processes, results/2026-12-04-h200-s10-rows-first-ab) qwen3-30b-a3b graph fp8 450.8 -> 460.2
 # tok/s, llama-3.2-1b bf16 1,032.5 -> 1,078.6. On by default since; KIE_GEMV_ROWS_FIRST=0 restores split-K.
 ROWS_FIRST = os.environ.get("KIE_GEMV_ROWS_FIRST", "1") == "1"
-# KIE_GEMV_UNROLL=n: bf16 / fp8 GEMV tiles without PIPE (fp8's q/k/v, o_proj) take n K steps per loop trip, their
-# loads in flight together (tiles._tile_float UNROLL). 1 (the loop as before): on an H100 (session 25)
-# n = 2 took q/k/v 7.35 -> 7.07 us but gemv_route 6.21 -> 6.35, within the rows' spread between processes.
-GEMV_UNROLL = int(os.environ.get("KIE_GEMV_UNROLL", "1"))
 # An nvfp4 / mxfp4 GEMV of >= MMA_MIN_ROWS rows whose caller has no x8 runs on the tensor cores (kernels/fp4_mma.py).
 # H200, same process (results/2026-12-04-h200-s13-mma): 65536 x 8192 nvfp4 62.0 -> 83.2%, mxfp4 63.9 -> 80.8% of the
 # probe; 151936 x 2048 (a quantized lm_head) 57.6 -> 73.8% / 60.2 -> 74.2%; 32768 x 4096 52.1 -> 57.1% / 54.2 ->
@@ -119,7 +115,7 @@ def _gemv_kernel(
     N, K, k_per_split, eps, stride_x8,
     FMT: tl.constexpr, HAS_NW: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
     SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_X: tl.constexpr,
-    PIPE: tl.constexpr, PDL: tl.constexpr = False, UNROLL: tl.constexpr = 1,
+    PIPE: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """grid (cdiv(N, BLOCK_N), SPLIT_K): y[N] = (rstd *) W[N, K] @ (nw *) x[K] (+ bias) (+ residual).
     fp4 formats: x_ptr is x8 (prepare_x8, norm applied there) and HAS_NW is False."""
@@ -129,7 +125,7 @@ def _gemv_kernel(
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
     acc = _tile(FMT, w_ptr, stride_wn, s_ptr, stride_sn, stride_sk, gs_ptr, x_ptr, nw_ptr, stride_x8,
-                pid_n * BLOCK_N, N, k_lo, k_hi, HAS_NW, BLOCK_N, BLOCK_K, PIPE, UNROLL)
+                pid_n * BLOCK_N, N, k_lo, k_hi, HAS_NW, BLOCK_N, BLOCK_K, PIPE)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     if SPLIT_K == 1:
@@ -372,8 +368,8 @@ def gemv(x: torch.Tensor, w: WeightHandle, *, bias: torch.Tensor | None = None, 
         bias if bias is not None else y, residual if residual is not None else y, y, part, cnt,
         N, K, k_per_split, eps, stride_x8,
         FMT=FMT_ID[w.fmt], HAS_NW=has_nw, HAS_BIAS=bias is not None, HAS_RES=residual is not None,
-        SPLIT_K=split, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_X=rstd_block(K, cfg.num_warps),
-        PIPE=cfg.prefetch, UNROLL=GEMV_UNROLL, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        SPLIT_K=split, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_X=rstd_block(K),
+        PIPE=cfg.prefetch, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **launch_kw(w.device)
     )
     return y
@@ -483,7 +479,7 @@ def gemv_glu(x: torch.Tensor, w_gate: WeightHandle, w_up: WeightHandle, *, act: 
         up_bias if up_bias is not None else y, up_bias.stride(-1) if up_bias is not None else 0, y,
         N, K, eps, limit, alpha, stride_x8,
         FMT=FMT_ID[w_gate.fmt], HAS_NW=has_nw, HAS_BIAS=gate_bias is not None, ACT=ACT_ID[act],
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_X=rstd_block(K, cfg.num_warps),
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_X=rstd_block(K),
         PIPE=cfg.prefetch, Y_X8=out_x8, PAIR=pair, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **launch_kw(x.device)
     )

@@ -18,9 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .gemv import (DEFAULT_GLU_TILES, GEMV_UNROLL, TileConfig, check_vec, check_x, counters, gemv_tiles,
-                   glu_pair_choice, glu_ref, input_args, is_fp4, make_out, num_sms, plan_split, resolve_config,
-                   weight_args)
+from .gemv import (DEFAULT_GLU_TILES, TileConfig, check_vec, check_x, counters, gemv_tiles, glu_pair_choice,
+                   glu_ref, input_args, is_fp4, make_out, num_sms, plan_split, resolve_config, weight_args)
 from .pdl import launch_kw, pdl_begin, reg_cap
 from .tiles import (ACT_ID, FMT_ID, _glu, _rstd, _split_reduce, _store_out, _tile, _tile_bf16, _tile_pair, _x8_offs,
                     rstd_block)
@@ -41,19 +40,14 @@ SCORE_ID = {"softmax": 0, "sigmoid": 1, "softmax_topk": 2}
 _FP8_EXPERT_TILE = TileConfig(8, 512, num_warps=2, prefetch=False)
 DEFAULT_EXPERT_TILES = {**DEFAULT_GLU_TILES, "fp8": _FP8_EXPERT_TILE, "fp8_block": _FP8_EXPERT_TILE}
 EXPERT_DOWN_PROGRAMS_PER_SM = 16
-# KIE_EXPERT_GLU_UNROLL / KIE_EXPERT_DOWN_UNROLL = n: the float-format expert launches take n K steps per loop trip,
-# their loads in flight together (tiles._tile_float UNROLL; qwen3-30b-a3b fp8: the GLU walks H = 2048 in 4 steps of
-# 512, the down I = 768 in 3 of 256, each step a dependent HBM round trip). 1 (as before): slower on an H100
-# (session 25: down at 3 8.57 -> 9.23 us, the GLU at 2 13.77 -> 13.87).
-EXPERT_GLU_UNROLL = int(os.environ.get("KIE_EXPERT_GLU_UNROLL", "1"))
-EXPERT_DOWN_UNROLL = int(os.environ.get("KIE_EXPERT_DOWN_UNROLL", "1"))
-# KIE_EXPERT_DOWN_ATOMIC=1: the down launch adds each program's rows into an fp32 y with relaxed atomics (y set to the
-# residual by the GLU launch) instead of partials + a counter + the last program's ordered sum. That tail is a
-# release fence, an atomic round trip and a re-read on every row tile's critical path; the atomics make the sum's
-# order the hardware's, so y is not bit-reproducible run to run (fp32 rounding of SPLIT terms). H100, session 25:
-# down 8.57 -> 6.44 us, qwen3-30b-a3b graph fp8 464.6 -> 488.1 tok/s (+5.1%). Off until the GPU parity stages
-# (graph vs the fp32 reference, 32 greedy steps per family) have passed with it.
-EXPERT_DOWN_ATOMIC = os.environ.get("KIE_EXPERT_DOWN_ATOMIC", "0") == "1"
+# The down launch adds each program's rows into an fp32 y with relaxed atomics (y set to the residual by the GLU
+# launch) instead of partials + a counter + the last program's ordered sum. That tail is a release fence, an atomic
+# round trip and a re-read on every row tile's critical path; the atomics make the sum's order the hardware's, so y
+# is not bit-reproducible run to run (fp32 rounding of SPLIT terms). H100: down 8.57 -> 6.44 us (session 25),
+# qwen3-30b-a3b graph fp8 467.8 -> 490.6 tok/s (+4.9%, session 26); the GPU parity stages (graph vs the fp32
+# reference, every family, bf16 and the quantized formats in fp32) pass with it. KIE_EXPERT_DOWN_ATOMIC=0 restores
+# the ordered sum (bit-reproducible decode). A bf16 y always takes the ordered sum.
+EXPERT_DOWN_ATOMIC = os.environ.get("KIE_EXPERT_DOWN_ATOMIC", "1") != "0"
 # The router tail's / the selecting GLU launch's top-k takes 4 picks per block-wide reduction (tl.reduce over sorted
 # lists, _top4) instead of one: qwen3-30b-a3b's 8 rounds, each a chain of shuffles and a barrier on every GLU
 # program's critical path, become 2. Same picks, same weights (bit-equal). H100, session 25: the GLU picking the
@@ -466,7 +460,7 @@ def _gemv_route_kernel(
     N, K, E, r_tiles, r_programs, a_splits, k_per_split,
     FMT: tl.constexpr, HAS_BIAS: tl.constexpr, WRITE_U8: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PIPE: tl.constexpr, R_BLOCK_N: tl.constexpr, R_BLOCK_K: tl.constexpr, R_PIPE: tl.constexpr,
-    PDL: tl.constexpr = False, UNROLL: tl.constexpr = 1,
+    PDL: tl.constexpr = False,
 ):
     """grid (r_programs + cdiv(N, BLOCK_N),): the first r_programs write the router's partial logits of y without
     its RMSNorm scale, part[s, E]: splits s < a_splits over K ranges of W_f a (W_f [E, K] = W_r diag(nw) W,
@@ -496,7 +490,7 @@ def _gemv_route_kernel(
     else:
         n_start = (pid - r_programs) * BLOCK_N
         acc = _tile(FMT, w_ptr, stride_wn, s_ptr, stride_sn, stride_sk, gs_ptr, a_ptr, a_ptr, 0, n_start, N, 0, K,
-                    False, BLOCK_N, BLOCK_K, PIPE, UNROLL)
+                    False, BLOCK_N, BLOCK_K, PIPE)
         offs_n = n_start + tl.arange(0, BLOCK_N)
         n_mask = offs_n < N
         _store_out(acc, offs_n, n_mask, y_ptr, bias_ptr, res_ptr, HAS_BIAS, True)
@@ -589,7 +583,7 @@ def gemv_route(a: torch.Tensor, w: WeightHandle, residual: torch.Tensor, w_fold:
         N, K, E, r_tiles, r_tiles * split, a_splits, kps,
         FMT=FMT_ID[w.fmt], HAS_BIAS=bias is not None, WRITE_U8=x8_out is not None, BLOCK_N=tiles.block_n,
         BLOCK_K=tiles.block_k, PIPE=tiles.prefetch, R_BLOCK_N=router_config.block_n, R_BLOCK_K=router_config.block_k,
-        R_PIPE=router_config.prefetch, UNROLL=GEMV_UNROLL, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        R_PIPE=router_config.prefetch, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
         **launch_kw(dev)
     )
     return y, PendingRouting(routing.ids, routing.weights, routing.logits, part, split, True, cfg, router_bias,
@@ -648,7 +642,7 @@ def _expert_glu_kernel(
     N_GROUP: tl.constexpr = 1, GROUP_SIZE: tl.constexpr = 1, TOPK_GROUP: tl.constexpr = 1,
     GROUP_TOP2: tl.constexpr = False, TOP_K: tl.constexpr = 1, SPLIT_K: tl.constexpr = 1, BLOCK_G: tl.constexpr = 1,
     BLOCK_S: tl.constexpr = 1, BLOCK_TOPK: tl.constexpr = 1, SCALE_GLU: tl.constexpr = False,
-    PER_ROUND: tl.constexpr = 1, UNROLL: tl.constexpr = 1,
+    PER_ROUND: tl.constexpr = 1,
     # INIT_Y (the down launch adds into y with atomics, EXPERT_DOWN_ATOMIC): 1 y = residual, 2 y = 0, by slot 0's
     # programs, INIT_BLOCK values each
     y_ptr=None, res_ptr=None, N_Y=0, INIT_Y: tl.constexpr = 0, INIT_BLOCK: tl.constexpr = 1,
@@ -685,14 +679,14 @@ def _expert_glu_kernel(
     if PAIR:
         g, u = _tile_pair(FMT, wg_ptr + e * stride_wge, wu_ptr + e * stride_wue, stride_wgn, sg_ptr + e * stride_sge,
                           su_ptr + e * stride_sue, stride_sgn, stride_sgk, x_ptr, nw_ptr, n_start, I, 0, K, HAS_NW,
-                          BLOCK_N, BLOCK_K, PIPE, UNROLL)
+                          BLOCK_N, BLOCK_K, PIPE)
     else:
         g = _tile(FMT, wg_ptr + e * stride_wge, stride_wgn, sg_ptr + e * stride_sge, stride_sgn, stride_sgk,
                   gsg_ptr + e * stride_gge, x_ptr, nw_ptr, stride_x8, n_start, I, 0, K, HAS_NW, BLOCK_N, BLOCK_K,
-                  PIPE, UNROLL)
+                  PIPE)
         u = _tile(FMT, wu_ptr + e * stride_wue, stride_wun, su_ptr + e * stride_sue, stride_sun, stride_suk,
                   gsu_ptr + e * stride_gue, x_ptr, nw_ptr, stride_x8, n_start, I, 0, K, HAS_NW, BLOCK_N, BLOCK_K,
-                  PIPE, UNROLL)
+                  PIPE)
     offs_n = n_start + tl.arange(0, BLOCK_N)
     n_mask = offs_n < I
     if HAS_NW or SCALE_GLU:
@@ -724,7 +718,7 @@ def _expert_down_kernel(
     N, I, slots_per_split,
     FMT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, TOP_K: tl.constexpr,
     SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PIPE: tl.constexpr, PDL: tl.constexpr = False,
-    UNROLL: tl.constexpr = 1, ATOMIC: tl.constexpr = False,
+    ATOMIC: tl.constexpr = False,
 ):
     """grid (cdiv(N, BLOCK_N), SPLIT): y[N] = sum_slot wts[slot] * (Wd[e] h[slot] + bd[e]) (+ residual); the slots
     are split over SPLIT programs per row tile (reduced in slot order by the last one). ATOMIC: each program adds its
@@ -741,7 +735,7 @@ def _expert_down_kernel(
         e = tl.load(ids_ptr + slot).to(tl.int64)
         d = _tile(FMT, wd_ptr + e * stride_wde, stride_wdn, sd_ptr + e * stride_sde, stride_sdn, stride_sdk,
                   gsd_ptr + e * stride_gde, h_ptr + slot * I, h_ptr, I // 8, n_start, N, 0, I, False,
-                  BLOCK_N, BLOCK_K, PIPE, UNROLL)
+                  BLOCK_N, BLOCK_K, PIPE)
         if HAS_BIAS:
             d += tl.load(bd_ptr + e * stride_bde + offs_n, mask=n_mask, other=0.0).to(tl.float32)
         acc += tl.load(wts_ptr + slot) * d
@@ -886,8 +880,8 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gat
         I, H, eps, limit, alpha, stride_x8,
         FMT=FMT_ID[w_gate.fmt], HAS_NW=has_nw, HAS_BIAS=bg[0] is not None, ACT=ACT_ID[act],
         H_X8=is_fp4(w_down.fmt),
-        BLOCK_N=cu.block_n, BLOCK_K=cu.block_k, BLOCK_X=rstd_block(H, cu.num_warps),
-        PIPE=cu.prefetch, PAIR=pair, UNROLL=EXPERT_GLU_UNROLL, num_warps=cu.num_warps, num_stages=cu.num_stages,
+        BLOCK_N=cu.block_n, BLOCK_K=cu.block_k, BLOCK_X=rstd_block(H),
+        PIPE=cu.prefetch, PAIR=pair, num_warps=cu.num_warps, num_stages=cu.num_stages,
         **sel, **init_y, **launch_kw(dev),
         **reg_cap(dev, EXPERT_GLU_MAXNREG.get(w_gate.fmt))
     )
@@ -899,7 +893,7 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gat
         H, I, per,
         FMT=FMT_ID[w_down.fmt], HAS_BIAS=bd[0] is not None, HAS_RES=residual is not None, TOP_K=top_k,
         SPLIT=split, BLOCK_N=cd.block_n, BLOCK_K=cd.block_k, ATOMIC=atomic,
-        PIPE=cd.prefetch, UNROLL=EXPERT_DOWN_UNROLL, num_warps=cd.num_warps, num_stages=cd.num_stages,
+        PIPE=cd.prefetch, num_warps=cd.num_warps, num_stages=cd.num_stages,
         **launch_kw(dev)
     )
     return y

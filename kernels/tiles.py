@@ -138,7 +138,7 @@ def _float_step(acc, acc2, w, w2, x_ptr, nw_ptr, s_row, s2_row, stride_sk, k0, k
 @triton.jit
 def _tile_float(w_ptr, stride_wn, s_ptr, stride_sn, stride_sk, x_ptr, nw_ptr, n_start, N, k_lo, k_hi,
                 HAS_NW: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_SCALED: tl.constexpr,
-                PIPE: tl.constexpr, w2_ptr=None, s2_ptr=None, PAIR: tl.constexpr = False, UNROLL: tl.constexpr = 1):
+                PIPE: tl.constexpr, w2_ptr=None, s2_ptr=None, PAIR: tl.constexpr = False):
     """Row sums of w [N, K] . x over [k_lo, k_hi) for rows n_start + [0, BLOCK_N); PAIR: also those of w2 (same
     shape, strides and scale layout as w: a GLU's up rows beside its gate rows), returned as (w's, w2's), each
     step's x (and norm weight) loaded once for both."""
@@ -174,10 +174,7 @@ def _tile_float(w_ptr, stride_wn, s_ptr, stride_sn, stride_sk, x_ptr, nw_ptr, n_
             acc, acc2 = _float_step(acc, acc2, w, w2, x_ptr, nw_ptr, s_row, s2_row, stride_sk, k0, k_hi, HAS_NW,
                                     BLOCK_N, BLOCK_K, BLOCK_SCALED, False, PAIR)
     else:
-        # UNROLL > 1: that many whole steps per loop trip, their loads independent of one another, so they can be in
-        # flight together (a plain loop waits for each step's bytes before the next step's loads issue); None: no
-        # unroll attribute, the plain loop
-        for k0 in tl.range(k_lo, k_full, BLOCK_K, loop_unroll_factor=UNROLL if UNROLL > 1 else None):
+        for k0 in range(k_lo, k_full, BLOCK_K):
             w = tl.load(w_rows + (k0 + offs)[None, :])
             w2 = w
             if PAIR:
@@ -200,20 +197,18 @@ def _tile_float(w_ptr, stride_wn, s_ptr, stride_sn, stride_sk, x_ptr, nw_ptr, n_
 
 @triton.jit
 def _tile_bf16(w_ptr, stride_wn, x_ptr, nw_ptr, n_start, N, k_lo, k_hi,
-               HAS_NW: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PIPE: tl.constexpr,
-               UNROLL: tl.constexpr = 1):
+               HAS_NW: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PIPE: tl.constexpr):
     """Float weights (bf16 / fp16 / fp32) [N, K]."""
     return _tile_float(w_ptr, stride_wn, w_ptr, 0, 0, x_ptr, nw_ptr, n_start, N, k_lo, k_hi,
-                       HAS_NW, BLOCK_N, BLOCK_K, False, PIPE, UNROLL=UNROLL)
+                       HAS_NW, BLOCK_N, BLOCK_K, False, PIPE)
 
 
 @triton.jit
 def _tile_fp8(w_ptr, stride_wn, s_ptr, stride_sn, x_ptr, nw_ptr, n_start, N, k_lo, k_hi,
-              HAS_NW: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PIPE: tl.constexpr,
-              UNROLL: tl.constexpr = 1):
+              HAS_NW: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PIPE: tl.constexpr):
     """e4m3 [N, K] with a per-row scale [N, 1]: the scale factors out of the dot product, one multiply per row."""
     acc = _tile_float(w_ptr, stride_wn, w_ptr, 0, 0, x_ptr, nw_ptr, n_start, N, k_lo, k_hi,
-                      HAS_NW, BLOCK_N, BLOCK_K, False, PIPE, UNROLL=UNROLL)
+                      HAS_NW, BLOCK_N, BLOCK_K, False, PIPE)
     return _row_scaled(acc, s_ptr, stride_sn, n_start, N, BLOCK_N)
 
 
@@ -414,17 +409,15 @@ def _tile_mxfp4(w_ptr, stride_wn, s_ptr, stride_sn, stride_sk, x8_ptr, stride_x8
 @triton.jit
 def _tile(FMT: tl.constexpr, w_ptr, stride_wn, s_ptr, stride_sn, stride_sk, gs_ptr, x_ptr, nw_ptr, stride_x8,
           n_start, N, k_lo, k_hi, HAS_NW: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-          PIPE: tl.constexpr, UNROLL: tl.constexpr = 1):
+          PIPE: tl.constexpr):
     """Format dispatch (constexpr: one variant compiled per format); unused pointers may be any tensor.
     Float formats read x [K] (times nw when HAS_NW); fp4 formats read x_ptr as x8 [8, K/8] with row stride
-    stride_x8 and ignore nw (prepare_x8 applies the norm). UNROLL (bf16 / fp8, without PIPE): K steps per loop
-    trip, their loads in flight together."""
+    stride_x8 and ignore nw (prepare_x8 applies the norm)."""
     if FMT == 0:
-        acc = _tile_bf16(w_ptr, stride_wn, x_ptr, nw_ptr, n_start, N, k_lo, k_hi, HAS_NW, BLOCK_N, BLOCK_K, PIPE,
-                         UNROLL)
+        acc = _tile_bf16(w_ptr, stride_wn, x_ptr, nw_ptr, n_start, N, k_lo, k_hi, HAS_NW, BLOCK_N, BLOCK_K, PIPE)
     elif FMT == 1:
         acc = _tile_fp8(w_ptr, stride_wn, s_ptr, stride_sn, x_ptr, nw_ptr, n_start, N, k_lo, k_hi,
-                        HAS_NW, BLOCK_N, BLOCK_K, PIPE, UNROLL)
+                        HAS_NW, BLOCK_N, BLOCK_K, PIPE)
     elif FMT == 2:
         acc = _tile_fp8_block(w_ptr, stride_wn, s_ptr, stride_sn, stride_sk, x_ptr, nw_ptr, n_start, N, k_lo, k_hi,
                               HAS_NW, BLOCK_N, BLOCK_K, PIPE)
@@ -440,11 +433,11 @@ def _tile(FMT: tl.constexpr, w_ptr, stride_wn, s_ptr, stride_sn, stride_sk, gs_p
 @triton.jit
 def _tile_pair(FMT: tl.constexpr, w_ptr, w2_ptr, stride_wn, s_ptr, s2_ptr, stride_sn, stride_sk, x_ptr, nw_ptr,
                n_start, N, k_lo, k_hi, HAS_NW: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-               PIPE: tl.constexpr, UNROLL: tl.constexpr = 1):
+               PIPE: tl.constexpr):
     """_tile over two float-format weights of one shape, strides and scale layout (a GLU's gate and up rows), each
     step's x loaded once for both (FMT 0-2 only): (w's row sums, w2's)."""
     a, b = _tile_float(w_ptr, stride_wn, s_ptr, stride_sn, stride_sk, x_ptr, nw_ptr, n_start, N, k_lo, k_hi,
-                       HAS_NW, BLOCK_N, BLOCK_K, FMT == 2, PIPE, w2_ptr, s2_ptr, True, UNROLL)
+                       HAS_NW, BLOCK_N, BLOCK_K, FMT == 2, PIPE, w2_ptr, s2_ptr, True)
     if FMT == 1:   # fp8: one scale per row, after the dot
         a = _row_scaled(a, s_ptr, stride_sn, n_start, N, BLOCK_N)
         b = _row_scaled(b, s2_ptr, stride_sn, n_start, N, BLOCK_N)
@@ -454,20 +447,11 @@ def _tile_pair(FMT: tl.constexpr, w_ptr, w2_ptr, stride_wn, s_ptr, s2_ptr, strid
 # ======================================================================================================================
 # Epilogue helpers
 # ======================================================================================================================
-# KIE_RSTD_ONE_LOAD=1: the RMSNorm scale of a fused-norm launch reads x in one load (rstd_block) instead of
-# 1024-wide steps; each step is a dependent L2 round trip on the critical path of every program (the tail of q/k/v,
-# the top-k front of the expert GLU). Off: no gain on an H100 (session 25:
-# q/k/v 7.35 -> 7.34 us, the selecting GLU 13.77 -> 13.61, graph fp8 +0.2%; benchmarks/NOTES.md).
-RSTD_ONE_LOAD = os.environ.get("KIE_RSTD_ONE_LOAD", "0") == "1"
-
-
-def rstd_block(K: int, num_warps: int) -> int:
-    """_rstd's BLOCK_X for an input of K elements: all of x in one load when that is at most 32 values per thread
-    (RSTD_ONE_LOAD), else 1024-wide steps. qwen3-30b-a3b (K 2048): one load at 2 or 4 warps."""
-    full = triton.next_power_of_2(K)
-    if RSTD_ONE_LOAD and full <= 32 * 32 * num_warps:
-        return full
-    return min(1024, full)
+def rstd_block(K: int) -> int:
+    """_rstd's BLOCK_X for an input of K elements: 1024-wide steps. One load of all of x (up to 32 values per
+    thread) was timed in session 25: no gain on q/k/v (7.35 -> 7.34 us, H100; the scale's loads are L2 hits behind
+    the tile loop's DRAM stream)."""
+    return min(1024, triton.next_power_of_2(K))
 
 
 @triton.jit

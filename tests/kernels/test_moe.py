@@ -502,11 +502,9 @@ def test_route_ref_is_the_reference_decoders_routing(cfg, hf_group_score):
         torch.testing.assert_close(wts[0][order], want.weights[torch.argsort(want.ids)], rtol=1e-6, atol=1e-7)
 
 
-def test_folded_router_with_the_one_load_norm_scale(monkeypatch):
-    """KIE_RSTD_ONE_LOAD in the GLU launch that picks the top-k after gemv_route: y's RMSNorm scale from one masked
-    load of all N = 1100 values (two 1024-wide steps without it) gives route_ref's experts and moe_experts_ref's y."""
-    import kie_moe.kernels.tiles as T
-    monkeypatch.setattr(T, "RSTD_ONE_LOAD", True)
+def test_folded_router_with_a_ragged_norm_scale():
+    """The GLU launch that picks the top-k after gemv_route: y's RMSNorm scale over N = 1100 values (two 1024-wide
+    steps, the second ragged) gives route_ref's experts and moe_experts_ref's y."""
     E, cfg, _ = ROUTERS["softmax_norm"]
     N, K, I = 1100, 40, 24
     f32 = torch.float32
@@ -517,7 +515,6 @@ def test_folded_router_with_the_one_load_norm_scale(monkeypatch):
                       router_config=TileConfig(8, 256), router_k_steps=2)
     wg, wu, wd = _experts("fp8", E, I, N, seed=65)
     cfg_e = TileConfig(16, 256, num_warps=2)
-    assert T.rstd_block(N, cfg_e.num_warps) == 2048
     out = moe_experts(y, p.ids, p.weights, wg, wu, wd, norm_weight=nw, eps=1e-5, out=torch.empty(N, device=DEV),
                       config_up=cfg_e, config_down=cfg_e, select=p)
     want_r = route_ref(y, w_r, cfg, norm_weight=nw, eps=1e-5)
@@ -527,13 +524,9 @@ def test_folded_router_with_the_one_load_norm_scale(monkeypatch):
     assert_close(out, want, what="experts")
 
 
-def test_expert_launches_unrolled(monkeypatch):
-    """KIE_EXPERT_GLU_UNROLL / KIE_EXPERT_DOWN_UNROLL / KIE_GEMV_UNROLL (gemv_route): the fp8 expert launches and the
-    folded o_proj with several K steps per loop trip (whole trips, leftover steps and a ragged tail) still pick
-    route_ref's experts and give moe_experts_ref's y."""
-    import kie_moe.kernels.moe as M
-    for name, v in (("EXPERT_GLU_UNROLL", 2), ("EXPERT_DOWN_UNROLL", 3), ("GEMV_UNROLL", 2)):
-        monkeypatch.setattr(M, name, v)
+def test_expert_launches_over_many_k_steps():
+    """The fp8 expert launches and the folded o_proj over many whole K steps and a ragged tail pick route_ref's
+    experts and give moe_experts_ref's y."""
     E, cfg, _ = ROUTERS["softmax_norm"]
     N, K, I = 232, 200, 168      # experts: 7 / 5 whole 32-wide steps + a ragged one; o_proj: 6 + a ragged one
     f32 = torch.float32
@@ -542,7 +535,7 @@ def test_expert_launches_unrolled(monkeypatch):
     w_r, nw = _t(E, N, seed=73, scale=0.2, dtype=f32), _t(N, seed=74, dtype=f32)
     y, p = gemv_route(a, wo, x, fold_router(w_r, nw, wo), w_r, nw, cfg, eps=1e-5,
                       config=TileConfig(16, 32, prefetch=False), router_config=TileConfig(8, 64))
-    assert_close(y, gemv_ref(a, wo, residual=x), what="unrolled o_proj")
+    assert_close(y, gemv_ref(a, wo, residual=x), what="o_proj")
     wg, wu, wd = _experts("fp8", E, I, N, seed=75)
     cfg_e = TileConfig(16, 32, num_warps=2, prefetch=False)
     out = moe_experts(y, p.ids, p.weights, wg, wu, wd, norm_weight=nw, eps=1e-5, out=torch.empty(N, device=DEV),
@@ -550,18 +543,20 @@ def test_expert_launches_unrolled(monkeypatch):
     want_r = route_ref(y, w_r, cfg, norm_weight=nw, eps=1e-5)
     assert p.ids.tolist() == want_r.ids.tolist(), f"ids {p.ids.tolist()} vs {want_r.ids.tolist()}"
     want = moe_experts_ref(y, want_r.ids, want_r.weights, wg, wu, wd, norm_weight=nw, eps=1e-5, out_dtype=f32)
-    assert_close(out, want, what="unrolled experts")
+    assert_close(out, want, what="experts over many K steps")
 
 
+@pytest.mark.parametrize("atomic", [True, False], ids=["atomic", "ordered"])
 @pytest.mark.parametrize("fmt,case", [("fp8", "residual"), ("bf16", "in_place"), ("nvfp4", "no_residual"),
                                       ("fp8", "bf16_out")])
-def test_expert_down_atomic(fmt, case, monkeypatch):
-    """KIE_EXPERT_DOWN_ATOMIC: the GLU launch sets fp32 y to the residual (or 0) and each down program adds its rows
-    with an atomic: the reference's y with a residual in another buffer, in y's own buffer (the residual updated in
-    place), without one, with a down bias, repeated ids and 2-4 programs per row tile (one slot each, or two);
-    a bf16 y keeps the ordered reduction."""
+def test_expert_down_atomic(fmt, case, atomic, monkeypatch):
+    """The down launch's two sums. Atomic (the default): the GLU launch sets fp32 y to the residual (or 0) and each
+    down program adds its rows with an atomic. Ordered (KIE_EXPERT_DOWN_ATOMIC=0): partials summed in slot order by
+    the last program. Each against the reference's y with a residual in another buffer, in y's own buffer (the
+    residual updated in place), without one, with a down bias, repeated ids and 2-4 programs per row tile (one slot
+    each, or two); a bf16 y takes the ordered sum either way."""
     import kie_moe.kernels.moe as M
-    monkeypatch.setattr(M, "EXPERT_DOWN_ATOMIC", True)
+    monkeypatch.setattr(M, "EXPERT_DOWN_ATOMIC", atomic)
     seen = []
 
     class Spy:   # records the down launch's ATOMIC constexpr
@@ -595,4 +590,4 @@ def test_expert_down_atomic(fmt, case, monkeypatch):
     want = moe_experts_ref(x, ids, wts, wg, wu, wd, residual=None if case == "no_residual" else res, down_bias=bd,
                            out_dtype=torch.float32)
     assert_close(y.float(), want, rel=1e-2 if case == "bf16_out" else 1e-5, what=f"{fmt} {case}")
-    assert seen == [case != "bf16_out"]
+    assert seen == [atomic and case != "bf16_out"]
