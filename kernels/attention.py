@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 
 from ..models.reference import ReferenceDecoder
-from .pdl import launch_kw, pdl_begin, pdl_trigger
+from .pdl import launch_kw, pdl_begin
 from .rope import NORM_FULL, _norm_rope_rows, _style_pair, cast_to, check_rope_args, round_to
 from .tiles import _x8_offs
 
@@ -254,9 +254,8 @@ def _gqa_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, sinks_ptr, out_p
                       DH: tl.constexpr, REP: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr,
                       HAS_SINKS: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
                       BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, X8: tl.constexpr = 0,
-                      PDL: tl.constexpr = False, TRIGGER: tl.constexpr = False):
+                      PDL: tl.constexpr = False):
     pdl_begin(PDL)
-    pdl_trigger(TRIGGER)
     gqa_split_task(tl.program_id(0), tl.program_id(1), q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, sinks_ptr, out_ptr,
                    o_part_ptr, lse_part_ptr, max_len, window, qk_scale, stride_qh, stride_kt, stride_kh, stride_vt,
                    stride_vh, stride_oh, stride_oph, stride_ops, stride_lh,
@@ -272,10 +271,8 @@ def _rope_gqa_split_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, pos_pt
                            CLIP: tl.constexpr, REP: tl.constexpr, NUM_SPLITS: tl.constexpr,
                            HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, DOT_DTYPE: tl.constexpr,
                            DOT_PREC: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-                           BLOCK_D: tl.constexpr, X8: tl.constexpr = 0, PDL: tl.constexpr = False,
-                           TRIGGER: tl.constexpr = False):
+                           BLOCK_D: tl.constexpr, X8: tl.constexpr = 0, PDL: tl.constexpr = False):
     pdl_begin(PDL)
-    pdl_trigger(TRIGGER)
     rope_gqa_split_task(tl.program_id(0), tl.program_id(1), q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, pos_ptr,
                         cos_ptr, sin_ptr, q_norm_ptr, k_norm_ptr, sinks_ptr, out_ptr, o_part_ptr, lse_part_ptr,
                         max_len, window, qk_scale, eps, clip, stride_qh, stride_kh, stride_vh, stride_kt, stride_kch,
@@ -289,10 +286,8 @@ def _gqa_combine_kernel(pos_ptr, sinks_ptr, out_ptr, o_part_ptr, lse_part_ptr, m
                         stride_oh, stride_oph, stride_ops, stride_lh,
                         DH: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr,
                         HAS_SINKS: tl.constexpr, SPLIT_BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
-                        BLOCK_D: tl.constexpr, X8: tl.constexpr = 0, PDL: tl.constexpr = False,
-                        TRIGGER: tl.constexpr = False):
+                        BLOCK_D: tl.constexpr, X8: tl.constexpr = 0, PDL: tl.constexpr = False):
     pdl_begin(PDL)
-    pdl_trigger(TRIGGER)
     gqa_combine_task(tl.program_id(0), pos_ptr, sinks_ptr, out_ptr, o_part_ptr, lse_part_ptr, max_len, window,
                      stride_oh, stride_oph, stride_ops, stride_lh,
                      DH, NUM_SPLITS, HAS_WINDOW, HAS_SINKS, SPLIT_BLOCK_N, BLOCK_S, BLOCK_D, X8)
@@ -443,18 +438,15 @@ def _dot_prec(cache_dtype: torch.dtype) -> str:
 def gqa_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor, *,
                softmax_scale: float, window: int | None = None, sinks: torch.Tensor | None = None,
                num_splits: int | None = None, out: torch.Tensor | None = None, block_n: int = 64,
-               num_warps: int = 4, out_x8: bool = False, release_early: bool = False) -> torch.Tensor:
+               num_warps: int = 4, out_x8: bool = False) -> torch.Tensor:
     """q [Hq, Dh] (rotated), k_cache / v_cache [max_len, Hkv, Dh], pos device int32 [1] -> out [Hq, Dh] (q's dtype).
 
     window: sliding window (key j visible iff pos - window < j <= pos); sinks [Hq] (gpt-oss). Launches only.
     out_x8: out is the flat [Hq * Dh] output as fp32 [8, Hq * Dh / 8] in the x8 layout, what an fp4 o_proj reads
     (gemv(None, w_o, x8=out, ...)): no prepare_x8 launch between the two.
-    release_early (under PDL; else ignored): the last launch lets the next one start as soon as it has waited for
-    its own predecessor (pdl.pdl_trigger), so a GEMV behind it can prefetch its weights (gemv(prefetch_l2=True))
-    while these few programs run.
     """
     return _gqa(q, k_cache, v_cache, pos, softmax_scale, window, sinks, num_splits, out, block_n, num_warps,
-                out_x8=out_x8, release_early=release_early)
+                out_x8=out_x8)
 
 
 def rope_gqa_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -463,7 +455,7 @@ def rope_gqa_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
                     k_norm: torch.Tensor | None = None, eps: float = 1e-6, clip_qkv: float | None = None,
                     window: int | None = None, sinks: torch.Tensor | None = None, num_splits: int | None = None,
                     out: torch.Tensor | None = None, block_n: int = 64, num_warps: int = 4,
-                    out_x8: bool = False, release_early: bool = False) -> torch.Tensor:
+                    out_x8: bool = False) -> torch.Tensor:
     """rope_append(q, k, v -> cache[pos]) then gqa_decode, as one split launch (+ the combine when split): the
     same outputs and cache rows, q and k left unrotated in their buffers. Arguments as the two functions';
     qk_norm "full" (OLMoE) is refused: it needs every head in one program (use the two launches)."""
@@ -475,11 +467,11 @@ def rope_gqa_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
                  eps=float(eps), clip=float(clip_qkv or 0.0), ROT=2 * cos.shape[1], PAIR=_style_pair(style),
                  NORM=norm, CLIP=clip_qkv is not None)
     return _gqa(q, k_cache, v_cache, pos, softmax_scale, window, sinks, num_splits, out, block_n, num_warps, fused,
-                out_x8, release_early)
+                out_x8)
 
 
 def _gqa(q, k_cache, v_cache, pos, softmax_scale, window, sinks, num_splits, out, block_n, num_warps, fused=None,
-         out_x8=False, release_early=False):
+         out_x8=False):
     """gqa_decode's checks and launches; `fused` (rope_gqa_decode): the split launch norms, rotates and appends."""
     if q.dim() != 2 or k_cache.dim() != 3:
         raise ValueError(f"q must be [Hq, Dh] and k_cache [max_len, Hkv, Dh], got {tuple(q.shape)}, "
@@ -527,12 +519,11 @@ def _gqa(q, k_cache, v_cache, pos, softmax_scale, window, sinks, num_splits, out
                  BLOCK_R=max(16, triton.next_power_of_2(rep)), BLOCK_N=block_n, BLOCK_D=BLOCK_D, X8=x8,
                  num_warps=num_warps)
     part_strides = (out.stride(0), o_part.stride(0), o_part.stride(1) if S > 1 else 0, lse_part.stride(0))
-    trigger = bool(release_early and launch_kw(dev)["PDL"])   # on the last launch: the combine when split
     if fused is None:
         _gqa_split_kernel[(Hkv, S)](
             q, k_cache, v_cache, pos, sk, out, o_part, lse_part, max_len, int(window or 0), softmax_scale * LOG2E,
             q.stride(0), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), *part_strides,
-            **tiles, **common, **launch_kw(dev), TRIGGER=trigger and S == 1)
+            **tiles, **common, **launch_kw(dev))
     else:
         f = fused
         _rope_gqa_split_kernel[(Hkv, S)](
@@ -540,14 +531,13 @@ def _gqa(q, k_cache, v_cache, pos, softmax_scale, window, sinks, num_splits, out
             lse_part, max_len, int(window or 0), softmax_scale * LOG2E, f["eps"], f["clip"],
             q.stride(0), f["k"].stride(0), f["v"].stride(0), k_cache.stride(0), k_cache.stride(1),
             v_cache.stride(0), v_cache.stride(1), f["cos"].stride(0), *part_strides,
-            ROT=f["ROT"], PAIR=f["PAIR"], NORM=f["NORM"], CLIP=f["CLIP"], **tiles, **common, **launch_kw(dev),
-            TRIGGER=trigger and S == 1)
+            ROT=f["ROT"], PAIR=f["PAIR"], NORM=f["NORM"], CLIP=f["CLIP"], **tiles, **common, **launch_kw(dev))
     if S > 1:
         _gqa_combine_kernel[(Hq,)](
             pos, sk, out, o_part, lse_part, max_len, int(window or 0),
             out.stride(0), o_part.stride(0), o_part.stride(1), lse_part.stride(0),
             DH=Dh, NUM_SPLITS=S, SPLIT_BLOCK_N=block_n, BLOCK_S=triton.next_power_of_2(S), BLOCK_D=BLOCK_D,
-            X8=x8, num_warps=1, **common, **launch_kw(dev), TRIGGER=trigger)
+            X8=x8, num_warps=1, **common, **launch_kw(dev))
     return out
 
 

@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from .device_caps import e4m3_arg
-from .pdl import l2_prefetch_rows, launch_kw, pdl_begin
+from .pdl import launch_kw, pdl_begin
 from .tiles import (ACT_ID, FMT_ID, _glu, _normed_block, _rstd, _split_reduce, _store_out, _tile,  # noqa: F401
                     _tile_bf16, _tile_fp8, _tile_fp8_block, _tile_mxfp4, _tile_nvfp4, _tile_pair, _x8_offs,
                     rstd_block)
@@ -109,28 +109,16 @@ def _x8_kernel(x_ptr, nw_ptr, x8_ptr, K, eps, HAS_NW: tl.constexpr, BLOCK: tl.co
 
 
 @triton.jit
-def _gemv_prefetch(w_ptr, stride_wn, N, K, k_per_split, BLOCK_N: tl.constexpr):
-    """L2 prefetch of the rows x K range a _gemv_kernel program (grid (row tiles, K splits)) streams."""
-    n_start = tl.program_id(0) * BLOCK_N
-    k_lo = tl.program_id(1) * k_per_split
-    l2_prefetch_rows(w_ptr, stride_wn, n_start, tl.minimum(BLOCK_N, N - n_start), k_lo,
-                     tl.minimum(k_lo + k_per_split, K))
-
-
-@triton.jit
 def _gemv_kernel(
     x_ptr, nw_ptr, w_ptr, stride_wn, s_ptr, stride_sn, stride_sk, gs_ptr,
     bias_ptr, res_ptr, y_ptr, part_ptr, cnt_ptr,
     N, K, k_per_split, eps, stride_x8,
     FMT: tl.constexpr, HAS_NW: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
     SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_X: tl.constexpr,
-    PIPE: tl.constexpr, PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False,
+    PIPE: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """grid (cdiv(N, BLOCK_N), SPLIT_K): y[N] = (rstd *) W[N, K] @ (nw *) x[K] (+ bias) (+ residual).
-    fp4 formats: x_ptr is x8 (prepare_x8, norm applied there) and HAS_NW is False. PREFETCH (float formats, under
-    PDL): this program's weight rows x K range asked of L2 before the wait (gemv(prefetch_l2=True))."""
-    if PREFETCH:
-        _gemv_prefetch(w_ptr, stride_wn, N, K, k_per_split, BLOCK_N)
+    fp4 formats: x_ptr is x8 (prepare_x8, norm applied there) and HAS_NW is False."""
     pdl_begin(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -346,15 +334,12 @@ def input_args(x: torch.Tensor | None, fmt: str, norm_weight: torch.Tensor | Non
 
 def gemv(x: torch.Tensor, w: WeightHandle, *, bias: torch.Tensor | None = None, residual: torch.Tensor | None = None,
          out: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
-         x8: torch.Tensor | None = None, config: TileConfig | None = None, prefetch_l2: bool = False
-         ) -> torch.Tensor:
+         x8: torch.Tensor | None = None, config: TileConfig | None = None) -> torch.Tensor:
     """y = W @ x (+ bias) (+ residual) for a batch-1 x [K] or [1, K]; y has x's leading shape and dtype (or out's).
     With norm_weight, x is RMS-normalised first: W @ (x * rstd(x) * norm_weight) (see rmsnorm_gemv).
     fp4 weights: x8 = prepare_x8(x, norm_weight, eps) if already made (else made here, one extra launch), x may
     then be None (with `out` given: e.g. gemv_glu(out_x8=True)'s output feeding an fp4 down projection); a large
-    nvfp4 / mxfp4 GEMV without x8 runs on the tensor cores instead (use_mma).
-    prefetch_l2 (float formats under PDL; else ignored): each program asks L2 for its weight rows before it waits for
-    the previous launch, for a launch behind one that releases it early (the graph's o_proj, KIE_EARLY_OPROJ)."""
+    nvfp4 / mxfp4 GEMV without x8 runs on the tensor cores instead (use_mma)."""
     if w.num_experts:
         raise ValueError("gemv: weight handle is an expert stack; use kie_moe.kernels.moe.moe_experts")
     N, K = w.out_features, w.in_features
@@ -385,16 +370,9 @@ def gemv(x: torch.Tensor, w: WeightHandle, *, bias: torch.Tensor | None = None, 
         FMT=FMT_ID[w.fmt], HAS_NW=has_nw, HAS_BIAS=bias is not None, HAS_RES=residual is not None,
         SPLIT_K=split, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_X=rstd_block(K),
         PIPE=cfg.prefetch, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **prefetch_kw(w.device, prefetch_l2 and FMT_ID[w.fmt] <= FMT_ID["fp8_block"])
+        **launch_kw(w.device)
     )
     return y
-
-
-def prefetch_kw(device: torch.device, prefetch_l2: bool) -> dict:
-    """launch_kw + the PREFETCH constexpr of a kernel that may ask L2 for its weights before its PDL wait: only
-    under PDL (without it the launch starts after the previous one anyway)."""
-    kw = launch_kw(device)
-    return {**kw, "PREFETCH": bool(prefetch_l2 and kw["PDL"])}
 
 
 def use_mma(w: WeightHandle, x8: torch.Tensor | None, config: TileConfig | None) -> bool:

@@ -36,11 +36,6 @@ from .rope import mla_rope_append, rope_append, rope_tables
 from .sampling import DeviceSampler
 from .weights import FP8_BLOCK, WeightHandle, dequantize, stored_codes
 
-# KIE_EARLY_OPROJ=1 (session 26, off until timed): the GQA attention launch (a few programs: qwen3-30b-a3b at ctx
-# 128 runs 4, one per kv head, while the other SMs idle) releases the o_proj launch as soon as it has waited, and
-# o_proj's programs ask L2 for their weight rows (8.4 MB fp8 for qwen3-30b-a3b) before their own wait, so the
-# weights stream while attention runs (kernels/pdl.py). Read at import.
-EARLY_OPROJ = os.environ.get("KIE_EARLY_OPROJ", "0") == "1"
 # RoPE + KV append + decode attention as one launch per layer (attention.rope_gqa_decode; not for OLMoE's
 # full-projection q/k norm). On unless KIE_FUSED_ROPE_ATTN=0 (timed: NOTES.md session 9); read at import.
 FUSED_ROPE_ATTN = os.environ.get("KIE_FUSED_ROPE_ATTN", "1") != "0"
@@ -312,7 +307,7 @@ class GraphBackend:
                            clip_qkv=a.clip_qkv)
             o8 = self._x8_out(L["o"])      # an fp4 o_proj reads the attention output written as x8
             attn_kw = dict(softmax_scale=a.softmax_scale, window=L["spec"].sliding_window, sinks=L["sinks"],
-                           out_x8=o8, release_early=EARLY_OPROJ)
+                           out_x8=o8)
             if FUSED_ROPE_ATTN and a.qk_norm != "full":
                 o = rope_gqa_decode(q, k, v, kc, vc, self.pos, self.cos, self.sin, **rope_kw, **attn_kw)
             else:
@@ -336,11 +331,10 @@ class GraphBackend:
             _, self.pending = gemv_route(o.reshape(-1), L["o"], x, L["router_fold"], L["router"], L["mlp_norm"],
                                          L["rcfg"], bias=L.get("o_bias"), fold_bias=L.get("router_fold_bias"),
                                          router_bias=L["router_bias"], correction_bias=L["score_bias"], eps=eps,
-                                         out=self.x2, x8_out=x8, routing=L["routing"],
-                                         prefetch_l2=EARLY_OPROJ and a.kind == "gqa")
+                                         out=self.x2, x8_out=x8, routing=L["routing"])
         else:
             gemv(None if o8 else o.reshape(-1), L["o"], bias=L.get("o_bias"), residual=x, out=self.x2,
-                 x8=o if o8 else None, prefetch_l2=EARLY_OPROJ and a.kind == "gqa")
+                 x8=o if o8 else None)
         self._swap()
 
     def _ffn(self, L, lay):

@@ -19,9 +19,8 @@ import triton
 import triton.language as tl
 
 from .gemv import (DEFAULT_GLU_TILES, TileConfig, check_vec, check_x, counters, gemv_tiles, glu_pair_choice,
-                   glu_ref, input_args, is_fp4, make_out, num_sms, plan_split, prefetch_kw, resolve_config,
-                   weight_args)
-from .pdl import l2_prefetch_rows, launch_kw, pdl_begin, reg_cap
+                   glu_ref, input_args, is_fp4, make_out, num_sms, plan_split, resolve_config, weight_args)
+from .pdl import launch_kw, pdl_begin, reg_cap
 from .tiles import (ACT_ID, FMT_ID, _glu, _rstd, _split_reduce, _store_out, _tile, _tile_bf16, _tile_pair, _x8_offs,
                     rstd_block)
 from .weights import WeightHandle, dequantize
@@ -455,45 +454,20 @@ def _routing_out(cfg: RouterConfig, E: int, dev: torch.device, out: Routing | No
 
 # ---- the router folded into the GEMV in front of it (o_proj) ----------------------------------------------------
 @triton.jit
-def _gemv_route_prefetch(w_ptr, stride_wn, wf_ptr, stride_wfn, wr_ptr, stride_wrn, N, K, E, r_tiles, r_programs,
-                         a_splits, k_per_split, BLOCK_N: tl.constexpr, R_BLOCK_N: tl.constexpr):
-    """L2 prefetch of what a _gemv_route_kernel program streams: W_f / W_r rows x its K range, or W's row tile."""
-    pid = tl.program_id(0)
-    if pid < r_programs:
-        n0 = (pid % r_tiles) * R_BLOCK_N
-        s = pid // r_tiles
-        if s < a_splits:
-            k_lo = s * k_per_split
-            l2_prefetch_rows(wf_ptr, stride_wfn, n0, tl.minimum(R_BLOCK_N, E - n0), k_lo,
-                             tl.minimum(k_lo + k_per_split, K))
-        else:
-            k_lo = (s - a_splits) * k_per_split
-            l2_prefetch_rows(wr_ptr, stride_wrn, n0, tl.minimum(R_BLOCK_N, E - n0), k_lo,
-                             tl.minimum(k_lo + k_per_split, N))
-    else:
-        n_start = (pid - r_programs) * BLOCK_N
-        l2_prefetch_rows(w_ptr, stride_wn, n_start, tl.minimum(BLOCK_N, N - n_start), 0, K)
-
-
-@triton.jit
 def _gemv_route_kernel(
     a_ptr, w_ptr, stride_wn, s_ptr, stride_sn, stride_sk, gs_ptr, bias_ptr, res_ptr, y_ptr,
     wf_ptr, stride_wfn, wr_ptr, stride_wrn, nw_ptr, fb_ptr, part_ptr, u8_ptr,
     N, K, E, r_tiles, r_programs, a_splits, k_per_split,
     FMT: tl.constexpr, HAS_BIAS: tl.constexpr, WRITE_U8: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PIPE: tl.constexpr, R_BLOCK_N: tl.constexpr, R_BLOCK_K: tl.constexpr, R_PIPE: tl.constexpr,
-    PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
     """grid (r_programs + cdiv(N, BLOCK_N),): the first r_programs write the router's partial logits of y without
     its RMSNorm scale, part[s, E]: splits s < a_splits over K ranges of W_f a (W_f [E, K] = W_r diag(nw) W,
     fold_router), the rest over N ranges of W_r (nw * res) (HAS_BIAS: the first of those adds W_r (nw * bias),
     fold_router_bias); the others are the GEMV's row tiles, y[N] = W[N, K] a[K] (+ bias) + res, as gemv's split-free
     launch (a float-format W). WRITE_U8: they also write nw * y, without y's RMSNorm scale, in the x8 layout (u8_ptr:
-    fp32 [8, N / 8]), the input of fp4 experts that scale their sums by it. PREFETCH: each program asks L2 for the
-    weight rows it streams before the PDL wait (gemv_route(prefetch_l2=True))."""
-    if PREFETCH:
-        _gemv_route_prefetch(w_ptr, stride_wn, wf_ptr, stride_wfn, wr_ptr, stride_wrn, N, K, E, r_tiles, r_programs,
-                             a_splits, k_per_split, BLOCK_N, R_BLOCK_N)
+    fp32 [8, N / 8]), the input of fp4 experts that scale their sums by it."""
     pdl_begin(PDL)
     pid = tl.program_id(0)
     if pid < r_programs:
@@ -554,7 +528,7 @@ def gemv_route(a: torch.Tensor, w: WeightHandle, residual: torch.Tensor, w_fold:
                router_bias: torch.Tensor | None = None, correction_bias: torch.Tensor | None = None,
                eps: float = 1e-6, out: torch.Tensor | None = None, x8_out: torch.Tensor | None = None,
                routing: Routing | None = None, config: TileConfig | None = None,
-               router_config: TileConfig = TileConfig(8, 512), router_k_steps: int = 2, prefetch_l2: bool = False
+               router_config: TileConfig = TileConfig(8, 512), router_k_steps: int = 2
                ) -> tuple[torch.Tensor, PendingRouting]:
     """y = W a + residual, and in the same launch the router's partial logits of RMSNorm(y): the router
     launch between this GEMV and the experts folded away (o_proj in front of a MoE layer). Returns (y, a
@@ -565,8 +539,7 @@ def gemv_route(a: torch.Tensor, w: WeightHandle, residual: torch.Tensor, w_fold:
     tiles are gemv's (gemv_tiles) without split-K; the router rows run router_config's tiles over K ranges of
     router_k_steps K steps each (W_f over a, then W_r over the residual). x8_out: fp32 [8, N / 8] filled with
     norm_weight * y in the x8 layout, without y's RMSNorm scale: fp4 experts' input (moe_experts(y, x8=x8_out,
-    select=) scales their gate / up sums by y's scale). prefetch_l2: as gemv's (every program, its W / W_f / W_r
-    rows)."""
+    select=) scales their gate / up sums by y's scale)."""
     if w.num_experts or is_fp4(w.fmt):
         raise ValueError(f"gemv_route: w must be one float-format matrix (bf16 / fp16 / fp32 / fp8 / fp8_block), got "
                          f"{w.fmt}" + (" experts" if w.num_experts else ""))
@@ -611,7 +584,7 @@ def gemv_route(a: torch.Tensor, w: WeightHandle, residual: torch.Tensor, w_fold:
         FMT=FMT_ID[w.fmt], HAS_BIAS=bias is not None, WRITE_U8=x8_out is not None, BLOCK_N=tiles.block_n,
         BLOCK_K=tiles.block_k, PIPE=tiles.prefetch, R_BLOCK_N=router_config.block_n, R_BLOCK_K=router_config.block_k,
         R_PIPE=router_config.prefetch, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
-        **prefetch_kw(dev, prefetch_l2)
+        **launch_kw(dev)
     )
     return y, PendingRouting(routing.ids, routing.weights, routing.logits, part, split, True, cfg, router_bias,
                              correction_bias, eps, rstd_x=y, x8=x8_out)

@@ -1,8 +1,6 @@
-"""The PDL contract of kernels/pdl.py, checked on the source: a kernel launched with **launch_kw() (or
-**prefetch_kw()) may start before its predecessor has finished, so it must call pdl_begin() before touching memory;
-the one thing allowed before it is an `if PREFETCH:` call of an L2-prefetch helper (weights, read-only), and those
-helpers may not load, store or use atomics. A launch site added without the wait (or a wait moved below a load) is
-a data race that only shows on the GPU, sometimes: this test fails first."""
+"""The PDL contract of kernels/pdl.py, checked on the source: a kernel launched with **launch_kw() may start before
+its predecessor has finished, so it must call pdl_begin() before touching memory. A launch site added without the
+wait (or a wait moved below a load) is a data race that only shows on the GPU, sometimes: this test fails first."""
 import ast
 from pathlib import Path
 
@@ -11,23 +9,12 @@ import kie_moe.kernels as K
 SRC = Path(K.__file__).parent
 
 
-def _statements(fn: ast.FunctionDef) -> list[ast.stmt]:
+def _first_statement(fn: ast.FunctionDef) -> ast.stmt:
     body = fn.body
     if isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value,
                                                                                                   str):
         body = body[1:]                                              # the docstring
-    return body
-
-
-def _is_prefetch_name(name: str) -> bool:
-    return name.endswith("_prefetch") or name.startswith("l2_prefetch")
-
-
-def _prefetch_block(stmt: ast.stmt) -> bool:
-    """`if PREFETCH:` whose body is only calls of L2-prefetch helpers."""
-    return (isinstance(stmt, ast.If) and getattr(stmt.test, "id", None) == "PREFETCH" and not stmt.orelse
-            and all(isinstance(s, ast.Expr) and isinstance(s.value, ast.Call)
-                    and _is_prefetch_name(getattr(s.value.func, "id", "")) for s in stmt.body))
+    return body[0]
 
 
 def _pdl_launches(tree: ast.Module) -> set[str]:
@@ -37,15 +24,14 @@ def _pdl_launches(tree: ast.Module) -> set[str]:
         if (isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript)
                 and isinstance(node.func.value, ast.Name)
                 and any(k.arg is None and isinstance(k.value, ast.Call)
-                        and getattr(k.value.func, "id", "") in ("launch_kw", "prefetch_kw") for k in node.keywords)):
+                        and getattr(k.value.func, "id", "") == "launch_kw" for k in node.keywords)):
             out.add(node.func.value.id)
     return out
 
 
 def _waits_first(fn: ast.FunctionDef) -> bool:
-    """fn's first statement (after its docstring) is pdl_begin(PDL), or the second one after a _prefetch_block."""
-    body = _statements(fn)
-    first = body[1] if _prefetch_block(body[0]) and len(body) > 1 else body[0]
+    """fn's first statement (after its docstring) is pdl_begin(PDL)."""
+    first = _first_statement(fn)
     return (isinstance(first, ast.Expr) and isinstance(first.value, ast.Call)
             and getattr(first.value.func, "id", "") == "pdl_begin"
             and [getattr(a, "id", None) for a in first.value.args] == ["PDL"])
@@ -63,8 +49,6 @@ def test_every_pdl_launch_waits_first():
             params = [a.arg for a in kernels[name].args.args]
             assert "PDL" in params, f"{path.name}: {name} has no PDL constexpr for launch_kw to set"
             checked.append(name)
-            if _prefetch_block(_statements(kernels[name])[0]):
-                assert "PREFETCH" in params, f"{path.name}: {name} has no PREFETCH constexpr for prefetch_kw to set"
     # the graph backend's decode kernels: GEMV / GLU / x8, router and experts, attention, RoPE + append, sampler
     assert {"_gemv_kernel", "_glu_kernel", "_x8_kernel", "_router_kernel", "_expert_glu_kernel",
             "_expert_down_kernel", "_gqa_split_kernel", "_gqa_combine_kernel", "_rope_append_kernel",
@@ -80,34 +64,6 @@ def test_the_check_catches_a_missing_wait():
     assert not _waits_first(tree.body[0])
     assert not _waits_first(ast.parse("def k(x):\n    pdl_begin()\n").body[0])
     assert _waits_first(ast.parse('def k(x, PDL):\n    """doc"""\n    pdl_begin(PDL)\n    y = 1\n').body[0])
-
-
-def test_prefetch_helpers_only_prefetch():
-    """What may run before the wait: the L2-prefetch helpers (and the helpers they call) hold no load, store or
-    atomic; the kernels with a prefetch block are the o_proj ones (gemv, gemv_route)."""
-    trees = {p.name: ast.parse(p.read_text()) for p in sorted(SRC.rglob("*.py"))}
-    helpers = {n.name: (f, n) for f, t in trees.items() for n in t.body
-               if isinstance(n, ast.FunctionDef) and _is_prefetch_name(n.name)}
-    assert {"l2_prefetch_rows", "_gemv_prefetch", "_gemv_route_prefetch"} <= set(helpers), sorted(helpers)
-    for name, (f, fn) in helpers.items():
-        for node in ast.walk(fn):
-            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
-                assert not (node.func.attr in ("load", "store") or node.func.attr.startswith("atomic")), \
-                    f"{f}: {name} calls tl.{node.func.attr} (only prefetches may run before the PDL wait)"
-            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id[0] == "_":
-                assert _is_prefetch_name(node.func.id), f"{f}: {name} calls {node.func.id}, not a prefetch helper"
-    with_block = {n.name for t in trees.values() for n in t.body if isinstance(n, ast.FunctionDef)
-                  and n.body and _prefetch_block(_statements(n)[0])}
-    assert with_block == {"_gemv_kernel", "_gemv_route_kernel"}, with_block
-
-
-def test_the_check_allows_only_a_prefetch_before_the_wait():
-    ok = ('def k(w, PDL, PREFETCH):\n    """doc"""\n    if PREFETCH:\n        _w_prefetch(w)\n    pdl_begin(PDL)\n')
-    load = 'def k(w, PDL, PREFETCH):\n    if PREFETCH:\n        y = tl.load(w)\n    pdl_begin(PDL)\n'
-    other = 'def k(w, PDL, PREFETCH):\n    if PREFETCH:\n        _reduce(w)\n    pdl_begin(PDL)\n'
-    late = 'def k(w, PDL, PREFETCH):\n    if PREFETCH:\n        _w_prefetch(w)\n    y = 1\n    pdl_begin(PDL)\n'
-    assert _waits_first(ast.parse(ok).body[0])
-    assert not any(_waits_first(ast.parse(src).body[0]) for src in (load, other, late))
 
 
 def test_enabled_only_on_sm90_cuda(monkeypatch):
