@@ -33,7 +33,7 @@ from .moe import (RouterConfig, Routing, fold_router, fold_router_bias, gemv_rou
                   use_mma_experts)
 from .prefill import Prefill
 from .rope import mla_rope_append, rope_append, rope_tables
-from .sampling import DeviceSampler
+from .sampling import DeviceSampler, next_step_inputs
 from .weights import FP8_BLOCK, WeightHandle, dequantize, stored_codes
 
 # RoPE + KV append + decode attention as one launch per layer (attention.rope_gqa_decode; not for OLMoE's
@@ -68,6 +68,12 @@ SELECT_IN_EXPERTS = os.environ.get("KIE_SELECT_IN_EXPERTS", "1") != "0"
 # keeps the folded rows in the model's dtype (bf16: ~2^-9 relative rounding of each, as HF's bf16 router input has),
 # =fp32 in fp32 (2x the bytes, 459.2 tok/s, routing as exact as the router launch's), =0 keeps the router launch.
 ROUTER_FOLD = os.environ.get("KIE_ROUTER_FOLD", "1")
+# The step's tail in one launch (sampling.next_step_inputs: the draw -> token, pos + 1, x = embed[token] for the next
+# step) instead of four torch launches outside the PDL chain (clamp, add, gather, copy), and the token written by the
+# sampler straight into a pinned host ring (DeviceSampler(host_ring=True)) instead of a device-to-host copy queued
+# between two graph replays. KIE_GRAPH_STEP_TAIL=0 restores both for the A/B (NOTES.md session 26).
+STEP_TAIL = os.environ.get("KIE_GRAPH_STEP_TAIL", "1") != "0"
+HOST_RING = 64   # tokens the pinned ring holds; the host reads step s - 1 while the device runs step s
 
 
 class HandleStore:
@@ -243,7 +249,8 @@ class GraphBackend:
         self.pos = torch.zeros(1, dtype=torch.int32, device=self.device)
         self.token = torch.zeros(1, dtype=torch.int32, device=self.device)
         self.logits = torch.zeros(V, **f32)
-        self.sampler = DeviceSampler(V, self.device, filter=True)
+        self.sampler = DeviceSampler(V, self.device, filter=True, ring_size=HOST_RING if STEP_TAIL else 0,
+                                     host_ring=STEP_TAIL)
         # the normed MoE input in the x8 layout, written by the router for fp4 experts (one buffer: a CUDA graph
         # records its address)
         self.x8 = torch.zeros(8, D // 8, **f32) if SHARE_X8 and D % 8 == 0 and any(
@@ -399,15 +406,19 @@ class GraphBackend:
         self.x, self.x2 = self.x2, self.x
 
     def _step(self):
-        self.x.copy_(self.embed.index_select(0, self.token).view(-1))
+        if not STEP_TAIL:   # else the previous step's tail (or generate, for the first) wrote x = embed[token]
+            self.x.copy_(self.embed.index_select(0, self.token).view(-1))
         for i, (L, lay) in enumerate(zip(self.layers, self.spec.layers)):
             self._attention(i, L, lay.attn)
             self._ffn(L, lay)
         gemv(self.x, self.lm_head, norm_weight=self.final_norm, eps=self.spec.norm_eps, out=self.logits)
         tok = self.sampler(self.logits)
         # -1 (non-finite logits) stays in the sampler's out, which the host reads; the next step embeds a valid id
-        torch.clamp(tok.view(1), min=0, out=self.token)
-        self.pos.add_(1)
+        if STEP_TAIL:   # x is the buffer the step started from: every layer swaps it twice
+            next_step_inputs(tok, self.token, self.pos, self.embed, self.x)
+        else:
+            torch.clamp(tok.view(1), min=0, out=self.token)
+            self.pos.add_(1)
 
     # ---- prefill -------------------------------------------------------------------------------------------------
     def prefill(self, ids: list[int]):
@@ -443,6 +454,8 @@ class GraphBackend:
         self.prefill(list(prompt_ids[:-1]))
         self.pos.fill_(n - 1)
         self.token.fill_(prompt_ids[-1])
+        if STEP_TAIL:
+            self.x.copy_(self.embed[prompt_ids[-1]])
         # no seed: a fresh one per request (seed 0 every time gave every unseeded request the same draws)
         self.sampler.configure(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
                                seed=p.seed if p.seed is not None else int(torch.randint(0, 2 ** 62, (1,))))
@@ -454,12 +467,16 @@ class GraphBackend:
                 if tid in eos_ids and not p.ignore_eos:
                     return
             return
-        ring = torch.zeros(p.max_new_tokens, dtype=torch.int32, pin_memory=True)   # the sampler's out, -1 kept
+        # the sampler's out per step, -1 kept: STEP_TAIL, its own pinned ring (step s in slot s % HOST_RING, written
+        # by the kernel); else a copy per step into this one
+        ring = self.sampler.ring if STEP_TAIL else torch.zeros(p.max_new_tokens, dtype=torch.int32, pin_memory=True)
+        R = ring.numel()
         events = []
         stream = torch.cuda.current_stream(self.device)
         if self.graph is None:
             self._step()                       # step 0 eagerly: compiles every kernel before the capture
-            ring[0:1].copy_(self.sampler.out, non_blocking=True)
+            if not STEP_TAIL:
+                ring[0:1].copy_(self.sampler.out, non_blocking=True)
             ev = torch.cuda.Event(); ev.record(stream); events.append(ev)
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g):
@@ -470,13 +487,14 @@ class GraphBackend:
             first = 0
         for s in range(first, p.max_new_tokens):
             self.graph.replay()
-            ring[s:s + 1].copy_(self.sampler.out, non_blocking=True)
+            if not STEP_TAIL:
+                ring[s:s + 1].copy_(self.sampler.out, non_blocking=True)
             ev = torch.cuda.Event(); ev.record(stream); events.append(ev)
             if s >= 1:                          # one step behind the device: the next replay is already queued
                 events[s - 1].synchronize()
-                tid = int(ring[s - 1])
+                tid = int(ring[(s - 1) % R])
                 yield tid
                 if tid in eos_ids and not p.ignore_eos:
                     return
         events[-1].synchronize()
-        yield int(ring[p.max_new_tokens - 1])
+        yield int(ring[(p.max_new_tokens - 1) % R])

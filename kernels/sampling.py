@@ -40,7 +40,8 @@ from kie_moe.models.errors import InputError
 
 from .pdl import launch_kw, pdl_begin
 
-__all__ = ["DeviceSampler", "sample_tokens", "sample_probs_ref", "sample_tile_task", "sample_final_task"]
+__all__ = ["DeviceSampler", "sample_tokens", "sample_probs_ref", "sample_tile_task", "sample_final_task",
+           "next_step_inputs", "next_step_inputs_ref"]
 
 
 # ---- device helpers ----------------------------------------------------------------------------------------------
@@ -227,13 +228,14 @@ class DeviceSampler:
     """Device-resident sampling state for one stream of decode steps; `__call__` only launches.
 
     params f32 [3] = (temperature, top_p, top_k); rng i64 [2] = (seed, step); out i32 [num_draws]; ring i32 [R]
-    (optional: token of step s lands in ring[s % R]); status i32 [1] counts draws whose top-k / top-p could not be
-    applied exactly in-kernel (see the module doc). `configure` writes params / rng from the host (outside any
+    (optional: token of step s lands in ring[s % R]; host_ring: the ring in pinned host memory the kernel writes
+    through, so the host reads tokens without a copy launch); status i32 [1] counts draws whose top-k / top-p could
+    not be applied exactly in-kernel (see the module doc). `configure` writes params / rng from the host (outside any
     graph); each call advances rng[1] on the device when num_draws == 1.
     """
 
     def __init__(self, vocab_size: int, device, *, filter: bool = True, k_cand: int = 64, block_v: int | None = None,
-                 ring_size: int = 0, num_draws: int = 1, draws_per_prog: int = 16):
+                 ring_size: int = 0, num_draws: int = 1, draws_per_prog: int = 16, host_ring: bool = False):
         if vocab_size < 1 or num_draws < 1:
             raise ValueError(f"vocab_size and num_draws must be >= 1, got {vocab_size}, {num_draws}")
         # greedy / plain temperature want many small tiles (parallel reads); the filter wants fewer, larger tiles
@@ -254,7 +256,10 @@ class DeviceSampler:
         self.rng = torch.zeros(2, dtype=torch.int64, device=dev)
         self.out = torch.zeros(num_draws, dtype=torch.int32, device=dev)
         self.status = torch.zeros(1, dtype=torch.int32, device=dev)
-        self.ring = torch.zeros(max(ring_size, 1), dtype=torch.int32, device=dev)
+        if host_ring and ring_size < 1:
+            raise ValueError("host_ring needs ring_size >= 1")
+        self.ring = (torch.zeros(ring_size, dtype=torch.int32, pin_memory=True) if host_ring and dev.type == "cuda"
+                     else torch.zeros(max(ring_size, 1), dtype=torch.int32, device=dev))
         self.ring_size = ring_size
         self.part_f = torch.empty(self.n_tiles, 3, dtype=torch.float32, device=dev)
         self.part_i = torch.empty(self.n_tiles, dtype=torch.int32, device=dev)
@@ -318,6 +323,49 @@ class DeviceSampler:
             num_warps=8,
             **launch_kw(self.device))
         return self.out
+
+
+@triton.jit
+def _next_step_kernel(out_ptr, token_ptr, pos_ptr, embed_ptr, stride_e, x_ptr, D, BLOCK: tl.constexpr,
+                      PDL: tl.constexpr = False):
+    """grid (cdiv(D, BLOCK),): token = max(out[0], 0); x[D] = embed[token] (fp32); program 0 stores token and bumps
+    pos. out keeps -1 (non-finite logits) for the host; the next step embeds a valid id."""
+    pdl_begin(PDL)
+    tok = tl.maximum(tl.load(out_ptr), 0)
+    pid = tl.program_id(0)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    v = tl.load(embed_ptr + tok.to(tl.int64) * stride_e + offs, mask=offs < D, other=0.0)
+    tl.store(x_ptr + offs, v.to(tl.float32), mask=offs < D)
+    if pid == 0:
+        tl.store(token_ptr, tok)
+        tl.store(pos_ptr, tl.load(pos_ptr) + 1)
+
+
+def next_step_inputs(out: torch.Tensor, token: torch.Tensor, pos: torch.Tensor, embed: torch.Tensor,
+                     x: torch.Tensor, block: int = 1024) -> None:
+    """A decode step's tail in one launch (the graph backend): the draw out[0] becomes the next step's token (-1,
+    non-finite logits, embeds as 0), x = embed[token] in fp32, pos += 1. out / token / pos: device int32 [1];
+    embed [V, D] with unit column stride; x fp32 [D]. Launches only (next_step_inputs_ref: the same in torch)."""
+    V, D = embed.shape
+    for name, t, dt in (("out", out, torch.int32), ("token", token, torch.int32), ("pos", pos, torch.int32),
+                        ("x", x, torch.float32)):
+        if t.dtype != dt or t.device != embed.device or not t.is_contiguous():
+            raise ValueError(f"next_step_inputs: {name} must be a contiguous {dt} tensor on {embed.device}, got "
+                             f"{t.dtype} on {t.device}")
+    if x.numel() != D or embed.stride(1) != 1 or token.numel() != 1 or pos.numel() != 1 or out.numel() < 1:
+        raise ValueError(f"next_step_inputs: x must hold D = {D} values and embed [V, D] unit column stride; got x "
+                         f"{tuple(x.shape)}, embed strides {embed.stride()}")
+    block = min(block, triton.next_power_of_2(D))
+    _next_step_kernel[(triton.cdiv(D, block),)](out, token, pos, embed, embed.stride(0), x, D, BLOCK=block,
+                                                **launch_kw(embed.device))
+
+
+def next_step_inputs_ref(out: torch.Tensor, token: torch.Tensor, pos: torch.Tensor, embed: torch.Tensor,
+                         x: torch.Tensor) -> None:
+    """next_step_inputs in torch (four launches: clamp, add, gather, copy)."""
+    torch.clamp(out[:1], min=0, out=token)
+    pos.add_(1)
+    x.copy_(embed.index_select(0, token.long()).view(-1))
 
 
 def sample_tokens(logits: torch.Tensor, *, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,

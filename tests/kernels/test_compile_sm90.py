@@ -164,6 +164,11 @@ def _compile_all(arch: int = 90, formats=("bf16", "fp8", "fp8_block", "nvfp4", "
                                                                 maxnreg=M.EXPERT_GLU_MAXNREG["mxfp4"]))
     k = G._x8_kernel.warmup(x, x, torch.empty(8, H // 8), H, 1e-6, HAS_NW=True, BLOCK=1024, BLOCK_X=1024, grid=(1,))
     record("x8", k)
+    from kie_moe.kernels import sampling as S   # the graph step's tail (next_step_inputs): bf16 embedding rows
+    one = torch.empty(1, dtype=torch.int32)
+    k = S._next_step_kernel.warmup(one, one, one, torch.empty(151936, H, dtype=torch.bfloat16), H, torch.empty(H), H,
+                                   BLOCK=1024, grid=(1,))
+    record("next_step", k)
     # RoPE + KV append + decode attention in one launch (qwen3-30b-a3b: 32 q / 4 kv heads of 128, per-head norm)
     from kie_moe.kernels import attention as A
     qh, kh, dh = torch.empty(32, 128, dtype=torch.bfloat16), torch.empty(4, 128, dtype=torch.bfloat16), 128
@@ -197,7 +202,7 @@ def test_kernels_compile_for_sm90():
     pytest.importorskip("triton.backends.nvidia")
     from tests.kernels.helpers import compiled_json    # not at the top: this file also runs as a script
     rows = compiled_json([__file__], KIE_GPU_TESTS="1")
-    assert len(rows) == 5 * 5 + 2 + 1 + 1 + 1 + 3 + 1 + 4 + 1 + 1 + 1 + 1 + 1
+    assert len(rows) == 5 * 5 + 2 + 1 + 1 + 1 + 3 + 1 + 4 + 1 + 1 + 1 + 1 + 1 + 1
     spills = [r for r in rows if r["local_bytes"]]
     assert not spills, f"register spills to local memory: {spills}"
     heavy = [r for r in rows if r["regs"] and r["regs"] > 128]
@@ -213,7 +218,7 @@ def test_graph_kernels_compile_for_sm80():
     pytest.importorskip("triton.backends.nvidia")
     from tests.kernels.helpers import compiled_json
     rows = compiled_json([__file__, "80", "bf16,fp8,fp8_block,nvfp4,mxfp4"], KIE_E4M3_BITS="1")
-    assert len(rows) == 5 * 5 + 2 + 1 + 1 + 3 + 1 + 4 + 1 + 1 + 1 + 1 + 1
+    assert len(rows) == 5 * 5 + 2 + 1 + 1 + 3 + 1 + 4 + 1 + 1 + 1 + 1 + 1 + 1
 
 
 if __name__ == "__main__":

@@ -183,6 +183,26 @@ def test_fused_rope_attention_step_equals_the_two_launches(case, tmp_path, monke
     assert_logits_close(runs[True][1], want_logits)
 
 
+@pytest.mark.parametrize("case", ["qwen3_moe_mixed", "llama"])
+def test_step_tail_in_one_launch_equals_the_torch_tail(case, tmp_path, monkeypatch):
+    """KIE_GRAPH_STEP_TAIL (sampling.next_step_inputs + the host ring): the same greedy tokens and last-step logits
+    as the torch tail it replaces, over two requests on one backend (the second starts from generate's own
+    embedding of its last prompt token), and the reference decoder's tokens."""
+    import kie_moe.kernels.graph as G
+    make_checkpoint(case, str(tmp_path))
+    m = load_model(str(tmp_path))
+    prompts = [list(range(7, 15)), list(range(30, 35))]
+    runs = {}
+    for tail in (False, True):
+        monkeypatch.setattr(G, "STEP_TAIL", tail)
+        be = GraphBackend(m, torch.device("cpu"))
+        runs[tail] = [(list(be.generate(pr, SamplingParams(max_new_tokens=STEPS, ignore_eos=True), set())),
+                       be.logits.float().clone()) for pr in prompts]
+    for (toks, logits), (toks0, logits0), pr in zip(runs[True], runs[False], prompts):
+        assert toks == toks0 == ref_greedy(m, pr, STEPS)[0]
+        assert torch.equal(logits, logits0)
+
+
 @pytest.mark.parametrize("fmt", ["nvfp4"])  # mxfp4's packed path: tests/kernels/test_fp4_mma.py
 def test_quantized_lm_head_packed_for_the_tensor_cores(fmt, tmp_path, monkeypatch):
     """A quantized lm_head big enough for gemv()'s tensor-core dispatch (threshold lowered to the tiny vocab) is

@@ -118,6 +118,37 @@ def test_seed_step_reproducible_and_device_state_advances():
     assert int(s(logits)[0]) == int(torch.argmax(logits))
 
 
+@pytest.mark.parametrize("drawn", [5, -1])
+def test_next_step_inputs_equal_the_torch_tail(drawn):
+    """The graph step's tail in one launch: token = max(draw, 0), pos + 1, x = embed[token] in fp32, as the four
+    torch launches it replaces (next_step_inputs_ref); D = 37 over 16-wide programs (a ragged last one)."""
+    from kie_moe.kernels.sampling import next_step_inputs, next_step_inputs_ref
+    g = torch.Generator().manual_seed(4)
+    embed = torch.randn(11, 37, generator=g).to(torch.bfloat16).to(DEV)
+    i32 = dict(dtype=torch.int32, device=DEV)
+    runs = []
+    for fn, kw in ((next_step_inputs, dict(block=16)), (next_step_inputs_ref, {})):
+        out, token, pos = torch.tensor([drawn], **i32), torch.tensor([3], **i32), torch.tensor([40], **i32)
+        x = torch.full((37,), float("nan"), device=DEV)
+        fn(out, token, pos, embed, x, **kw)
+        runs.append((out.tolist(), token.tolist(), pos.tolist(), x.clone()))
+    (o, t, p, x), (o_r, t_r, p_r, x_r) = runs
+    assert (o, t, p) == (o_r, t_r, p_r) == ([drawn], [max(drawn, 0)], [41])
+    assert torch.equal(x, x_r) and torch.equal(x, embed[max(drawn, 0)].float())
+
+
+def test_next_step_inputs_names_a_bad_tensor():
+    from kie_moe.kernels.sampling import next_step_inputs
+    i32 = dict(dtype=torch.int32, device=DEV)
+    one, embed = torch.zeros(1, **i32), torch.zeros(4, 8, device=DEV)
+    with pytest.raises(ValueError, match="pos must be a contiguous torch.int32"):
+        next_step_inputs(one, one, torch.zeros(1, dtype=torch.int64, device=DEV), embed, torch.zeros(8, device=DEV))
+    with pytest.raises(ValueError, match="x must hold D = 8"):
+        next_step_inputs(one, one, one.clone(), embed, torch.zeros(7, device=DEV))
+    with pytest.raises(ValueError, match="host_ring needs ring_size >= 1"):
+        DeviceSampler(100, DEV, host_ring=True)
+
+
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 @pytest.mark.parametrize("kw", [dict(), dict(temperature=0.8), dict(temperature=0.8, top_k=5),
                                 dict(temperature=0.8, top_p=0.9)])
