@@ -346,15 +346,15 @@ def next_step_inputs(out: torch.Tensor, token: torch.Tensor, pos: torch.Tensor, 
     """A decode step's tail in one launch (the graph backend): the draw out[0] becomes the next step's token (-1,
     non-finite logits, embeds as 0), x = embed[token] in fp32, pos += 1. out / token / pos: device int32 [1];
     embed [V, D] with unit column stride; x fp32 [D]. Launches only (next_step_inputs_ref: the same in torch)."""
-    V, D = embed.shape
-    for name, t, dt in (("out", out, torch.int32), ("token", token, torch.int32), ("pos", pos, torch.int32),
-                        ("x", x, torch.float32)):
-        if t.dtype != dt or t.device != embed.device or not t.is_contiguous():
-            raise ValueError(f"next_step_inputs: {name} must be a contiguous {dt} tensor on {embed.device}, got "
-                             f"{t.dtype} on {t.device}")
-    if x.numel() != D or embed.stride(1) != 1 or token.numel() != 1 or pos.numel() != 1 or out.numel() < 1:
-        raise ValueError(f"next_step_inputs: x must hold D = {D} values and embed [V, D] unit column stride; got x "
-                         f"{tuple(x.shape)}, embed strides {embed.stride()}")
+    if embed.dim() != 2 or embed.stride(1) != 1:
+        raise ValueError(f"next_step_inputs: embed must be [V, D] with unit column stride, got {tuple(embed.shape)} "
+                         f"strides {embed.stride()}")
+    D = embed.shape[1]
+    for name, t, dt, n in (("out", out, torch.int32, None), ("token", token, torch.int32, 1),
+                           ("pos", pos, torch.int32, 1), ("x", x, torch.float32, D)):
+        if t.dtype != dt or t.device != embed.device or not t.is_contiguous() or t.numel() != (n or max(1, t.numel())):
+            raise ValueError(f"next_step_inputs: {name} must be a contiguous {dt} tensor with {n or 'at least 1'} "
+                             f"element(s) on {embed.device}, got {t.dtype} {tuple(t.shape)} on {t.device}")
     block = min(block, triton.next_power_of_2(D))
     _next_step_kernel[(triton.cdiv(D, block),)](out, token, pos, embed, embed.stride(0), x, D, BLOCK=block,
                                                 **launch_kw(embed.device))

@@ -141,9 +141,9 @@ def test_next_step_inputs_names_a_bad_tensor():
     from kie_moe.kernels.sampling import next_step_inputs
     i32 = dict(dtype=torch.int32, device=DEV)
     one, embed = torch.zeros(1, **i32), torch.zeros(4, 8, device=DEV)
-    with pytest.raises(ValueError, match="pos must be a contiguous torch.int32"):
+    with pytest.raises(ValueError, match="pos must be a contiguous torch.int32 tensor with 1 element"):
         next_step_inputs(one, one, torch.zeros(1, dtype=torch.int64, device=DEV), embed, torch.zeros(8, device=DEV))
-    with pytest.raises(ValueError, match="x must hold D = 8"):
+    with pytest.raises(ValueError, match="x must be a contiguous torch.float32 tensor with 8 element"):
         next_step_inputs(one, one, one.clone(), embed, torch.zeros(7, device=DEV))
     with pytest.raises(ValueError, match="host_ring needs ring_size >= 1"):
         DeviceSampler(100, DEV, host_ring=True)
