@@ -853,10 +853,10 @@ def _layer_sweep_grid(fmt: str) -> dict:
         for bn in (4, 8, 16) for bk in (256, 512) for w in (2, 4)]
     up_grid = [("default", {})] + [
         (f"up bn={bn} bk={bk} w={w} pf={int(p)}", dict(config_up=TileConfig(bn, bk, w, prefetch=p)))
-        for bn in (2, 4, 8) for bk in (512, 1024) for w in (2, 4) for p in (False, True)]
+        for bn in (2, 4, 8) for bk in (512, 1024) for w in (1, 2, 4) for p in (False, True)]
     down_grid = [(f"down bn={bn} bk=256 w={w} split={sp}",
                   dict(config_down=TileConfig(bn, 256, w, prefetch=pf), split=sp))
-                 for bn in (4, 8, 16) for w in (2, 4) for sp in (None, 1, 2, 3, 4, 8)]
+                 for bn in (4, 8, 16) for w in (1, 2, 4) for sp in (None, 1, 2, 3, 4, 8)]
     return dict(qkv=gemv_grid, o=gemv_grid, router=router_grid, up=up_grid, down=down_grid)
 
 
