@@ -121,7 +121,7 @@ def test_layer_sweep_times_each_launch_shape_and_records_failures(monkeypatch):
                 moe=dict(experts=4, top_k=2, inter=32, act="silu", router="softmax"))
     monkeypatch.setitem(km.MODELS, "tiny-moe", tiny)
     full = km._layer_sweep_grid("fp8")
-    assert {op: len(g) for op, g in full.items()} == dict(qkv=32, o=32, router=13, up=25, down=36)
+    assert {op: len(g) for op, g in full.items()} == dict(qkv=32, o=32, router=13, up=37, down=54)
     assert sum(lab.endswith("w=2 split=None") for lab, _ in full["qkv"]) == 9       # the 2-warp rows
     assert [lab for lab, _ in full["qkv"][-4:]] == [f"bn={bn} bk={bk} w=4 split=None pf=1"   # the prefetch rows
                                                    for bn, bk in ((16, 512), (8, 512), (4, 1024), (8, 1024))]
