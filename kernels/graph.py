@@ -33,7 +33,7 @@ from .moe import (RouterConfig, Routing, fold_router, fold_router_bias, gemv_rou
                   use_mma_experts)
 from .prefill import Prefill
 from .rope import mla_rope_append, rope_append, rope_tables
-from .sampling import DeviceSampler, next_step_inputs
+from .sampling import DeviceSampler, next_step_inputs, next_step_inputs_ref
 from .weights import FP8_BLOCK, WeightHandle, dequantize, stored_codes
 
 # RoPE + KV append + decode attention as one launch per layer (attention.rope_gqa_decode; not for OLMoE's
@@ -69,9 +69,10 @@ SELECT_IN_EXPERTS = os.environ.get("KIE_SELECT_IN_EXPERTS", "1") != "0"
 # =fp32 in fp32 (2x the bytes, 459.2 tok/s, routing as exact as the router launch's), =0 keeps the router launch.
 ROUTER_FOLD = os.environ.get("KIE_ROUTER_FOLD", "1")
 # The step's tail in one launch (sampling.next_step_inputs: the draw -> token, pos + 1, x = embed[token] for the next
-# step) instead of four torch launches outside the PDL chain (clamp, add, gather, copy), and the token written by the
-# sampler straight into a pinned host ring (DeviceSampler(host_ring=True)) instead of a device-to-host copy queued
-# between two graph replays. KIE_GRAPH_STEP_TAIL=0 restores both for the A/B (NOTES.md session 26).
+# step) instead of four torch launches outside the PDL chain (next_step_inputs_ref: clamp, add, gather, copy; until
+# session 26 the gather and copy opened the next step), and the token written by the sampler straight into a pinned
+# host ring (DeviceSampler(host_ring=True)) instead of a device-to-host copy queued between two graph replays.
+# KIE_GRAPH_STEP_TAIL=0 restores the torch launches and the copy for the A/B (NOTES.md session 26).
 STEP_TAIL = os.environ.get("KIE_GRAPH_STEP_TAIL", "1") != "0"
 HOST_RING = 64   # tokens the pinned ring holds; the host reads step s - 1 while the device runs step s
 
@@ -406,19 +407,15 @@ class GraphBackend:
         self.x, self.x2 = self.x2, self.x
 
     def _step(self):
-        if not STEP_TAIL:   # else the previous step's tail (or generate, for the first) wrote x = embed[token]
-            self.x.copy_(self.embed.index_select(0, self.token).view(-1))
+        # x = embed[token] is already there: the previous step's tail (or generate, for the first) wrote it
         for i, (L, lay) in enumerate(zip(self.layers, self.spec.layers)):
             self._attention(i, L, lay.attn)
             self._ffn(L, lay)
         gemv(self.x, self.lm_head, norm_weight=self.final_norm, eps=self.spec.norm_eps, out=self.logits)
         tok = self.sampler(self.logits)
-        # -1 (non-finite logits) stays in the sampler's out, which the host reads; the next step embeds a valid id
-        if STEP_TAIL:   # x is the buffer the step started from: every layer swaps it twice
-            next_step_inputs(tok, self.token, self.pos, self.embed, self.x)
-        else:
-            torch.clamp(tok.view(1), min=0, out=self.token)
-            self.pos.add_(1)
+        # -1 (non-finite logits) stays in the sampler's out, which the host reads; the next step embeds a valid id.
+        # x is the buffer the step started from (every layer swaps it twice).
+        (next_step_inputs if STEP_TAIL else next_step_inputs_ref)(tok, self.token, self.pos, self.embed, self.x)
 
     # ---- prefill -------------------------------------------------------------------------------------------------
     def prefill(self, ids: list[int]):
@@ -454,8 +451,7 @@ class GraphBackend:
         self.prefill(list(prompt_ids[:-1]))
         self.pos.fill_(n - 1)
         self.token.fill_(prompt_ids[-1])
-        if STEP_TAIL:
-            self.x.copy_(self.embed[prompt_ids[-1]])
+        self.x.copy_(self.embed[prompt_ids[-1]])
         # no seed: a fresh one per request (seed 0 every time gave every unseeded request the same draws)
         self.sampler.configure(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
                                seed=p.seed if p.seed is not None else int(torch.randint(0, 2 ** 62, (1,))))
