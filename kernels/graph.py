@@ -22,7 +22,7 @@ from typing import Iterator
 
 import torch
 
-from kie_moe.models.errors import InputError
+from kie_moe.models.errors import InputError, Unsupported
 from kie_moe.models.reference import ReferenceDecoder
 from kie_moe.models.spec import canonical
 
@@ -175,7 +175,7 @@ class GraphBackend:
         dtype = dtype or (torch.float32 if self.eager else torch.bfloat16)
         spec = model.spec
         if not hasattr(spec, "layers") or spec.family == "laneformer":
-            raise InputError(f"graph backend: the {spec.family} family is not supported yet (use monokernel or reference)")
+            raise Unsupported(f"graph backend: the {spec.family} family is not supported yet (use monokernel or reference)")
         self.spec, self.dtype = spec, dtype
         self.W = W = HandleStore(model.weights, self.device, dtype)
         D, V = spec.hidden_size, spec.vocab_size

@@ -14,7 +14,8 @@ def _device_args(p: argparse.ArgumentParser):
     p.add_argument("--device", default=None, choices=["cpu", "cuda"],
                    help="where to run (default: cuda when a GPU is present, else cpu)")
     p.add_argument("--backend", default="auto",
-                   help="auto | reference | graph | monokernel (auto: monokernel on CUDA, reference on CPU)")
+                   help="auto | reference | graph | monokernel (auto: graph on CUDA, the monokernel for the Laneformer "
+                        "and --devices N; reference on CPU)")
 
 
 def _gptq_args(p: argparse.ArgumentParser):

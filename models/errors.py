@@ -16,3 +16,8 @@ class CheckpointError(KieError):
 
 class InputError(KieError):
     """A prompt or a generation option is out of range."""
+
+
+class Unsupported(InputError, NotImplementedError):
+    """A backend does not take this model (its family or format) yet: --backend auto moves on to the next one
+    without a warning (the reason stays on the chosen backend's auto_note); a named --backend reports it."""
