@@ -56,6 +56,9 @@ EXPERT_DOWN_PROGRAMS_PER_SM = 16
 # reference, every family, bf16 and the quantized formats in fp32) pass with it. KIE_EXPERT_DOWN_ATOMIC=0 restores
 # the ordered sum (bit-reproducible decode). A bf16 y always takes the ordered sum.
 EXPERT_DOWN_ATOMIC = os.environ.get("KIE_EXPERT_DOWN_ATOMIC", "1") != "0"
+# Session 27 (to be timed; bit-equal weights, select_score): a softmax router renormalised over its top-k picks on the
+# logits and exponentiates only the k picks. KIE_ROUTER_SOFTMAX_ON_PICKS=0 scores all E first (the A/B's base).
+SOFTMAX_ON_PICKS = os.environ.get("KIE_ROUTER_SOFTMAX_ON_PICKS", "1") != "0"
 # The router tail's / the selecting GLU launch's top-k takes 4 picks per block-wide reduction (tl.reduce over sorted
 # lists, _top4) instead of one: qwen3-30b-a3b's 8 rounds, each a chain of shuffles and a barrier on every GLU
 # program's critical path, become 2. Same picks, same weights (bit-equal). H100, session 25: the GLU picking the
@@ -130,10 +133,22 @@ class PendingRouting(NamedTuple):
     x8: torch.Tensor | None = None   # gemv_route(x8_out=): fp4 experts' input, nw * y without y's scale
 
 
-def _select_meta(cfg: RouterConfig, E: int, split: int) -> dict:
+def select_score(cfg: RouterConfig, has_corr: bool) -> int:
+    """_route_topk's SCORE for cfg. A softmax over all experts renormalised over the top-k, without a correction
+    bias or groups (Qwen3-MoE, Mixtral), is the softmax over the k picked logits: exp(l_i - M) / sum_j exp(l_j - M)
+    with M the largest logit, which is pick 0's, so the weights are the same bits and the picks the same experts (the
+    exp's order is the logits'; ties rank by id on either). SCORE 2 picks on the logits themselves: no block-wide
+    max and no exp over all E in front of the top-k (every selecting GLU program's critical path)."""
+    if (cfg.scoring == "softmax" and cfg.norm_topk_prob and not has_corr and cfg.n_group == 1
+            and SOFTMAX_ON_PICKS):
+        return SCORE_ID["softmax_topk"]
+    return SCORE_ID[cfg.scoring]
+
+
+def _select_meta(cfg: RouterConfig, E: int, split: int, has_corr: bool) -> dict:
     """_route_topk's constexprs for a router of E experts whose partial logits come in `split` pieces."""
     group_size = E // cfg.n_group
-    return dict(SCORE=SCORE_ID[cfg.scoring], NORM_TOPK=cfg.norm_topk_prob, N_GROUP=cfg.n_group, GROUP_SIZE=group_size,
+    return dict(SCORE=select_score(cfg, has_corr), NORM_TOPK=cfg.norm_topk_prob, N_GROUP=cfg.n_group, GROUP_SIZE=group_size,
                 TOPK_GROUP=cfg.topk_group, GROUP_TOP2=cfg.group_score == "top2", TOP_K=cfg.top_k, SPLIT_K=split,
                 BLOCK_G=triton.next_power_of_2(cfg.n_group), BLOCK_S=triton.next_power_of_2(group_size),
                 BLOCK_TOPK=triton.next_power_of_2(cfg.top_k),
@@ -421,7 +436,7 @@ def route(x: torch.Tensor, router_weight: torch.Tensor, cfg: RouterConfig, *, ro
         E, K, k_per_split, eps, float(cfg.routed_scaling_factor),
         WRITE_X8=x_out is not None, X8_LAYOUT=x8_out is not None, HAS_NW=norm_weight is not None,
         HAS_BIAS=router_bias is not None, HAS_CORR=correction_bias is not None, SELECT=not defer,
-        **_select_meta(cfg, E, split),
+        **_select_meta(cfg, E, split, correction_bias is not None),
         BLOCK_N=cfg_t.block_n, BLOCK_K=cfg_t.block_k, BLOCK_X=min(1024, triton.next_power_of_2(K)),
         PIPE=cfg_t.prefetch, num_warps=cfg_t.num_warps, num_stages=cfg_t.num_stages, **launch_kw(dev)
     )
@@ -867,7 +882,8 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gat
                    E=E, SELECT=True, SEL_NW=2 if select.rstd_x is not None else int(select.normed),
                    rx_ptr=select.rstd_x if select.rstd_x is not None else p, SCALE_GLU=select.x8 is not None,
                    SEL_BIAS=select.router_bias is not None, SEL_CORR=select.correction_bias is not None,
-                   **_select_meta(c, E, select.split))   # E: _check_select held the router to the stacks' count
+                   # E: _check_select held the router to the stacks' count
+                   **_select_meta(c, E, select.split, select.correction_bias is not None))
         if select.normed:
             eps = select.eps  # the router's scale; _check_select refused an experts' norm with another eps
     n_glu_tiles = triton.cdiv(I, cu.block_n)

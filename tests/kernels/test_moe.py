@@ -194,7 +194,7 @@ def test_topk_picks_per_round(per_round, monkeypatch):
     base = {n: route(x, w_all[n], cfg, config=tiles, **kws[n]) for n, (_, cfg, _) in ROUTERS.items()}
     monkeypatch.setattr(M, "TOPK_PER_ROUND", per_round)
     for name, (E, cfg, _) in ROUTERS.items():
-        assert M._select_meta(cfg, E, 3)["PER_ROUND"] == min(per_round, triton.next_power_of_2(cfg.top_k))
+        assert M._select_meta(cfg, E, 3, False)["PER_ROUND"] == min(per_round, triton.next_power_of_2(cfg.top_k))
         got = route(x, w_all[name], cfg, config=tiles, **kws[name])
         assert got.ids.tolist() == base[name].ids.tolist() == route_ref(x, w_all[name], cfg, **kws[name]).ids.tolist()
         assert torch.equal(got.weights, base[name].weights), f"{name}: {got.weights} vs {base[name].weights}"
@@ -203,6 +203,51 @@ def test_topk_picks_per_round(per_round, monkeypatch):
         test_route_ties_go_to_the_lower_id(scoring)
     test_deferred_routing_picks_the_experts_in_the_glu_launch("softmax_norm", "fp8", 3, True)
     test_deferred_routing_picks_the_experts_in_the_glu_launch("sigmoid_groups", "bf16", 1, True)
+
+
+@pytest.mark.parametrize("split", [1, 3])
+def test_softmax_router_renormalised_over_its_picks_picks_on_the_logits(split, monkeypatch):
+    """KIE_ROUTER_SOFTMAX_ON_PICKS (on): a softmax router renormalised over its top-k, without groups or a correction
+    bias, picks on the logits and exponentiates the k picks only (select_score -> "softmax_topk"). Against the
+    softmax over all E first (=0): the same ids and bit-equal weights and logits, in the router's tail and in the GLU
+    launch that picks (defer=True), with and without the fused RMSNorm, ties included (all-zero logits)."""
+    import kie_moe.kernels.moe as M
+    H, I = 96, 40
+    sid = M.SCORE_ID
+    assert M.select_score(ROUTERS["softmax_norm"][1], False) == sid["softmax_topk"]
+    for name, want in (("softmax_raw", "softmax"), ("softmax_groups_max", "softmax"), ("sigmoid_groups", "sigmoid")):
+        assert M.select_score(ROUTERS[name][1], "correction_bias" in ROUTERS[name][2]) == sid[want], name
+    assert M.select_score(RouterConfig(top_k=2), True) == sid["softmax"]   # a correction bias keeps the full softmax
+    E, cfg = 20, RouterConfig(top_k=4)
+    tiles = TileConfig(8, 32, split_k=split)
+    nw = _t(H, seed=42)
+    wg, wu, wd = _experts("fp8", E, I, H, seed=43)
+    cases = [(_t(H, seed=40, scale=3.0), _t(E, H, seed=41, scale=0.2)),
+             (torch.zeros(H, dtype=torch.bfloat16, device=DEV), _t(E, H, seed=41, scale=0.2))]   # every logit 0: ties
+    cfg_e = TileConfig(16, 32, num_warps=2)
+
+    def run(x, w, norm):
+        one = route(x, w, cfg, config=tiles, **norm)
+        p = route(x, w, cfg, config=tiles, defer=True, **norm)
+        y = moe_experts(x, p.ids, p.weights, wg, wu, wd, out=torch.empty(H, device=DEV), config_up=cfg_e,
+                        config_down=cfg_e, select=p, **norm)
+        return one, p, y
+
+    for x, w in cases:
+        for norm in ({}, dict(norm_weight=nw, eps=1e-5)):
+            monkeypatch.setattr(M, "SOFTMAX_ON_PICKS", False)
+            base = run(x, w, norm)
+            monkeypatch.setattr(M, "SOFTMAX_ON_PICKS", True)
+            got = run(x, w, norm)
+            if x.any():   # torch.topk (the reference) leaves the order of ties unspecified; ours: lower id first
+                assert got[0].ids.tolist() == route_ref(x, w, cfg, **norm).ids.tolist()
+            else:
+                assert got[0].ids.tolist() == [0, 1, 2, 3]
+            for g, b in zip(got[:2], base[:2]):
+                assert g.ids.tolist() == b.ids.tolist()
+                assert torch.equal(g.weights, b.weights), f"{g.weights.tolist()} vs {b.weights.tolist()}"
+                assert torch.equal(g.logits, b.logits)
+            assert torch.equal(got[2], base[2])
 
 
 def test_deferred_routing_errors():
