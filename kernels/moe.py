@@ -37,15 +37,9 @@ SCORE_ID = {"softmax": 0, "sigmoid": 1, "softmax_topk": 2}
 # (expert_down_split) from 24.1 to 20.3-20.8 us.
 # fp8 and fp8-block experts: 8 x 512 tiles at 2 warps (fp8: session 8). fp8-block took the GLU GEMV's 16 x 512 at 4
 # warps until session 19: 55.0% of the probe over 302 MB of active experts against 77.6% in these tiles (H200).
-# KIE_EXPERT_WARPS=1 (session 26, off until timed; default 2): the fp8 / fp8-block expert tiles on one warp. Session
-# 8's sweep went 4 -> 2 warps (gate/up + down 24.1 -> 22.1 us, H200) and never tried 1; since session 21 the GLU also
-# picks the top-k, and with one warp its block-wide reductions need no shared-memory round or barrier (offline
-# sm_90, qwen3-30b-a3b select GLU: BAR.SYNC 13 -> 0, 123 -> 192 registers, i.e. 10 programs per SM against 5.8
-# needed; the down launch 48 -> 76).
-EXPERT_WARPS = int(os.environ.get("KIE_EXPERT_WARPS", "2"))
-if EXPERT_WARPS not in (1, 2, 4, 8):
-    raise ValueError(f"KIE_EXPERT_WARPS={EXPERT_WARPS}: expected 1, 2, 4 or 8")
-_FP8_EXPERT_TILE = TileConfig(8, 512, num_warps=EXPERT_WARPS, prefetch=False)
+# One warp (session 26's KIE_EXPERT_WARPS=1, removed): no barrier in the selecting GLU's top-k, but twice the loads
+# and FMAs per thread; H100, session 27: GLU 13.29 -> 14.63 us, down 6.43 -> 6.75, qwen3-30b-a3b graph fp8 -5.0%.
+_FP8_EXPERT_TILE = TileConfig(8, 512, num_warps=2, prefetch=False)
 DEFAULT_EXPERT_TILES = {**DEFAULT_GLU_TILES, "fp8": _FP8_EXPERT_TILE, "fp8_block": _FP8_EXPERT_TILE}
 EXPERT_DOWN_PROGRAMS_PER_SM = 16
 # The down launch adds each program's rows into an fp32 y with relaxed atomics (y set to the residual by the GLU

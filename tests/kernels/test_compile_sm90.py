@@ -115,20 +115,18 @@ def _compile_all(arch: int = 90, formats=("bf16", "fp8", "fp8_block", "nvfp4", "
                                     BLOCK_X=1024, BLOCK_N=ecfg.block_n, BLOCK_K=ecfg.block_k, PIPE=ecfg.prefetch,
                                     PAIR=True, num_warps=ecfg.num_warps, grid=(1,), rpart_ptr=sel, rb_ptr=sel,
                                     rcorr_ptr=sel, logits_ptr=torch.empty(128), wts_ptr=wts, scaling=1.0, E=128,
-                                    SELECT=True, SEL_NW=True, **M._select_meta(M.RouterConfig(top_k=8), 128, 4))
+                                    SELECT=True, SEL_NW=True, **M._select_meta(M.RouterConfig(top_k=8), 128, 4, False))
     record("expert_glu[fp8,select]", k)
     # the same, after gemv_route (KIE_ROUTER_FOLD): the scale of x computed in front of the top-k (SEL_NW 2), 6 splits
-    # ... with one pick per block-wide reduction (KIE_TOPK_PER_ROUND=1; the default takes 4 per tl.reduce), and on one
-    # warp (KIE_EXPERT_WARPS=1: no barrier in the top-k)
-    for tag, per_round, warps in (("", {}, ecfg.num_warps), (",1 per round", {"PER_ROUND": 1}, ecfg.num_warps),
-                                  (",1 warp", {}, 1)):
+    # ... and with one pick per block-wide reduction (KIE_TOPK_PER_ROUND=1; the default takes 4 per tl.reduce)
+    for tag, per_round in (("", {}), (",1 per round", {"PER_ROUND": 1})):
         k = M._expert_glu_kernel.warmup(x, x, ids, *M._expert_args(wg), *M._expert_args(wg), h, 0, 0, h, 0, 0, h, I, H,
                                         1e-6, 7.0, 1.702, H // 8, FMT=fid, HAS_NW=True, HAS_BIAS=False, ACT=0,
                                         H_X8=False, BLOCK_X=1024, BLOCK_N=ecfg.block_n, BLOCK_K=ecfg.block_k,
-                                        PIPE=ecfg.prefetch, PAIR=True, num_warps=warps, grid=(1,),
+                                        PIPE=ecfg.prefetch, PAIR=True, num_warps=ecfg.num_warps, grid=(1,),
                                         rpart_ptr=sel, rb_ptr=sel, rcorr_ptr=sel, logits_ptr=torch.empty(128),
                                         wts_ptr=wts, scaling=1.0, E=128, rx_ptr=x, SELECT=True, SEL_NW=2,
-                                        **{**M._select_meta(M.RouterConfig(top_k=8), 128, 6), **per_round})
+                                        **{**M._select_meta(M.RouterConfig(top_k=8), 128, 6, False), **per_round})
         record(f"expert_glu[fp8,select,own scale{tag}]", k)
     # o_proj with the router's rows folded in (moe.gemv_route; qwen3-30b-a3b: [2048, 4096], 128 experts), fp8 and
     # bf16 o_proj in the graph backend's rows-first tiles (4 x 1024), router rows 8 x 512; bf16 as gpt-oss's: a bias,
@@ -156,7 +154,7 @@ def _compile_all(arch: int = 90, formats=("bf16", "fp8", "fp8_block", "nvfp4", "
                                            ACT=1, H_X8=True, BLOCK_N=mcfg.block_n, BLOCK_K=mcfg.block_k,
                                            PIPE=mcfg.prefetch, num_warps=mcfg.num_warps, grid=(1,), rpart_ptr=sel,
                                            rb_ptr=sel, rcorr_ptr=sel, logits_ptr=torch.empty(128), wts_ptr=wts,
-                                           scaling=1.0, E=128, SELECT=True, **M._select_meta(oss, 128, split), **kw)
+                                           scaling=1.0, E=128, SELECT=True, **M._select_meta(oss, 128, split, False), **kw)
     record("expert_glu[mxfp4,select,scaled x8]", mxfp4_select_glu(8, HAS_BIAS=False, BLOCK_X=4096, rx_ptr=ym,
                                                                    SEL_NW=2, SCALE_GLU=True))
     # gpt-oss's mxfp4 GLU picking the top-k from the router launch's 6 splits, under its register cap
@@ -204,11 +202,10 @@ def test_kernels_compile_for_sm90():
     pytest.importorskip("triton.backends.nvidia")
     from tests.kernels.helpers import compiled_json    # not at the top: this file also runs as a script
     rows = compiled_json([__file__], KIE_GPU_TESTS="1")
-    assert len(rows) == 5 * 5 + 2 + 1 + 1 + 1 + 3 + 1 + 5 + 1 + 1 + 1 + 1 + 1 + 1
+    assert len(rows) == 5 * 5 + 2 + 1 + 1 + 1 + 3 + 1 + 4 + 1 + 1 + 1 + 1 + 1 + 1
     spills = [r for r in rows if r["local_bytes"]]
     assert not spills, f"register spills to local memory: {spills}"
-    # one-warp programs (KIE_EXPERT_WARPS=1) may hold more: 10 of them at 192 fit an SM
-    heavy = [r for r in rows if r["regs"] and r["regs"] > (192 if "1 warp" in r["name"] else 128)]
+    heavy = [r for r in rows if r["regs"] and r["regs"] > 128]
     assert not heavy, f"> 128 registers per thread (< 4 programs of 128 threads per SM): {heavy}"
     capped = [r for r in rows if r["name"] == "expert_glu[mxfp4,select,capped]"]
     assert len(capped) == 1 and (capped[0]["regs"] is None or capped[0]["regs"] <= 80), \
@@ -221,7 +218,7 @@ def test_graph_kernels_compile_for_sm80():
     pytest.importorskip("triton.backends.nvidia")
     from tests.kernels.helpers import compiled_json
     rows = compiled_json([__file__, "80", "bf16,fp8,fp8_block,nvfp4,mxfp4"], KIE_E4M3_BITS="1")
-    assert len(rows) == 5 * 5 + 2 + 1 + 1 + 3 + 1 + 5 + 1 + 1 + 1 + 1 + 1 + 1
+    assert len(rows) == 5 * 5 + 2 + 1 + 1 + 3 + 1 + 4 + 1 + 1 + 1 + 1 + 1 + 1
 
 
 if __name__ == "__main__":
