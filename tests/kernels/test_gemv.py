@@ -345,3 +345,60 @@ def test_rstd_over_ragged_steps():
     wg, wu = random_weight("bf16", N, K, seed=44, device=DEV), random_weight("bf16", N, K, seed=45, device=DEV)
     y = gemv_swiglu(x, wg, wu, norm_weight=nw, eps=1e-5, out=torch.empty(N, device=DEV), config=TileConfig(8, 256))
     assert_close(y, gemv_glu_ref(x, wg, wu, norm_weight=nw, eps=1e-5, out_dtype=torch.float32), what="ragged-norm glu")
+
+
+# ---- accumulating split-K (the graph backend's KIE_GEMV_ACCUM) ---------------------------------------------------
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("steps,config", [(2, None), (1, None), (2, TileConfig(16, 32, num_warps=2, split_k=3))],
+                         ids=["2steps", "1step", "split3"])
+def test_gemv_accumulate_adds_split_k_partials_into_out(fmt, steps, config, monkeypatch):
+    """accumulate: out (holding the residual) += W (rstd * nw * x) + bias, K split into ACCUM_STEPS-step pieces (or
+    config's split_k) whose programs add with atomics: the reference's y with that residual, RMSNorm fused or not, an
+    odd N and a ragged last K step; fp4 reads x8. side: the same launch copies a vector into another (or zeroes it)."""
+    import kie_moe.kernels.gemv as G
+    monkeypatch.setattr(G, "ACCUM_STEPS", steps)
+    N, K = 37, 160
+    w = random_weight(fmt, N, K, seed=40, device=DEV)
+    x, nw, bias, res = _x(K, 41) * 2, 1 + 0.1 * _x(K, 42), _x(N, 43, torch.float32), _x(N, 44, torch.float32)
+    cfg = config or TileConfig(16, 32, num_warps=2)    # 5 K steps: 3 / 5 / 3 programs per row tile
+    for norm in ({}, dict(norm_weight=nw, eps=1e-5)):
+        y = res.clone()
+        src, dst = _x(70, 45, torch.float32), torch.full((70,), float("nan"), device=DEV)
+        got = gemv(x, w, bias=bias, out=y, accumulate=True, config=cfg, side=(dst, src), **norm)
+        assert got.data_ptr() == y.data_ptr()
+        assert_close(y, gemv_ref(x, w, bias=bias, residual=res, out_dtype=torch.float32, **norm), what=f"{fmt} {norm}")
+        assert torch.equal(dst, src)
+        gemv(x, w, out=y, accumulate=True, config=cfg, side=(dst, None), **norm)   # zeroes dst
+        assert not dst.any()
+
+
+def test_gemv_accumulate_and_side_errors():
+    w = random_weight("fp8", 37, 160, seed=40, device=DEV)
+    x = _x(160, 41)
+    with pytest.raises(ValueError, match="accumulate adds into out"):
+        gemv(x, w, accumulate=True)
+    with pytest.raises(ValueError, match="accumulate adds into out"):
+        gemv(x, w, accumulate=True, out=torch.zeros(37, device=DEV), residual=torch.zeros(37, device=DEV))
+    with pytest.raises(ValueError, match="accumulate adds into out"):
+        gemv(x, w, accumulate=True, out=torch.zeros(37, dtype=torch.bfloat16, device=DEV))
+    with pytest.raises(ValueError, match="side: dst must be a contiguous 1-D"):
+        gemv(x, w, side=(torch.zeros(4, 4, device=DEV), None))
+    with pytest.raises(ValueError, match="side: src must be a contiguous"):
+        gemv(x, w, side=(torch.zeros(8, device=DEV), torch.zeros(9, device=DEV)))
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "nvfp4"])
+def test_glu_side_sets_the_down_projections_residual(fmt, monkeypatch):
+    """A dense FFN under KIE_GEMV_ACCUM: gemv_glu's launch sets y = x (side), the down projection adds into it
+    (fp4: reading the GLU's x8): equal to the references' glu then down with the residual."""
+    N, K = 48, 96
+    wg, wu = random_weight(fmt, N, K, seed=50, device=DEV), random_weight(fmt, N, K, seed=51, device=DEV)
+    wd = random_weight(fmt, K, N, seed=52, device=DEV)
+    x, nw = _x(K, 53, torch.float32), _x(K, 54)
+    y = torch.full((K,), float("nan"), device=DEV)
+    fp4 = fmt == "nvfp4"
+    h = gemv_glu(x, wg, wu, norm_weight=nw, eps=1e-5, out_x8=fp4, side=(y, x))
+    assert torch.equal(y, x)
+    gemv(None if fp4 else h, wd, out=y, x8=h if fp4 else None, accumulate=True)
+    h_ref = gemv_glu_ref(x, wg, wu, norm_weight=nw, eps=1e-5, out_dtype=torch.float32)
+    assert_close(y, gemv_ref(h_ref, wd, residual=x, out_dtype=torch.float32), what=f"{fmt} glu -> accumulated down")
