@@ -32,9 +32,9 @@ import triton.language as tl
 
 from .device_caps import e4m3_arg
 from .pdl import launch_kw, pdl_begin
-from .tiles import (ACT_ID, FMT_ID, _add_out, _glu, _normed_block, _rstd, _side_store, _split_reduce,  # noqa: F401
-                    _store_out, _tile, _tile_bf16, _tile_fp8, _tile_fp8_block, _tile_mxfp4, _tile_nvfp4, _tile_pair,
-                    _x8_offs, rstd_block)
+from .tiles import (ACT_ID, FMT_ID, _glu, _normed_block, _rstd, _split_reduce, _store_out, _tile,  # noqa: F401
+                    _tile_bf16, _tile_fp8, _tile_fp8_block, _tile_mxfp4, _tile_nvfp4, _tile_pair, _x8_offs,
+                    rstd_block)
 from .weights import FP8_BLOCK, WeightHandle, dequantize
 
 __all__ = [
@@ -93,9 +93,6 @@ ROWS_FIRST = os.environ.get("KIE_GEMV_ROWS_FIRST", "1") == "1"
 # nvfp4 / 83.9% mxfp4 on 65536 x 8192.
 # KIE_GEMV_MMA=0 turns the dispatch off (A/B).
 MMA_MIN_ROWS = 32768
-# gemv(accumulate=True) (the graph backend's q/k/v and o_proj / dense down under KIE_GEMV_ACCUM, session 27, off until
-# timed): K steps per program of the atomically-added split-K.
-ACCUM_STEPS = int(os.environ.get("KIE_GEMV_ACCUM_STEPS", "2"))
 MMA_GEMV = os.environ.get("KIE_GEMV_MMA", "1") == "1"
 
 
@@ -119,12 +116,9 @@ def _gemv_kernel(
     FMT: tl.constexpr, HAS_NW: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
     SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_X: tl.constexpr,
     PIPE: tl.constexpr, PDL: tl.constexpr = False,
-    ACCUM: tl.constexpr = False, side_src=None, side_dst=None, side_n=0, SIDE: tl.constexpr = 0,
-    SIDE_BLOCK: tl.constexpr = 1,
 ):
     """grid (cdiv(N, BLOCK_N), SPLIT_K): y[N] = (rstd *) W[N, K] @ (nw *) x[K] (+ bias) (+ residual).
-    fp4 formats: x_ptr is x8 (prepare_x8, norm applied there) and HAS_NW is False. ACCUM: y += each split's partial
-    with atomics (y holds the residual or zero already; no partials, counter or last program). SIDE: _side_store."""
+    fp4 formats: x_ptr is x8 (prepare_x8, norm applied there) and HAS_NW is False."""
     pdl_begin(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -134,13 +128,7 @@ def _gemv_kernel(
                 pid_n * BLOCK_N, N, k_lo, k_hi, HAS_NW, BLOCK_N, BLOCK_K, PIPE)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
-    if SIDE != 0:
-        _side_store(pid_k * tl.num_programs(0) + pid_n, side_src, side_dst, side_n, SIDE, SIDE_BLOCK)
-    if ACCUM:
-        if HAS_NW:
-            acc = acc * _rstd(x_ptr, K, eps, BLOCK_X)
-        _add_out(acc, offs_n, n_mask, y_ptr, bias_ptr, HAS_BIAS, pid_k == 0)
-    elif SPLIT_K == 1:
+    if SPLIT_K == 1:
         if HAS_NW:
             acc = acc * _rstd(x_ptr, K, eps, BLOCK_X)
         _store_out(acc, offs_n, n_mask, y_ptr, bias_ptr, res_ptr, HAS_BIAS, HAS_RES)
@@ -162,11 +150,9 @@ def _glu_kernel(
     FMT: tl.constexpr, HAS_NW: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_X: tl.constexpr, PIPE: tl.constexpr,
     Y_X8: tl.constexpr = False, PDL: tl.constexpr = False, PAIR: tl.constexpr = False,
-    side_src=None, side_dst=None, side_n=0, SIDE: tl.constexpr = 0, SIDE_BLOCK: tl.constexpr = 1,
 ):
     """grid (cdiv(N, BLOCK_N),): y[N] = glu(Wg x + bg, Wu x + bu), x optionally RMS-normed in front; Y_X8: y stored
-    as fp32 [8, N/8] in the x8 layout; PAIR: gate and up rows in one K loop (tiles._tile_pair). SIDE: _side_store
-    (the down projection after it adds into a y this launch sets to the residual)."""
+    as fp32 [8, N/8] in the x8 layout; PAIR: gate and up rows in one K loop (tiles._tile_pair)."""
     pdl_begin(PDL)
     pid_n = tl.program_id(0)
     n_start = pid_n * BLOCK_N
@@ -189,8 +175,6 @@ def _glu_kernel(
         u += tl.load(bu_ptr + offs_n * stride_bu, mask=n_mask, other=0.0).to(tl.float32)
     y_offs = _x8_offs(offs_n, N // 8) if Y_X8 else offs_n
     tl.store(y_ptr + y_offs, _glu(g, u, limit, alpha, ACT).to(y_ptr.dtype.element_ty), mask=n_mask)
-    if SIDE != 0:
-        _side_store(pid_n, side_src, side_dst, side_n, SIDE, SIDE_BLOCK)
 
 
 # ======================================================================================================================
@@ -350,28 +334,21 @@ def input_args(x: torch.Tensor | None, fmt: str, norm_weight: torch.Tensor | Non
 
 def gemv(x: torch.Tensor, w: WeightHandle, *, bias: torch.Tensor | None = None, residual: torch.Tensor | None = None,
          out: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
-         x8: torch.Tensor | None = None, config: TileConfig | None = None, accumulate: bool = False,
-         side: tuple | None = None) -> torch.Tensor:
+         x8: torch.Tensor | None = None, config: TileConfig | None = None) -> torch.Tensor:
     """y = W @ x (+ bias) (+ residual) for a batch-1 x [K] or [1, K]; y has x's leading shape and dtype (or out's).
     With norm_weight, x is RMS-normalised first: W @ (x * rstd(x) * norm_weight) (see rmsnorm_gemv).
     fp4 weights: x8 = prepare_x8(x, norm_weight, eps) if already made (else made here, one extra launch), x may
     then be None (with `out` given: e.g. gemv_glu(out_x8=True)'s output feeding an fp4 down projection); a large
-    nvfp4 / mxfp4 GEMV without x8 runs on the tensor cores instead (use_mma).
-    accumulate: out (fp32, required) += W @ x (+ bias): K split in ACCUM_STEPS-step pieces whose programs add with
-    atomics; out must hold the residual (or zero) already -- an earlier launch's `side` job sets it; residual must be
-    None. side = (dst, src): this launch also sets dst = src (src None: dst = 0) for a later launch (side_args)."""
+    nvfp4 / mxfp4 GEMV without x8 runs on the tensor cores instead (use_mma)."""
     if w.num_experts:
         raise ValueError("gemv: weight handle is an expert stack; use kie_moe.kernels.moe.moe_experts")
     N, K = w.out_features, w.in_features
-    if accumulate and (out is None or out.dtype != torch.float32 or residual is not None):
-        raise ValueError("gemv: accumulate adds into out: pass an fp32 out holding the residual (or zero) and no "
-                         "residual")
     if x is None:
         if x8 is None or not is_fp4(w.fmt) or out is None:
             raise ValueError(f"gemv: x is None: only an fp4 weight (this is {w.fmt}) given x8 and out can do "
                              "without it")
         check_vec(out, N, w.device, "out")
-    elif not accumulate and side is None and use_mma(w, x8, config):
+    elif use_mma(w, x8, config):
         from .fp4_mma import gemv_fp4_mma  # fp4_mma imports this module's checks
         return gemv_fp4_mma(x, w, bias=bias, residual=residual, out=out, norm_weight=norm_weight, eps=eps)
     else:
@@ -382,13 +359,9 @@ def gemv(x: torch.Tensor, w: WeightHandle, *, bias: torch.Tensor | None = None, 
     y = make_out(x, N, out) if x is not None else out
     cfg = gemv_tiles(w, config)
     n_tiles = triton.cdiv(N, cfg.block_n)
-    if accumulate:
-        split, k_per_split = accum_split(n_tiles, K, cfg.block_k, cfg.split_k)
-    else:
-        split, k_per_split = plan_split(n_tiles, K, cfg.block_k, cfg.split_k, w.device)
-    reduce = split > 1 and not accumulate
-    part = torch.empty((split, N), dtype=torch.float32, device=w.device) if reduce else y
-    cnt = counters(w.device, n_tiles) if reduce else y
+    split, k_per_split = plan_split(n_tiles, K, cfg.block_k, cfg.split_k, w.device)
+    part = torch.empty((split, N), dtype=torch.float32, device=w.device) if split > 1 else y
+    cnt = counters(w.device, n_tiles) if split > 1 else y
     x_in, nw_in, has_nw, stride_x8 = input_args(x, w.fmt, norm_weight, eps, x8, K)
     _gemv_kernel[(n_tiles, split)](
         x_in, nw_in, *weight_args(w),
@@ -396,38 +369,10 @@ def gemv(x: torch.Tensor, w: WeightHandle, *, bias: torch.Tensor | None = None, 
         N, K, k_per_split, eps, stride_x8,
         FMT=FMT_ID[w.fmt], HAS_NW=has_nw, HAS_BIAS=bias is not None, HAS_RES=residual is not None,
         SPLIT_K=split, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_X=rstd_block(K),
-        PIPE=cfg.prefetch, num_warps=cfg.num_warps, num_stages=cfg.num_stages, ACCUM=accumulate,
-        **side_args(side, n_tiles * split, w.device), **launch_kw(w.device)
+        PIPE=cfg.prefetch, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **launch_kw(w.device)
     )
     return y
-
-
-def side_args(side: tuple | None, programs: int, device: torch.device) -> dict:
-    """A launch's side job (_side_store) from side = (dst, src): dst = src, or dst = 0 for src None; dst / src
-    contiguous 1-D of one length on the launch's device. {} for None."""
-    if side is None:
-        return {}
-    dst, src = side
-    if not isinstance(dst, torch.Tensor) or dst.dim() != 1 or not dst.is_contiguous() or dst.device != device:
-        raise ValueError(f"side: dst must be a contiguous 1-D tensor on {device}, got "
-                         f"{getattr(dst, 'dtype', type(dst).__name__)} {tuple(getattr(dst, 'shape', ()))}")
-    if src is not None and (not isinstance(src, torch.Tensor) or src.shape != dst.shape or not src.is_contiguous()
-                            or src.device != device):
-        raise ValueError(f"side: src must be a contiguous {tuple(dst.shape)} tensor on {device} like dst, got "
-                         f"{tuple(getattr(src, 'shape', ()))}")
-    n = dst.numel()
-    return dict(side_src=src if src is not None else dst, side_dst=dst, side_n=n, SIDE=1 if src is not None else 2,
-                SIDE_BLOCK=triton.next_power_of_2(max(1, triton.cdiv(n, programs))))
-
-
-def accum_split(n_tiles: int, K: int, block_k: int, split_k: int | None) -> tuple[int, int]:
-    """(split, k_per_split) of an accumulating GEMV: ACCUM_STEPS K steps per program (atomics, so no reduction tail
-    grows with the split), or config's split_k."""
-    steps = triton.cdiv(K, block_k)
-    split = split_k if split_k is not None else triton.cdiv(steps, ACCUM_STEPS)
-    split = max(1, min(split, steps))
-    k_per_split = triton.cdiv(steps, split) * block_k
-    return triton.cdiv(K, k_per_split), k_per_split
 
 
 def use_mma(w: WeightHandle, x8: torch.Tensor | None, config: TileConfig | None) -> bool:
@@ -491,12 +436,12 @@ def gemv_glu(x: torch.Tensor, w_gate: WeightHandle, w_up: WeightHandle, *, act: 
              alpha: float = 1.702, gate_bias: torch.Tensor | None = None, up_bias: torch.Tensor | None = None,
              norm_weight: torch.Tensor | None = None, eps: float = 1e-6, out: torch.Tensor | None = None,
              x8: torch.Tensor | None = None, config: TileConfig | None = None, out_x8: bool = False,
-             glu_pair: bool | None = None, side: tuple | None = None) -> torch.Tensor:
+             glu_pair: bool | None = None) -> torch.Tensor:
     """glu(W_gate x + b_g, W_up x + b_u): act "silu" -> silu(g) * u; "gpt_oss" -> g, u clamped at `limit`, then
     (u + 1) * g * sigmoid(alpha g). Interleaved gate/up (gpt-oss): pass w.rows(0, None, 2), w.rows(1, None, 2) and bias[0::2], bias[1::2].
     out_x8: the result as fp32 [8, N/8] in the x8 layout, what an fp4 down projection reads (gemv(None, w_down,
     x8=y, out=...)): no prepare_x8 launch between the two, and no rounding of h to x's dtype. glu_pair: gate and up
-    in one K loop (glu_pair_choice). side: as gemv's (the down projection's y set to the residual)."""
+    in one K loop (glu_pair_choice)."""
     if act not in ACT_ID:
         raise ValueError(f"gemv_glu: act {act!r}, expected one of {sorted(ACT_ID)}")
     if w_gate.fmt != w_up.fmt and FMT_ID[w_gate.fmt] != FMT_ID[w_up.fmt]:
@@ -528,8 +473,7 @@ def gemv_glu(x: torch.Tensor, w_gate: WeightHandle, w_up: WeightHandle, *, act: 
     x_in, nw_in, has_nw, stride_x8 = input_args(x, w_gate.fmt, norm_weight, eps, x8)
     ga, ua = weight_args(w_gate), weight_args(w_up)
     pair = glu_pair_choice(w_gate.fmt, ga, ua, glu_pair, "gemv_glu")
-    n_tiles = triton.cdiv(N, cfg.block_n)
-    _glu_kernel[(n_tiles,)](
+    _glu_kernel[(triton.cdiv(N, cfg.block_n),)](
         x_in, nw_in, *ga, *ua,
         gate_bias if gate_bias is not None else y, gate_bias.stride(-1) if gate_bias is not None else 0,
         up_bias if up_bias is not None else y, up_bias.stride(-1) if up_bias is not None else 0, y,
@@ -537,7 +481,7 @@ def gemv_glu(x: torch.Tensor, w_gate: WeightHandle, w_up: WeightHandle, *, act: 
         FMT=FMT_ID[w_gate.fmt], HAS_NW=has_nw, HAS_BIAS=gate_bias is not None, ACT=ACT_ID[act],
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_X=rstd_block(K),
         PIPE=cfg.prefetch, Y_X8=out_x8, PAIR=pair, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **side_args(side, n_tiles, x.device), **launch_kw(x.device)
+        **launch_kw(x.device)
     )
     return y
 

@@ -75,12 +75,6 @@ ROUTER_FOLD = os.environ.get("KIE_ROUTER_FOLD", "1")
 # KIE_GRAPH_STEP_TAIL=0 restores the torch launches and the copy for the A/B (NOTES.md session 26).
 STEP_TAIL = os.environ.get("KIE_GRAPH_STEP_TAIL", "1") != "0"
 HOST_RING = 64   # tokens the pinned ring holds; the host reads step s - 1 while the device runs step s
-# q/k/v, o_proj and a dense down projection as split-K GEMVs whose programs add into their output with atomics
-# (gemv(accumulate=True), gemv.ACCUM_STEPS K steps each) instead of one program walking each row tile's whole K:
-# the fused q/k/v add into a zeroed buffer (self.qkv_acc) that the o_proj launch zeroes again once attention has
-# read it; o_proj adds into x' set to the residual by the q/k/v launch; the dense down into x' set by its GLU launch.
-# Session 27, off until timed (KIE_GEMV_ACCUM=1): the sums' order is the hardware's (as the atomic expert down).
-GEMV_ACCUM = os.environ.get("KIE_GEMV_ACCUM", "0") == "1"
 
 
 class HandleStore:
@@ -265,9 +259,6 @@ class GraphBackend:
         # the same for float experts, as a plain fp32 [D] vector (ROUTER_XN)
         self.xn = torch.zeros(D, **f32) if ROUTER_XN and any(
             lay.moe is not None and not is_fp4(L["e_gate"].fmt) for L, lay in zip(self.layers, spec.layers)) else None
-        # GEMV_ACCUM: the fused q/k/v's output, zero between a layer's o_proj and the next layer's q/k/v
-        nqkv = [L["qkv"].out_features for L in self.layers if L.get("qkv") is not None]
-        self.qkv_acc = torch.zeros(max(nqkv), **f32) if GEMV_ACCUM and nqkv else None
         self.max_len = 0
         self.graph = None
         self.last_launch = {}
@@ -307,16 +298,8 @@ class GraphBackend:
     def _attention(self, i, L, a):
         eps = self.spec.norm_eps
         x = self.x
-        acc = a.kind == "gqa" and L["qkv"] is not None and self.qkv_acc is not None
-        o_acc = acc and self._o_accumulates(L)
         if a.kind == "gqa":
-            if acc:   # into the zeroed buffer; and x' = the residual, for o_proj to add into (o_acc)
-                qkv = gemv(x, L["qkv"], bias=L["qkv_bias"], norm_weight=L["attn_norm"], eps=eps,
-                           out=self.qkv_acc[:L["qkv"].out_features], accumulate=True,
-                           side=(self.x2, x) if o_acc else None)
-                nq, nkv = a.q_size, a.kv_size
-                q, k, v = qkv[:nq], qkv[nq:nq + nkv], qkv[nq + nkv:]
-            elif L["qkv"] is not None:
+            if L["qkv"] is not None:
                 qkv = gemv(x, L["qkv"], bias=L["qkv_bias"], norm_weight=L["attn_norm"], eps=eps)
                 nq, nkv = a.q_size, a.kv_size
                 q, k, v = qkv[:nq], qkv[nq:nq + nkv], qkv[nq + nkv:]
@@ -351,32 +334,24 @@ class GraphBackend:
                             style=a.rope.style, kv_norm=L["kv_a_norm"], eps=eps)
             o = mla_decode(q, self.caches[i], L["kv_b"], self.pos, nope=a.qk_nope_head_dim, v_head_dim=a.v_head_dim,
                            softmax_scale=a.softmax_scale, window=L["spec"].sliding_window)
-        zero = (self.qkv_acc, None) if acc else None   # attention has read q/k/v: zero them for the next layer
         if "router_fold" in L:   # o_proj's launch also writes the MoE router's partial logits (ROUTER_FOLD)
             x8 = self.x8 if is_fp4(L["e_gate"].fmt) else None   # fp4 experts: nw * x' as x8, unscaled
             _, self.pending = gemv_route(o.reshape(-1), L["o"], x, L["router_fold"], L["router"], L["mlp_norm"],
                                          L["rcfg"], bias=L.get("o_bias"), fold_bias=L.get("router_fold_bias"),
                                          router_bias=L["router_bias"], correction_bias=L["score_bias"], eps=eps,
-                                         out=self.x2, x8_out=x8, routing=L["routing"], accumulate=o_acc, side=zero)
+                                         out=self.x2, x8_out=x8, routing=L["routing"])
         else:
-            gemv(None if o8 else o.reshape(-1), L["o"], bias=L.get("o_bias"), residual=None if o_acc else x,
-                 out=self.x2, x8=o if o8 else None, accumulate=o_acc, side=zero)
+            gemv(None if o8 else o.reshape(-1), L["o"], bias=L.get("o_bias"), residual=x, out=self.x2,
+                 x8=o if o8 else None)
         self._swap()
-
-    def _o_accumulates(self, L: dict) -> bool:
-        """GEMV_ACCUM's o_proj adds into x' (set to the residual by q/k/v's launch): not where gemv_route also writes
-        fp4 experts' x8 from the finished y."""
-        return not ("router_fold" in L and is_fp4(L["e_gate"].fmt))
 
     def _ffn(self, L, lay):
         eps, x = self.spec.norm_eps, self.x
         if lay.moe is None:
             h8 = self._x8_out(L["m_down"])
             h = gemv_glu(x, L["m_gate"], L["m_up"], gate_bias=L["mb_gate"], up_bias=L["mb_up"],
-                         norm_weight=L["mlp_norm"], eps=eps, out_x8=h8,
-                         side=(self.x2, x) if GEMV_ACCUM else None)   # x' = the residual, for the down to add into
-            gemv(None if h8 else h, L["m_down"], bias=L["mb_down"], residual=None if GEMV_ACCUM else x, out=self.x2,
-                 x8=h if h8 else None, accumulate=GEMV_ACCUM)
+                         norm_weight=L["mlp_norm"], eps=eps, out_x8=h8)
+            gemv(None if h8 else h, L["m_down"], bias=L["mb_down"], residual=x, out=self.x2, x8=h if h8 else None)
             self._swap()
             return
         m = lay.moe
@@ -476,8 +451,6 @@ class GraphBackend:
         self.prefill(list(prompt_ids[:-1]))
         self.pos.fill_(n - 1)
         self.token.fill_(prompt_ids[-1])
-        if self.qkv_acc is not None:   # every finished step leaves it zero; a step cut short may not have
-            self.qkv_acc.zero_()
         self.x.copy_(self.embed[prompt_ids[-1]])
         # no seed: a fresh one per request (seed 0 every time gave every unseeded request the same draws)
         self.sampler.configure(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,

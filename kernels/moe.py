@@ -18,12 +18,11 @@ import torch
 import triton
 import triton.language as tl
 
-from .gemv import (DEFAULT_GLU_TILES, TileConfig, accum_split, check_vec, check_x, counters, gemv_tiles,
-                   glu_pair_choice, glu_ref, input_args, is_fp4, make_out, num_sms, plan_split, resolve_config,
-                   side_args, weight_args)
+from .gemv import (DEFAULT_GLU_TILES, TileConfig, check_vec, check_x, counters, gemv_tiles, glu_pair_choice,
+                   glu_ref, input_args, is_fp4, make_out, num_sms, plan_split, resolve_config, weight_args)
 from .pdl import launch_kw, pdl_begin, reg_cap
-from .tiles import (ACT_ID, FMT_ID, _add_out, _glu, _rstd, _side_store, _split_reduce, _store_out, _tile, _tile_bf16,
-                    _tile_pair, _x8_offs, rstd_block)
+from .tiles import (ACT_ID, FMT_ID, _glu, _rstd, _split_reduce, _store_out, _tile, _tile_bf16, _tile_pair, _x8_offs,
+                    rstd_block)
 from .weights import WeightHandle, dequantize
 
 __all__ = ["RouterConfig", "Routing", "PendingRouting", "route", "route_ref", "fold_router", "fold_router_bias",
@@ -479,21 +478,15 @@ def _gemv_route_kernel(
     FMT: tl.constexpr, HAS_BIAS: tl.constexpr, WRITE_U8: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PIPE: tl.constexpr, R_BLOCK_N: tl.constexpr, R_BLOCK_K: tl.constexpr, R_PIPE: tl.constexpr,
     PDL: tl.constexpr = False,
-    n_tiles=1, o_k_per_split=1, ACCUM: tl.constexpr = False,
-    side_src=None, side_dst=None, side_n=0, SIDE: tl.constexpr = 0, SIDE_BLOCK: tl.constexpr = 1,
 ):
-    """grid (r_programs + cdiv(N, BLOCK_N) (* o_splits with ACCUM),): the first r_programs write the router's partial
-    logits of y without its RMSNorm scale, part[s, E]: splits s < a_splits over K ranges of W_f a (W_f [E, K] = W_r
-    diag(nw) W, fold_router), the rest over N ranges of W_r (nw * res) (HAS_BIAS: the first of those adds W_r (nw *
-    bias), fold_router_bias); the others are the GEMV's row tiles, y[N] = W[N, K] a[K] (+ bias) + res, as gemv's
-    split-free launch (a float-format W). WRITE_U8: they also write nw * y, without y's RMSNorm scale, in the x8
-    layout (u8_ptr: fp32 [8, N / 8]), the input of fp4 experts that scale their sums by it. ACCUM: the row tiles
-    split K in o_k_per_split pieces that add into y (already the residual) with atomics (gemv's accumulate).
-    SIDE: _side_store, by every program."""
+    """grid (r_programs + cdiv(N, BLOCK_N),): the first r_programs write the router's partial logits of y without
+    its RMSNorm scale, part[s, E]: splits s < a_splits over K ranges of W_f a (W_f [E, K] = W_r diag(nw) W,
+    fold_router), the rest over N ranges of W_r (nw * res) (HAS_BIAS: the first of those adds W_r (nw * bias),
+    fold_router_bias); the others are the GEMV's row tiles, y[N] = W[N, K] a[K] (+ bias) + res, as gemv's split-free
+    launch (a float-format W). WRITE_U8: they also write nw * y, without y's RMSNorm scale, in the x8 layout (u8_ptr:
+    fp32 [8, N / 8]), the input of fp4 experts that scale their sums by it."""
     pdl_begin(PDL)
     pid = tl.program_id(0)
-    if SIDE != 0:
-        _side_store(pid, side_src, side_dst, side_n, SIDE, SIDE_BLOCK)
     if pid < r_programs:
         n0 = (pid % r_tiles) * R_BLOCK_N
         s = pid // r_tiles
@@ -511,14 +504,6 @@ def _gemv_route_kernel(
                     lg += tl.load(fb_ptr + offs_b, mask=offs_b < E, other=0.0)
         offs_e = n0 + tl.arange(0, R_BLOCK_N)
         tl.store(part_ptr + s * E + offs_e, lg, mask=offs_e < E)
-    elif ACCUM:
-        t = pid - r_programs
-        n_start = (t % n_tiles) * BLOCK_N
-        k_lo = (t // n_tiles) * o_k_per_split
-        acc = _tile(FMT, w_ptr, stride_wn, s_ptr, stride_sn, stride_sk, gs_ptr, a_ptr, a_ptr, 0, n_start, N, k_lo,
-                    tl.minimum(k_lo + o_k_per_split, K), False, BLOCK_N, BLOCK_K, PIPE)
-        offs_n = n_start + tl.arange(0, BLOCK_N)
-        _add_out(acc, offs_n, offs_n < N, y_ptr, bias_ptr, HAS_BIAS, k_lo == 0)
     else:
         n_start = (pid - r_programs) * BLOCK_N
         acc = _tile(FMT, w_ptr, stride_wn, s_ptr, stride_sn, stride_sk, gs_ptr, a_ptr, a_ptr, 0, n_start, N, 0, K,
@@ -560,8 +545,8 @@ def gemv_route(a: torch.Tensor, w: WeightHandle, residual: torch.Tensor, w_fold:
                router_bias: torch.Tensor | None = None, correction_bias: torch.Tensor | None = None,
                eps: float = 1e-6, out: torch.Tensor | None = None, x8_out: torch.Tensor | None = None,
                routing: Routing | None = None, config: TileConfig | None = None,
-               router_config: TileConfig = TileConfig(8, 512), router_k_steps: int = 2, accumulate: bool = False,
-               side: tuple | None = None) -> tuple[torch.Tensor, PendingRouting]:
+               router_config: TileConfig = TileConfig(8, 512), router_k_steps: int = 2
+               ) -> tuple[torch.Tensor, PendingRouting]:
     """y = W a + residual, and in the same launch the router's partial logits of RMSNorm(y): the router
     launch between this GEMV and the experts folded away (o_proj in front of a MoE layer). Returns (y, a
     PendingRouting for moe_experts(y, select=)), whose GLU launch scales the logits by y's RMSNorm scale (computed
@@ -571,10 +556,7 @@ def gemv_route(a: torch.Tensor, w: WeightHandle, residual: torch.Tensor, w_fold:
     tiles are gemv's (gemv_tiles) without split-K; the router rows run router_config's tiles over K ranges of
     router_k_steps K steps each (W_f over a, then W_r over the residual). x8_out: fp32 [8, N / 8] filled with
     norm_weight * y in the x8 layout, without y's RMSNorm scale: fp4 experts' input (moe_experts(y, x8=x8_out,
-    select=) scales their gate / up sums by y's scale).
-    accumulate / side: as gemv's: out (fp32) holds the residual already and the row tiles add into it, K split in
-    gemv.ACCUM_STEPS-step pieces (residual still given: the router rows read it); not with x8_out (it stores the
-    finished y)."""
+    select=) scales their gate / up sums by y's scale)."""
     if w.num_experts or is_fp4(w.fmt):
         raise ValueError(f"gemv_route: w must be one float-format matrix (bf16 / fp16 / fp32 / fp8 / fp8_block), got "
                          f"{w.fmt}" + (" experts" if w.num_experts else ""))
@@ -603,20 +585,15 @@ def gemv_route(a: torch.Tensor, w: WeightHandle, residual: torch.Tensor, w_fold:
     if not isinstance(router_k_steps, int) or router_k_steps < 1:
         raise ValueError(f"gemv_route: router_k_steps {router_k_steps!r}: expected an int >= 1")
     _check_x8_out(x8_out, N, dev, "gemv_route")
-    if accumulate and (out is None or out.dtype != torch.float32 or x8_out is not None):
-        raise ValueError("gemv_route: accumulate adds into out: pass an fp32 out holding the residual, and no x8_out")
     routing = _routing_out(cfg, E, dev, routing, "gemv_route")
     y = make_out(a, N, out)
     tiles = gemv_tiles(w, config)
-    n_tiles = triton.cdiv(N, tiles.block_n)
-    o_split, o_kps = accum_split(n_tiles, K, tiles.block_k, tiles.split_k) if accumulate else (1, K)
     kps = router_k_steps * router_config.block_k
     a_splits, x_splits = triton.cdiv(K, kps), triton.cdiv(N, kps)
     r_tiles = triton.cdiv(E, router_config.block_n)
     split = a_splits + x_splits
     part = torch.empty(split * E, dtype=torch.float32, device=dev)  # partial logits [split, E]
-    programs = r_tiles * split + n_tiles * o_split
-    _gemv_route_kernel[(programs,)](
+    _gemv_route_kernel[(r_tiles * split + triton.cdiv(N, tiles.block_n),)](
         a, *weight_args(w), bias if bias is not None else y, residual, y,
         w_fold, w_fold.stride(0), router_weight, router_weight.stride(0), norm_weight,
         fold_bias if fold_bias is not None else part, part, x8_out if x8_out is not None else part,
@@ -624,7 +601,7 @@ def gemv_route(a: torch.Tensor, w: WeightHandle, residual: torch.Tensor, w_fold:
         FMT=FMT_ID[w.fmt], HAS_BIAS=bias is not None, WRITE_U8=x8_out is not None, BLOCK_N=tiles.block_n,
         BLOCK_K=tiles.block_k, PIPE=tiles.prefetch, R_BLOCK_N=router_config.block_n, R_BLOCK_K=router_config.block_k,
         R_PIPE=router_config.prefetch, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
-        n_tiles=n_tiles, o_k_per_split=o_kps, ACCUM=accumulate, **side_args(side, programs, dev), **launch_kw(dev)
+        **launch_kw(dev)
     )
     return y, PendingRouting(routing.ids, routing.weights, routing.logits, part, split, True, cfg, router_bias,
                              correction_bias, eps, rstd_x=y, x8=x8_out)

@@ -507,30 +507,6 @@ def _split_reduce(acc, part_ptr, cnt_ptr, tile_id, split_id, offs_n, n_mask, N, 
 
 
 @triton.jit
-def _side_store(pid, src_ptr, dst_ptr, n, SIDE: tl.constexpr, SIDE_BLOCK: tl.constexpr):
-    """A later launch's setup done by this one, SIDE_BLOCK values per program (pid: its linear id): SIDE 1 dst = src,
-    2 dst = 0 (a GEMV that adds into its output with atomics needs it holding the residual, or zero, before it
-    starts; the launch boundary in between orders the two)."""
-    offs = pid * SIDE_BLOCK + tl.arange(0, SIDE_BLOCK)
-    m = offs < n
-    if SIDE == 1:
-        v = tl.load(src_ptr + offs, mask=m, other=0.0).to(dst_ptr.dtype.element_ty)
-    else:
-        v = tl.zeros((SIDE_BLOCK,), dtype=dst_ptr.dtype.element_ty)
-    tl.store(dst_ptr + offs, v, mask=m)
-
-
-@triton.jit
-def _add_out(acc, offs_n, n_mask, y_ptr, bias_ptr, HAS_BIAS: tl.constexpr, FIRST):
-    """Add a split's partial into y (which holds the residual or zero) with a relaxed atomic; the first split (FIRST)
-    adds the bias. The order of the additions is the hardware's: not bit-reproducible run to run."""
-    if HAS_BIAS:
-        if FIRST:
-            acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-    tl.atomic_add(y_ptr + offs_n, acc, mask=n_mask, sem="relaxed", scope="gpu")
-
-
-@triton.jit
 def _store_out(acc, offs_n, n_mask, y_ptr, bias_ptr, res_ptr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr):
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)

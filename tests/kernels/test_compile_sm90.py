@@ -56,13 +56,6 @@ def _compile_all(arch: int = 90, formats=("bf16", "fp8", "fp8_block", "nvfp4", "
                                       FMT=fid, HAS_NW=not fp4, HAS_BIAS=True, HAS_RES=True, SPLIT_K=split,
                                       BLOCK_X=1024, **common)
             record(f"gemv[{fmt},split={split}]", k)
-        if fmt == "fp8":   # KIE_GEMV_ACCUM's q/k/v: K pieces added with atomics, x copied for o_proj (side)
-            yf = torch.empty(N)
-            k = G._gemv_kernel.warmup(xin, xin, *G.weight_args(w), yf, yf, yf, part, cnt, N, H, 1024, 1e-6, H // 8,
-                                      FMT=fid, HAS_NW=True, HAS_BIAS=True, HAS_RES=False, SPLIT_K=2, BLOCK_X=1024,
-                                      ACCUM=True, side_src=yf, side_dst=yf, side_n=2048, SIDE=1, SIDE_BLOCK=8,
-                                      **common)
-            record("gemv[fp8,accumulate]", k)
         if fmt == "bf16" and arch >= 90:   # the graph backend's launches on sm_90: griddepcontrol.wait first (pdl.py)
             k = G._gemv_kernel.warmup(xin, xin, *G.weight_args(w), y, y, y, part, cnt, N, H, H, 1e-6, H // 8,
                                       FMT=fid, HAS_NW=True, HAS_BIAS=True, HAS_RES=True, SPLIT_K=1, BLOCK_X=1024,
@@ -149,14 +142,6 @@ def _compile_all(arch: int = 90, formats=("bf16", "fp8", "fp8_block", "nvfp4", "
                                         PIPE=t.prefetch, R_BLOCK_N=8, R_BLOCK_K=512, R_PIPE=True, num_warps=4,
                                         grid=(1,))
         record(f"gemv_route[{fmt}]", k)
-        if fmt == "fp8":   # KIE_GEMV_ACCUM: o_proj's rows split over K adding into y, zeroing q/k/v's buffer
-            k = M._gemv_route_kernel.warmup(a, *G.weight_args(wo), xf, xf, xf, wf, 4096, wr, H, x, sel, sel, u8, H,
-                                            4096, 128, 16, 96, 4, 1024, FMT=G.FMT_ID[fmt], HAS_BIAS=False,
-                                            WRITE_U8=False, BLOCK_N=t.block_n, BLOCK_K=t.block_k, PIPE=t.prefetch,
-                                            R_BLOCK_N=8, R_BLOCK_K=512, R_PIPE=True, num_warps=4, grid=(1,),
-                                            n_tiles=512, o_k_per_split=2048, ACCUM=True, side_src=xf,
-                                            side_dst=xf, side_n=5120, SIDE=2, SIDE_BLOCK=8)
-            record("gemv_route[fp8,accumulate]", k)
     # mxfp4 experts after it (gpt-oss-120b: 128 experts of 2880, top-4): the GLU on the unscaled x8, its sums scaled
     wm = random_weight("mxfp4", 2880, 2880, experts=E)
     mcfg = M.DEFAULT_EXPERT_TILES["mxfp4"]
@@ -217,7 +202,7 @@ def test_kernels_compile_for_sm90():
     pytest.importorskip("triton.backends.nvidia")
     from tests.kernels.helpers import compiled_json    # not at the top: this file also runs as a script
     rows = compiled_json([__file__], KIE_GPU_TESTS="1")
-    assert len(rows) == 5 * 5 + 2 + 1 + 1 + 1 + 3 + 1 + 4 + 1 + 1 + 1 + 1 + 1 + 1 + 2   # + 2: accumulate
+    assert len(rows) == 5 * 5 + 2 + 1 + 1 + 1 + 3 + 1 + 4 + 1 + 1 + 1 + 1 + 1 + 1
     spills = [r for r in rows if r["local_bytes"]]
     assert not spills, f"register spills to local memory: {spills}"
     heavy = [r for r in rows if r["regs"] and r["regs"] > 128]
@@ -233,7 +218,7 @@ def test_graph_kernels_compile_for_sm80():
     pytest.importorskip("triton.backends.nvidia")
     from tests.kernels.helpers import compiled_json
     rows = compiled_json([__file__, "80", "bf16,fp8,fp8_block,nvfp4,mxfp4"], KIE_E4M3_BITS="1")
-    assert len(rows) == 5 * 5 + 2 + 1 + 1 + 3 + 1 + 4 + 1 + 1 + 1 + 1 + 1 + 1 + 2
+    assert len(rows) == 5 * 5 + 2 + 1 + 1 + 3 + 1 + 4 + 1 + 1 + 1 + 1 + 1 + 1
 
 
 if __name__ == "__main__":

@@ -330,40 +330,6 @@ def test_router_folded_into_the_gemv_in_front(name, o_fmt, e_fmt, k_steps, bias)
     assert_close(out, want, what=f"{name} {e_fmt} experts after the folded router")
 
 
-@pytest.mark.parametrize("o_fmt,bias,steps", [("fp8", False, 2), ("bf16", True, 1), ("fp8_block", False, 3)])
-def test_router_folded_gemv_accumulates_into_the_residual(o_fmt, bias, steps, monkeypatch):
-    """gemv_route(accumulate=True) (KIE_GEMV_ACCUM): y holds the residual before the launch and o_proj's row tiles
-    add their K pieces into it with atomics (bias by the first); y matches the reference, the router's partial
-    logits equal the stored launch's bit for bit (the router rows are unchanged), the side job zeroes a buffer, and
-    the GLU launch then picks route_ref's experts on y. x8_out (fp4 experts: the finished y) is refused."""
-    import kie_moe.kernels.gemv as G
-    monkeypatch.setattr(G, "ACCUM_STEPS", steps)
-    E, cfg, extra = ROUTERS["softmax_norm"]
-    N, K, f32 = 96, 136, torch.float32
-    wo = random_weight(o_fmt, N, K, seed=60, device=DEV)
-    a, x = _t(K, seed=61, dtype=f32), _t(N, seed=62, dtype=f32, scale=3.0)
-    w_r, nw = _t(E, N, seed=63, scale=0.2, dtype=f32), _t(N, seed=64, dtype=f32)
-    o_bias = _t(N, seed=65, dtype=f32) if bias else None
-    fb = dict(bias=o_bias, fold_bias=fold_router_bias(w_r, nw, o_bias)) if bias else {}
-    w_f = fold_router(w_r, nw, wo)
-    tiles = dict(config=TileConfig(8, 32), router_config=TileConfig(8, 32))
-    y0, p0 = gemv_route(a, wo, x, w_f, w_r, nw, cfg, eps=1e-5, **fb, **tiles)
-    y = x.clone()
-    buf = _t(50, seed=66, dtype=f32)
-    got, p = gemv_route(a, wo, x, w_f, w_r, nw, cfg, eps=1e-5, **fb, **tiles, out=y, accumulate=True, side=(buf, None))
-    assert got.data_ptr() == y.data_ptr() and not buf.any()
-    assert_close(y, gemv_ref(a, wo, bias=o_bias, residual=x, out_dtype=f32), what=f"{o_fmt} accumulated y")
-    assert_close(y, y0, what="accumulated vs stored y")
-    assert torch.equal(p.part, p0.part)
-    wg, wu, wd = _experts("fp8", E, 64, N, seed=67)
-    moe_experts(y, p.ids, p.weights, wg, wu, wd, residual=x, norm_weight=nw, eps=1e-5, out=torch.empty(N, device=DEV),
-                select=p)
-    assert p.ids.tolist() == route_ref(y, w_r, cfg, norm_weight=nw, eps=1e-5).ids.tolist()
-    with pytest.raises(ValueError, match="accumulate adds into out"):
-        gemv_route(a, wo, x, w_f, w_r, nw, cfg, out=x.clone(), accumulate=True,
-                   x8_out=torch.zeros(8, N // 8, device=DEV))
-
-
 def test_router_folded_in_bf16_moves_logits_by_its_rounding_only():
     """fold_router(dtype=bf16) (the graph backend's KIE_ROUTER_FOLD=1 on a bf16 model): each folded weight rounded
     once, so the logits differ from route_ref on y by at most rstd * |bf16(W_f) - W_f| @ |a| (plus fp32 sums); the
