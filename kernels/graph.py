@@ -175,7 +175,8 @@ class GraphBackend:
         dtype = dtype or (torch.float32 if self.eager else torch.bfloat16)
         spec = model.spec
         if not hasattr(spec, "layers") or spec.family == "laneformer":
-            raise Unsupported(f"graph backend: the {spec.family} family is not supported yet (use monokernel or reference)")
+            raise Unsupported(f"graph backend: the {spec.family} family is not supported yet (use monokernel or "
+                              "reference)")
         self.spec, self.dtype = spec, dtype
         self.W = W = HandleStore(model.weights, self.device, dtype)
         D, V = spec.hidden_size, spec.vocab_size

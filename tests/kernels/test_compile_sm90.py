@@ -115,7 +115,8 @@ def _compile_all(arch: int = 90, formats=("bf16", "fp8", "fp8_block", "nvfp4", "
                                     BLOCK_X=1024, BLOCK_N=ecfg.block_n, BLOCK_K=ecfg.block_k, PIPE=ecfg.prefetch,
                                     PAIR=True, num_warps=ecfg.num_warps, grid=(1,), rpart_ptr=sel, rb_ptr=sel,
                                     rcorr_ptr=sel, logits_ptr=torch.empty(128), wts_ptr=wts, scaling=1.0, E=128,
-                                    SELECT=True, SEL_NW=True, **M._select_meta(M.RouterConfig(top_k=8), 128, 4, False))
+                                    SELECT=True, SEL_NW=True,
+                                    **M._select_meta(M.RouterConfig(top_k=8), 128, 4, False))
     record("expert_glu[fp8,select]", k)
     # the same, after gemv_route (KIE_ROUTER_FOLD): the scale of x computed in front of the top-k (SEL_NW 2), 6 splits
     # ... and with one pick per block-wide reduction (KIE_TOPK_PER_ROUND=1; the default takes 4 per tl.reduce)
@@ -154,7 +155,8 @@ def _compile_all(arch: int = 90, formats=("bf16", "fp8", "fp8_block", "nvfp4", "
                                            ACT=1, H_X8=True, BLOCK_N=mcfg.block_n, BLOCK_K=mcfg.block_k,
                                            PIPE=mcfg.prefetch, num_warps=mcfg.num_warps, grid=(1,), rpart_ptr=sel,
                                            rb_ptr=sel, rcorr_ptr=sel, logits_ptr=torch.empty(128), wts_ptr=wts,
-                                           scaling=1.0, E=128, SELECT=True, **M._select_meta(oss, 128, split, False), **kw)
+                                           scaling=1.0, E=128, SELECT=True, **M._select_meta(oss, 128, split, False),
+                                           **kw)
     record("expert_glu[mxfp4,select,scaled x8]", mxfp4_select_glu(8, HAS_BIAS=False, BLOCK_X=4096, rx_ptr=ym,
                                                                    SEL_NW=2, SCALE_GLU=True))
     # gpt-oss's mxfp4 GLU picking the top-k from the router launch's 6 splits, under its register cap
