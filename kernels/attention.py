@@ -470,25 +470,6 @@ def rope_gqa_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
                 out_x8)
 
 
-def _gqa_out(q: torch.Tensor, out: torch.Tensor | None, out_x8: bool, dev: torch.device) -> tuple[torch.Tensor, int]:
-    """(out, X8) of a decode attention over q [Hq, Dh]: out [Hq, Dh] (q's dtype unless given), or with out_x8 fp32
-    [8, Hq * Dh / 8] in the x8 layout (an fp4 o_proj's input), X8 = Hq * Dh / 8 (0 without)."""
-    Hq, Dh = q.shape
-    x8 = Hq * Dh // 8 if out_x8 else 0
-    if out_x8 and (Hq * Dh) % 8:
-        raise ValueError(f"out_x8: Hq * Dh = {Hq * Dh} is not a multiple of 8")
-    if out_x8 and out is None:
-        out = torch.empty(8, x8, device=dev, dtype=torch.float32)
-    elif out_x8 and (tuple(out.shape) != (8, x8) or out.dtype != torch.float32 or not out.is_contiguous()
-                     or out.device != dev):
-        raise ValueError(f"out: with out_x8 a contiguous fp32 [8, {x8}] on {dev}, got {out.dtype} {tuple(out.shape)}")
-    elif out is None:
-        out = torch.empty_like(q)
-    elif not out_x8 and (tuple(out.shape) != (Hq, Dh) or out.stride(-1) != 1 or out.device != dev):
-        raise ValueError(f"out: expected [{Hq}, {Dh}] on {dev}, got {tuple(out.shape)}")
-    return out, x8
-
-
 def _gqa(q, k_cache, v_cache, pos, softmax_scale, window, sinks, num_splits, out, block_n, num_warps, fused=None,
          out_x8=False):
     """gqa_decode's checks and launches; `fused` (rope_gqa_decode): the split launch norms, rotates and appends."""
@@ -511,7 +492,18 @@ def _gqa(q, k_cache, v_cache, pos, softmax_scale, window, sinks, num_splits, out
         raise ValueError(f"window must be >= 1, got {window}")
     if sinks is not None and (tuple(sinks.shape) != (Hq,) or not sinks.is_contiguous() or sinks.device != dev):
         raise ValueError(f"sinks: expected a contiguous [{Hq}] tensor on {dev}, got {tuple(sinks.shape)}")
-    out, x8 = _gqa_out(q, out, out_x8, dev)
+    x8 = Hq * Dh // 8 if out_x8 else 0
+    if out_x8 and (Hq * Dh) % 8:
+        raise ValueError(f"out_x8: Hq * Dh = {Hq * Dh} is not a multiple of 8")
+    if out_x8 and out is None:
+        out = torch.empty(8, x8, device=dev, dtype=torch.float32)
+    elif out_x8 and (tuple(out.shape) != (8, x8) or out.dtype != torch.float32 or not out.is_contiguous()
+                     or out.device != dev):
+        raise ValueError(f"out: with out_x8 a contiguous fp32 [8, {x8}] on {dev}, got {out.dtype} {tuple(out.shape)}")
+    elif out is None:
+        out = torch.empty_like(q)
+    elif not out_x8 and (tuple(out.shape) != (Hq, Dh) or out.stride(-1) != 1 or out.device != dev):
+        raise ValueError(f"out: expected [{Hq}, {Dh}] on {dev}, got {tuple(out.shape)}")
     span = min(max_len, window) if window is not None else max_len
     S = num_splits or default_num_splits(Hkv, span, dev, block_n)
     rep = Hq // Hkv

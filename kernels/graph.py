@@ -32,7 +32,6 @@ from .gemv import gemv, gemv_glu, is_fp4, prepare_x8, use_mma
 from .moe import (RouterConfig, Routing, fold_router, fold_router_bias, gemv_route, moe_experts, route,
                   use_mma_experts)
 from .prefill import Prefill
-from .qkv_attention import qkv_attention_unfit, qkv_rope_gqa_decode
 from .rope import mla_rope_append, rope_append, rope_tables
 from .sampling import DeviceSampler, next_step_inputs, next_step_inputs_ref
 from .weights import FP8_BLOCK, WeightHandle, dequantize, stored_codes
@@ -76,10 +75,6 @@ ROUTER_FOLD = os.environ.get("KIE_ROUTER_FOLD", "1")
 # KIE_GRAPH_STEP_TAIL=0 restores the torch launches and the copy for the A/B (NOTES.md session 26).
 STEP_TAIL = os.environ.get("KIE_GRAPH_STEP_TAIL", "1") != "0"
 HOST_RING = 64   # tokens the pinned ring holds; the host reads step s - 1 while the device runs step s
-# q/k/v + RoPE + append + attention in one launch where the attention takes one split (kernels/qkv_attention.py: the
-# last row tile of each kv head runs its attention): one launch boundary less per layer. Session 27, off until timed
-# (KIE_QKV_ATTN=1); the same values as the two launches.
-QKV_ATTN = os.environ.get("KIE_QKV_ATTN", "0") == "1"
 
 
 class HandleStore:
@@ -305,18 +300,6 @@ class GraphBackend:
         eps = self.spec.norm_eps
         x = self.x
         if a.kind == "gqa":
-            kc, vc = self.caches[i]
-            window = L["spec"].sliding_window
-            if (QKV_ATTN and FUSED_ROPE_ATTN and L["qkv"] is not None
-                    and qkv_attention_unfit(L["qkv"], a.num_heads, kc, window, a.qk_norm) is None):
-                o8 = self._x8_out(L["o"])
-                o, _ = qkv_rope_gqa_decode(x, L["qkv"], kc, vc, self.pos, self.cos, self.sin, q_heads=a.num_heads,
-                                           softmax_scale=a.softmax_scale, bias=L["qkv_bias"],
-                                           norm_weight=L["attn_norm"], eps=eps, style=a.rope.style,
-                                           qk_norm=a.qk_norm, q_norm=L["q_norm"], k_norm=L["k_norm"],
-                                           clip_qkv=a.clip_qkv, window=window, sinks=L["sinks"], out_x8=o8)
-                self._o_proj(L, o, o8)
-                return
             if L["qkv"] is not None:
                 qkv = gemv(x, L["qkv"], bias=L["qkv_bias"], norm_weight=L["attn_norm"], eps=eps)
                 nq, nkv = a.q_size, a.kv_size
@@ -328,6 +311,7 @@ class GraphBackend:
                                 **(dict(x8=x8) if x8 is not None and n in fp4 else dict(norm_weight=L["attn_norm"])))
                            for n in ("q", "k", "v"))
             q, k, v = q.view(a.num_heads, a.head_dim), k.view(a.num_kv_heads, a.head_dim), v.view(a.num_kv_heads, a.head_dim)
+            kc, vc = self.caches[i]
             rope_kw = dict(style=a.rope.style, qk_norm=a.qk_norm, q_norm=L["q_norm"], k_norm=L["k_norm"], eps=eps,
                            clip_qkv=a.clip_qkv)
             o8 = self._x8_out(L["o"])      # an fp4 o_proj reads the attention output written as x8
@@ -351,12 +335,6 @@ class GraphBackend:
                             style=a.rope.style, kv_norm=L["kv_a_norm"], eps=eps)
             o = mla_decode(q, self.caches[i], L["kv_b"], self.pos, nope=a.qk_nope_head_dim, v_head_dim=a.v_head_dim,
                            softmax_scale=a.softmax_scale, window=L["spec"].sliding_window)
-        self._o_proj(L, o, o8)
-
-    def _o_proj(self, L: dict, o: torch.Tensor, o8: bool):
-        """o_proj (+ the residual) into x', with the MoE router's partial logits where it is folded in; then x' is
-        the residual stream."""
-        eps, x = self.spec.norm_eps, self.x
         if "router_fold" in L:   # o_proj's launch also writes the MoE router's partial logits (ROUTER_FOLD)
             x8 = self.x8 if is_fp4(L["e_gate"].fmt) else None   # fp4 experts: nw * x' as x8, unscaled
             _, self.pending = gemv_route(o.reshape(-1), L["o"], x, L["router_fold"], L["router"], L["mlp_norm"],

@@ -203,31 +203,6 @@ def test_step_tail_in_one_launch_equals_the_torch_tail(case, tmp_path, monkeypat
         assert torch.equal(logits, logits0)
 
 
-@pytest.mark.parametrize("case,fused", [("qwen3_moe_mixed", True), ("llama", True), ("gpt_oss", True),
-                                        ("qwen2_moe", True), ("olmoe", False)])
-def test_qkv_and_attention_in_one_launch_decode_as_the_two(case, fused, tmp_path, monkeypatch):
-    """KIE_QKV_ATTN (kernels/qkv_attention.py): q/k/v, RoPE, the KV append and attention in one launch per layer
-    give the same greedy tokens and bit-equal last-step logits as the two launches, over two requests on one
-    backend, and the reference decoder's tokens; OLMoE's full-projection q/k norm keeps the two launches."""
-    import kie_moe.kernels.graph as G
-    make_checkpoint(case, str(tmp_path))
-    m = load_model(str(tmp_path))
-    prompts = [list(range(7, 15)), list(range(30, 35))]
-    calls = []
-    real = G.qkv_rope_gqa_decode
-    monkeypatch.setattr(G, "qkv_rope_gqa_decode", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    runs = {}
-    for on in (False, True):
-        monkeypatch.setattr(G, "QKV_ATTN", on)
-        be = GraphBackend(m, torch.device("cpu"))
-        runs[on] = [(list(be.generate(pr, SamplingParams(max_new_tokens=STEPS, ignore_eos=True), set())),
-                     be.logits.float().clone()) for pr in prompts]
-    assert bool(calls) == fused
-    for (toks, logits), (toks0, logits0), pr in zip(runs[True], runs[False], prompts):
-        assert toks == toks0 == ref_greedy(m, pr, STEPS)[0]
-        assert torch.equal(logits, logits0)
-
-
 @pytest.mark.parametrize("fmt", ["nvfp4"])  # mxfp4's packed path: tests/kernels/test_fp4_mma.py
 def test_quantized_lm_head_packed_for_the_tensor_cores(fmt, tmp_path, monkeypatch):
     """A quantized lm_head big enough for gemv()'s tensor-core dispatch (threshold lowered to the tiny vocab) is
