@@ -48,7 +48,7 @@ from triton.language.target_info import cuda_capability_geq
 from .gemv import check_vec, check_x, make_out
 from .pdl import launch_kw, pdl_begin, reg_cap
 from .device_caps import e4m3_native
-from .tiles import _ASM, E2M1_F16X2_PTX, _as_f32, _e2m1_word, _normed_block, _store_out
+from .tiles import _ASM, E2M1_F16X2_PTX, _as_f32, _e2m1_word, _normed_block, _store_out, rstd_block
 from .weights import WeightHandle, mma_bytes
 
 __all__ = ["prepare_xh", "gemv_fp4_mma", "mma_unreadable", "pack_for_mma", "MMA_ROW_BLOCKS", "MMA_WARPS",
@@ -401,7 +401,7 @@ def prepare_xh(x: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: fl
     BLOCK = min(1024, triton.next_power_of_2(K))
     _xh_kernel[(triton.cdiv(K, BLOCK),)](x, norm_weight if norm_weight is not None else x, out, K, eps,
                                          HAS_NW=norm_weight is not None, BLOCK=BLOCK,
-                                         BLOCK_X=min(1024, triton.next_power_of_2(K)), **launch_kw(x.device))
+                                         BLOCK_X=rstd_block(K), **launch_kw(x.device))
     return out
 
 

@@ -313,7 +313,7 @@ def prepare_x8(x: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: fl
     BLOCK = min(1024, triton.next_power_of_2(K))
     _x8_kernel[(triton.cdiv(K, BLOCK),)](x, norm_weight if norm_weight is not None else x, out, K, eps,
                                          HAS_NW=norm_weight is not None, BLOCK=BLOCK,
-                                         BLOCK_X=min(1024, triton.next_power_of_2(K)), **launch_kw(x.device))
+                                         BLOCK_X=rstd_block(K), **launch_kw(x.device))
     return out
 
 

@@ -433,7 +433,7 @@ def route(x: torch.Tensor, router_weight: torch.Tensor, cfg: RouterConfig, *, ro
         WRITE_X8=x_out is not None, X8_LAYOUT=x8_out is not None, HAS_NW=norm_weight is not None,
         HAS_BIAS=router_bias is not None, HAS_CORR=correction_bias is not None, SELECT=not defer,
         **_select_meta(cfg, E, split, correction_bias is not None),
-        BLOCK_N=cfg_t.block_n, BLOCK_K=cfg_t.block_k, BLOCK_X=min(1024, triton.next_power_of_2(K)),
+        BLOCK_N=cfg_t.block_n, BLOCK_K=cfg_t.block_k, BLOCK_X=rstd_block(K),
         PIPE=cfg_t.prefetch, num_warps=cfg_t.num_warps, num_stages=cfg_t.num_stages, **launch_kw(dev)
     )
     if defer:

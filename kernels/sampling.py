@@ -352,7 +352,8 @@ def next_step_inputs(out: torch.Tensor, token: torch.Tensor, pos: torch.Tensor, 
     D = embed.shape[1]
     for name, t, dt, n in (("out", out, torch.int32, None), ("token", token, torch.int32, 1),
                            ("pos", pos, torch.int32, 1), ("x", x, torch.float32, D)):
-        if t.dtype != dt or t.device != embed.device or not t.is_contiguous() or t.numel() != (n or max(1, t.numel())):
+        if (t.dtype != dt or t.device != embed.device or not t.is_contiguous()
+                or (t.numel() != n if n else t.numel() < 1)):
             raise ValueError(f"next_step_inputs: {name} must be a contiguous {dt} tensor with {n or 'at least 1'} "
                              f"element(s) on {embed.device}, got {t.dtype} {tuple(t.shape)} on {t.device}")
     block = min(block, triton.next_power_of_2(D))
