@@ -111,13 +111,17 @@ _MMA_GROUP_CR = tl.constexpr(_group_ptx(2, True, True))
 
 @triton.jit
 def _xh_kernel(x_ptr, nw_ptr, xh_ptr, K, eps, HAS_NW: tl.constexpr, BLOCK: tl.constexpr, BLOCK_X: tl.constexpr,
-               PDL: tl.constexpr = False):
-    """grid (cdiv(K, BLOCK),): xh[8j + slot(e)] = fp16((x * rstd * nw)[8j + e]), slot = 0, 2, 1, 3, 4, 6, 5, 7."""
+               PDL: tl.constexpr = False, NATURAL: tl.constexpr = False):
+    """grid (cdiv(K, BLOCK),): xh[8j + slot(e)] = fp16((x * rstd * nw)[8j + e]), slot = 0, 2, 1, 3, 4, 6, 5, 7
+    (NATURAL: slot = e, the fp8 mma GEMV's order)."""
     pdl_begin(PDL)
     offs, mask, x = _normed_block(x_ptr, nw_ptr, K, eps, HAS_NW, BLOCK, BLOCK_X)
-    e = offs % 8
-    slot = (e & 4) | ((e & 1) << 1) | ((e >> 1) & 1)
-    tl.store(xh_ptr + (offs - e) + slot, x.to(tl.float16), mask=mask)
+    if NATURAL:
+        tl.store(xh_ptr + offs, x.to(tl.float16), mask=mask)
+    else:
+        e = offs % 8
+        slot = (e & 4) | ((e & 1) << 1) | ((e >> 1) & 1)
+        tl.store(xh_ptr + (offs - e) + slot, x.to(tl.float16), mask=mask)
 
 
 @triton.jit
@@ -386,9 +390,10 @@ def _fp4_mma_kernel(xh_ptr, w_ptr, stride_wn, s_ptr, stride_sn, gs_ptr, bias_ptr
 
 
 def prepare_xh(x: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
-               out: torch.Tensor | None = None) -> torch.Tensor:
-    """The mma GEMV's input: fp16 [K], each 8 elements in the order 0, 2, 1, 3, 4, 6, 5, 7 (RMS-normalised with
-    norm_weight when given, then rounded to fp16 once). One small launch, like prepare_x8."""
+               out: torch.Tensor | None = None, natural: bool = False) -> torch.Tensor:
+    """The mma GEMV's input: fp16 [K], each 8 elements in the order 0, 2, 1, 3, 4, 6, 5, 7 (natural: in order, for
+    kernels/fp8_mma.py), RMS-normalised with norm_weight when given, then rounded to fp16 once. One small launch,
+    like prepare_x8."""
     K = x.shape[-1]
     if K % 16 or x.numel() != K:
         raise ValueError(f"prepare_xh: x shape {tuple(x.shape)}: need batch 1 and K % 16 == 0")
@@ -401,7 +406,7 @@ def prepare_xh(x: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: fl
     BLOCK = min(1024, triton.next_power_of_2(K))
     _xh_kernel[(triton.cdiv(K, BLOCK),)](x, norm_weight if norm_weight is not None else x, out, K, eps,
                                          HAS_NW=norm_weight is not None, BLOCK=BLOCK,
-                                         BLOCK_X=rstd_block(K), **launch_kw(x.device))
+                                         BLOCK_X=rstd_block(K), NATURAL=natural, **launch_kw(x.device))
     return out
 
 

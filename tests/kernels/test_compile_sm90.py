@@ -62,6 +62,15 @@ def _compile_all(arch: int = 90, formats=("bf16", "fp8", "fp8_block", "nvfp4", "
                                       PDL=True, launch_pdl=True, **common)
             assert "griddepcontrol.wait" in k.asm["ptx"]
             record("gemv[bf16,pdl]", k)
+        if fmt == "fp8" and arch >= 90:    # kernels/fp8_mma.py: e4m3 converts are sm_89+; one grid, one persistent
+            from kie_moe.kernels.fp8_mma import _fp8_mma_kernel
+            xh = torch.empty(H, dtype=torch.float16)
+            for nw, persist in ((4, False), (8, True)):
+                k = _fp8_mma_kernel.warmup(xh, w.weight.view(torch.uint8), H, w.scale, 1, y, y, y, N, H, 64,
+                                           HAS_BIAS=True, HAS_RES=True, RB=2, NW=nw, PERSIST=persist, num_warps=nw,
+                                           grid=(1,))
+                assert k.asm["ptx"].count("mma.sync.aligned.m16n8k16") == 16   # 2 pieces x 2 blocks x 4 words
+                record(f"fp8_mma[w{nw}{',persist' if persist else ''}]", k)
         gcfg = G.DEFAULT_GLU_TILES[fmt]
         gl = dict(BLOCK_N=gcfg.block_n, BLOCK_K=gcfg.block_k, PIPE=gcfg.prefetch, num_warps=gcfg.num_warps,
                   num_stages=gcfg.num_stages, grid=(1,))
@@ -204,7 +213,7 @@ def test_kernels_compile_for_sm90():
     pytest.importorskip("triton.backends.nvidia")
     from tests.kernels.helpers import compiled_json    # not at the top: this file also runs as a script
     rows = compiled_json([__file__], KIE_GPU_TESTS="1")
-    assert len(rows) == 5 * 5 + 2 + 1 + 1 + 1 + 3 + 1 + 4 + 1 + 1 + 1 + 1 + 1 + 1
+    assert len(rows) == 5 * 5 + 2 + 2 + 1 + 1 + 1 + 3 + 1 + 4 + 1 + 1 + 1 + 1 + 1 + 1
     spills = [r for r in rows if r["local_bytes"]]
     assert not spills, f"register spills to local memory: {spills}"
     heavy = [r for r in rows if r["regs"] and r["regs"] > 128]
