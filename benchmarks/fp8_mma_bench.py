@@ -85,16 +85,18 @@ def main(argv=None):
         shape = f"{N}x{K}"
         if "big" in groups:
             point("big", f"cuda-core gemv {shape}", lambda: gemv(x, w, out=y), nb, shape=shape)
-            for rb, nw in ((2, 4), (1, 4), (2, 8)):
-                point("big", f"mma rb{rb} w{nw} {shape}",
-                      lambda rb=rb, nw=nw: gemv_fp8_mma(x, w, xh=xh, out=y, row_blocks=rb, num_warps=nw), nb,
-                      shape=shape, rb=rb, warps=nw)
+            for rb, nw, pc in ((2, 4, 2), (1, 4, 2), (2, 8, 2), (2, 4, 4), (1, 4, 4), (1, 8, 4)):
+                point("big", f"mma rb{rb} w{nw} pieces {pc} {shape}",
+                      lambda rb=rb, nw=nw, pc=pc: gemv_fp8_mma(x, w, xh=xh, out=y, row_blocks=rb, num_warps=nw,
+                                                               pieces=pc), nb, shape=shape, rb=rb, warps=nw, pieces=pc)
         if "persist" in groups:
-            for per_sm, nw in ((1, 8), (1, 4), (2, 4), (2, 8), (4, 4), (1, 16)):
-                point("persist", f"mma persistent {per_sm} x {nw} warps per SM {shape}",
-                      lambda per_sm=per_sm, nw=nw: gemv_fp8_mma(x, w, xh=xh, out=y, row_blocks=2, num_warps=nw,
-                                                                programs=per_sm * n_sms), nb,
-                      shape=shape, per_sm=per_sm, warps=nw)
+            for per_sm, nw, pc in ((1, 8, 2), (1, 4, 2), (2, 4, 2), (2, 8, 2), (4, 4, 2), (1, 16, 2), (1, 8, 4),
+                                   (2, 4, 4), (1, 4, 4)):
+                point("persist", f"mma persistent {per_sm} x {nw} warps per SM, pieces {pc} {shape}",
+                      lambda per_sm=per_sm, nw=nw, pc=pc: gemv_fp8_mma(x, w, xh=xh, out=y, row_blocks=2,
+                                                                       num_warps=nw, programs=per_sm * n_sms,
+                                                                       pieces=pc), nb,
+                      shape=shape, per_sm=per_sm, warps=nw, pieces=pc)
 
     if "shapes" in groups:
         copies = 8

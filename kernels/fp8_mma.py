@@ -8,8 +8,8 @@ is an f16) and one `mma.sync.m16n8k16` consumes a word (4 codes) of 16 rows: ~0.
 products exact in the mma's fp32 sums, the row scale one FMUL per row at the end.
 
 Lane roles are fp4_mma's (one warp = 16 * RB weight rows; lane l has r = l // 4, q = l % 4): lane (r, q) holds rows
-`base + r` and `base + r + 8` of each 16-row block and, for each 128-byte step of K, two 16-byte pieces of each row
-(piece h = words 32 st + 16 h + 4q .. + 3 of the row's u32 words, one 16-byte load per piece and row; the quad covers
+`base + r` and `base + r + 8` of each 16-row block and, for each step of K, PIECES (2 or 4) 16-byte pieces of each row
+(piece h = words 16 PIECES st + 16 h + 4q .. + 3 of the row's u32 words, one 16-byte load per piece and row; the quad covers
 64 contiguous bytes). Word j's codes {c0, c1} / {c2, c3} are the A fragment's k pairs (2q, 2q + 1) / (2q + 8, 2q + 9)
 of rows r and r + 8, against x pairs {x(c0), x(c1)}, {x(c2), x(c3)}; "own columns": B column 2g is non-zero only in
 the rows of quad lane g's codes, supplied by lane (2g, g), so D[row][2q] is lane (r, q)'s own partial dot and the quad
@@ -91,45 +91,55 @@ def _piece(acc_a, acc_b, H, X):
 
 
 @triton.jit
-def _piece_load8(wq, ra, rb, swn, st, q, KW, h: tl.constexpr):
-    """Piece h of step st for rows ra, rb: words 32 st + 16 h + 4q .. + 3, clamped in-row (K % 16 == 0 keeps a
-    clamped piece whole; its x is masked to zero)."""
-    w = tl.minimum(32 * st + 16 * h + 4 * q, KW - 4)
+def _piece_load8(wq, ra, rb, swn, st, q, KW, h: tl.constexpr, PIECES: tl.constexpr):
+    """Piece h of step st for rows ra, rb: words 16 PIECES st + 16 h + 4q .. + 3, clamped in-row (K % 16 == 0 keeps
+    a clamped piece whole; its x is masked to zero)."""
+    w = tl.minimum(16 * PIECES * st + 16 * h + 4 * q, KW - 4)
     return _ld_words(wq + ra * swn + w) + _ld_words(wq + rb * swn + w)
 
 
 @triton.jit
-def _step_load8(wq, ra, rb, swn, st, q, KW):
-    return _piece_load8(wq, ra, rb, swn, st, q, KW, 0), _piece_load8(wq, ra, rb, swn, st, q, KW, 1)
+def _step_load8(wq, ra, rb, swn, st, q, KW, PIECES: tl.constexpr):
+    p0 = _piece_load8(wq, ra, rb, swn, st, q, KW, 0, PIECES)
+    p1 = _piece_load8(wq, ra, rb, swn, st, q, KW, 1, PIECES)
+    if PIECES == 4:
+        return p0, p1, _piece_load8(wq, ra, rb, swn, st, q, KW, 2, PIECES), \
+            _piece_load8(wq, ra, rb, swn, st, q, KW, 3, PIECES)
+    else:
+        return p0, p1
 
 
 @triton.jit
-def fp8_rows_dot(xq, wq0, ra0, rb0, wq1, ra1, rb1, swn, q, KW, mine, st_lo, st_hi, RB: tl.constexpr):
-    """One warp's fp8 rows against x (natural-order fp16, u32 view xq) over 128-byte steps [st_lo, st_hi) of K (all of
-    K: 0, cdiv(KW, 32)), the next step's loads issued before the current step's mma: block 0 = rows ra0 / rb0 of wq0,
-    block 1 (RB == 2) = rows ra1 / rb1 of wq1 (a GEMV's next 16 rows, or a GLU's up rows beside its gate rows). KW =
-    K / 4 words per row, swn the row stride in words. Returns each lane's unscaled partial sums (block 0 rows a, b;
-    block 1 rows a, b), not yet summed over the quad."""
+def fp8_rows_dot(xq, wq0, ra0, rb0, wq1, ra1, rb1, swn, q, KW, mine, st_lo, st_hi, RB: tl.constexpr,
+                 PIECES: tl.constexpr = 2):
+    """One warp's fp8 rows against x (natural-order fp16, u32 view xq) over steps [st_lo, st_hi) of 64 * PIECES bytes
+    per row (all of K: 0, cdiv(KW, 16 * PIECES)), the next step's loads issued before the current step's mma:
+    block 0 = rows ra0 / rb0 of wq0, block 1 (RB == 2) = rows ra1 / rb1 of wq1 (a GEMV's next 16 rows, or a GLU's
+    up rows beside its gate rows). KW = K / 4 words per row, swn the row stride in words. Returns each lane's
+    unscaled partial sums (block 0 rows a, b; block 1 rows a, b), not yet summed over the quad."""
     zero = tl.zeros(q.shape, tl.float32)
     a0, a1, c0, c1, e0, e1, f0, f1 = zero, zero, zero, zero, zero, zero, zero, zero
-    P0 = _step_load8(wq0, ra0, rb0, swn, st_lo, q, KW)
+    P0 = _step_load8(wq0, ra0, rb0, swn, st_lo, q, KW, PIECES)
     if RB == 2:
-        P1 = _step_load8(wq1, ra1, rb1, swn, st_lo, q, KW)
+        P1 = _step_load8(wq1, ra1, rb1, swn, st_lo, q, KW, PIECES)
     for st in range(st_lo, st_hi):
         sn = tl.minimum(st + 1, st_hi - 1)
         C0 = P0
-        P0 = _step_load8(wq0, ra0, rb0, swn, sn, q, KW)
+        P0 = _step_load8(wq0, ra0, rb0, swn, sn, q, KW, PIECES)
         if RB == 2:
             C1 = P1
-            P1 = _step_load8(wq1, ra1, rb1, swn, sn, q, KW)
-        x_off = 32 * st + 4 * q          # this lane's first word of piece 0; its x pairs start at 2 * x_off
-        X0 = _ld_x(xq + 2 * x_off, (x_off < KW) & mine)
-        X1 = _ld_x(xq + 2 * x_off + 32, (x_off + 16 < KW) & mine)
-        a0, a1 = _piece(a0, a1, C0[0], X0)
-        e0, e1 = _piece(e0, e1, C0[1], X1)
-        if RB == 2:
-            c0, c1 = _piece(c0, c1, C1[0], X0)
-            f0, f1 = _piece(f0, f1, C1[1], X1)
+            P1 = _step_load8(wq1, ra1, rb1, swn, sn, q, KW, PIECES)
+        x_off = 16 * PIECES * st + 4 * q     # this lane's first word of piece 0; its x pairs start at 2 * x_off
+        for h in tl.static_range(PIECES):
+            X = _ld_x(xq + 2 * x_off + 32 * h, (x_off + 16 * h < KW) & mine)
+            if h % 2 == 0:   # two accumulator chains per block: even / odd pieces
+                a0, a1 = _piece(a0, a1, C0[h], X)
+                if RB == 2:
+                    c0, c1 = _piece(c0, c1, C1[h], X)
+            else:
+                e0, e1 = _piece(e0, e1, C0[h], X)
+                if RB == 2:
+                    f0, f1 = _piece(f0, f1, C1[h], X)
     return a0 + e0, a1 + e1, c0 + f0, c1 + f1
 
 
@@ -141,7 +151,7 @@ def _row_scale(s_ptr, stride_sn, n, N):
 @triton.jit
 def _fp8_mma_kernel(xh_ptr, w_ptr, stride_wn, s_ptr, stride_sn, bias_ptr, res_ptr, y_ptr, N, K, n_tiles,
                     HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, RB: tl.constexpr, NW: tl.constexpr,
-                    PERSIST: tl.constexpr = False, PDL: tl.constexpr = False):
+                    PERSIST: tl.constexpr = False, PIECES: tl.constexpr = 2, PDL: tl.constexpr = False):
     """grid (n_tiles,) or, PERSIST, fewer programs walking the tiles: y = (W @ x) * s for fp8 W [N, K] e4m3 (or its
     bits as u8) with per-row scales s (stride_sn 0: one tensor scale), xh natural-order fp16 [K], K % 16 == 0. Each
     warp owns 16 * RB rows of a tile and the whole K (fp8_rows_dot, module docstring)."""
@@ -164,7 +174,7 @@ def _fp8_mma_kernel(xh_ptr, w_ptr, stride_wn, s_ptr, stride_sn, bias_ptr, res_pt
         ra1 = tl.minimum(base + 16 + r, N - 1).to(tl.int64)
         rb1 = tl.minimum(base + 24 + r, N - 1).to(tl.int64)
         y0, y1, y2, y3 = fp8_rows_dot(xq, wq, ra0, rb0, wq, ra1, rb1, stride_wn // 4, q, KW, _mine(r, q), 0,
-                                      tl.cdiv(KW, 32), RB)
+                                      tl.cdiv(KW, 16 * PIECES), RB, PIECES)
         n = base + r
         _store_out(_quad_sum(y0, NW) * _row_scale(s_ptr, stride_sn, n, N), n, lead & (n < N), y_ptr, bias_ptr,
                    res_ptr, HAS_BIAS, HAS_RES)
@@ -194,10 +204,11 @@ def gemv_fp8_mma(x: torch.Tensor, w: WeightHandle, *, bias: torch.Tensor | None 
                  residual: torch.Tensor | None = None, out: torch.Tensor | None = None,
                  norm_weight: torch.Tensor | None = None, eps: float = 1e-6, xh: torch.Tensor | None = None,
                  row_blocks: int = FP8_MMA_ROW_BLOCKS, num_warps: int = FP8_MMA_WARPS, programs: int | None = None,
-                 maxnreg: int | None = None) -> torch.Tensor:
+                 pieces: int = 2, maxnreg: int | None = None) -> torch.Tensor:
     """y = W @ x (+ bias) (+ residual) for one fp8 per-row Linear on the tensor cores (module docstring). Same
     contract as kernels.gemv.gemv; xh = prepare_xh(x, norm_weight, eps, natural=True) when already made (else made
-    here). programs: a persistent grid of that many programs walking the row tiles (None: one program per tile).
+    here). programs: a persistent grid of that many programs walking the row tiles (None: one program per tile);
+    pieces: 16-byte pieces per row and step (2: 128 contiguous bytes of a row per step, 4: 256).
     maxnreg: the register cap of the launch on CUDA (None: ptxas's choice)."""
     from .fp4_mma import prepare_xh
     why = fp8_mma_unreadable(w)
@@ -206,6 +217,8 @@ def gemv_fp8_mma(x: torch.Tensor, w: WeightHandle, *, bias: torch.Tensor | None 
     N, K = w.out_features, w.in_features
     if row_blocks not in (1, 2) or num_warps not in (1, 2, 4, 8, 16):
         raise ValueError(f"gemv_fp8_mma: row_blocks {row_blocks} (1 or 2), num_warps {num_warps} (1, 2, 4, 8, 16)")
+    if pieces not in (2, 4):
+        raise ValueError(f"gemv_fp8_mma: pieces {pieces} (2 or 4)")
     if programs is not None and programs < 1:
         raise ValueError(f"gemv_fp8_mma: programs {programs}, expected >= 1")
     if x.device.type == "cuda" and not has_fp8e4nv(x.device):
@@ -225,5 +238,5 @@ def gemv_fp8_mma(x: torch.Tensor, w: WeightHandle, *, bias: torch.Tensor | None 
         xh, w.weight.view(torch.uint8), w.weight.stride(-2), w.scale, w.scale.stride(-2) if w.scale.dim() >= 2 else 0,
         bias if bias is not None else y, residual if residual is not None else y, y, N, K, n_tiles,
         HAS_BIAS=bias is not None, HAS_RES=residual is not None, RB=row_blocks, NW=num_warps,
-        PERSIST=programs is not None, num_warps=num_warps, **launch_kw(x.device), **reg_cap(x.device, maxnreg))
+        PERSIST=programs is not None, PIECES=pieces, num_warps=num_warps, **launch_kw(x.device), **reg_cap(x.device, maxnreg))
     return y

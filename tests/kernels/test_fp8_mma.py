@@ -29,16 +29,19 @@ def _ref(x, w, **kw):
 # Odd row counts (not multiples of a warp's 16 / 32 rows or a program's), K with a ragged last 128-byte step (K % 16
 # is the contract), K shorter than one piece's quad (16 < 64), K of several steps; programs: a persistent grid
 # smaller than the tiles (uneven share per program), or None (one program per tile).
-CASES = [(37, 160, 2, 1, None), (16, 16, 1, 1, None), (70, 224, 1, 2, None), (130, 96, 2, 2, 3), (1, 48, 2, 1, None),
-         (33, 608, 2, 2, 1), (19, 512, 2, 1, 2), (29, 800, 1, 1, 5), (50, 1040, 1, 2, None)]
+# pieces 4: 256-byte steps, K ragged against them too.
+CASES = [(37, 160, 2, 1, None, 2), (16, 16, 1, 1, None, 2), (70, 224, 1, 2, None, 2), (130, 96, 2, 2, 3, 2),
+         (1, 48, 2, 1, None, 2), (33, 608, 2, 2, 1, 2), (19, 512, 2, 1, 2, 2), (29, 800, 1, 1, 5, 2),
+         (50, 1040, 1, 2, None, 2), (37, 160, 2, 1, None, 4), (33, 608, 2, 2, 1, 4), (45, 1296, 1, 1, 2, 4)]
 
 
-@pytest.mark.parametrize("N,K,rb,nw,programs", CASES, ids=[f"{c[0]}x{c[1]}-rb{c[2]}-w{c[3]}-p{c[4]}" for c in CASES])
-def test_matches_reference(N, K, rb, nw, programs):
+@pytest.mark.parametrize("N,K,rb,nw,programs,pieces", CASES,
+                         ids=[f"{c[0]}x{c[1]}-rb{c[2]}-w{c[3]}-p{c[4]}-pc{c[5]}" for c in CASES])
+def test_matches_reference(N, K, rb, nw, programs, pieces):
     w = random_weight("fp8", N, K, seed=N * K, device=DEV)
     x, bias, res = _x(K, 1), _x(N, 2, torch.float32), _x(N, 3)
     y = gemv_fp8_mma(x, w, bias=bias, residual=res, out=torch.empty(N, device=DEV), row_blocks=rb, num_warps=nw,
-                     programs=programs)
+                     programs=programs, pieces=pieces)
     assert_close(y, _ref(x, w, bias=bias, residual=res), what=f"fp8 mma {N}x{K}")
 
 
@@ -97,6 +100,8 @@ def test_bad_input_is_named():
         gemv_fp8_mma(_x(40, 1), random_weight("fp8", 8, 40, seed=1, device=DEV))
     with pytest.raises(ValueError, match="row_blocks 3"):
         gemv_fp8_mma(_x(64, 1), w, row_blocks=3)
+    with pytest.raises(ValueError, match="pieces 3"):
+        gemv_fp8_mma(_x(64, 1), w, pieces=3)
     with pytest.raises(ValueError, match="programs 0"):
         gemv_fp8_mma(_x(64, 1), w, programs=0)
     with pytest.raises(ValueError, match="expert stack"):
@@ -107,10 +112,12 @@ def test_bad_input_is_named():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("shape", [(65536, 8192), (151936, 2048), (5120, 2048), (2048, 768), (37, 160)],
                          ids=["big-65536x8192", "lm-head-151936x2048", "qwen3-qkv-5120x2048", "2048x768", "37x160"])
-@pytest.mark.parametrize("rb,nw,programs", [(2, 4, None), (1, 4, None), (2, 8, 132), (2, 8, None)])
-def test_real_sizes_gpu(shape, rb, nw, programs):
+@pytest.mark.parametrize("rb,nw,programs,pieces", [(2, 4, None, 2), (1, 4, None, 2), (2, 8, 132, 2), (2, 8, None, 2),
+                                                   (2, 4, None, 4), (2, 8, 132, 4)])
+def test_real_sizes_gpu(shape, rb, nw, programs, pieces):
     N, K = shape
     w = random_weight("fp8", N, K, seed=N + K, device="cuda")
     x = _x(K, 9).cuda()
-    y = gemv_fp8_mma(x, w, out=torch.empty(N, device="cuda"), row_blocks=rb, num_warps=nw, programs=programs)
+    y = gemv_fp8_mma(x, w, out=torch.empty(N, device="cuda"), row_blocks=rb, num_warps=nw, programs=programs,
+                     pieces=pieces)
     assert_close(y, _ref(x, w), rel=2e-5, what=f"fp8 mma {shape}")
