@@ -40,7 +40,8 @@ import triton.language as tl
 
 from ..models.reference import ReferenceDecoder
 from .pdl import launch_kw, pdl_begin
-from .rope import NORM_FULL, _norm_rope_rows, _style_pair, cast_to, check_rope_args, round_to
+from .rope import (NORM_FULL, _norm_rope_loaded, _norm_rope_rows, _rope_rows_load, _style_pair, cast_to,
+                   check_rope_args, round_to)
 from .tiles import _x8_offs
 
 __all__ = ["gqa_decode", "rope_gqa_decode", "mla_decode", "gqa_decode_ref", "mla_decode_ref", "default_num_splits",
@@ -49,6 +50,9 @@ __all__ = ["gqa_decode", "rope_gqa_decode", "mla_decode", "gqa_decode_ref", "mla
 LOG2E = 1.4426950408889634
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+# rope_gqa_split_task loads q, k, v and the norm weights before pos (one round trip for all); 0: after it, in the
+# order of the math (the A/B of NOTES.md session 28).
+LOADS_FIRST = tl.constexpr(os.environ.get("KIE_ATTN_LOADS_FIRST", "1") == "1")
 
 
 # ---- shared device helpers ---------------------------------------------------------------------------------------
@@ -202,8 +206,15 @@ def rope_gqa_split_task(kv_head, split, q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cach
     reads the range (the other splits never read row pos); every program norms + rotates its own REP q heads
     in registers (q is not written back). Same rounding as the two launches (q, k rounded to q's dtype).
     q [Hq, DH], k / v [Hkv, DH] raw; NORM none or per head (a full-projection norm needs every head: unfused)."""
-    pos = tl.load(pos_ptr)
+    # Every input that does not depend on the position (q, k and v rows, the norm weights) is loaded first, so all
+    # of them share one round trip with pos; the cos / sin rows follow pos (KIE_ATTN_LOADS_FIRST=0: the order before).
     DTYPE: tl.constexpr = q_ptr.dtype.element_ty
+    if LOADS_FIRST:
+        qr = _rope_rows_load(q_ptr, kv_head * REP, REP, stride_qh, q_norm_ptr, DH, ROT, PAIR, NORM, BLOCK_R,
+                             BLOCK_D)
+        kr = _rope_rows_load(k_ptr, kv_head, 1, stride_kh, k_norm_ptr, DH, ROT, PAIR, NORM, 1, BLOCK_D)
+        v = tl.load(v_ptr + kr[4][:, None] * stride_vh + kr[5][None, :], mask=kr[6], other=0.0).to(tl.float32)
+    pos = tl.load(pos_ptr)
     row = tl.minimum(pos, max_len - 1)
     cos_row = cos_ptr + row * stride_cos
     sin_row = sin_ptr + row * stride_cos
@@ -211,18 +222,25 @@ def rope_gqa_split_task(kv_head, split, q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cach
     start = lo + split * chunk
     end = tl.minimum(start + chunk, length)
     if (pos >= start) & (pos < end):      # end <= length <= max_len: row pos is inside the cache
-        k, offs_h, offs_d, mask = _norm_rope_rows(k_ptr, kv_head, 1, stride_kh, k_norm_ptr, cos_row, sin_row, eps,
-                                                  clip, DH, ROT, PAIR, NORM, CLIP, DTYPE, 1, BLOCK_D)
+        if LOADS_FIRST:
+            k, offs_h, offs_d, mask = _norm_rope_loaded(kr, 1, cos_row, sin_row, eps, clip, DH, ROT, PAIR, NORM,
+                                                        CLIP, DTYPE)
+        else:
+            k, offs_h, offs_d, mask = _norm_rope_rows(k_ptr, kv_head, 1, stride_kh, k_norm_ptr, cos_row, sin_row,
+                                                      eps, clip, DH, ROT, PAIR, NORM, CLIP, DTYPE, 1, BLOCK_D)
+            v = tl.load(v_ptr + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
         tl.store(k_cache_ptr + pos * stride_kt + offs_h[:, None] * stride_kch + offs_d[None, :],
                  cast_to(cast_to(k, DTYPE), k_cache_ptr.dtype.element_ty), mask=mask)
-        v = tl.load(v_ptr + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
         if CLIP:
             v = round_to(tl.minimum(tl.maximum(v, -clip), clip), DTYPE)
         tl.store(v_cache_ptr + pos * stride_vt + offs_h[:, None] * stride_vch + offs_d[None, :],
                  cast_to(v, v_cache_ptr.dtype.element_ty), mask=mask)
         tl.debug_barrier()                # the row is in the cache before any thread of this program reads it
-    q, _, _, _ = _norm_rope_rows(q_ptr, kv_head * REP, REP, stride_qh, q_norm_ptr, cos_row, sin_row, eps, clip,
-                                 DH, ROT, PAIR, NORM, CLIP, DTYPE, BLOCK_R, BLOCK_D)
+    if LOADS_FIRST:
+        q, _, _, _ = _norm_rope_loaded(qr, REP, cos_row, sin_row, eps, clip, DH, ROT, PAIR, NORM, CLIP, DTYPE)
+    else:
+        q, _, _, _ = _norm_rope_rows(q_ptr, kv_head * REP, REP, stride_qh, q_norm_ptr, cos_row, sin_row, eps, clip,
+                                     DH, ROT, PAIR, NORM, CLIP, DTYPE, BLOCK_R, BLOCK_D)
     q = cast_to(q, DTYPE).to(DOT_DTYPE)
     _gqa_attend(q, kv_head, split, start, end, k_cache_ptr, v_cache_ptr, sinks_ptr, out_ptr, o_part_ptr,
                 lse_part_ptr, qk_scale, stride_kt, stride_kch, stride_vt, stride_vch, stride_oh, stride_oph,

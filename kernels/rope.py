@@ -91,6 +91,16 @@ def _norm_rope_rows(src_ptr, row0, n_rows, stride_row, w_ptr, cos_row_ptr, sin_r
     is a few KB, cheaper than a register shuffle. NORM_FULL normalises over all n_rows * DH values (OLMoE), so its
     caller must pass every head in one call; the weight is then [n_rows * DH] and indexed by row * DH + d.
     """
+    rows = _rope_rows_load(src_ptr, row0, n_rows, stride_row, w_ptr, DH, ROT, PAIR, NORM, BLOCK_H, BLOCK_D)
+    return _norm_rope_loaded(rows, n_rows, cos_row_ptr, sin_row_ptr, eps, clip, DH, ROT, PAIR, NORM, CLIP, DTYPE)
+
+
+@triton.jit
+def _rope_rows_load(src_ptr, row0, n_rows, stride_row, w_ptr, DH: tl.constexpr, ROT: tl.constexpr,
+                    PAIR: tl.constexpr, NORM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """_norm_rope_rows' loads (rows in own and partner order, the norm weight likewise), none of which depends on the
+    position: a caller issues them all before waiting on anything (rope_gqa_split_task). -> (x, xp, w, wp, offs_h,
+    offs_d, mask)."""
     offs_h = row0 + tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
     partner, freq, first, in_rot = _rope_partner(offs_d, ROT, PAIR)
@@ -98,24 +108,38 @@ def _norm_rope_rows(src_ptr, row0, n_rows, stride_row, w_ptr, cos_row_ptr, sin_r
     mask = mask_h[:, None] & (offs_d < DH)[None, :]
     x = tl.load(src_ptr + offs_h[:, None] * stride_row + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
     xp = tl.load(src_ptr + offs_h[:, None] * stride_row + partner[None, :], mask=mask, other=0.0).to(tl.float32)
-    if NORM == 2:       # full: RMS over the whole projection, weight [n_rows * DH]
-        r = tl.rsqrt(tl.sum(tl.sum(x * x, axis=1), axis=0) / (n_rows * DH) + eps)
+    w = x
+    wp = xp
+    if NORM == 2:       # full: weight [n_rows * DH]
         w_offs = (offs_h - row0)[:, None] * DH
         w = tl.load(w_ptr + w_offs + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
         wp = tl.load(w_ptr + w_offs + partner[None, :], mask=mask, other=0.0).to(tl.float32)
+    elif NORM == 1:     # head: weight [DH]
+        w = tl.load(w_ptr + offs_d, mask=offs_d < DH, other=0.0).to(tl.float32)[None, :]
+        wp = tl.load(w_ptr + partner, mask=offs_d < DH, other=0.0).to(tl.float32)[None, :]
+    return x, xp, w, wp, offs_h, offs_d, mask
+
+
+@triton.jit
+def _norm_rope_loaded(rows, n_rows, cos_row_ptr, sin_row_ptr, eps, clip, DH: tl.constexpr, ROT: tl.constexpr,
+                      PAIR: tl.constexpr, NORM: tl.constexpr, CLIP: tl.constexpr, DTYPE: tl.constexpr):
+    """_norm_rope_rows' math on _rope_rows_load's result; the cos / sin row (it depends on the position) is loaded
+    first, so its round trip overlaps the rows' if they are still in flight."""
+    x, xp, w, wp, offs_h, offs_d, mask = rows
+    partner, freq, first, in_rot = _rope_partner(offs_d, ROT, PAIR)
+    c = tl.load(cos_row_ptr + freq, mask=in_rot, other=1.0)[None, :]
+    s = tl.load(sin_row_ptr + freq, mask=in_rot, other=0.0)[None, :]
+    if NORM == 2:       # full: RMS over the whole projection
+        r = tl.rsqrt(tl.sum(tl.sum(x * x, axis=1), axis=0) / (n_rows * DH) + eps)
         x = round_to(round_to(x * r, DTYPE) * w, DTYPE)
         xp = round_to(round_to(xp * r, DTYPE) * wp, DTYPE)
     if CLIP:            # the clamped value is rounded to DTYPE, as torch's clamp of a bf16 tensor does
         x = round_to(tl.minimum(tl.maximum(x, -clip), clip), DTYPE)
         xp = round_to(tl.minimum(tl.maximum(xp, -clip), clip), DTYPE)
-    if NORM == 1:       # head: RMS over each head's DH values, weight [DH] (Qwen3)
+    if NORM == 1:       # head: RMS over each head's DH values
         r = tl.rsqrt(tl.sum(x * x, axis=1) / DH + eps)[:, None]
-        w = tl.load(w_ptr + offs_d, mask=offs_d < DH, other=0.0).to(tl.float32)[None, :]
-        wp = tl.load(w_ptr + partner, mask=offs_d < DH, other=0.0).to(tl.float32)[None, :]
         x = round_to(round_to(x * r, DTYPE) * w, DTYPE)
         xp = round_to(round_to(xp * r, DTYPE) * wp, DTYPE)
-    c = tl.load(cos_row_ptr + freq, mask=in_rot, other=1.0)[None, :]
-    s = tl.load(sin_row_ptr + freq, mask=in_rot, other=0.0)[None, :]
     s = tl.where(first, -s, s)                          # x1' = x1 c - x2 s ; x2' = x2 c + x1 s
     return tl.where(in_rot[None, :], x * c + xp * s, x), offs_h, offs_d, mask
 
