@@ -32,7 +32,8 @@ import triton.language as tl
 
 from .device_caps import e4m3_arg
 from .pdl import launch_kw, pdl_begin
-from .tiles import (ACT_ID, FMT_ID, _glu, _normed_block, _rstd, _split_reduce, _store_out, _tile,  # noqa: F401
+from .tiles import (ACT_ID, FMT_ID, _glu, _normed_block, _rstd, _rstd_post, _rstd_pre, _split_reduce,  # noqa: F401
+                    _store_out, _tile, rstd_early_steps,
                     _tile_bf16, _tile_fp8, _tile_fp8_block, _tile_mxfp4, _tile_nvfp4, _tile_pair, _x8_offs,
                     rstd_block)
 from .weights import FP8_BLOCK, WeightHandle, dequantize
@@ -115,21 +116,26 @@ def _gemv_kernel(
     N, K, k_per_split, eps, stride_x8,
     FMT: tl.constexpr, HAS_NW: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
     SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_X: tl.constexpr,
-    PIPE: tl.constexpr, PDL: tl.constexpr = False,
+    PIPE: tl.constexpr, PDL: tl.constexpr = False, NX: tl.constexpr = 0,
 ):
     """grid (cdiv(N, BLOCK_N), SPLIT_K): y[N] = (rstd *) W[N, K] @ (nw *) x[K] (+ bias) (+ residual).
-    fp4 formats: x_ptr is x8 (prepare_x8, norm applied there) and HAS_NW is False."""
+    fp4 formats: x_ptr is x8 (prepare_x8, norm applied there) and HAS_NW is False. NX > 0 (SPLIT_K 1): rstd's
+    loads issued before the tile loop (tiles.rstd_early_steps)."""
     pdl_begin(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
+    if NX > 0:
+        xs = _rstd_pre(x_ptr, K, BLOCK_X, NX)
     acc = _tile(FMT, w_ptr, stride_wn, s_ptr, stride_sn, stride_sk, gs_ptr, x_ptr, nw_ptr, stride_x8,
                 pid_n * BLOCK_N, N, k_lo, k_hi, HAS_NW, BLOCK_N, BLOCK_K, PIPE)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     if SPLIT_K == 1:
-        if HAS_NW:
+        if NX > 0:
+            acc = acc * _rstd_post(xs, K, eps, BLOCK_X, NX)
+        elif HAS_NW:
             acc = acc * _rstd(x_ptr, K, eps, BLOCK_X)
         _store_out(acc, offs_n, n_mask, y_ptr, bias_ptr, res_ptr, HAS_BIAS, HAS_RES)
     else:
@@ -149,13 +155,15 @@ def _glu_kernel(
     N, K, eps, limit, alpha, stride_x8,
     FMT: tl.constexpr, HAS_NW: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_X: tl.constexpr, PIPE: tl.constexpr,
-    Y_X8: tl.constexpr = False, PDL: tl.constexpr = False, PAIR: tl.constexpr = False,
+    Y_X8: tl.constexpr = False, PDL: tl.constexpr = False, PAIR: tl.constexpr = False, NX: tl.constexpr = 0,
 ):
     """grid (cdiv(N, BLOCK_N),): y[N] = glu(Wg x + bg, Wu x + bu), x optionally RMS-normed in front; Y_X8: y stored
     as fp32 [8, N/8] in the x8 layout; PAIR: gate and up rows in one K loop (tiles._tile_pair)."""
     pdl_begin(PDL)
     pid_n = tl.program_id(0)
     n_start = pid_n * BLOCK_N
+    if NX > 0:
+        xs = _rstd_pre(x_ptr, K, BLOCK_X, NX)
     if PAIR:
         g, u = _tile_pair(FMT, wg_ptr, wu_ptr, stride_wgn, sg_ptr, su_ptr, stride_sgn, stride_sgk, x_ptr, nw_ptr,
                           n_start, N, 0, K, HAS_NW, BLOCK_N, BLOCK_K, PIPE)
@@ -167,7 +175,10 @@ def _glu_kernel(
     offs_n = n_start + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     if HAS_NW:
-        r = _rstd(x_ptr, K, eps, BLOCK_X)
+        if NX > 0:
+            r = _rstd_post(xs, K, eps, BLOCK_X, NX)
+        else:
+            r = _rstd(x_ptr, K, eps, BLOCK_X)
         g = g * r
         u = u * r
     if HAS_BIAS:
@@ -369,8 +380,8 @@ def gemv(x: torch.Tensor, w: WeightHandle, *, bias: torch.Tensor | None = None, 
         N, K, k_per_split, eps, stride_x8,
         FMT=FMT_ID[w.fmt], HAS_NW=has_nw, HAS_BIAS=bias is not None, HAS_RES=residual is not None,
         SPLIT_K=split, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_X=rstd_block(K),
-        PIPE=cfg.prefetch, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **launch_kw(w.device)
+        PIPE=cfg.prefetch, NX=rstd_early_steps(K, cfg.num_warps) if has_nw and split == 1 else 0,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_kw(w.device)
     )
     return y
 
@@ -480,8 +491,8 @@ def gemv_glu(x: torch.Tensor, w_gate: WeightHandle, w_up: WeightHandle, *, act: 
         N, K, eps, limit, alpha, stride_x8,
         FMT=FMT_ID[w_gate.fmt], HAS_NW=has_nw, HAS_BIAS=gate_bias is not None, ACT=ACT_ID[act],
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_X=rstd_block(K),
-        PIPE=cfg.prefetch, Y_X8=out_x8, PAIR=pair, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **launch_kw(x.device)
+        PIPE=cfg.prefetch, Y_X8=out_x8, PAIR=pair, NX=rstd_early_steps(K, cfg.num_warps) if has_nw else 0,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_kw(x.device)
     )
     return y
 

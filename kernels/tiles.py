@@ -454,6 +454,50 @@ def rstd_block(K: int) -> int:
     return min(1024, triton.next_power_of_2(K))
 
 
+# A single-split normed GEMV / GLU loads x for its RMSNorm scale before its tile loop and reduces it after (NX =
+# rstd_early_steps > 0): the scale's L2 round trip and barrier then overlap the weight stream instead of extending
+# every program's tail (NOTES.md session 28). KIE_RSTD_EARLY=0: computed after the loop, as before (same bits).
+RSTD_EARLY = os.environ.get("KIE_RSTD_EARLY", "1") != "0"
+RSTD_EARLY_MAX_PER_THREAD = 16    # fp32 x values a thread holds through the loop (registers)
+
+
+def rstd_early_steps(K: int, num_warps: int) -> int:
+    """NX for _rstd_pre: the number of rstd_block(K)-wide loads of x, or 0 (late _rstd) when off or when a thread
+    would hold more than RSTD_EARLY_MAX_PER_THREAD values or 4 loads."""
+    bx = rstd_block(K)
+    nx = -(-K // bx)
+    if not RSTD_EARLY or nx > 4 or nx * bx > RSTD_EARLY_MAX_PER_THREAD * 32 * num_warps:
+        return 0
+    return nx
+
+
+@triton.jit
+def _rstd_pre(x_ptr, K, BLOCK_X: tl.constexpr, NX: tl.constexpr):
+    """_rstd's NX (1-4) loads of x, issued now and reduced later by _rstd_post (nothing waits for them here)."""
+    offs = tl.arange(0, BLOCK_X)
+    x0 = tl.load(x_ptr + offs, mask=offs < K, other=0.0)
+    x1 = x0
+    x2 = x0
+    x3 = x0
+    if NX > 1:
+        x1 = tl.load(x_ptr + BLOCK_X + offs, mask=BLOCK_X + offs < K, other=0.0)
+    if NX > 2:
+        x2 = tl.load(x_ptr + 2 * BLOCK_X + offs, mask=2 * BLOCK_X + offs < K, other=0.0)
+    if NX > 3:
+        x3 = tl.load(x_ptr + 3 * BLOCK_X + offs, mask=3 * BLOCK_X + offs < K, other=0.0)
+    return x0, x1, x2, x3
+
+
+@triton.jit
+def _rstd_post(xs, K, eps, BLOCK_X: tl.constexpr, NX: tl.constexpr):
+    """_rstd's value from _rstd_pre's loads: the same sums in the same order (bit-equal)."""
+    ss = tl.zeros((BLOCK_X,), dtype=tl.float32)
+    for i in tl.static_range(NX):
+        x = xs[i].to(tl.float32)
+        ss += x * x
+    return 1.0 / tl.sqrt(tl.sum(ss, axis=0) / K + eps)
+
+
 @triton.jit
 def _rstd(x_ptr, K, eps, BLOCK_X: tl.constexpr):
     """1 / sqrt(mean(x^2) + eps) over the whole input (every program recomputes it: x is a few KB, in L2)."""

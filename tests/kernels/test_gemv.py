@@ -345,3 +345,25 @@ def test_rstd_over_ragged_steps():
     wg, wu = random_weight("bf16", N, K, seed=44, device=DEV), random_weight("bf16", N, K, seed=45, device=DEV)
     y = gemv_swiglu(x, wg, wu, norm_weight=nw, eps=1e-5, out=torch.empty(N, device=DEV), config=TileConfig(8, 256))
     assert_close(y, gemv_glu_ref(x, wg, wu, norm_weight=nw, eps=1e-5, out_dtype=torch.float32), what="ragged-norm glu")
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "fp8_block"])
+@pytest.mark.parametrize("K", [96, 2048, 3000])
+def test_rstd_early_is_bit_equal_to_late(monkeypatch, fmt, K):
+    """The normed GEMV / GLU with rstd's loads before the tile loop (tiles.rstd_early_steps > 0) give the same bits as
+    with rstd computed after it; K 3000 is over the register limit and takes the late path either way."""
+    from kie_moe.kernels import gemv as G
+    from kie_moe.kernels import tiles
+    w = random_weight(fmt, 40, K, seed=K, device=DEV)
+    g = torch.Generator().manual_seed(K)
+    x = torch.randn(K, generator=g).to(DEV)
+    nw = torch.randn(K, generator=g).to(DEV, torch.bfloat16)
+    got = {}
+    for early in (True, False):
+        monkeypatch.setattr(tiles, "RSTD_EARLY", early)
+        got[early] = (G.gemv(x, w, norm_weight=nw, out=torch.empty(40, device=DEV)),
+                      G.gemv_glu(x, w, w, norm_weight=nw, out=torch.empty(40, device=DEV)))
+    monkeypatch.setattr(tiles, "RSTD_EARLY", True)
+    assert (tiles.rstd_early_steps(K, 4) > 0) == (K <= 2048)
+    assert torch.equal(got[True][0], got[False][0]) and torch.equal(got[True][1], got[False][1])
+    assert_close(got[True][0], G.rmsnorm_gemv_ref(x, nw, 1e-6, w, out_dtype=torch.float32), what=f"{fmt} K={K}")
