@@ -42,6 +42,7 @@ def time_backend(be, prompt, new_tokens, runs=3):
 
 
 def run(arch: str, fmt: str, probe: float, backends: list[str], prompt_len=32, new_tokens=128) -> list[dict]:
+    from kie_moe.bench import backend_bytes
     from kie_moe.synthetic import open_model
     rows = []
     # as `kie bench` builds it: float weights drawn tensor by tensor when they would fill over half of the GPU
@@ -57,11 +58,10 @@ def run(arch: str, fmt: str, probe: float, backends: list[str], prompt_len=32, n
             if name == "graph":
                 from kie_moe.kernels.graph import GraphBackend
                 be = GraphBackend(model, torch.device("cuda"))
-                bpt = be.bytes_per_token
             else:
                 from kie_moe.kernels.monokernel.runtime import MonokernelBackend
                 be = MonokernelBackend(model, torch.device("cuda"))
-                bpt = getattr(be, "bytes_per_token", None) or getattr(be.plan, "bytes_per_token", None)
+            bpt = backend_bytes(be)       # each backend's own count, as `kie bench` reports it
             r["build_s"] = time.perf_counter() - t0
             tps, runs, toks = time_backend(be, prompt, new_tokens)
             r.update(tok_per_s=tps, runs=runs, bytes_per_token=bpt, token_ids=toks)   # greedy: A/Bs compare them

@@ -54,10 +54,6 @@ EXPERT_DOWN_ATOMIC = os.environ.get("KIE_EXPERT_DOWN_ATOMIC", "1") != "0"
 # the same picks, bit-equal weights). H100, session 27: the selecting GLU 13.56 -> 13.29 us, qwen3-30b-a3b graph fp8
 # +0.15-0.19%. KIE_ROUTER_SOFTMAX_ON_PICKS=0 scores all E first.
 SOFTMAX_ON_PICKS = os.environ.get("KIE_ROUTER_SOFTMAX_ON_PICKS", "1") != "0"
-# The selecting GLU launch loads the router's partial logits (and biases) before it computes the RMSNorm scale, whose
-# block reduction (a barrier) would otherwise hold those loads back: one L2 round trip less on every program's path
-# to its expert id (NOTES.md session 28). KIE_SELECT_LOADS_FIRST=0: after it, as before (same values either way).
-SELECT_LOADS_FIRST = tl.constexpr(os.environ.get("KIE_SELECT_LOADS_FIRST", "1") != "0")
 # The router tail's / the selecting GLU launch's top-k takes 4 picks per block-wide reduction (tl.reduce over sorted
 # lists, _top4) instead of one: qwen3-30b-a3b's 8 rounds, each a chain of shuffles and a barrier on every GLU
 # program's critical path, become 2. Same picks, same weights (bit-equal). H100, session 25: the GLU picking the
@@ -205,53 +201,19 @@ def _route_topk(part_ptr, rstd, b_ptr, corr_ptr, scaling, E,
     cdiv(TOP_K, PER_ROUND) rounds of one reduction over (score, id) keys (_topk_key), each giving PER_ROUND picks
     (an int64 max for 1): no sort, ties go to the lower id. Each block-wide reduction (warp shuffles, then a
     shared-memory round behind a barrier) is on the critical path of whoever runs this: one per round, not three
-    (max, argmin, sum). = _route_inputs then _route_topk_loaded (a caller that computes rstd itself issues the
-    loads first: the expert GLU launch)."""
-    pre = _route_inputs(part_ptr, b_ptr, corr_ptr, E, HAS_BIAS, HAS_CORR, N_GROUP, GROUP_SIZE, SPLIT_K, BLOCK_G,
-                        BLOCK_S)
-    return _route_topk_loaded(pre, rstd, scaling, HAS_BIAS, HAS_CORR, SCORE, NORM_TOPK, N_GROUP, GROUP_SIZE,
-                              TOPK_GROUP, GROUP_TOP2, TOP_K, BLOCK_G, BLOCK_S, BLOCK_TOPK, PER_ROUND)
-
-
-@triton.jit
-def _route_inputs(part_ptr, b_ptr, corr_ptr, E, HAS_BIAS: tl.constexpr, HAS_CORR: tl.constexpr,
-                  N_GROUP: tl.constexpr, GROUP_SIZE: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_G: tl.constexpr,
-                  BLOCK_S: tl.constexpr):
-    """_route_topk's loads, none of which needs rstd: (the partial logits' sum in split order, the router bias, the
-    correction bias), [BLOCK_G, BLOCK_S] fp32 each (zeros where absent)."""
-    offs_g = tl.arange(0, BLOCK_G)
-    offs_s = tl.arange(0, BLOCK_S)
-    e_idx = offs_g[:, None] * GROUP_SIZE + offs_s[None, :]  # [BLOCK_G, BLOCK_S] expert id
-    valid = (offs_g[:, None] < N_GROUP) & (offs_s[None, :] < GROUP_SIZE)
-    raw = tl.zeros((BLOCK_G, BLOCK_S), dtype=tl.float32)
-    for s in range(SPLIT_K):
-        raw += tl.load(part_ptr + s * E + e_idx, mask=valid, other=0.0, cache_modifier=".cg")
-    b = tl.zeros((BLOCK_G, BLOCK_S), dtype=tl.float32)
-    c = tl.zeros((BLOCK_G, BLOCK_S), dtype=tl.float32)
-    if HAS_BIAS:
-        b = tl.load(b_ptr + e_idx, mask=valid, other=0.0).to(tl.float32)
-    if HAS_CORR:
-        c = tl.load(corr_ptr + e_idx, mask=valid, other=0.0).to(tl.float32)
-    return raw, b, c
-
-
-@triton.jit
-def _route_topk_loaded(pre, rstd, scaling, HAS_BIAS: tl.constexpr, HAS_CORR: tl.constexpr, SCORE: tl.constexpr,
-                       NORM_TOPK: tl.constexpr, N_GROUP: tl.constexpr, GROUP_SIZE: tl.constexpr,
-                       TOPK_GROUP: tl.constexpr, GROUP_TOP2: tl.constexpr, TOP_K: tl.constexpr,
-                       BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_TOPK: tl.constexpr,
-                       PER_ROUND: tl.constexpr = 1):
-    """_route_topk on _route_inputs' values."""
+    (max, argmin, sum)."""
     NEG: tl.constexpr = float("-inf")
     BIG: tl.constexpr = 0x7FFFFFFF
     offs_g = tl.arange(0, BLOCK_G)
     offs_s = tl.arange(0, BLOCK_S)
     e_idx = offs_g[:, None] * GROUP_SIZE + offs_s[None, :]  # [BLOCK_G, BLOCK_S] expert id
     valid = (offs_g[:, None] < N_GROUP) & (offs_s[None, :] < GROUP_SIZE)
-    raw, b, c = pre
-    logit = raw * rstd
+    logit = tl.zeros((BLOCK_G, BLOCK_S), dtype=tl.float32)
+    for s in range(SPLIT_K):
+        logit += tl.load(part_ptr + s * E + e_idx, mask=valid, other=0.0, cache_modifier=".cg")
+    logit = logit * rstd
     if HAS_BIAS:
-        logit += b
+        logit += tl.load(b_ptr + e_idx, mask=valid, other=0.0).to(tl.float32)
 
     if SCORE == 0:  # softmax over all experts
         lm = tl.where(valid, logit, NEG)
@@ -264,7 +226,7 @@ def _route_topk_loaded(pre, rstd, scaling, HAS_BIAS: tl.constexpr, HAS_CORR: tl.
         score = logit
     choice = score
     if HAS_CORR:  # e_score_correction_bias steers the choice only; weights come from `score`
-        choice += c
+        choice += tl.load(corr_ptr + e_idx, mask=valid, other=0.0).to(tl.float32)
     choice = tl.where(valid, choice, NEG)
 
     if N_GROUP > 1:
@@ -718,20 +680,14 @@ def _expert_glu_kernel(
     pid_n = tl.program_id(0)
     slot = tl.program_id(1)
     if SELECT:
-        if SELECT_LOADS_FIRST:   # the logits' loads before rstd's reduction (its barrier would hold them back)
-            pre = _route_inputs(rpart_ptr, rb_ptr, rcorr_ptr, E, SEL_BIAS, SEL_CORR, N_GROUP, GROUP_SIZE, SPLIT_K,
-                                BLOCK_G, BLOCK_S)
         rstd_sel = 1.0
         if SEL_NW == 1:
             rstd_sel = _route_rstd(rpart_ptr, E, K, eps, SPLIT_K)
         elif SEL_NW == 2:
             rstd_sel = _rstd(rx_ptr, K, eps, BLOCK_X)
-        if not SELECT_LOADS_FIRST:
-            pre = _route_inputs(rpart_ptr, rb_ptr, rcorr_ptr, E, SEL_BIAS, SEL_CORR, N_GROUP, GROUP_SIZE, SPLIT_K,
-                                BLOCK_G, BLOCK_S)
-        sel_ids, sel_wts, sel_logit = _route_topk_loaded(pre, rstd_sel, scaling, SEL_BIAS, SEL_CORR, SCORE,
-                                                         NORM_TOPK, N_GROUP, GROUP_SIZE, TOPK_GROUP, GROUP_TOP2,
-                                                         TOP_K, BLOCK_G, BLOCK_S, BLOCK_TOPK, PER_ROUND)
+        sel_ids, sel_wts, sel_logit = _route_topk(rpart_ptr, rstd_sel, rb_ptr, rcorr_ptr, scaling, E, SEL_BIAS,
+                                                  SEL_CORR, SCORE, NORM_TOPK, N_GROUP, GROUP_SIZE, TOPK_GROUP,
+                                                  GROUP_TOP2, TOP_K, SPLIT_K, BLOCK_G, BLOCK_S, BLOCK_TOPK, PER_ROUND)
         if (pid_n == 0) & (slot == 0):
             _route_store(sel_ids, sel_wts, sel_logit, logits_ptr, ids_ptr, wts_ptr, N_GROUP, GROUP_SIZE, TOP_K,
                          BLOCK_G, BLOCK_S, BLOCK_TOPK)
