@@ -62,6 +62,11 @@ def _compile_all(arch: int = 90, formats=("bf16", "fp8", "fp8_block", "nvfp4", "
                                       PDL=True, launch_pdl=True, **common)
             assert "griddepcontrol.wait" in k.asm["ptx"]
             record("gemv[bf16,pdl]", k)
+            # rstd's loads before the tile loop (tiles.rstd_early_steps), bias / residual too (EPILOGUE_EARLY)
+            k = G._gemv_kernel.warmup(xin, xin, *G.weight_args(w), y, y, y, part, cnt, N, H, H, 1e-6, H // 8,
+                                      FMT=fid, HAS_NW=True, HAS_BIAS=True, HAS_RES=True, SPLIT_K=1, BLOCK_X=1024,
+                                      NX=2, EPI=True, **common)
+            record("gemv[bf16,rstd+epilogue early]", k)
         if fmt == "fp8" and arch >= 90:    # kernels/fp8_mma.py: e4m3 converts are sm_89+; one grid, one persistent
             from kie_moe.kernels.fp8_mma import _fp8_mma_kernel
             xh = torch.empty(H, dtype=torch.float16)
@@ -213,7 +218,7 @@ def test_kernels_compile_for_sm90():
     pytest.importorskip("triton.backends.nvidia")
     from tests.kernels.helpers import compiled_json    # not at the top: this file also runs as a script
     rows = compiled_json([__file__], KIE_GPU_TESTS="1")
-    assert len(rows) == 5 * 5 + 2 + 2 + 1 + 1 + 1 + 3 + 1 + 4 + 1 + 1 + 1 + 1 + 1 + 1
+    assert len(rows) == 5 * 5 + 2 + 2 + 1 + 1 + 1 + 1 + 3 + 1 + 4 + 1 + 1 + 1 + 1 + 1 + 1
     spills = [r for r in rows if r["local_bytes"]]
     assert not spills, f"register spills to local memory: {spills}"
     heavy = [r for r in rows if r["regs"] and r["regs"] > 128]
