@@ -410,16 +410,25 @@ def prepare_xh(x: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: fl
     return out
 
 
-def mma_unreadable(w: WeightHandle) -> str | None:
-    """Why the mma kernel cannot read w, or None (an nvfp4 / mxfp4 Linear, K % 32 == 0, 16-byte aligned rows)."""
-    if w.fmt not in ("nvfp4", "mxfp4"):
-        return f"weight format {w.fmt!r}, expected 'nvfp4' or 'mxfp4'"
+def rows_unreadable(w: WeightHandle, formats: tuple[str, ...], k_multiple: int) -> str | None:
+    """The checks every tensor-core GEMV of this kind makes (this one and fp8_mma's): one of `formats`, one Linear,
+    in_features a multiple of k_multiple (whole 16-byte row pieces), rows contiguous and 16-byte aligned."""
+    if w.fmt not in formats:
+        return f"weight format {w.fmt!r}, expected " + " or ".join(repr(f) for f in formats)
     if w.num_experts:
         return "weight handle is an expert stack"
-    if w.in_features % 32:
-        return f"in_features {w.in_features} is not a multiple of 32 (16-byte row pieces)"
+    if w.in_features % k_multiple:
+        return f"in_features {w.in_features} is not a multiple of {k_multiple} (16-byte row pieces)"
     if w.weight.stride(-1) != 1 or w.weight.stride(-2) % 16 or w.weight.data_ptr() % 16:
         return "weight rows must be contiguous and 16-byte aligned"
+    return None
+
+
+def mma_unreadable(w: WeightHandle) -> str | None:
+    """Why the mma kernel cannot read w, or None (an nvfp4 / mxfp4 Linear, K % 32 == 0, 16-byte aligned rows)."""
+    why = rows_unreadable(w, ("nvfp4", "mxfp4"), 32)
+    if why:
+        return why
     if w.scale.stride(-1) != 1:
         return f"weight_scale must be contiguous along in_features, stride {w.scale.stride()}"
     if w.fmt == "nvfp4" and (w.scale.data_ptr() % 2 or w.scale.stride(-2) % 2):

@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from .device_caps import has_fp8e4nv
-from .fp4_mma import _ld_words, _ld_x, _h, _lane_warp, _mine, _quad_sum
+from .fp4_mma import _h, _lane_warp, _ld_words, _ld_x, _mine, _quad_sum, rows_unreadable
 from .gemv import check_vec, check_x, make_out
 from .pdl import launch_kw, pdl_begin, reg_cap
 from .tiles import _ASM, _as_f32, _store_out
@@ -189,15 +189,7 @@ def _fp8_mma_kernel(xh_ptr, w_ptr, stride_wn, s_ptr, stride_sn, bias_ptr, res_pt
 
 def fp8_mma_unreadable(w: WeightHandle) -> str | None:
     """Why the fp8 mma kernel cannot read w, or None (an fp8 per-row Linear, K % 16 == 0, 16-byte aligned rows)."""
-    if w.fmt != "fp8":
-        return f"weight format {w.fmt!r}, expected 'fp8'"
-    if w.num_experts:
-        return "weight handle is an expert stack"
-    if w.in_features % 16:
-        return f"in_features {w.in_features} is not a multiple of 16 (16-byte row pieces)"
-    if w.weight.stride(-1) != 1 or w.weight.stride(-2) % 16 or w.weight.data_ptr() % 16:
-        return "weight rows must be contiguous and 16-byte aligned"
-    return None
+    return rows_unreadable(w, ("fp8",), 16)
 
 
 def gemv_fp8_mma(x: torch.Tensor, w: WeightHandle, *, bias: torch.Tensor | None = None,
