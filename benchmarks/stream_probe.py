@@ -26,6 +26,8 @@ from kie_moe.kccl.sync import signal, wait
 from kie_moe.kernels.monokernel.prefetch import prefetch_rows
 from kie_moe.kernels.monokernel.stream import stream_gemv, stream_glu, tile
 from kie_moe.kernels.tiles import _glu, _rstd, _tile
+from kie_moe.kernels.fp4_mma import _lane_warp, _mine, _quad_sum
+from kie_moe.kernels.fp8_mma import fp8_rows_dot, fp8_rows_first
 
 
 @triton.jit
@@ -102,6 +104,38 @@ def _tile_glu_probe(wg, wu, s_ptr, f_ptr, x_ptr, nw_ptr, h_ptr, n_iter, ROWS: tl
 
 
 @triton.jit
+def _mma_probe(w_ptr, xh_ptr, y_ptr, n_iter, ctr_ptr, K: tl.constexpr, RB: tl.constexpr, NW: tl.constexpr,
+               PIECES: tl.constexpr, PHASED: tl.constexpr, USE_ASM: tl.constexpr, NT: tl.constexpr):
+    """Task (it, pid): rows [task * 16 RB NW, +16 RB NW) of an fp8 matrix [R, K] through kernels/fp8_mma.py's loop
+    (each warp 16 RB whole rows), quad sums stored unscaled. PHASED: as _glu_probe's (the task's first step of loads
+    issued before the wait, as a monokernel task would)."""
+    pid = tl.program_id(0)
+    n_prog = tl.num_programs(0)
+    lane, warp = _lane_warp(NW)
+    r = lane >> 2
+    q = lane & 3
+    wq = w_ptr.to(tl.pointer_type(tl.uint32))
+    xq = xh_ptr.to(tl.pointer_type(tl.uint32))
+    KW: tl.constexpr = K // 4
+    for it in range(n_iter):
+        base = (it * n_prog + pid) * (16 * RB * NW) + warp * (16 * RB)
+        ra0 = (base + r).to(tl.int64)
+        first = fp8_rows_first(wq, ra0, ra0 + 8, wq, ra0 + 16, ra0 + 24, KW, q, KW, 0, RB, PIECES)
+        if PHASED:
+            wait(ctr_ptr, it * n_prog, ctr_ptr + 1, 2_000_000_000, USE_ASM, False, NT)
+        y0, y1, y2, y3 = fp8_rows_dot(xq, wq, ra0, ra0 + 8, wq, ra0 + 16, ra0 + 24, KW, q, KW, _mine(r, q), 0,
+                                      (KW + 16 * PIECES - 1) // (16 * PIECES), RB, PIECES, first)
+        lead = q == 0
+        tl.store(y_ptr + ra0, _quad_sum(y0, NW), mask=lead)
+        tl.store(y_ptr + ra0 + 8, _quad_sum(y1, NW), mask=lead)
+        if RB == 2:
+            tl.store(y_ptr + ra0 + 16, _quad_sum(y2, NW), mask=lead)
+            tl.store(y_ptr + ra0 + 24, _quad_sum(y3, NW), mask=lead)
+        if PHASED:
+            signal(ctr_ptr, 1, USE_ASM)
+
+
+@triton.jit
 def _copy_probe(w, out_ptr, n_iter, TASK: tl.constexpr, BLOCK: tl.constexpr, NS: tl.constexpr,
                 HOT: tl.constexpr = False):
     """Task (it, pid): TASK int32 words read in [BLOCK] steps through a pipelined loop, summed (kept alive)."""
@@ -134,7 +168,21 @@ def run_point(kind: str, fmt: int, rows: int, k: int, bn: int, bk: int, xb: int,
     hot, pf = mode == "hot", mode == "pf"
     n_prog = n_sms * per_sm
     r_total = n_prog * n_iter * rows
-    if kind == "copy":
+    if kind in ("mma", "mmaphased"):   # fp8 through kernels/fp8_mma.py: bn = row blocks per warp, bk = pieces
+        if rows != 16 * bn * warps:
+            raise ValueError(f"{kind}: rows per task must be 16 x {bn} x {warps}, got {rows}")
+        w = torch.randint(0, 126, (r_total, k), dtype=torch.uint8, device=dev)   # finite e4m3 codes
+        xh = torch.randn(k, device=dev).half()
+        y = torch.empty(r_total, device=dev)
+        ctr = torch.zeros(2, dtype=torch.int32, device=dev)
+        phased = kind == "mmaphased"
+        opts = dict(num_warps=warps, launch_cooperative_grid=phased)
+
+        def fn():
+            ctr.zero_()
+            _mma_probe[(n_prog,)](w, xh, y, n_iter, ctr, k, bn, warps, bk, phased, True, 32 * warps, **opts)
+        nbytes = r_total * k
+    elif kind == "copy":
         words = rows * k // 4   # rows x k bytes per task, as int32 words
         w = torch.randint(0, 100, (n_prog * n_iter * words,), dtype=torch.int32, device=dev)
         out = torch.empty(n_prog * bk, dtype=torch.int32, device=dev)
@@ -233,6 +281,14 @@ POINTS = [
     ("glu-pf", 1, 48, 2048, 8, 1024, 0, 3, 8, 1), ("glu-pf", 1, 48, 2048, 16, 512, 1, 0, 8, 1),
     ("glu-pf", 0, 48, 2048, 8, 1024, 0, 3, 8, 1),
     ("glu-hot", 1, 48, 2048, 8, 512, 1, 0, 8, 1), ("glu", 1, 48, 2048, 8, 512, 1, 0, 8, 1),
+    # session 28: kernels/fp8_mma.py's loop (bn = row blocks per warp, bk = 16-byte pieces per row and step; rows =
+    # 16 x bn x warps per task), free-running and phased as the monokernel would run it: 128 / 256 KB tasks at
+    # 1 x 8 (17 / 34 MB phases on 132 SMs), 2 x 4
+    ("mma", 1, 128, 1024, 1, 2, 0, 0, 8, 1), ("mma", 1, 128, 2048, 1, 2, 0, 0, 8, 1),
+    ("mma", 1, 128, 2048, 1, 4, 0, 0, 8, 1), ("mma", 1, 64, 2048, 1, 2, 0, 0, 4, 2),
+    ("mmaphased", 1, 128, 1024, 1, 2, 0, 0, 8, 1), ("mmaphased", 1, 128, 2048, 1, 2, 0, 0, 8, 1),
+    ("mmaphased", 1, 128, 2048, 1, 4, 0, 0, 8, 1), ("mmaphased", 1, 64, 2048, 1, 2, 0, 0, 4, 2),
+    ("mmaphased", 1, 256, 2048, 2, 2, 0, 0, 8, 1),
 ]
 KEYS = ("kind", "fmt", "rows", "k", "bn", "bk", "xb", "ns", "warps", "per_sm")
 

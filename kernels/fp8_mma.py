@@ -110,18 +110,28 @@ def _step_load8(wq, ra, rb, swn, st, q, KW, PIECES: tl.constexpr):
 
 
 @triton.jit
+def fp8_rows_first(wq0, ra0, rb0, wq1, ra1, rb1, swn, q, KW, st_lo, RB: tl.constexpr, PIECES: tl.constexpr = 2):
+    """fp8_rows_dot's first step of loads (its `first` argument): weights never depend on activations, so a
+    caller that must wait for its input (a persistent kernel's task) issues these before the wait."""
+    P0 = _step_load8(wq0, ra0, rb0, swn, st_lo, q, KW, PIECES)
+    P1 = P0
+    if RB == 2:
+        P1 = _step_load8(wq1, ra1, rb1, swn, st_lo, q, KW, PIECES)
+    return P0, P1
+
+
+@triton.jit
 def fp8_rows_dot(xq, wq0, ra0, rb0, wq1, ra1, rb1, swn, q, KW, mine, st_lo, st_hi, RB: tl.constexpr,
-                 PIECES: tl.constexpr = 2):
+                 PIECES: tl.constexpr, first):
     """One warp's fp8 rows against x (natural-order fp16, u32 view xq) over steps [st_lo, st_hi) of 64 * PIECES bytes
     per row (all of K: 0, cdiv(KW, 16 * PIECES)), the next step's loads issued before the current step's mma:
     block 0 = rows ra0 / rb0 of wq0, block 1 (RB == 2) = rows ra1 / rb1 of wq1 (a GEMV's next 16 rows, or a GLU's
-    up rows beside its gate rows). KW = K / 4 words per row, swn the row stride in words. Returns each lane's
-    unscaled partial sums (block 0 rows a, b; block 1 rows a, b), not yet summed over the quad."""
+    up rows beside its gate rows); first = fp8_rows_first(...) of the same rows and st_lo. KW = K / 4 words per row,
+    swn the row stride in words. Returns each lane's unscaled partial sums (block 0 rows a, b; block 1 rows a, b),
+    not yet summed over the quad."""
     zero = tl.zeros(q.shape, tl.float32)
     a0, a1, c0, c1, e0, e1, f0, f1 = zero, zero, zero, zero, zero, zero, zero, zero
-    P0 = _step_load8(wq0, ra0, rb0, swn, st_lo, q, KW, PIECES)
-    if RB == 2:
-        P1 = _step_load8(wq1, ra1, rb1, swn, st_lo, q, KW, PIECES)
+    P0, P1 = first
     for st in range(st_lo, st_hi):
         sn = tl.minimum(st + 1, st_hi - 1)
         C0 = P0
@@ -173,8 +183,9 @@ def _fp8_mma_kernel(xh_ptr, w_ptr, stride_wn, s_ptr, stride_sn, bias_ptr, res_pt
         rb0 = tl.minimum(base + r + 8, N - 1).to(tl.int64)
         ra1 = tl.minimum(base + 16 + r, N - 1).to(tl.int64)
         rb1 = tl.minimum(base + 24 + r, N - 1).to(tl.int64)
+        first = fp8_rows_first(wq, ra0, rb0, wq, ra1, rb1, stride_wn // 4, q, KW, 0, RB, PIECES)
         y0, y1, y2, y3 = fp8_rows_dot(xq, wq, ra0, rb0, wq, ra1, rb1, stride_wn // 4, q, KW, _mine(r, q), 0,
-                                      tl.cdiv(KW, 16 * PIECES), RB, PIECES)
+                                      tl.cdiv(KW, 16 * PIECES), RB, PIECES, first)
         n = base + r
         _store_out(_quad_sum(y0, NW) * _row_scale(s_ptr, stride_sn, n, N), n, lead & (n < N), y_ptr, bias_ptr,
                    res_ptr, HAS_BIAS, HAS_RES)
