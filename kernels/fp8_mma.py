@@ -112,7 +112,8 @@ def _step_load8(wq, ra, rb, swn, st, q, KW, PIECES: tl.constexpr):
 @triton.jit
 def fp8_rows_first(wq0, ra0, rb0, wq1, ra1, rb1, swn, q, KW, st_lo, RB: tl.constexpr, PIECES: tl.constexpr = 2):
     """fp8_rows_dot's first step of loads (its `first` argument): weights never depend on activations, so a
-    caller that must wait for its input (a persistent kernel's task) issues these before the wait."""
+    caller that must wait for its input (a persistent kernel's task) issues these before the wait. st_lo may be
+    a per-lane tensor (fp8_rows_dot's st_base + st_lo)."""
     P0 = _step_load8(wq0, ra0, rb0, swn, st_lo, q, KW, PIECES)
     P1 = P0
     if RB == 2:
@@ -122,24 +123,25 @@ def fp8_rows_first(wq0, ra0, rb0, wq1, ra1, rb1, swn, q, KW, st_lo, RB: tl.const
 
 @triton.jit
 def fp8_rows_dot(xq, wq0, ra0, rb0, wq1, ra1, rb1, swn, q, KW, mine, st_lo, st_hi, RB: tl.constexpr,
-                 PIECES: tl.constexpr, first):
+                 PIECES: tl.constexpr, first, st_base=0):
     """One warp's fp8 rows against x (natural-order fp16, u32 view xq) over steps [st_lo, st_hi) of 64 * PIECES bytes
     per row (all of K: 0, cdiv(KW, 16 * PIECES)), the next step's loads issued before the current step's mma:
     block 0 = rows ra0 / rb0 of wq0, block 1 (RB == 2) = rows ra1 / rb1 of wq1 (a GEMV's next 16 rows, or a GLU's
-    up rows beside its gate rows); first = fp8_rows_first(...) of the same rows and st_lo. KW = K / 4 words per row,
-    swn the row stride in words. Returns each lane's unscaled partial sums (block 0 rows a, b; block 1 rows a, b),
-    not yet summed over the quad."""
+    up rows beside its gate rows); first = fp8_rows_first(...) of the same rows and st_base + st_lo. KW = K / 4 words
+    per row, swn the row stride in words. st_base (a per-lane tensor allowed: each warp its own K range, the loop
+    bounds staying scalar) offsets every step; steps past K load clamped rows against x masked to zero. Returns each
+    lane's unscaled partial sums (block 0 rows a, b; block 1 rows a, b), not yet summed over the quad."""
     zero = tl.zeros(q.shape, tl.float32)
     a0, a1, c0, c1, e0, e1, f0, f1 = zero, zero, zero, zero, zero, zero, zero, zero
     P0, P1 = first
     for st in range(st_lo, st_hi):
-        sn = tl.minimum(st + 1, st_hi - 1)
+        sn = st_base + tl.minimum(st + 1, st_hi - 1)
         C0 = P0
         P0 = _step_load8(wq0, ra0, rb0, swn, sn, q, KW, PIECES)
         if RB == 2:
             C1 = P1
             P1 = _step_load8(wq1, ra1, rb1, swn, sn, q, KW, PIECES)
-        x_off = 16 * PIECES * st + 4 * q     # this lane's first word of piece 0; its x pairs start at 2 * x_off
+        x_off = 16 * PIECES * (st_base + st) + 4 * q     # this lane's first word of piece 0; x pairs from 2 x_off
         for h in tl.static_range(PIECES):
             X = _ld_x(xq + 2 * x_off + 32 * h, (x_off + 16 * h < KW) & mine)
             if h % 2 == 0:   # two accumulator chains per block: even / odd pieces

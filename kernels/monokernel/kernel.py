@@ -39,6 +39,7 @@ from kie_moe.kccl.sync import (clock64, flag_is_set, globaltimer, put_span, read
 
 from . import plan as P
 from .lane_ops import lane_final_mean, lane_final_reduce, lane_out_tile, lane_reduce, lane_sum, stream_lane_out
+from .mma8 import mma8_first, mma8_task
 from .mla import mla_absorb_task, mla_attention_task, mla_vup_task
 from .prefetch import prefetch_rows
 from .ops import attention_task, embed_row, kv_split_range, pick_token, route, vec_dot_norm
@@ -224,6 +225,8 @@ def monokernel(
     n_tasks, n_steps, start_pos, kv_tmax, n_splits, n_lm, n_eos, ignore_eos, n_forced,
     do_sample, inv_temp, seed, timeout_ns, embed_off, lm_off, fnorm_off,
     eps, sm_scale, clip, route_scale, glu_limit, glu_alpha,
+    # MMA8 (mma8.py, KIE_MONO_FP8_MMA=1): fp32 scratch, MSCR words per program
+    mscr_ptr,
     # model constexprs (plan.Dims)
     D: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, DH: tl.constexpr, ROT: tl.constexpr,
     ROPE_PAIR: tl.constexpr, QK_NORM: tl.constexpr, HAS_QKV_BIAS: tl.constexpr, HAS_O_BIAS: tl.constexpr,
@@ -249,7 +252,7 @@ def monokernel(
     XB: tl.constexpr, NS: tl.constexpr, USE_ASM: tl.constexpr, NT: tl.constexpr, MODE: tl.constexpr = 0,
     TP: tl.constexpr = 0, E_LO: tl.constexpr = 0, E_LOC: tl.constexpr = 0,
     SFILTER: tl.constexpr = False, K_CAND: tl.constexpr = 1, SBLOCK_V: tl.constexpr = 1, SBLOCK_T: tl.constexpr = 1,
-    SBLOCK_C: tl.constexpr = 1,
+    SBLOCK_C: tl.constexpr = 1, MMA8: tl.constexpr = False, MSCR: tl.constexpr = 4,
 ):
     """MODE 0: decode. Benchmark-only modes (wrong tokens, for locating time): 1 = tasks only claim, wait and
     signal (the sampler still runs): the cost of scheduling + dependency latency; 2 = no waits: streaming speed.
@@ -340,10 +343,20 @@ def monokernel(
             w = _wp(FMT_ATTN, wa_ptr, qw8_ptr, qw32_ptr, woff)
             sq = _sp(FMT_ATTN, qf32_ptr, qs8f_ptr, qs8u_ptr, tl.load(lrow + P.LF_QKV_S))
             prefetch_rows(w, r0, nr, D, FMT_ATTN, USE_ASM)   # the whole task into L2 before the wait
-            w0, s0 = tile(w, sq, D, r0, r_end, 0, 1, FMT_ATTN, BN_QKV, BLOCK_K)
+            if MMA8:   # fp8 on the tensor cores (mma8.py): the first step's loads before the wait
+                wq = qw32_ptr + tl.multiple_of(woff // 4, 32)
+                first = mma8_first(wq, D, r0, r_end, NT // 32)
+            else:
+                w0, s0 = tile(w, sq, D, r0, r_end, 0, 1, FMT_ATTN, BN_QKV, BLOCK_K)
             t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
             st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE, tr, trace_on)
-            if st == 0:
+            if MMA8:
+                if st == 0:
+                    mma8_task(first, wq, qf32_ptr + tl.load(lrow + P.LF_QKV_F), D, r0, r_end, lx,
+                              wa_ptr + tl.multiple_of(tl.load(lrow + P.LF_ATTN_NORM), 64) + lnw, eps,
+                              wa_ptr + tl.multiple_of(tl.load(lrow + P.LF_QKV_B), 64), qkv_ptr, qkv_ptr,
+                              mscr_ptr + pid * MSCR, True, HAS_QKV_BIAS, False, NT // 32, BLOCK_X)
+            elif st == 0:
                 stream_gemv(w, sq, qf32_ptr + tl.load(lrow + P.LF_QKV_F), w0, s0, D, r0, r_end, lx,
                             wa_ptr + tl.multiple_of(tl.load(lrow + P.LF_ATTN_NORM), 64) + lnw, eps,
                             wa_ptr + tl.multiple_of(tl.load(lrow + P.LF_QKV_B), 64), qkv_ptr, qkv_ptr, 0, pv_ptr,
@@ -366,25 +379,35 @@ def monokernel(
             w = _wp(FMT_ATTN, wa_ptr, qw8_ptr, qw32_ptr, woff)
             sq = _sp(FMT_ATTN, qf32_ptr, qs8f_ptr, qs8u_ptr, tl.load(lrow + P.LF_O_S))
             prefetch_rows(w, r0, nr, O_K, FMT_ATTN, USE_ASM)
-            w0, s0 = tile(w, sq, O_K, r0, r_end, 0, 1, FMT_ATTN, BN_O, BLOCK_K)
+            if MMA8:   # (MMA8 excludes TP and MLA: x += W_o ao in place)
+                wq = qw32_ptr + tl.multiple_of(woff // 4, 32)
+                first = mma8_first(wq, O_K, r0, r_end, NT // 32)
+            else:
+                w0, s0 = tile(w, sq, O_K, r0, r_end, 0, 1, FMT_ATTN, BN_O, BLOCK_K)
             t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
             st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE, tr, trace_on)
-            if TP > 0:   # a launch that is ending puts nothing (peers may already be zeroing for the next one)
+            if MMA8:
                 if st == 0:
-                    st = flag_is_set(stop_ptr, USE_ASM, NT).to(tl.int32)
-            yo = x_ptr
-            if TP > 0:   # the partial goes to our row of every rank's recv_o, not into x
-                yo = symf_ptr + tp_rank * D
-            if st == 0:
-                if MLA:   # the v_up tasks left v [H * VD] in h
-                    xin = h_ptr
-                else:     # the attention tasks left every head's output in ao's row 0 (ops.head_combine)
-                    xin = ao_ptr
-                stream_gemv(w, sq, qf32_ptr + tl.load(lrow + P.LF_O_F), w0, s0, O_K, r0, r_end, xin, xin, eps,
-                            wa_ptr + tl.multiple_of(tl.load(lrow + P.LF_O_B), 64), yo, yo, 0, pv_ptr, pi_ptr,
-                            0, 1.0, 0, 0, False, HAS_O_BIAS, TP == 0, False, FMT_ATTN, BN_O, BLOCK_K, XB, NS)
-                if TP > 0:
-                    _tp_put(yo, poff_ptr, r0, r_end, xctr, TP, USE_ASM, BLOCK_X)
+                    mma8_task(first, wq, qf32_ptr + tl.load(lrow + P.LF_O_F), O_K, r0, r_end, ao_ptr, ao_ptr, eps,
+                              wa_ptr + tl.multiple_of(tl.load(lrow + P.LF_O_B), 64), x_ptr, x_ptr,
+                              mscr_ptr + pid * MSCR, False, HAS_O_BIAS, True, NT // 32, BLOCK_X)
+            else:
+                if TP > 0:   # a launch that is ending puts nothing (peers may already be zeroing for the next one)
+                    if st == 0:
+                        st = flag_is_set(stop_ptr, USE_ASM, NT).to(tl.int32)
+                yo = x_ptr
+                if TP > 0:   # the partial goes to our row of every rank's recv_o, not into x
+                    yo = symf_ptr + tp_rank * D
+                if st == 0:
+                    if MLA:   # the v_up tasks left v [H * VD] in h
+                        xin = h_ptr
+                    else:     # the attention tasks left every head's output in ao's row 0 (ops.head_combine)
+                        xin = ao_ptr
+                    stream_gemv(w, sq, qf32_ptr + tl.load(lrow + P.LF_O_F), w0, s0, O_K, r0, r_end, xin, xin, eps,
+                                wa_ptr + tl.multiple_of(tl.load(lrow + P.LF_O_B), 64), yo, yo, 0, pv_ptr, pi_ptr,
+                                0, 1.0, 0, 0, False, HAS_O_BIAS, TP == 0, False, FMT_ATTN, BN_O, BLOCK_K, XB, NS)
+                    if TP > 0:
+                        _tp_put(yo, poff_ptr, r0, r_end, xctr, TP, USE_ASM, BLOCK_X)
         elif op == _OP_QB:   # MLA: q = q_b(RMSNorm(q_a))
             w = wa_ptr + tl.multiple_of(woff, 64)
             w0, s0 = tile(w, qf32_ptr, R_Q, r0, r_end, 0, 1, 0, BN_QB, BLOCK_K)

@@ -33,6 +33,7 @@ from ..prefill import Prefill
 from ..sampling import DeviceSampler, needs_filter
 from . import lanes
 from . import plan as P
+from .mma8 import scratch_words
 from .kernel import CT_ERR, CT_ERR_HAVE, CT_ERR_NEED, CT_STOP, CT_YIELD, N_CTRL, monokernel
 
 _MAX_EOS = 16
@@ -150,6 +151,13 @@ class MonokernelBackend:
         self.rids = z(d.L, max(d.TOPK, 1), dt=i32)
         self.rwts = z(d.L, max(d.TOPK, 1))
         self.sg = z(1)
+        # KIE_MONO_FP8_MMA=1 (off; mma8.py): fp8 q|k|v and o_proj tasks on the tensor cores, each program with a
+        # scratch of MSCR fp32 words (x as fp16, the K ranges' partial sums)
+        self.mma8 = (os.environ.get("KIE_MONO_FP8_MMA", "0") == "1" and d.FMT_ATTN == 1 and not d.LANES
+                     and not d.MLA and not d.TP and d.D % 16 == 0 and (d.HQ * d.DH) % 16 == 0
+                     and (self.device.type != "cuda" or has_fp8e4nv(self.device)))   # e4m3 converts: sm_89+
+        self.mscr_words = scratch_words(max(d.D, d.HQ * d.DH), self.num_warps) if self.mma8 else 4
+        self.mscr = z(self.grid * self.mscr_words)
         self.pv, self.pi = z(self.plan.n_lm_tiles), z(self.plan.n_lm_tiles, dt=i32)
         self.counters = z(P.n_counters(self.spec), dt=i32)
         self.cursor = z(1, dt=i32)
@@ -400,7 +408,7 @@ class MonokernelBackend:
             int(tasks.shape[0]), n_steps, start_pos, self.kv_tmax, n_splits, pl.n_lm_tiles, n_eos,
             int(ignore_eos), n_forced, int(temperature > 0), 1.0 / temperature if temperature > 0 else 1.0,
             seed & 0x7FFFFFFF, self.timeout_ns, pl.embed_off, pl.lm_off, pl.final_norm_off,
-            d.eps, d.sm_scale, d.clip, d.route_scale, d.glu_limit, d.glu_alpha]
+            d.eps, d.sm_scale, d.clip, d.route_scale, d.glu_limit, d.glu_alpha, self.mscr]
         meta = dict(
             D=d.D, HQ=d.HQ, HKV=d.HKV, DH=d.DH, ROT=d.ROT, ROPE_PAIR=d.ROPE_PAIR, QK_NORM=d.QK_NORM,
             HAS_QKV_BIAS=d.HAS_QKV_BIAS, HAS_O_BIAS=d.HAS_O_BIAS, HAS_SINKS=d.HAS_SINKS, HAS_CLIP=d.HAS_CLIP,
@@ -421,7 +429,7 @@ class MonokernelBackend:
             BLOCK_E=_pow2(max(d.E, 1)), BLOCK_TOPK=_pow2(max(d.TOPK, 1)), BLOCK_EOS=_MAX_EOS, BLOCK_X=bx,
             BLOCK_QG=_pow2(max(d.HQ // max(d.HKV, 1) * d.DH, 1)),
             XB=t.xb, NS=t.ns, USE_ASM=not self.interpret, NT=32 * self.num_warps, TP=d.TP, E_LO=d.E_LO,
-            E_LOC=d.E_LOC)
+            E_LOC=d.E_LOC, MMA8=self.mma8, MSCR=self.mscr_words)
         if sampler is not None:
             meta.update(SFILTER=True, K_CAND=sampler.k_cand, SBLOCK_V=sampler.block_v, SBLOCK_T=sampler.block_t,
                         SBLOCK_C=sampler.block_c)

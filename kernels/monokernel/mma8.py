@@ -1,0 +1,123 @@
+"""The monokernel's fp8 q|k|v and o_proj tasks on the tensor cores (kernels/fp8_mma.py's loop); opt-in, off:
+KIE_MONO_FP8_MMA=1 (NOTES.md session 28: built before any timing; the stream probe's phased points decide).
+
+Why: at one 8-warp program per SM the CUDA-core fp8 stream loops run 37-65% of the read probe, fp8_mma's loop
+79-84% (H100, session 28). A task here is rows [r0, r_end) of an fp8 matrix [N, K] (row stride K bytes, u32 view
+wq) with per-row factors f (the fp8 row scales): the program's NW warps take 16-row blocks; when the task has fewer
+blocks than warps, KS = a power of two <= NW / blocks warps share a block, each over its own K range, and their
+quad sums meet in a per-program scratch, added in warp order (the same bits every run). x reaches the mma as fp16
+through the same scratch: x * nw * rstd (NORM: the RMSNorm scale applied before the fp16 rounding, which could not
+hold every un-normed residual) or x, written by every thread after the task's wait, one barrier before the rows.
+
+Scratch per program (fp32 words): [K / 2: x as fp16] [NW x 16: one quad sum per warp and row]; scratch_words.
+Reference: y[r] = f[r] * (W[r] . fp16(x')) (+ b[r]) (+ res[r]) with x' the normed input, kernels/fp8_mma.py's
+rounding of x; the monokernel tests compare whole decode steps against the reference decoder.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ..fp4_mma import _lane_warp, _mine, _quad_sum
+from ..fp8_mma import fp8_rows_dot, fp8_rows_first
+
+PIECES = tl.constexpr(2)   # 16-byte pieces per row and step: 128 contiguous bytes of a row
+
+
+def scratch_words(k_max: int, num_warps: int) -> int:
+    """fp32 words of one program's scratch for tasks of input length <= k_max (a multiple of 4: 16-byte rows)."""
+    return -(-(k_max // 2 + 16 * num_warps) // 4) * 4
+
+
+@triton.jit
+def _geometry(r0, r_end, K: tl.constexpr, NW: tl.constexpr):
+    """(blocks, warps per block KS, steps per warp's K range) of a task."""
+    nblk = (r_end - r0 + 15) // 16
+    ks = nblk * 0 + 1
+    for _ in tl.static_range(4):      # NW <= 16: doubled while 2 ks blocks' worth of warps fit
+        ks = ks * (1 + (ks * 2 * nblk <= NW).to(tl.int32))
+    n_steps = nblk * 0 + (K // 4 + 16 * PIECES - 1) // (16 * PIECES)   # 128-byte steps over K
+    return nblk, ks, (n_steps + ks - 1) // ks
+
+
+@triton.jit
+def _rows(r0, r_end, blk, r):
+    base = r0 + blk * 16
+    return tl.minimum(base + r, r_end - 1).to(tl.int64), tl.minimum(base + r + 8, r_end - 1).to(tl.int64)
+
+
+@triton.jit
+def mma8_first(wq, K: tl.constexpr, r0, r_end, NW: tl.constexpr):
+    """The task's first step of weight loads for this warp's first block and K range (before the wait)."""
+    lane, warp = _lane_warp(NW)
+    nblk, ks, sks = _geometry(r0, r_end, K, NW)
+    ra, rb = _rows(r0, r_end, warp // ks, lane >> 2)
+    return fp8_rows_first(wq, ra, rb, wq, ra, rb, K // 4, lane & 3, K // 4, (warp % ks) * sks, 1, PIECES)
+
+
+@triton.jit
+def mma8_task(first, wq, f_ptr, K: tl.constexpr, r0, r_end, x_ptr, nw_ptr, eps, b_ptr, y_ptr, res_ptr, scr_ptr,
+              NORM: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, NW: tl.constexpr,
+              BLOCK_X: tl.constexpr):
+    """y[r] for r in [r0, r_end) (module docstring), after the task's wait; first = mma8_first(...). y may alias
+    res (each task owns its rows)."""
+    # x (fp32, written by other programs: .cg) -> fp16 in the scratch, normed first when NORM
+    offs = tl.arange(0, BLOCK_X)
+    xh = scr_ptr.to(tl.pointer_type(tl.float16))
+    rstd = 1.0
+    if NORM:
+        ss = tl.zeros((BLOCK_X,), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_X):
+            x = tl.load(x_ptr + k0 + offs, mask=k0 + offs < K, other=0.0, cache_modifier=".cg")
+            ss += x * x
+        rstd = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / K + eps)
+    for k0 in range(0, K, BLOCK_X):
+        m = k0 + offs < K
+        x = tl.load(x_ptr + k0 + offs, mask=m, other=0.0, cache_modifier=".cg")
+        if NORM:
+            x = x * tl.load(nw_ptr + k0 + offs, mask=m, other=0.0).to(tl.float32) * rstd
+        tl.store(xh + k0 + offs, x.to(tl.float16), mask=m)
+    tl.debug_barrier()
+    red = scr_ptr + K // 2
+    lane, warp = _lane_warp(NW)
+    r = lane >> 2
+    q = lane & 3
+    nblk, ks, sks = _geometry(r0, r_end, K, NW)
+    G = NW // ks                       # blocks in flight per round
+    lead = (q == 0) & (warp % ks == 0)
+    st0 = (warp % ks) * sks
+    for rd in range(0, (nblk + G - 1) // G):
+        blk = rd * G + warp // ks
+        ra, rb = _rows(r0, r_end, blk, r)
+        if rd > 0:
+            first = fp8_rows_first(wq, ra, rb, wq, ra, rb, K // 4, q, K // 4, st0, 1, PIECES)
+        y0, y1, _, _ = fp8_rows_dot(scr_ptr.to(tl.pointer_type(tl.uint32)), wq, ra, rb, wq, ra, rb, K // 4, q,
+                                    K // 4, _mine(r, q), 0, sks, 1, PIECES, first, st0)
+        s0 = _quad_sum(y0, NW)
+        s1 = _quad_sum(y1, NW)
+        if ks > 1:    # the block's K ranges meet in the scratch, added in warp order
+            tl.store(red + warp * 16 + r, s0, mask=q == 0)
+            tl.store(red + warp * 16 + r + 8, s1, mask=q == 0)
+            tl.debug_barrier()
+            s0 = tl.zeros(s0.shape, tl.float32)
+            s1 = tl.zeros(s1.shape, tl.float32)
+            for j in tl.static_range(NW):
+                use = lead & (j < ks)
+                s0 += tl.load(red + (warp + j) * 16 + r, mask=use, other=0.0)
+                s1 += tl.load(red + (warp + j) * 16 + r + 8, mask=use, other=0.0)
+            tl.debug_barrier()        # read before the next task of this program overwrites it
+        row = r0 + blk * 16 + r
+        _epilogue(s0, row, lead & (blk < nblk) & (row < r_end), f_ptr, b_ptr, y_ptr, res_ptr, HAS_BIAS, HAS_RES)
+        _epilogue(s1, row + 8, lead & (blk < nblk) & (row + 8 < r_end), f_ptr, b_ptr, y_ptr, res_ptr, HAS_BIAS,
+                  HAS_RES)
+
+
+@triton.jit
+def _epilogue(s, rr, ok, f_ptr, b_ptr, y_ptr, res_ptr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr):
+    """stream_gemv's order: the row factor, the bias, the residual, one fp32 store."""
+    y = s * tl.load(f_ptr + rr, mask=ok, other=0.0)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + rr, mask=ok, other=0.0).to(tl.float32)
+    if HAS_RES:
+        y += tl.load(res_ptr + rr, mask=ok, other=0.0, cache_modifier=".cg")
+    tl.store(y_ptr + rr, y, mask=ok)
