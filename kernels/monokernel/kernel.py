@@ -39,7 +39,7 @@ from kie_moe.kccl.sync import (clock64, flag_is_set, globaltimer, put_span, read
 
 from . import plan as P
 from .lane_ops import lane_final_mean, lane_final_reduce, lane_out_tile, lane_reduce, lane_sum, stream_lane_out
-from .mma8 import mma8_first, mma8_task
+from .mma8 import mma8_first, mma8_glu_task, mma8_task
 from .mla import mla_absorb_task, mla_attention_task, mla_vup_task
 from .prefetch import prefetch_rows
 from .ops import attention_task, embed_row, kv_split_range, pick_token, route, vec_dot_norm
@@ -343,14 +343,14 @@ def monokernel(
             w = _wp(FMT_ATTN, wa_ptr, qw8_ptr, qw32_ptr, woff)
             sq = _sp(FMT_ATTN, qf32_ptr, qs8f_ptr, qs8u_ptr, tl.load(lrow + P.LF_QKV_S))
             prefetch_rows(w, r0, nr, D, FMT_ATTN, USE_ASM)   # the whole task into L2 before the wait
-            if MMA8:   # fp8 on the tensor cores (mma8.py): the first step's loads before the wait
+            if MMA8 and FMT_ATTN == 1:   # fp8 on the tensor cores (mma8.py): the first step's loads before the wait
                 wq = qw32_ptr + tl.multiple_of(woff // 4, 32)
                 first = mma8_first(wq, D, r0, r_end, NT // 32)
             else:
                 w0, s0 = tile(w, sq, D, r0, r_end, 0, 1, FMT_ATTN, BN_QKV, BLOCK_K)
             t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
             st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE, tr, trace_on)
-            if MMA8:
+            if MMA8 and FMT_ATTN == 1:
                 if st == 0:
                     mma8_task(first, wq, qf32_ptr + tl.load(lrow + P.LF_QKV_F), D, r0, r_end, lx,
                               wa_ptr + tl.multiple_of(tl.load(lrow + P.LF_ATTN_NORM), 64) + lnw, eps,
@@ -379,14 +379,14 @@ def monokernel(
             w = _wp(FMT_ATTN, wa_ptr, qw8_ptr, qw32_ptr, woff)
             sq = _sp(FMT_ATTN, qf32_ptr, qs8f_ptr, qs8u_ptr, tl.load(lrow + P.LF_O_S))
             prefetch_rows(w, r0, nr, O_K, FMT_ATTN, USE_ASM)
-            if MMA8:   # (MMA8 excludes TP and MLA: x += W_o ao in place)
+            if MMA8 and FMT_ATTN == 1:   # (MMA8 excludes TP and MLA: x += W_o ao in place)
                 wq = qw32_ptr + tl.multiple_of(woff // 4, 32)
                 first = mma8_first(wq, O_K, r0, r_end, NT // 32)
             else:
                 w0, s0 = tile(w, sq, O_K, r0, r_end, 0, 1, FMT_ATTN, BN_O, BLOCK_K)
             t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
             st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE, tr, trace_on)
-            if MMA8:
+            if MMA8 and FMT_ATTN == 1:
                 if st == 0:
                     mma8_task(first, wq, qf32_ptr + tl.load(lrow + P.LF_O_F), O_K, r0, r_end, ao_ptr, ao_ptr, eps,
                               wa_ptr + tl.multiple_of(tl.load(lrow + P.LF_O_B), 64), x_ptr, x_ptr,
@@ -617,15 +617,26 @@ def monokernel(
                 su_ = _sp(FMT_EXP, qf32_ptr, qs8f_ptr, qs8u_ptr, tl.load(lrow + P.LF_EUP_S) + e * (I_MOE * SC_D_EXP))
                 prefetch_rows(wg, r0, nr_, D, FMT_EXP, USE_ASM)   # experts are known only now
                 prefetch_rows(wu, r0, nr_, D, FMT_EXP, USE_ASM)
-                g0, gs0 = tile(wg, sg_, D, r0, re_, 0, 1, FMT_EXP, BN_EUP, BLOCK_K)
-                u0, us0 = tile(wu, su_, D, r0, re_, 0, 1, FMT_EXP, BN_EUP, BLOCK_K)
-                stream_glu(wg, wu, sg_, su_, qf32_ptr + tl.load(lrow + P.LF_EGATE_F) + e * I_MOE,
-                           qf32_ptr + tl.load(lrow + P.LF_EUP_F) + e * I_MOE, g0, u0, gs0, us0, D, r0, re_, x_ptr,
-                           wa_ptr + tl.multiple_of(tl.load(lrow + P.LF_MLP_NORM), 64), eps,
-                           wa_ptr + tl.load(lrow + P.LF_EGATE_B) + e * I_MOE,
-                           wa_ptr + tl.load(lrow + P.LF_EUP_B) + e * I_MOE,
-                           h_ptr + aux * I_MOE, glu_limit, glu_alpha, HAS_EBIAS, EXP_ACT, FMT_EXP, BN_EUP, BLOCK_K,
-                           XB, NS)
+                if MMA8 and FMT_EXP == 1:   # fp8 experts on the tensor cores (mma8.py; no expert parallelism)
+                    eoff = e * (I_MOE * RU_D_EXP)
+                    mma8_glu_task(qw32_ptr + tl.load(lrow + P.LF_EGATE) // 4 + eoff // 4,
+                                  qw32_ptr + tl.load(lrow + P.LF_EUP) // 4 + eoff // 4,
+                                  qf32_ptr + tl.load(lrow + P.LF_EGATE_F) + e * I_MOE,
+                                  qf32_ptr + tl.load(lrow + P.LF_EUP_F) + e * I_MOE, D, r0, re_, x_ptr,
+                                  wa_ptr + tl.multiple_of(tl.load(lrow + P.LF_MLP_NORM), 64), eps,
+                                  wa_ptr + tl.load(lrow + P.LF_EGATE_B) + e * I_MOE,
+                                  wa_ptr + tl.load(lrow + P.LF_EUP_B) + e * I_MOE, h_ptr + aux * I_MOE, glu_limit,
+                                  glu_alpha, mscr_ptr + pid * MSCR, HAS_EBIAS, EXP_ACT, NT // 32, BLOCK_X)
+                else:
+                    g0, gs0 = tile(wg, sg_, D, r0, re_, 0, 1, FMT_EXP, BN_EUP, BLOCK_K)
+                    u0, us0 = tile(wu, su_, D, r0, re_, 0, 1, FMT_EXP, BN_EUP, BLOCK_K)
+                    stream_glu(wg, wu, sg_, su_, qf32_ptr + tl.load(lrow + P.LF_EGATE_F) + e * I_MOE,
+                               qf32_ptr + tl.load(lrow + P.LF_EUP_F) + e * I_MOE, g0, u0, gs0, us0, D, r0, re_,
+                               x_ptr, wa_ptr + tl.multiple_of(tl.load(lrow + P.LF_MLP_NORM), 64), eps,
+                               wa_ptr + tl.load(lrow + P.LF_EGATE_B) + e * I_MOE,
+                               wa_ptr + tl.load(lrow + P.LF_EUP_B) + e * I_MOE,
+                               h_ptr + aux * I_MOE, glu_limit, glu_alpha, HAS_EBIAS, EXP_ACT, FMT_EXP, BN_EUP,
+                               BLOCK_K, XB, NS)
         elif op == _OP_EXP_DOWN:
             t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
             st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE, tr, trace_on)

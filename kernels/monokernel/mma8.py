@@ -9,9 +9,12 @@ quad sums meet in a per-program scratch, added in warp order (the same bits ever
 through the same scratch: x * nw * rstd (NORM: the RMSNorm scale applied before the fp16 rounding, which could not
 hold every un-normed residual) or x, written by every thread after the task's wait, one barrier before the rows.
 
-Scratch per program (fp32 words): [K / 2: x as fp16] [NW x 16: one quad sum per warp and row]; scratch_words.
-Reference: y[r] = f[r] * (W[r] . fp16(x')) (+ b[r]) (+ res[r]) with x' the normed input, kernels/fp8_mma.py's
-rounding of x; the monokernel tests compare whole decode steps against the reference decoder.
+The routed experts' gate / up task (mma8_glu_task) is the same with two row blocks per warp: the gate rows and the
+up rows of one 16-row block of the expert, h = glu(g, u).
+
+Scratch per program (fp32 words): [K / 2: x as fp16] [NW x 32: one quad sum per warp and row of each block];
+scratch_words. Reference: y[r] = f[r] * (W[r] . fp16(x')) (+ b[r]) (+ res[r]) with x' the normed input,
+kernels/fp8_mma.py's rounding of x; the monokernel tests compare whole decode steps against the reference decoder.
 """
 from __future__ import annotations
 
@@ -20,13 +23,14 @@ import triton.language as tl
 
 from ..fp4_mma import _lane_warp, _mine, _quad_sum
 from ..fp8_mma import fp8_rows_dot, fp8_rows_first
+from .stream import glu
 
 PIECES = tl.constexpr(2)   # 16-byte pieces per row and step: 128 contiguous bytes of a row
 
 
 def scratch_words(k_max: int, num_warps: int) -> int:
     """fp32 words of one program's scratch for tasks of input length <= k_max (a multiple of 4: 16-byte rows)."""
-    return -(-(k_max // 2 + 16 * num_warps) // 4) * 4
+    return -(-(k_max // 2 + 32 * num_warps) // 4) * 4
 
 
 @triton.jit
@@ -56,12 +60,9 @@ def mma8_first(wq, K: tl.constexpr, r0, r_end, NW: tl.constexpr):
 
 
 @triton.jit
-def mma8_task(first, wq, f_ptr, K: tl.constexpr, r0, r_end, x_ptr, nw_ptr, eps, b_ptr, y_ptr, res_ptr, scr_ptr,
-              NORM: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, NW: tl.constexpr,
-              BLOCK_X: tl.constexpr):
-    """y[r] for r in [r0, r_end) (module docstring), after the task's wait; first = mma8_first(...). y may alias
-    res (each task owns its rows)."""
-    # x (fp32, written by other programs: .cg) -> fp16 in the scratch, normed first when NORM
+def _stage_x(x_ptr, nw_ptr, eps, scr_ptr, K: tl.constexpr, NORM: tl.constexpr, BLOCK_X: tl.constexpr):
+    """x (fp32, written by other programs: .cg) -> fp16 at the scratch's start, times nw and the RMSNorm scale
+    first when NORM; a barrier after (every warp reads all of it)."""
     offs = tl.arange(0, BLOCK_X)
     xh = scr_ptr.to(tl.pointer_type(tl.float16))
     rstd = 1.0
@@ -78,7 +79,54 @@ def mma8_task(first, wq, f_ptr, K: tl.constexpr, r0, r_end, x_ptr, nw_ptr, eps, 
             x = x * tl.load(nw_ptr + k0 + offs, mask=m, other=0.0).to(tl.float32) * rstd
         tl.store(xh + k0 + offs, x.to(tl.float16), mask=m)
     tl.debug_barrier()
-    red = scr_ptr + K // 2
+
+
+@triton.jit
+def _ks_sum(s, red, warp, r, q, ks, lead, NW: tl.constexpr):
+    """The block's KS K-range sums of one row, gathered by the block's first warp (lead) in warp order."""
+    tl.store(red + warp * 16 + r, s, mask=q == 0)
+    tl.debug_barrier()
+    t = tl.zeros(s.shape, tl.float32)
+    for j in tl.static_range(NW):
+        t += tl.load(red + (warp + j) * 16 + r, mask=lead & (j < ks), other=0.0)
+    return t
+
+
+@triton.jit
+def _block_sums(first, wq0, wq1, K: tl.constexpr, r0, r_end, blk, st0, sks, ks, scr_ptr, warp, r, q,
+                RB: tl.constexpr, NW: tl.constexpr):
+    """Rows r, r + 8 of block blk (of wq0, and of wq1 when RB == 2) over this warp's K range, summed over the quad
+    and, when KS > 1, over the block's warps: (rows of wq0 a / b, rows of wq1 a / b), valid in lead lanes."""
+    ra, rb = _rows(r0, r_end, blk, r)
+    y0, y1, y2, y3 = fp8_rows_dot(scr_ptr.to(tl.pointer_type(tl.uint32)), wq0, ra, rb, wq1, ra, rb, K // 4, q,
+                                  K // 4, _mine(r, q), 0, sks, RB, PIECES, first, st0)
+    s0 = _quad_sum(y0, NW)
+    s1 = _quad_sum(y1, NW)
+    s2 = s0
+    s3 = s1
+    if RB == 2:
+        s2 = _quad_sum(y2, NW)
+        s3 = _quad_sum(y3, NW)
+    if ks > 1:    # the block's K ranges meet in the scratch (after x's K / 2 words), added in warp order
+        red = scr_ptr + K // 2
+        lead = (q == 0) & (warp % ks == 0)
+        s0 = _ks_sum(s0, red, warp, r, q, ks, lead, NW)
+        s1 = _ks_sum(s1, red + 16 * NW, warp, r, q, ks, lead, NW)
+        if RB == 2:
+            tl.debug_barrier()        # the two halves of red are read before they are written again
+            s2 = _ks_sum(s2, red, warp, r, q, ks, lead, NW)
+            s3 = _ks_sum(s3, red + 16 * NW, warp, r, q, ks, lead, NW)
+        tl.debug_barrier()            # read before the next block / task of this program writes red
+    return s0, s1, s2, s3
+
+
+@triton.jit
+def mma8_task(first, wq, f_ptr, K: tl.constexpr, r0, r_end, x_ptr, nw_ptr, eps, b_ptr, y_ptr, res_ptr, scr_ptr,
+              NORM: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, NW: tl.constexpr,
+              BLOCK_X: tl.constexpr):
+    """y[r] for r in [r0, r_end) (module docstring), after the task's wait; first = mma8_first(...). y may alias
+    res (each task owns its rows)."""
+    _stage_x(x_ptr, nw_ptr, eps, scr_ptr, K, NORM, BLOCK_X)
     lane, warp = _lane_warp(NW)
     r = lane >> 2
     q = lane & 3
@@ -88,28 +136,41 @@ def mma8_task(first, wq, f_ptr, K: tl.constexpr, r0, r_end, x_ptr, nw_ptr, eps, 
     st0 = (warp % ks) * sks
     for rd in range(0, (nblk + G - 1) // G):
         blk = rd * G + warp // ks
-        ra, rb = _rows(r0, r_end, blk, r)
         if rd > 0:
+            ra, rb = _rows(r0, r_end, blk, r)
             first = fp8_rows_first(wq, ra, rb, wq, ra, rb, K // 4, q, K // 4, st0, 1, PIECES)
-        y0, y1, _, _ = fp8_rows_dot(scr_ptr.to(tl.pointer_type(tl.uint32)), wq, ra, rb, wq, ra, rb, K // 4, q,
-                                    K // 4, _mine(r, q), 0, sks, 1, PIECES, first, st0)
-        s0 = _quad_sum(y0, NW)
-        s1 = _quad_sum(y1, NW)
-        if ks > 1:    # the block's K ranges meet in the scratch, added in warp order
-            tl.store(red + warp * 16 + r, s0, mask=q == 0)
-            tl.store(red + warp * 16 + r + 8, s1, mask=q == 0)
-            tl.debug_barrier()
-            s0 = tl.zeros(s0.shape, tl.float32)
-            s1 = tl.zeros(s1.shape, tl.float32)
-            for j in tl.static_range(NW):
-                use = lead & (j < ks)
-                s0 += tl.load(red + (warp + j) * 16 + r, mask=use, other=0.0)
-                s1 += tl.load(red + (warp + j) * 16 + r + 8, mask=use, other=0.0)
-            tl.debug_barrier()        # read before the next task of this program overwrites it
+        s0, s1, _, _ = _block_sums(first, wq, wq, K, r0, r_end, blk, st0, sks, ks, scr_ptr, warp, r, q, 1, NW)
         row = r0 + blk * 16 + r
         _epilogue(s0, row, lead & (blk < nblk) & (row < r_end), f_ptr, b_ptr, y_ptr, res_ptr, HAS_BIAS, HAS_RES)
         _epilogue(s1, row + 8, lead & (blk < nblk) & (row + 8 < r_end), f_ptr, b_ptr, y_ptr, res_ptr, HAS_BIAS,
                   HAS_RES)
+
+
+@triton.jit
+def mma8_glu_task(wg, wu, fg_ptr, fu_ptr, K: tl.constexpr, r0, r_end, x_ptr, nw_ptr, eps, bg_ptr, bu_ptr, h_ptr,
+                  limit, alpha, scr_ptr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, NW: tl.constexpr,
+                  BLOCK_X: tl.constexpr):
+    """h[r] = glu(fg[r] (Wg[r] . x') (+ bg[r]), fu[r] (Wu[r] . x') (+ bu[r])) for r in [r0, r_end), x' = fp16 of the
+    RMS-normed x (stream_glu's task on the tensor cores: a routed expert's gate / up rows, known only after the
+    wait, so no loads go before it)."""
+    _stage_x(x_ptr, nw_ptr, eps, scr_ptr, K, True, BLOCK_X)
+    lane, warp = _lane_warp(NW)
+    r = lane >> 2
+    q = lane & 3
+    nblk, ks, sks = _geometry(r0, r_end, K, NW)
+    G = NW // ks
+    lead = (q == 0) & (warp % ks == 0)
+    st0 = (warp % ks) * sks
+    for rd in range(0, (nblk + G - 1) // G):
+        blk = rd * G + warp // ks
+        ra, rb = _rows(r0, r_end, blk, r)
+        first = fp8_rows_first(wg, ra, rb, wu, ra, rb, K // 4, q, K // 4, st0, 2, PIECES)
+        g0, g1, u0, u1 = _block_sums(first, wg, wu, K, r0, r_end, blk, st0, sks, ks, scr_ptr, warp, r, q, 2, NW)
+        row = r0 + blk * 16 + r
+        _glu_out(g0, u0, row, lead & (blk < nblk) & (row < r_end), fg_ptr, fu_ptr, bg_ptr, bu_ptr, h_ptr, limit,
+                 alpha, HAS_BIAS, ACT)
+        _glu_out(g1, u1, row + 8, lead & (blk < nblk) & (row + 8 < r_end), fg_ptr, fu_ptr, bg_ptr, bu_ptr, h_ptr,
+                 limit, alpha, HAS_BIAS, ACT)
 
 
 @triton.jit
@@ -121,3 +182,15 @@ def _epilogue(s, rr, ok, f_ptr, b_ptr, y_ptr, res_ptr, HAS_BIAS: tl.constexpr, H
     if HAS_RES:
         y += tl.load(res_ptr + rr, mask=ok, other=0.0, cache_modifier=".cg")
     tl.store(y_ptr + rr, y, mask=ok)
+
+
+@triton.jit
+def _glu_out(g, u, rr, ok, fg_ptr, fu_ptr, bg_ptr, bu_ptr, h_ptr, limit, alpha, HAS_BIAS: tl.constexpr,
+             ACT: tl.constexpr):
+    """stream_glu's epilogue: row factors, biases, the GLU, one store."""
+    g = g * tl.load(fg_ptr + rr, mask=ok, other=0.0)
+    u = u * tl.load(fu_ptr + rr, mask=ok, other=0.0)
+    if HAS_BIAS:
+        g += tl.load(bg_ptr + rr, mask=ok, other=0.0).to(tl.float32)
+        u += tl.load(bu_ptr + rr, mask=ok, other=0.0).to(tl.float32)
+    tl.store(h_ptr + rr, glu(g, u, limit, alpha, ACT), mask=ok)

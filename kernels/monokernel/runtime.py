@@ -153,8 +153,9 @@ class MonokernelBackend:
         self.sg = z(1)
         # KIE_MONO_FP8_MMA=1 (off; mma8.py): fp8 q|k|v and o_proj tasks on the tensor cores, each program with a
         # scratch of MSCR fp32 words (x as fp16, the K ranges' partial sums)
-        self.mma8 = (os.environ.get("KIE_MONO_FP8_MMA", "0") == "1" and d.FMT_ATTN == 1 and not d.LANES
-                     and not d.MLA and not d.TP and d.D % 16 == 0 and (d.HQ * d.DH) % 16 == 0
+        self.mma8 = (os.environ.get("KIE_MONO_FP8_MMA", "0") == "1" and (d.FMT_ATTN == 1 or d.FMT_EXP == 1)
+                     and not d.LANES and not d.MLA and not d.TP and not d.E_LOC and d.D % 16 == 0
+                     and (d.HQ * d.DH) % 16 == 0
                      and (self.device.type != "cuda" or has_fp8e4nv(self.device)))   # e4m3 converts: sm_89+
         self.mscr_words = scratch_words(max(d.D, d.HQ * d.DH), self.num_warps) if self.mma8 else 4
         self.mscr = z(self.grid * self.mscr_words)
