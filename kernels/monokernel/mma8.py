@@ -62,7 +62,9 @@ def mma8_first(wq, K: tl.constexpr, r0, r_end, NW: tl.constexpr):
 @triton.jit
 def _stage_x(x_ptr, nw_ptr, eps, scr_ptr, K: tl.constexpr, NORM: tl.constexpr, BLOCK_X: tl.constexpr):
     """x (fp32, written by other programs: .cg) -> fp16 at the scratch's start, times nw and the RMSNorm scale
-    first when NORM; a barrier after (every warp reads all of it)."""
+    first when NORM; a barrier after (every warp reads all of it), and one before (a previous task of this program
+    may still be reading the last x from the same words)."""
+    tl.debug_barrier()
     offs = tl.arange(0, BLOCK_X)
     xh = scr_ptr.to(tl.pointer_type(tl.float16))
     rstd = 1.0
