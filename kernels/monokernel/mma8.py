@@ -40,6 +40,7 @@ def _geometry(r0, r_end, K: tl.constexpr, NW: tl.constexpr):
     ks = nblk * 0 + 1
     for _ in tl.static_range(4):      # NW <= 16: doubled while 2 ks blocks' worth of warps fit
         ks = ks * (1 + (ks * 2 * nblk <= NW).to(tl.int32))
+    ks = tl.minimum(ks, NW)           # (an empty task: no block, ks stops at NW)
     n_steps = nblk * 0 + (K // 4 + 16 * PIECES - 1) // (16 * PIECES)   # 128-byte steps over K
     return nblk, ks, (n_steps + ks - 1) // ks
 
