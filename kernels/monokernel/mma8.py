@@ -1,5 +1,6 @@
-"""The monokernel's fp8 q|k|v and o_proj tasks on the tensor cores (kernels/fp8_mma.py's loop); opt-in, off:
-KIE_MONO_FP8_MMA=1 (NOTES.md session 28: built before any timing; the stream probe's phased points decide).
+"""The monokernel's fp8 q|k|v, o_proj and routed-expert gate / up tasks on the tensor cores (kernels/fp8_mma.py's
+loop); opt-in, off: KIE_MONO_FP8_MMA=1 (NOTES.md session 28: built before any timing). The expert down task stays
+on the CUDA cores (stream.py).
 
 Why: at one 8-warp program per SM the CUDA-core fp8 stream loops run 37-65% of the read probe, fp8_mma's loop
 79-84% (H100, session 28). A task here is rows [r0, r_end) of an fp8 matrix [N, K] (row stride K bytes, u32 view
