@@ -424,6 +424,18 @@ def rows_unreadable(w: WeightHandle, formats: tuple[str, ...], k_multiple: int) 
     return None
 
 
+def xh_input(x: torch.Tensor, xh: torch.Tensor | None, K: int, norm_weight: torch.Tensor | None, eps: float,
+             natural: bool = False) -> torch.Tensor:
+    """A tensor-core GEMV's xh: the caller's, checked, or prepare_xh(x, norm_weight, eps, natural=natural)."""
+    if xh is None:
+        return prepare_xh(x, norm_weight, eps, natural=natural)
+    if xh.shape != (K,) or xh.dtype != torch.float16 or not xh.is_contiguous() or xh.data_ptr() % 16:
+        made_by = "prepare_xh(natural=True)" if natural else "prepare_xh"
+        raise ValueError(f"xh: expected a contiguous, 16-byte aligned fp16 [{K}] ({made_by}), got {xh.dtype} "
+                         f"{tuple(xh.shape)}")
+    return xh
+
+
 def mma_unreadable(w: WeightHandle) -> str | None:
     """Why the mma kernel cannot read w, or None (an nvfp4 / mxfp4 Linear, K % 32 == 0, 16-byte aligned rows)."""
     why = rows_unreadable(w, ("nvfp4", "mxfp4"), 32)
@@ -454,11 +466,7 @@ def gemv_fp4_mma(x: torch.Tensor, w: WeightHandle, *, bias: torch.Tensor | None 
     check_vec(bias, N, w.device, "bias")
     check_vec(residual, N, w.device, "residual")
     y = make_out(x, N, out)
-    if xh is None:
-        xh = prepare_xh(x, norm_weight, eps)
-    elif xh.shape != (K,) or xh.dtype != torch.float16 or not xh.is_contiguous() or xh.data_ptr() % 16:
-        raise ValueError(f"xh: expected a contiguous, 16-byte aligned fp16 [{K}] (prepare_xh), got {xh.dtype} "
-                         f"{tuple(xh.shape)}")
+    xh = xh_input(x, xh, K, norm_weight, eps)
     cap = reg_cap(x.device, maxnreg)
     _fp4_mma_kernel[(triton.cdiv(N, 16 * row_blocks * num_warps),)](
         xh, w.weight, w.weight.stride(-2), w.scale.view(torch.uint8), w.scale.stride(-2),

@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from .device_caps import has_fp8e4nv
-from .fp4_mma import _h, _lane_warp, _ld_words, _ld_x, _mine, _quad_sum, rows_unreadable
+from .fp4_mma import _h, _lane_warp, _ld_words, _ld_x, _mine, _quad_sum, rows_unreadable, xh_input
 from .gemv import check_vec, check_x, make_out
 from .pdl import launch_kw, pdl_begin, reg_cap
 from .tiles import _ASM, _as_f32, _store_out
@@ -215,7 +215,6 @@ def gemv_fp8_mma(x: torch.Tensor, w: WeightHandle, *, bias: torch.Tensor | None 
     here). programs: a persistent grid of that many programs walking the row tiles (None: one program per tile);
     pieces: 16-byte pieces per row and step (2: 128 contiguous bytes of a row per step, 4: 256).
     maxnreg: the register cap of the launch on CUDA (None: ptxas's choice)."""
-    from .fp4_mma import prepare_xh
     why = fp8_mma_unreadable(w)
     if why:
         raise ValueError(f"gemv_fp8_mma: {why}")
@@ -232,11 +231,7 @@ def gemv_fp8_mma(x: torch.Tensor, w: WeightHandle, *, bias: torch.Tensor | None 
     check_vec(bias, N, w.device, "bias")
     check_vec(residual, N, w.device, "residual")
     y = make_out(x, N, out)
-    if xh is None:
-        xh = prepare_xh(x, norm_weight, eps, natural=True)
-    elif xh.shape != (K,) or xh.dtype != torch.float16 or not xh.is_contiguous() or xh.data_ptr() % 16:
-        raise ValueError(f"xh: expected a contiguous, 16-byte aligned fp16 [{K}] (prepare_xh(natural=True)), got "
-                         f"{xh.dtype} {tuple(xh.shape)}")
+    xh = xh_input(x, xh, K, norm_weight, eps, natural=True)
     n_tiles = triton.cdiv(N, 16 * row_blocks * num_warps)
     grid = n_tiles if programs is None else min(programs, n_tiles)
     _fp8_mma_kernel[(grid,)](

@@ -581,10 +581,8 @@ def _store_out_pre(acc, pre, offs_n, n_mask, y_ptr, HAS_BIAS: tl.constexpr, HAS_
 
 @triton.jit
 def _store_out(acc, offs_n, n_mask, y_ptr, bias_ptr, res_ptr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr):
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-    if HAS_RES:
-        acc += tl.load(res_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-    tl.store(y_ptr + offs_n, acc.to(y_ptr.dtype.element_ty), mask=n_mask)
+    """y = acc (+ bias) (+ residual), the epilogue's loads issued here (EPILOGUE_EARLY issues them earlier)."""
+    _store_out_pre(acc, _epi_pre(offs_n, n_mask, bias_ptr, res_ptr, HAS_BIAS, HAS_RES), offs_n, n_mask, y_ptr,
+                   HAS_BIAS, HAS_RES)
 
 

@@ -112,15 +112,16 @@ def _block_sums(first, wq0, wq1, K: tl.constexpr, r0, r_end, blk, st0, sks, ks, 
         s2 = _quad_sum(y2, NW)
         s3 = _quad_sum(y3, NW)
     if ks > 1:    # the block's K ranges meet in the scratch (after x's K / 2 words), added in warp order
+        # Two halves used in turn: a half is written again only after the next _ks_sum's barrier, which every lead
+        # reaches after its reads of it; with ks > 1 the task has one round, and the next task's writes to red
+        # come after _stage_x's barriers.
         red = scr_ptr + K // 2
         lead = (q == 0) & (warp % ks == 0)
         s0 = _ks_sum(s0, red, warp, r, q, ks, lead, NW)
         s1 = _ks_sum(s1, red + 16 * NW, warp, r, q, ks, lead, NW)
         if RB == 2:
-            tl.debug_barrier()        # the two halves of red are read before they are written again
             s2 = _ks_sum(s2, red, warp, r, q, ks, lead, NW)
             s3 = _ks_sum(s3, red + 16 * NW, warp, r, q, ks, lead, NW)
-        tl.debug_barrier()            # read before the next block / task of this program writes red
     return s0, s1, s2, s3
 
 
