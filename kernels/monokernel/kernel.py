@@ -39,7 +39,7 @@ from kie_moe.kccl.sync import (clock64, flag_is_set, globaltimer, put_span, read
 
 from . import plan as P
 from .lane_ops import lane_final_mean, lane_final_reduce, lane_out_tile, lane_reduce, lane_sum, stream_lane_out
-from .mma8 import mma8_first, mma8_glu_task, mma8_task
+from .mma8 import mma8_down_task, mma8_first, mma8_glu_task, mma8_task
 from .mla import mla_absorb_task, mla_attention_task, mla_vup_task
 from .prefetch import prefetch_rows
 from .ops import attention_task, embed_row, kv_split_range, pick_token, route, vec_dot_norm
@@ -225,7 +225,7 @@ def monokernel(
     n_tasks, n_steps, start_pos, kv_tmax, n_splits, n_lm, n_eos, ignore_eos, n_forced,
     do_sample, inv_temp, seed, timeout_ns, embed_off, lm_off, fnorm_off,
     eps, sm_scale, clip, route_scale, glu_limit, glu_alpha,
-    # MMA8 (mma8.py, KIE_MONO_FP8_MMA=1): fp32 scratch, MSCR words per program
+    # MMA8 / MMA8_DN (mma8.py, KIE_MONO_FP8_MMA=1; the experts' down task too): fp32 scratch, MSCR words per program
     mscr_ptr,
     # model constexprs (plan.Dims)
     D: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, DH: tl.constexpr, ROT: tl.constexpr,
@@ -252,7 +252,7 @@ def monokernel(
     XB: tl.constexpr, NS: tl.constexpr, USE_ASM: tl.constexpr, NT: tl.constexpr, MODE: tl.constexpr = 0,
     TP: tl.constexpr = 0, E_LO: tl.constexpr = 0, E_LOC: tl.constexpr = 0,
     SFILTER: tl.constexpr = False, K_CAND: tl.constexpr = 1, SBLOCK_V: tl.constexpr = 1, SBLOCK_T: tl.constexpr = 1,
-    SBLOCK_C: tl.constexpr = 1, MMA8: tl.constexpr = False, MSCR: tl.constexpr = 4,
+    SBLOCK_C: tl.constexpr = 1, MMA8: tl.constexpr = False, MMA8_DN: tl.constexpr = False, MSCR: tl.constexpr = 4,
 ):
     """MODE 0: decode. Benchmark-only modes (wrong tokens, for locating time): 1 = tasks only claim, wait and
     signal (the sampler still runs): the cost of scheduling + dependency latency; 2 = no waits: streaming speed.
@@ -657,15 +657,23 @@ def monokernel(
                                           I_MOE, FMT_EXP, USE_ASM)
                         else:
                             prefetch_rows(eb + e * (D * RU_I_EXP), r0, nr, I_MOE, FMT_EXP, USE_ASM)
-                stream_expert_down(_wbase(FMT_EXP, wa_ptr, qw8_ptr, qw32_ptr),
-                                   _sp(FMT_EXP, qf32_ptr, qs8f_ptr, qs8u_ptr, tl.zeros((), tl.int64)), qf32_ptr,
-                                   _wu(FMT_EXP, tl.multiple_of(tl.load(lrow + P.LF_EDOWN), 64)),
-                                   tl.load(lrow + P.LF_EDOWN_S), tl.load(lrow + P.LF_EDOWN_F),
-                                   _wu(FMT_EXP, tl.multiple_of(tl.load(lrow + P.LF_SDOWN), 64)),
-                                   tl.load(lrow + P.LF_SDOWN_S), tl.load(lrow + P.LF_SDOWN_F),
+                if MMA8_DN:   # fp8 experts on the tensor cores (mma8.py; no TP, no EP: into x)
+                    mma8_down_task(qw32_ptr, tl.load(lrow + P.LF_EDOWN), tl.load(lrow + P.LF_SDOWN), qf32_ptr,
+                                   tl.load(lrow + P.LF_EDOWN_F), tl.load(lrow + P.LF_SDOWN_F),
                                    wa_ptr + tl.load(lrow + P.LF_EDOWN_B), r0, r_end, h_ptr, rids_ptr + layer * TOPK,
-                                   rwts_ptr + layer * TOPK, sg_ptr, x_ptr, ye, D, I_MOE, I_SH, TOPK, HAS_EBIAS,
-                                   HAS_SH_GATE, FMT_EXP, BLOCK_TOPK, BN_EDOWN, BLOCK_K, XB, NS, TP == 0, E_LO, E_LOC)
+                                   rwts_ptr + layer * TOPK, sg_ptr, x_ptr, mscr_ptr + pid * MSCR, D, I_MOE, I_SH,
+                                   TOPK, HAS_EBIAS, HAS_SH_GATE, NT // 32, BLOCK_X)
+                else:
+                    stream_expert_down(_wbase(FMT_EXP, wa_ptr, qw8_ptr, qw32_ptr),
+                                       _sp(FMT_EXP, qf32_ptr, qs8f_ptr, qs8u_ptr, tl.zeros((), tl.int64)), qf32_ptr,
+                                       _wu(FMT_EXP, tl.multiple_of(tl.load(lrow + P.LF_EDOWN), 64)),
+                                       tl.load(lrow + P.LF_EDOWN_S), tl.load(lrow + P.LF_EDOWN_F),
+                                       _wu(FMT_EXP, tl.multiple_of(tl.load(lrow + P.LF_SDOWN), 64)),
+                                       tl.load(lrow + P.LF_SDOWN_S), tl.load(lrow + P.LF_SDOWN_F),
+                                       wa_ptr + tl.load(lrow + P.LF_EDOWN_B), r0, r_end, h_ptr,
+                                       rids_ptr + layer * TOPK, rwts_ptr + layer * TOPK, sg_ptr, x_ptr, ye, D, I_MOE,
+                                       I_SH, TOPK, HAS_EBIAS, HAS_SH_GATE, FMT_EXP, BLOCK_TOPK, BN_EDOWN, BLOCK_K, XB,
+                                       NS, TP == 0, E_LO, E_LOC)
                 if TP > 0:
                     _tp_put(ye, poff_ptr, r0, r_end, xctr, TP, USE_ASM, BLOCK_X)
         elif op == _OP_LM:

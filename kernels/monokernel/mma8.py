@@ -1,6 +1,6 @@
-"""The monokernel's fp8 q|k|v, o_proj and routed-expert gate / up tasks on the tensor cores (kernels/fp8_mma.py's
-loop); opt-in, off: KIE_MONO_FP8_MMA=1 (NOTES.md session 28: built before any timing). The expert down task stays
-on the CUDA cores (stream.py).
+"""The monokernel's fp8 q|k|v, o_proj and routed-expert gate / up and down tasks on the tensor cores
+(kernels/fp8_mma.py's loop); opt-in, off: KIE_MONO_FP8_MMA=1 (NOTES.md sessions 28-29). The down task needs
+I_MOE and the shared expert's width to be multiples of 16 (else it stays on the CUDA cores, stream.py).
 
 Why: at one 8-warp program per SM the CUDA-core fp8 stream loops run 37-65% of the read probe, fp8_mma's loop
 79-84% (H100, session 28). A task here is rows [r0, r_end) of an fp8 matrix [N, K] (row stride K bytes, u32 view
@@ -11,7 +11,9 @@ through the same scratch: x * nw * rstd (NORM: the RMSNorm scale applied before 
 hold every un-normed residual) or x, written by every thread after the task's wait, one barrier before the rows.
 
 The routed experts' gate / up task (mma8_glu_task) is the same with two row blocks per warp: the gate rows and the
-up rows of one 16-row block of the expert, h = glu(g, u).
+up rows of one 16-row block of the expert, h = glu(g, u). The down task (mma8_down_task) cuts its K into segments
+(each routed slot, then the shared expert in I_MOE chunks) that a block's warps share; its x is h as fp16, each
+slot's values times its routing weight first (h is not normed: fp16's range, 65504, bounds it).
 
 Scratch per program (fp32 words): [K / 2: x as fp16] [NW x 32: one quad sum per warp and row of each block];
 scratch_words. Reference: y[r] = f[r] * (W[r] . fp16(x')) (+ b[r]) (+ res[r]) with x' the normed input,
@@ -30,18 +32,25 @@ PIECES = tl.constexpr(2)   # 16-byte pieces per row and step: 128 contiguous byt
 
 
 def scratch_words(k_max: int, num_warps: int) -> int:
-    """fp32 words of one program's scratch for tasks of input length <= k_max (a multiple of 4: 16-byte rows)."""
+    """fp32 words of one program's scratch for tasks of input length <= k_max (a multiple of 4: 16-byte rows; the
+    down task's input is TOPK * I_MOE + I_SH long)."""
     return -(-(k_max // 2 + 32 * num_warps) // 4) * 4
+
+
+@triton.jit
+def _blocks_ks(r0, r_end, NW: tl.constexpr):
+    """(16-row blocks of a task, warps per block KS): the largest power of two with KS * blocks <= NW."""
+    nblk = (r_end - r0 + 15) // 16
+    ks = nblk * 0 + 1
+    for _ in tl.static_range(4):      # NW <= 16: doubled while 2 ks blocks' worth of warps fit
+        ks = ks * (1 + (ks * 2 * nblk <= NW).to(tl.int32))
+    return nblk, tl.minimum(ks, NW)   # (an empty task: no block, ks stops at NW)
 
 
 @triton.jit
 def _geometry(r0, r_end, K: tl.constexpr, NW: tl.constexpr):
     """(blocks, warps per block KS, steps per warp's K range) of a task."""
-    nblk = (r_end - r0 + 15) // 16
-    ks = nblk * 0 + 1
-    for _ in tl.static_range(4):      # NW <= 16: doubled while 2 ks blocks' worth of warps fit
-        ks = ks * (1 + (ks * 2 * nblk <= NW).to(tl.int32))
-    ks = tl.minimum(ks, NW)           # (an empty task: no block, ks stops at NW)
+    nblk, ks = _blocks_ks(r0, r_end, NW)
     n_steps = nblk * 0 + (K // 4 + 16 * PIECES - 1) // (16 * PIECES)   # 128-byte steps over K
     return nblk, ks, (n_steps + ks - 1) // ks
 
@@ -104,6 +113,13 @@ def _block_sums(first, wq0, wq1, K: tl.constexpr, r0, r_end, blk, st0, sks, ks, 
     ra, rb = _rows(r0, r_end, blk, r)
     y0, y1, y2, y3 = fp8_rows_dot(scr_ptr.to(tl.pointer_type(tl.uint32)), wq0, ra, rb, wq1, ra, rb, K // 4, q,
                                   K // 4, _mine(r, q), 0, sks, RB, PIECES, first, st0)
+    return _warp_sums(y0, y1, y2, y3, ks, scr_ptr + K // 2, warp, r, q, RB, NW)
+
+
+@triton.jit
+def _warp_sums(y0, y1, y2, y3, ks, red, warp, r, q, RB: tl.constexpr, NW: tl.constexpr):
+    """Lane partials (rows a / b of one or two row blocks) summed over the quad and, when KS > 1, over the block's
+    KS warps through the scratch's words at red (after x): valid in lead lanes."""
     s0 = _quad_sum(y0, NW)
     s1 = _quad_sum(y1, NW)
     s2 = s0
@@ -115,7 +131,6 @@ def _block_sums(first, wq0, wq1, K: tl.constexpr, r0, r_end, blk, st0, sks, ks, 
         # Two halves used in turn: a half is written again only after the next _ks_sum's barrier, which every lead
         # reaches after its reads of it; with ks > 1 the task has one round, and the next task's writes to red
         # come after _stage_x's barriers.
-        red = scr_ptr + K // 2
         lead = (q == 0) & (warp % ks == 0)
         s0 = _ks_sum(s0, red, warp, r, q, ks, lead, NW)
         s1 = _ks_sum(s1, red + 16 * NW, warp, r, q, ks, lead, NW)
@@ -176,6 +191,109 @@ def mma8_glu_task(wg, wu, fg_ptr, fu_ptr, K: tl.constexpr, r0, r_end, x_ptr, nw_
                  alpha, HAS_BIAS, ACT)
         _glu_out(g1, u1, row + 8, lead & (blk < nblk) & (row + 8 < r_end), fg_ptr, fu_ptr, bg_ptr, bu_ptr, h_ptr,
                  limit, alpha, HAS_BIAS, ACT)
+
+
+@triton.jit
+def _stage_h(h_ptr, wts_ptr, sg_ptr, scr_ptr, TOPK: tl.constexpr, I_MOE: tl.constexpr, I_SH: tl.constexpr,
+             HAS_SH_GATE: tl.constexpr, BLOCK_X: tl.constexpr):
+    """h [TOPK * I_MOE + I_SH] (fp32, written by other programs: .cg) -> fp16 at the scratch's start, slot j's
+    values times its routing weight and the shared expert's times its gate (stream_expert_down folds them into the
+    activations the same way); barriers as _stage_x's."""
+    tl.debug_barrier()
+    KR: tl.constexpr = TOPK * I_MOE
+    offs = tl.arange(0, BLOCK_X)
+    xh = scr_ptr.to(tl.pointer_type(tl.float16))
+    sg = 1.0
+    if HAS_SH_GATE:
+        sg = tl.load(sg_ptr, cache_modifier=".cg")
+    for k0 in range(0, KR + I_SH, BLOCK_X):
+        k = k0 + offs
+        m = k < KR + I_SH
+        h = tl.load(h_ptr + k, mask=m, other=0.0, cache_modifier=".cg")
+        wj = tl.load(wts_ptr + tl.minimum(k // I_MOE, TOPK - 1), mask=m & (k < KR), other=0.0, cache_modifier=".cg")
+        tl.store(xh + k, (h * tl.where(k < KR, wj, sg)).to(tl.float16), mask=m)
+    tl.debug_barrier()
+
+
+@triton.jit
+def _down_seg(g, ed_w, sd_w, ids_ptr, ed_f, sd_f, D: tl.constexpr, I_MOE: tl.constexpr, I_SH: tl.constexpr,
+              TOPK: tl.constexpr, NSEG: tl.constexpr):
+    """Segment g (clamped to NSEG - 1) of a down task's K: routed slot g < TOPK, else chunk g - TOPK of the shared
+    expert's row (I_MOE wide, the last one shorter). (weights' first word, row stride and K in u32 words, the row
+    factors' offset); its x starts at g * I_MOE either way."""
+    g = tl.minimum(g, NSEG - 1)
+    is_exp = g < TOPK
+    e = tl.load(ids_ptr + tl.minimum(g, TOPK - 1), cache_modifier=".cg").to(tl.int64)
+    c = tl.maximum(g - TOPK, 0).to(tl.int64)
+    w0 = tl.where(is_exp, ed_w + e * (D * I_MOE), sd_w + c * I_MOE) // 4
+    swn = tl.where(is_exp, I_MOE // 4, I_SH // 4)
+    kw = tl.where(is_exp, I_MOE // 4, tl.minimum(I_MOE, I_SH - c * I_MOE) // 4)
+    return w0, swn, kw, tl.where(is_exp, ed_f + e * D, sd_f)
+
+
+@triton.jit
+def mma8_down_task(wq, ed_w, sd_w, f_ptr, ed_f, sd_f, b_ptr, r0, r_end, h_ptr, ids_ptr, wts_ptr, sg_ptr, x_ptr,
+                   scr_ptr, D: tl.constexpr, I_MOE: tl.constexpr, I_SH: tl.constexpr, TOPK: tl.constexpr,
+                   HAS_EBIAS: tl.constexpr, HAS_SH_GATE: tl.constexpr, NW: tl.constexpr, BLOCK_X: tl.constexpr):
+    """x[r] += sum_j f_j[r] (Wdown[e_j][r] . fp16(w_j h_j)) + w_j bdown[e_j][r] + f_sh[r] (Wsh[r] . fp16(sg h_sh)),
+    r in [r0, r_end) (stream_expert_down's task on the tensor cores; wq: the fp8 arena as u32, ed_w / sd_w the
+    routed / shared down weights' byte offsets in it, ed_f / sd_f their row factors' in f_ptr). K is cut into
+    NSEG segments (the TOPK slots, then the shared expert's row in I_MOE chunks); a block's KS warps take
+    consecutive runs of segments, each warp scaling its lanes' partials by the segment's row factor before the
+    quad and warp sums (in warp order: the same bits every run). The next segment's first loads are issued before
+    the current one's loop."""
+    _stage_h(h_ptr, wts_ptr, sg_ptr, scr_ptr, TOPK, I_MOE, I_SH, HAS_SH_GATE, BLOCK_X)
+    NSEG: tl.constexpr = TOPK + (I_SH + I_MOE - 1) // I_MOE
+    ST: tl.constexpr = (I_MOE // 4 + 16 * PIECES - 1) // (16 * PIECES)   # 128-byte steps per segment
+    lane, warp = _lane_warp(NW)
+    r = lane >> 2
+    q = lane & 3
+    nblk, ks = _blocks_ks(r0, r_end, NW)
+    spw = (NSEG + ks - 1) // ks       # segments per warp
+    G = NW // ks
+    lead = (q == 0) & (warp % ks == 0)
+    g_lo = (warp % ks) * spw
+    xq = scr_ptr.to(tl.pointer_type(tl.uint32))
+    mine = _mine(r, q)
+    for rd in range(0, (nblk + G - 1) // G):
+        blk = rd * G + warp // ks
+        ra, rb = _rows(r0, r_end, blk, r)
+        w0, swn, kw, fo = _down_seg(g_lo, ed_w, sd_w, ids_ptr, ed_f, sd_f, D, I_MOE, I_SH, TOPK, NSEG)
+        first = fp8_rows_first(wq + w0, ra, rb, wq + w0, ra, rb, swn, q, kw, 0, 1, PIECES)
+        acc_a = tl.zeros(q.shape, tl.float32)
+        acc_b = tl.zeros(q.shape, tl.float32)
+        for i in range(0, spw):
+            g = g_lo + i
+            wn, swn_n, kw_n, fo_n = _down_seg(tl.minimum(g + 1, g_lo + spw - 1), ed_w, sd_w, ids_ptr, ed_f, sd_f,
+                                              D, I_MOE, I_SH, TOPK, NSEG)
+            nxt = fp8_rows_first(wq + wn, ra, rb, wq + wn, ra, rb, swn_n, q, kw_n, 0, 1, PIECES)
+            ya, yb, _, _ = fp8_rows_dot(xq + g * (I_MOE // 2), wq + w0, ra, rb, wq + w0, ra, rb, swn, q, kw, mine,
+                                        0, ST, 1, PIECES, first)
+            ok = g < NSEG
+            acc_a += tl.where(ok, ya * tl.load(f_ptr + fo + ra), 0.0)
+            acc_b += tl.where(ok, yb * tl.load(f_ptr + fo + rb), 0.0)
+            first = nxt
+            w0, swn, kw, fo = wn, swn_n, kw_n, fo_n
+        s0, s1, _, _ = _warp_sums(acc_a, acc_b, acc_a, acc_b, ks, scr_ptr + (TOPK * I_MOE + I_SH) // 2, warp, r, q,
+                                  1, NW)
+        row = r0 + blk * 16 + r
+        _down_out(s0, row, lead & (blk < nblk) & (row < r_end), ids_ptr, wts_ptr, b_ptr, x_ptr, D, TOPK,
+                  HAS_EBIAS)
+        _down_out(s1, row + 8, lead & (blk < nblk) & (row + 8 < r_end), ids_ptr, wts_ptr, b_ptr, x_ptr, D, TOPK,
+                  HAS_EBIAS)
+
+
+@triton.jit
+def _down_out(s, rr, ok, ids_ptr, wts_ptr, b_ptr, x_ptr, D: tl.constexpr, TOPK: tl.constexpr,
+              HAS_EBIAS: tl.constexpr):
+    """stream_expert_down's epilogue: the routed biases times their weights, the residual, one store."""
+    if HAS_EBIAS:
+        for j in tl.static_range(TOPK):
+            e = tl.load(ids_ptr + j, cache_modifier=".cg").to(tl.int64)
+            s += tl.load(wts_ptr + j, cache_modifier=".cg") * tl.load(b_ptr + e * D + rr, mask=ok,
+                                                                      other=0.0).to(tl.float32)
+    s += tl.load(x_ptr + rr, mask=ok, other=0.0, cache_modifier=".cg")
+    tl.store(x_ptr + rr, s, mask=ok)
 
 
 @triton.jit

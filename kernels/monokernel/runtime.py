@@ -151,13 +151,17 @@ class MonokernelBackend:
         self.rids = z(d.L, max(d.TOPK, 1), dt=i32)
         self.rwts = z(d.L, max(d.TOPK, 1))
         self.sg = z(1)
-        # KIE_MONO_FP8_MMA=1 (off; mma8.py): fp8 q|k|v and o_proj tasks on the tensor cores, each program with a
-        # scratch of MSCR fp32 words (x as fp16, the K ranges' partial sums)
+        # KIE_MONO_FP8_MMA=1 (off; mma8.py): fp8 q|k|v, o_proj and routed-expert tasks on the tensor cores, each
+        # program with a scratch of MSCR fp32 words (x or the experts' h as fp16, the K ranges' partial sums)
         self.mma8 = (os.environ.get("KIE_MONO_FP8_MMA", "0") == "1" and (d.FMT_ATTN == 1 or d.FMT_EXP == 1)
                      and not d.LANES and not d.MLA and not d.TP and not d.E_LOC and d.D % 16 == 0
                      and (d.HQ * d.DH) % 16 == 0
                      and (self.device.type != "cuda" or has_fp8e4nv(self.device)))   # e4m3 converts: sm_89+
-        self.mscr_words = scratch_words(max(d.D, d.HQ * d.DH), self.num_warps) if self.mma8 else 4
+        # the experts' down task too where its widths are multiples of 16 (KIE_MONO_FP8_MMA_DOWN=0: its A/B)
+        self.mma8_down = (self.mma8 and d.FMT_EXP == 1 and d.I_MOE % 16 == 0 and d.I_SH % 16 == 0
+                          and os.environ.get("KIE_MONO_FP8_MMA_DOWN", "1") == "1")
+        self.mscr_words = (scratch_words(max(d.D, d.HQ * d.DH, d.TOPK * d.I_MOE + d.I_SH), self.num_warps)
+                           if self.mma8 else 4)
         self.mscr = z(self.grid * self.mscr_words)
         self.pv, self.pi = z(self.plan.n_lm_tiles), z(self.plan.n_lm_tiles, dt=i32)
         self.counters = z(P.n_counters(self.spec), dt=i32)
@@ -430,7 +434,7 @@ class MonokernelBackend:
             BLOCK_E=_pow2(max(d.E, 1)), BLOCK_TOPK=_pow2(max(d.TOPK, 1)), BLOCK_EOS=_MAX_EOS, BLOCK_X=bx,
             BLOCK_QG=_pow2(max(d.HQ // max(d.HKV, 1) * d.DH, 1)),
             XB=t.xb, NS=t.ns, USE_ASM=not self.interpret, NT=32 * self.num_warps, TP=d.TP, E_LO=d.E_LO,
-            E_LOC=d.E_LOC, MMA8=self.mma8, MSCR=self.mscr_words)
+            E_LOC=d.E_LOC, MMA8=self.mma8, MMA8_DN=self.mma8_down, MSCR=self.mscr_words)
         if sampler is not None:
             meta.update(SFILTER=True, K_CAND=sampler.k_cand, SBLOCK_V=sampler.block_v, SBLOCK_T=sampler.block_t,
                         SBLOCK_C=sampler.block_c)

@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kie_moe.kernels.monokernel.mma8 import mma8_first, mma8_glu_task, mma8_task, scratch_words
+from kie_moe.kernels.monokernel.mma8 import mma8_down_task, mma8_first, mma8_glu_task, mma8_task, scratch_words
 from kie_moe.kernels.weights import random_weight
 
 from ..kernels.helpers import DEV, assert_close, needs_device
@@ -62,8 +62,9 @@ MK_CASES = [("qwen2_moe", ("attn", "exp")), ("llama", ("attn",)), ("qwen3_moe_no
 @pytest.mark.parametrize("case,kinds", MK_CASES, ids=[f"{c}-{'+'.join(k)}" for c, k in MK_CASES])
 def test_monokernel_fp8_tasks_on_the_tensor_cores(case, kinds, tiny_model, monkeypatch):
     """KIE_MONO_FP8_MMA=1: the monokernel's fp8 q|k|v (with qwen2's biases), o_proj and routed-expert gate / up
-    (gpt-oss: its biases and clamped GLU) tasks run mma8 and decode the reference's greedy tokens; logits and K/V
-    within fp16's rounding of the tasks' input (2^-11 relative, so a looser bound than the exact path's 1e-4)."""
+    (gpt-oss: its biases and clamped GLU) tasks run mma8, and the down task too where the widths allow (qwen2_moe:
+    I_MOE 32 and a shared expert of 48), and decode the reference's greedy tokens; logits and K/V within fp16's
+    rounding of the tasks' input (2^-11 relative, so a looser bound than the exact path's 1e-4)."""
     from kie_moe.kernels.monokernel.runtime import MonokernelBackend
     from kie_moe.sampling import SamplingParams
 
@@ -75,12 +76,16 @@ def test_monokernel_fp8_tasks_on_the_tensor_cores(case, kinds, tiny_model, monke
     be = MonokernelBackend(m, "cpu", quantized=q.get, num_stages=2)
     d = be.plan.dims
     assert be.mma8 and (d.FMT_ATTN == 1) == ("attn" in kinds) and (d.FMT_EXP == 1) == ("exp" in kinds)
+    assert be.mma8_down == (case == "qwen2_moe")    # the only case whose expert widths are multiples of 16
     got = list(be.generate(PROMPT, SamplingParams(max_new_tokens=4, ignore_eos=True), set()))
 
     class M:
         spec = m.spec
         weights = DequantStore(m.weights, q)
     check_against_reference(be, M, PROMPT, got, tol=5e-3)
+    monkeypatch.setenv("KIE_MONO_FP8_MMA_DOWN", "0")
+    off = MonokernelBackend(m, "cpu", quantized=q.get, num_stages=2)
+    assert off.mma8 and not off.mma8_down
     monkeypatch.setenv("KIE_MONO_FP8_MMA", "0")
     assert not MonokernelBackend(m, "cpu", quantized=q.get, num_stages=2).mma8
 
@@ -124,3 +129,68 @@ def test_mma8_glu_task_matches_torch(N, K, rpt, nw, act):
         gc, uc = gv.clamp(max=0.7), uv.clamp(-0.7, 0.7)
         want = (uc + 1) * gc * torch.sigmoid(1.702 * gc)
     assert_close(h, want, what=f"mma8 glu {N}x{K} rows/task {rpt} warps {nw} act {act}")
+
+
+@triton.jit
+def _down_tasks(w_ptr, f_ptr, b_ptr, h_ptr, ids_ptr, wts_ptr, sg_ptr, x_ptr, scr_ptr, ed_w, sd_w, ed_f, sd_f,
+                rows_per_task, D: tl.constexpr, I_MOE: tl.constexpr, I_SH: tl.constexpr, TOPK: tl.constexpr,
+                SCR: tl.constexpr, HAS_EBIAS: tl.constexpr, HAS_SH_GATE: tl.constexpr, NW: tl.constexpr,
+                BLOCK_X: tl.constexpr):
+    pid = tl.program_id(0)
+    r0 = pid * rows_per_task
+    r_end = tl.minimum(r0 + rows_per_task, D)
+    mma8_down_task(w_ptr.to(tl.pointer_type(tl.uint32)), ed_w, sd_w, f_ptr, ed_f, sd_f, b_ptr, r0, r_end, h_ptr,
+                   ids_ptr, wts_ptr, sg_ptr, x_ptr, scr_ptr + pid * SCR, D, I_MOE, I_SH, TOPK, HAS_EBIAS,
+                   HAS_SH_GATE, NW, BLOCK_X)
+
+
+# (D rows, I_MOE, I_SH, top-k, rows per task, warps): 3 blocks on 4 warps with a shared expert of 1.5 chunks; one
+# block on 8 warps with 3 segments (5 warps idle); 2 blocks of 20-row tasks on 4 warps (2 warps per block, 2
+# segments each); 3 blocks on 2 warps (2 rounds), a shared expert of 3 chunks and a 16-wide one; one warp, top-1
+DOWN_CASES = [(37, 32, 48, 2, 37, 4), (16, 64, 0, 3, 16, 8), (50, 16, 0, 4, 20, 4), (33, 48, 160, 5, 33, 2),
+              (8, 32, 32, 1, 8, 1)]
+
+
+@pytest.mark.parametrize("bias,gate", [(True, True), (False, False)])
+@pytest.mark.parametrize("D,I,ISH,TOPK,rpt,nw", DOWN_CASES, ids=[f"{c[0]}x{c[1]}+{c[2]}-k{c[3]}-t{c[4]}-w{c[5]}"
+                                                                 for c in DOWN_CASES])
+def test_mma8_down_task_matches_torch(D, I, ISH, TOPK, rpt, nw, bias, gate):
+    """The routed experts' down task (plus the shared expert): x + sum_j f_e (W_e . fp16(w_j h_j)) + w_j b_e +
+    f_sh (W_sh . fp16(sg h_sh)); expert ids repeated and at both ends of the range; the weights at offsets inside
+    one u8 arena as the monokernel's qarena lays them out."""
+    E = 6
+    ids = torch.tensor([5, 0, 5, 3, 0][:TOPK], dtype=torch.int32)
+    g = torch.Generator().manual_seed(D * I + TOPK)
+    we = random_weight("fp8", E * D, I, seed=D + I, device="cpu")
+    ws = random_weight("fp8", D, max(ISH, 16), seed=D + I + 1, device="cpu")
+    ed_w, sd_w = 128, 128 + E * D * I + 256        # byte offsets (128-byte aligned, as qarena's)
+    arena = torch.zeros(sd_w + D * max(ISH, 16) + 64, dtype=torch.uint8)
+    arena[ed_w:ed_w + E * D * I] = we.weight.view(torch.uint8).reshape(-1)
+    arena[sd_w:sd_w + D * ws.in_features] = ws.weight.view(torch.uint8).reshape(-1)
+    ed_f, sd_f = 7, 7 + E * D + 3
+    f = torch.randn(sd_f + D + 5, generator=g)
+    f[ed_f:ed_f + E * D] = we.scale.reshape(-1).float()
+    f[sd_f:sd_f + D] = ws.scale.reshape(-1).float()
+    b = torch.randn(E * D, generator=g).to(torch.bfloat16)
+    h = torch.randn(TOPK * I + ISH, generator=g) * 2
+    wts = torch.rand(TOPK, generator=g)
+    sg = torch.tensor([0.7])
+    x = torch.randn(D, generator=g)
+    want = x.clone()
+    for j in range(TOPK):
+        e = int(ids[j])
+        hj = (h[j * I:(j + 1) * I] * wts[j]).half().float()
+        want += (we.weight[e * D:(e + 1) * D].float() @ hj) * f[ed_f + e * D:ed_f + (e + 1) * D]
+        if bias:
+            want += wts[j] * b[e * D:(e + 1) * D].float()
+    if ISH:
+        hs = (h[TOPK * I:] * (sg[0] if gate else 1.0)).half().float()
+        want += (ws.weight.float() @ hs) * f[sd_f:sd_f + D]
+    tasks = triton.cdiv(D, rpt)
+    scr_words = scratch_words(TOPK * I + ISH, nw)
+    scr = torch.full((tasks * scr_words,), float("nan"), device=DEV)
+    xd = x.to(DEV)
+    dev = [t.to(DEV) for t in (arena, f, b, h, ids, wts, sg)]
+    _down_tasks[(tasks,)](*dev, xd, scr, ed_w, sd_w, ed_f, sd_f, rpt, D, I, ISH, TOPK, scr_words, bias, gate, nw,
+                          min(1024, triton.next_power_of_2(TOPK * I + ISH)), num_warps=nw)
+    assert_close(xd, want, what=f"mma8 down D {D} I {I}+{ISH} top-{TOPK} rows/task {rpt} warps {nw}")
