@@ -73,7 +73,7 @@ def test_monokernel_fp8_tasks_on_the_tensor_cores(case, kinds, tiny_model, monke
     monkeypatch.setenv("KIE_MONO_FP8_MMA", "1")
     m = tiny_model(case)
     q = quantize_model(m, "fp8", kinds)
-    be = MonokernelBackend(m, "cpu", quantized=q.get, num_stages=2)
+    be = MonokernelBackend(m, DEV, quantized=q.get, num_stages=2)
     d = be.plan.dims
     assert be.mma8 and (d.FMT_ATTN == 1) == ("attn" in kinds) and (d.FMT_EXP == 1) == ("exp" in kinds)
     assert be.mma8_down == (case == "qwen2_moe")    # the only case whose expert widths are multiples of 16
@@ -84,10 +84,10 @@ def test_monokernel_fp8_tasks_on_the_tensor_cores(case, kinds, tiny_model, monke
         weights = DequantStore(m.weights, q)
     check_against_reference(be, M, PROMPT, got, tol=5e-3)
     monkeypatch.setenv("KIE_MONO_FP8_MMA_DOWN", "0")
-    off = MonokernelBackend(m, "cpu", quantized=q.get, num_stages=2)
+    off = MonokernelBackend(m, DEV, quantized=q.get, num_stages=2)
     assert off.mma8 and not off.mma8_down
     monkeypatch.setenv("KIE_MONO_FP8_MMA", "0")
-    assert not MonokernelBackend(m, "cpu", quantized=q.get, num_stages=2).mma8
+    assert not MonokernelBackend(m, DEV, quantized=q.get, num_stages=2).mma8
 
 
 @triton.jit

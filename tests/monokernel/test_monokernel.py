@@ -51,7 +51,7 @@ def check_against_reference(be, m, prompt, got, tol=1e-4):
     # every K/V row the kernel appended (positions len(prompt)-1 ..) equals the reference cache
     p0, p1 = len(prompt) - 1, len(prompt) - 1 + len(got)
     def close(got_rows, want_rows):   # absolute slack scaled to the rows' magnitude (bf16 rounds to it)
-        torch.testing.assert_close(got_rows.float(), want_rows, rtol=tol,
+        torch.testing.assert_close(got_rows.float().cpu(), want_rows, rtol=tol,
                                    atol=tol * max(1.0, float(want_rows.abs().max())))
 
     for i, (k, v) in enumerate(cache):
