@@ -20,6 +20,12 @@ fp4_mma.prepare_xh(..., natural=True); rounding x to fp16 is the only difference
 Under the interpreter (or KIE_TILES_ASM=0) the same loop runs with lane = element index, each code decoded from its
 bits (tiles._as_f32) and plain fp32 FMAs over the lane's own words; the quad's sum is the same.
 
+W16 (fp8_rows_dot's flag; the monokernel's bf16 / fp16 tasks, kernels/monokernel/mma8.py): the same loop over 16-bit
+weights. A word is two weights, so a piece (4 words) is two k16 mma per 16-row block, each run twice: against x's
+bf16 (fp16) rounding hi and against lo = x - hi rounded again, so x keeps ~16 bits (hi alone would cost the graph
+backend's fp32-x products 8 bits). The "x16" layout holds, per 8 elements 8g..8g+7, their 4 hi pairs then their 4
+lo pairs (words 8g / 2 .. : the same word addresses as fp8's x pairs of 16 codes).
+
 PERSIST: a grid smaller than the row tiles walks them (tile = pid, pid + programs, ...): the monokernel's shape, one
 or a few programs per SM, for benchmarks/fp8_mma_bench.py.
 """
@@ -61,6 +67,23 @@ def _piece_ptx() -> str:
 _PIECE = tl.constexpr(_piece_ptx())
 
 
+def _piece16_ptx(ty: str) -> str:
+    """W16: one piece of 16-bit weights (`ty` bf16 or f16; 4 words = 8 weights of rows a and b) through 4 chained
+    mma: words 0-1 then 2-3, each against x's hi pairs and then its lo pairs ($12..$15 hi, $16..$19 lo; the rest as
+    _piece_ptx)."""
+    body = ("{\n.reg .f32 d<4>;\nmov.f32 d0, $2;\nmov.f32 d2, $3;\nmov.f32 d1, 0f00000000;\n"
+            "mov.f32 d3, 0f00000000;\n")
+    for j in (0, 2):
+        for xs in (12, 16):
+            body += (f"mma.sync.aligned.m16n8k16.row.col.f32.{ty}.{ty}.f32 {{d0, d1, d2, d3}}, "
+                     f"{{${4 + j}, ${8 + j}, ${5 + j}, ${9 + j}}}, {{${xs + j}, ${xs + j + 1}}}, {{d0, d1, d2, d3}};\n")
+    return body + "mov.f32 $0, d0;\nmov.f32 $1, d2;\n}"
+
+
+_PIECE_BF16 = tl.constexpr(_piece16_ptx("bf16"))
+_PIECE_F16 = tl.constexpr(_piece16_ptx("f16"))
+
+
 @triton.jit
 def _code(w, i: tl.constexpr):
     """Byte i of u32 word w as the fp32 value of its e4m3 bits (portable path)."""
@@ -75,18 +98,51 @@ def _word_dot8(w, x0, x1):
 
 
 @triton.jit
-def _piece(acc_a, acc_b, H, X):
+def _w16(v, HI: tl.constexpr, W16: tl.constexpr):
+    """Half HI of a u32 pair as fp32: bf16 (W16 1) or fp16 (2) bits (portable path)."""
+    if HI:
+        v = v >> 16
+    v = (v & 0xFFFF).to(tl.uint16)
+    if W16 == 1:
+        f = v.to(tl.bfloat16, bitcast=True).to(tl.float32)
+    else:
+        f = v.to(tl.float16, bitcast=True).to(tl.float32)
+    return f
+
+
+@triton.jit
+def _word_dot16(w, xh, xl, W16: tl.constexpr):
+    """Portable: one word's two 16-bit weights dotted with x = hi + lo of their two elements."""
+    p = _w16(w, False, W16) * (_w16(xh, False, W16) + _w16(xl, False, W16))
+    return p + _w16(w, True, W16) * (_w16(xh, True, W16) + _w16(xl, True, W16))
+
+
+@triton.jit
+def _piece(acc_a, acc_b, H, X, W16: tl.constexpr = 0):
     """acc_a / acc_b (rows a / b) += this lane's 4 words of each row (H: words a0..a3, b0..b3) dotted with X (the 8
-    x pairs of those words; GPU: zeros unless this lane supplies B)."""
+    x words of those words; GPU: zeros unless this lane supplies B): e4m3 codes against fp16 x pairs (W16 0), or
+    16-bit weight pairs (W16 1 bf16, 2 fp16) against x's hi pairs X[0..3] and lo pairs X[4..7] (x = hi + lo: x16
+    layout, module docstring)."""
     if _ASM:
-        acc_a, acc_b = tl.inline_asm_elementwise(
-            _PIECE, "=f,=f,f,f" + ",r" * 16, [acc_a, acc_b, H[0], H[1], H[2], H[3], H[4], H[5], H[6], H[7], X[0], X[1],
-                                             X[2], X[3], X[4], X[5], X[6], X[7]],
-            dtype=(tl.float32,) * 2, is_pure=True, pack=1)
+        args = [acc_a, acc_b, H[0], H[1], H[2], H[3], H[4], H[5], H[6], H[7], X[0], X[1], X[2], X[3], X[4], X[5],
+                X[6], X[7]]
+        if W16 == 0:
+            acc_a, acc_b = tl.inline_asm_elementwise(_PIECE, "=f,=f,f,f" + ",r" * 16, args, dtype=(tl.float32,) * 2,
+                                                     is_pure=True, pack=1)
+        elif W16 == 1:
+            acc_a, acc_b = tl.inline_asm_elementwise(_PIECE_BF16, "=f,=f,f,f" + ",r" * 16, args,
+                                                     dtype=(tl.float32,) * 2, is_pure=True, pack=1)
+        else:
+            acc_a, acc_b = tl.inline_asm_elementwise(_PIECE_F16, "=f,=f,f,f" + ",r" * 16, args,
+                                                     dtype=(tl.float32,) * 2, is_pure=True, pack=1)
     else:
         for j in tl.static_range(4):
-            acc_a += _word_dot8(H[j], X[2 * j], X[2 * j + 1])
-            acc_b += _word_dot8(H[4 + j], X[2 * j], X[2 * j + 1])
+            if W16 == 0:
+                acc_a += _word_dot8(H[j], X[2 * j], X[2 * j + 1])
+                acc_b += _word_dot8(H[4 + j], X[2 * j], X[2 * j + 1])
+            else:
+                acc_a += _word_dot16(H[j], X[j], X[4 + j], W16)
+                acc_b += _word_dot16(H[4 + j], X[j], X[4 + j], W16)
     return acc_a, acc_b
 
 
@@ -123,14 +179,15 @@ def fp8_rows_first(wq0, ra0, rb0, wq1, ra1, rb1, swn, q, KW, st_lo, RB: tl.const
 
 @triton.jit
 def fp8_rows_dot(xq, wq0, ra0, rb0, wq1, ra1, rb1, swn, q, KW, mine, st_lo, st_hi, RB: tl.constexpr,
-                 PIECES: tl.constexpr, first, st_base=0):
+                 PIECES: tl.constexpr, first, st_base=0, W16: tl.constexpr = 0):
     """One warp's fp8 rows against x (natural-order fp16, u32 view xq) over steps [st_lo, st_hi) of 64 * PIECES bytes
     per row (all of K: 0, cdiv(KW, 16 * PIECES)), the next step's loads issued before the current step's mma:
     block 0 = rows ra0 / rb0 of wq0, block 1 (RB == 2) = rows ra1 / rb1 of wq1 (a GEMV's next 16 rows, or a GLU's
     up rows beside its gate rows); first = fp8_rows_first(...) of the same rows and st_base + st_lo. KW = K / 4 words
     per row, swn the row stride in words. st_base (a per-lane tensor allowed: each warp its own K range, the loop
     bounds staying scalar) offsets every step; steps past K load clamped rows against x masked to zero. Returns each
-    lane's unscaled partial sums (block 0 rows a, b; block 1 rows a, b), not yet summed over the quad."""
+    lane's unscaled partial sums (block 0 rows a, b; block 1 rows a, b), not yet summed over the quad.
+    W16 1 / 2: the rows are bf16 / fp16 pairs (KW = K / 2) and xq the x16 layout (module docstring)."""
     zero = tl.zeros(q.shape, tl.float32)
     a0, a1, c0, c1, e0, e1, f0, f1 = zero, zero, zero, zero, zero, zero, zero, zero
     P0, P1 = first
@@ -145,13 +202,13 @@ def fp8_rows_dot(xq, wq0, ra0, rb0, wq1, ra1, rb1, swn, q, KW, mine, st_lo, st_h
         for h in tl.static_range(PIECES):
             X = _ld_x(xq + 2 * x_off + 32 * h, (x_off + 16 * h < KW) & mine)
             if h % 2 == 0:   # two accumulator chains per block: even / odd pieces
-                a0, a1 = _piece(a0, a1, C0[h], X)
+                a0, a1 = _piece(a0, a1, C0[h], X, W16)
                 if RB == 2:
-                    c0, c1 = _piece(c0, c1, C1[h], X)
+                    c0, c1 = _piece(c0, c1, C1[h], X, W16)
             else:
-                e0, e1 = _piece(e0, e1, C0[h], X)
+                e0, e1 = _piece(e0, e1, C0[h], X, W16)
                 if RB == 2:
-                    f0, f1 = _piece(f0, f1, C1[h], X)
+                    f0, f1 = _piece(f0, f1, C1[h], X, W16)
     return a0 + e0, a1 + e1, c0 + f0, c1 + f1
 
 

@@ -31,10 +31,30 @@ from .stream import glu
 PIECES = tl.constexpr(2)   # 16-byte pieces per row and step: 128 contiguous bytes of a row
 
 
-def scratch_words(k_max: int, num_warps: int) -> int:
+def scratch_words(k_max: int, num_warps: int, w16: bool = False) -> int:
     """fp32 words of one program's scratch for tasks of input length <= k_max (a multiple of 4: 16-byte rows; the
-    down task's input is TOPK * I_MOE + I_SH long)."""
-    return -(-(k_max // 2 + 32 * num_warps) // 4) * 4
+    down task's input is TOPK * I_MOE + I_SH long); w16: 16-bit weight tasks (x as hi / lo pairs, twice the words)."""
+    return -(-(k_max // (1 if w16 else 2) + 32 * num_warps) // 4) * 4
+
+
+@triton.jit
+def _kw(K: tl.constexpr, W16: tl.constexpr):
+    """u32 words per weight row of length K: 4 e4m3 codes (W16 0) or 2 bf16 / fp16 weights per word."""
+    if W16 == 0:
+        n: tl.constexpr = K // 4
+    else:
+        n: tl.constexpr = K // 2
+    return n
+
+
+@triton.jit
+def _xw(K: tl.constexpr, W16: tl.constexpr):
+    """Scratch words x of length K takes: fp16 pairs (W16 0) or hi and lo pairs (the x16 layout)."""
+    if W16 == 0:
+        n: tl.constexpr = K // 2
+    else:
+        n: tl.constexpr = K
+    return n
 
 
 @triton.jit
@@ -48,10 +68,10 @@ def _blocks_ks(r0, r_end, NW: tl.constexpr):
 
 
 @triton.jit
-def _geometry(r0, r_end, K: tl.constexpr, NW: tl.constexpr):
+def _geometry(r0, r_end, K: tl.constexpr, NW: tl.constexpr, W16: tl.constexpr):
     """(blocks, warps per block KS, steps per warp's K range) of a task."""
     nblk, ks = _blocks_ks(r0, r_end, NW)
-    n_steps = nblk * 0 + (K // 4 + 16 * PIECES - 1) // (16 * PIECES)   # 128-byte steps over K
+    n_steps = nblk * 0 + (_kw(K, W16) + 16 * PIECES - 1) // (16 * PIECES)   # 128-byte steps over K
     return nblk, ks, (n_steps + ks - 1) // ks
 
 
@@ -62,22 +82,39 @@ def _rows(r0, r_end, blk, r):
 
 
 @triton.jit
-def mma8_first(wq, K: tl.constexpr, r0, r_end, NW: tl.constexpr):
+def mma8_first(wq, K: tl.constexpr, r0, r_end, NW: tl.constexpr, W16: tl.constexpr = 0):
     """The task's first step of weight loads for this warp's first block and K range (before the wait)."""
     lane, warp = _lane_warp(NW)
-    nblk, ks, sks = _geometry(r0, r_end, K, NW)
+    nblk, ks, sks = _geometry(r0, r_end, K, NW, W16)
     ra, rb = _rows(r0, r_end, warp // ks, lane >> 2)
-    return fp8_rows_first(wq, ra, rb, wq, ra, rb, K // 4, lane & 3, K // 4, (warp % ks) * sks, 1, PIECES)
+    return fp8_rows_first(wq, ra, rb, wq, ra, rb, _kw(K, W16), lane & 3, _kw(K, W16), (warp % ks) * sks, 1, PIECES)
 
 
 @triton.jit
-def _stage_x(x_ptr, nw_ptr, eps, scr_ptr, K: tl.constexpr, NORM: tl.constexpr, BLOCK_X: tl.constexpr):
-    """x (fp32, written by other programs: .cg) -> fp16 at the scratch's start, times nw and the RMSNorm scale
+def _store_x(scr_ptr, k, x, m, W16: tl.constexpr):
+    """x[k] (fp32) into the scratch: fp16 (W16 0), or the x16 layout's hi and lo halves of bf16 (1) / fp16 (2): hi at
+    element 16 (k // 8) + k % 8, lo 8 further."""
+    if W16 == 0:
+        tl.store(scr_ptr.to(tl.pointer_type(tl.float16)) + k, x.to(tl.float16), mask=m)
+    else:
+        if W16 == 1:
+            xs = scr_ptr.to(tl.pointer_type(tl.bfloat16))
+        else:
+            xs = scr_ptr.to(tl.pointer_type(tl.float16))
+        hi = x.to(xs.dtype.element_ty)
+        i = k + (k // 8) * 8
+        tl.store(xs + i, hi, mask=m)
+        tl.store(xs + i + 8, (x - hi.to(tl.float32)).to(xs.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _stage_x(x_ptr, nw_ptr, eps, scr_ptr, K: tl.constexpr, NORM: tl.constexpr, BLOCK_X: tl.constexpr,
+             W16: tl.constexpr = 0):
+    """x (fp32, written by other programs: .cg) -> the scratch's start (_store_x), times nw and the RMSNorm scale
     first when NORM; a barrier after (every warp reads all of it), and one before (a previous task of this program
     may still be reading the last x from the same words)."""
     tl.debug_barrier()
     offs = tl.arange(0, BLOCK_X)
-    xh = scr_ptr.to(tl.pointer_type(tl.float16))
     rstd = 1.0
     if NORM:
         ss = tl.zeros((BLOCK_X,), dtype=tl.float32)
@@ -90,7 +127,7 @@ def _stage_x(x_ptr, nw_ptr, eps, scr_ptr, K: tl.constexpr, NORM: tl.constexpr, B
         x = tl.load(x_ptr + k0 + offs, mask=m, other=0.0, cache_modifier=".cg")
         if NORM:
             x = x * tl.load(nw_ptr + k0 + offs, mask=m, other=0.0).to(tl.float32) * rstd
-        tl.store(xh + k0 + offs, x.to(tl.float16), mask=m)
+        _store_x(scr_ptr, k0 + offs, x, m, W16)
     tl.debug_barrier()
 
 
@@ -107,13 +144,13 @@ def _ks_sum(s, red, warp, r, q, ks, lead, NW: tl.constexpr):
 
 @triton.jit
 def _block_sums(first, wq0, wq1, K: tl.constexpr, r0, r_end, blk, st0, sks, ks, scr_ptr, warp, r, q,
-                RB: tl.constexpr, NW: tl.constexpr):
+                RB: tl.constexpr, NW: tl.constexpr, W16: tl.constexpr):
     """Rows r, r + 8 of block blk (of wq0, and of wq1 when RB == 2) over this warp's K range, summed over the quad
     and, when KS > 1, over the block's warps: (rows of wq0 a / b, rows of wq1 a / b), valid in lead lanes."""
     ra, rb = _rows(r0, r_end, blk, r)
-    y0, y1, y2, y3 = fp8_rows_dot(scr_ptr.to(tl.pointer_type(tl.uint32)), wq0, ra, rb, wq1, ra, rb, K // 4, q,
-                                  K // 4, _mine(r, q), 0, sks, RB, PIECES, first, st0)
-    return _warp_sums(y0, y1, y2, y3, ks, scr_ptr + K // 2, warp, r, q, RB, NW)
+    y0, y1, y2, y3 = fp8_rows_dot(scr_ptr.to(tl.pointer_type(tl.uint32)), wq0, ra, rb, wq1, ra, rb, _kw(K, W16), q,
+                                  _kw(K, W16), _mine(r, q), 0, sks, RB, PIECES, first, st0, W16)
+    return _warp_sums(y0, y1, y2, y3, ks, scr_ptr + _xw(K, W16), warp, r, q, RB, NW)
 
 
 @triton.jit
@@ -143,14 +180,14 @@ def _warp_sums(y0, y1, y2, y3, ks, red, warp, r, q, RB: tl.constexpr, NW: tl.con
 @triton.jit
 def mma8_task(first, wq, f_ptr, K: tl.constexpr, r0, r_end, x_ptr, nw_ptr, eps, b_ptr, y_ptr, res_ptr, scr_ptr,
               NORM: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, NW: tl.constexpr,
-              BLOCK_X: tl.constexpr):
+              BLOCK_X: tl.constexpr, HAS_F: tl.constexpr = True, W16: tl.constexpr = 0):
     """y[r] for r in [r0, r_end) (module docstring), after the task's wait; first = mma8_first(...). y may alias
-    res (each task owns its rows)."""
-    _stage_x(x_ptr, nw_ptr, eps, scr_ptr, K, NORM, BLOCK_X)
+    res (each task owns its rows). W16 1 / 2: bf16 / fp16 weights (no row factors: HAS_F False)."""
+    _stage_x(x_ptr, nw_ptr, eps, scr_ptr, K, NORM, BLOCK_X, W16)
     lane, warp = _lane_warp(NW)
     r = lane >> 2
     q = lane & 3
-    nblk, ks, sks = _geometry(r0, r_end, K, NW)
+    nblk, ks, sks = _geometry(r0, r_end, K, NW, W16)
     G = NW // ks                       # blocks in flight per round
     lead = (q == 0) & (warp % ks == 0)
     st0 = (warp % ks) * sks
@@ -158,51 +195,52 @@ def mma8_task(first, wq, f_ptr, K: tl.constexpr, r0, r_end, x_ptr, nw_ptr, eps, 
         blk = rd * G + warp // ks
         if rd > 0:
             ra, rb = _rows(r0, r_end, blk, r)
-            first = fp8_rows_first(wq, ra, rb, wq, ra, rb, K // 4, q, K // 4, st0, 1, PIECES)
-        s0, s1, _, _ = _block_sums(first, wq, wq, K, r0, r_end, blk, st0, sks, ks, scr_ptr, warp, r, q, 1, NW)
+            first = fp8_rows_first(wq, ra, rb, wq, ra, rb, _kw(K, W16), q, _kw(K, W16), st0, 1, PIECES)
+        s0, s1, _, _ = _block_sums(first, wq, wq, K, r0, r_end, blk, st0, sks, ks, scr_ptr, warp, r, q, 1, NW, W16)
         row = r0 + blk * 16 + r
-        _epilogue(s0, row, lead & (blk < nblk) & (row < r_end), f_ptr, b_ptr, y_ptr, res_ptr, HAS_BIAS, HAS_RES)
+        _epilogue(s0, row, lead & (blk < nblk) & (row < r_end), f_ptr, b_ptr, y_ptr, res_ptr, HAS_BIAS, HAS_RES,
+                  HAS_F)
         _epilogue(s1, row + 8, lead & (blk < nblk) & (row + 8 < r_end), f_ptr, b_ptr, y_ptr, res_ptr, HAS_BIAS,
-                  HAS_RES)
+                  HAS_RES, HAS_F)
 
 
 @triton.jit
 def mma8_glu_task(wg, wu, fg_ptr, fu_ptr, K: tl.constexpr, r0, r_end, x_ptr, nw_ptr, eps, bg_ptr, bu_ptr, h_ptr,
                   limit, alpha, scr_ptr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, NW: tl.constexpr,
-                  BLOCK_X: tl.constexpr):
+                  BLOCK_X: tl.constexpr, HAS_F: tl.constexpr = True, W16: tl.constexpr = 0):
     """h[r] = glu(fg[r] (Wg[r] . x') (+ bg[r]), fu[r] (Wu[r] . x') (+ bu[r])) for r in [r0, r_end), x' = fp16 of the
     RMS-normed x (stream_glu's task on the tensor cores: a routed expert's gate / up rows, known only after the
-    wait, so no loads go before it)."""
-    _stage_x(x_ptr, nw_ptr, eps, scr_ptr, K, True, BLOCK_X)
+    wait, so no loads go before it; also the dense MLP's gate / up, W16 as mma8_task's)."""
+    _stage_x(x_ptr, nw_ptr, eps, scr_ptr, K, True, BLOCK_X, W16)
     lane, warp = _lane_warp(NW)
     r = lane >> 2
     q = lane & 3
-    nblk, ks, sks = _geometry(r0, r_end, K, NW)
+    nblk, ks, sks = _geometry(r0, r_end, K, NW, W16)
     G = NW // ks
     lead = (q == 0) & (warp % ks == 0)
     st0 = (warp % ks) * sks
     for rd in range(0, (nblk + G - 1) // G):
         blk = rd * G + warp // ks
         ra, rb = _rows(r0, r_end, blk, r)
-        first = fp8_rows_first(wg, ra, rb, wu, ra, rb, K // 4, q, K // 4, st0, 2, PIECES)
-        g0, g1, u0, u1 = _block_sums(first, wg, wu, K, r0, r_end, blk, st0, sks, ks, scr_ptr, warp, r, q, 2, NW)
+        first = fp8_rows_first(wg, ra, rb, wu, ra, rb, _kw(K, W16), q, _kw(K, W16), st0, 2, PIECES)
+        g0, g1, u0, u1 = _block_sums(first, wg, wu, K, r0, r_end, blk, st0, sks, ks, scr_ptr, warp, r, q, 2, NW,
+                                     W16)
         row = r0 + blk * 16 + r
         _glu_out(g0, u0, row, lead & (blk < nblk) & (row < r_end), fg_ptr, fu_ptr, bg_ptr, bu_ptr, h_ptr, limit,
-                 alpha, HAS_BIAS, ACT)
+                 alpha, HAS_BIAS, ACT, HAS_F)
         _glu_out(g1, u1, row + 8, lead & (blk < nblk) & (row + 8 < r_end), fg_ptr, fu_ptr, bg_ptr, bu_ptr, h_ptr,
-                 limit, alpha, HAS_BIAS, ACT)
+                 limit, alpha, HAS_BIAS, ACT, HAS_F)
 
 
 @triton.jit
 def _stage_h(h_ptr, wts_ptr, sg_ptr, scr_ptr, TOPK: tl.constexpr, I_MOE: tl.constexpr, I_SH: tl.constexpr,
-             HAS_SH_GATE: tl.constexpr, BLOCK_X: tl.constexpr):
-    """h [TOPK * I_MOE + I_SH] (fp32, written by other programs: .cg) -> fp16 at the scratch's start, slot j's
+             HAS_SH_GATE: tl.constexpr, BLOCK_X: tl.constexpr, W16: tl.constexpr):
+    """h [TOPK * I_MOE + I_SH] (fp32, written by other programs: .cg) -> the scratch's start (_store_x), slot j's
     values times its routing weight and the shared expert's times its gate (stream_expert_down folds them into the
     activations the same way); barriers as _stage_x's."""
     tl.debug_barrier()
     KR: tl.constexpr = TOPK * I_MOE
     offs = tl.arange(0, BLOCK_X)
-    xh = scr_ptr.to(tl.pointer_type(tl.float16))
     sg = 1.0
     if HAS_SH_GATE:
         sg = tl.load(sg_ptr, cache_modifier=".cg")
@@ -211,40 +249,43 @@ def _stage_h(h_ptr, wts_ptr, sg_ptr, scr_ptr, TOPK: tl.constexpr, I_MOE: tl.cons
         m = k < KR + I_SH
         h = tl.load(h_ptr + k, mask=m, other=0.0, cache_modifier=".cg")
         wj = tl.load(wts_ptr + tl.minimum(k // I_MOE, TOPK - 1), mask=m & (k < KR), other=0.0, cache_modifier=".cg")
-        tl.store(xh + k, (h * tl.where(k < KR, wj, sg)).to(tl.float16), mask=m)
+        _store_x(scr_ptr, k, h * tl.where(k < KR, wj, sg), m, W16)
     tl.debug_barrier()
 
 
 @triton.jit
 def _down_seg(g, ed_w, sd_w, ids_ptr, ed_f, sd_f, D: tl.constexpr, I_MOE: tl.constexpr, I_SH: tl.constexpr,
-              TOPK: tl.constexpr, NSEG: tl.constexpr):
+              TOPK: tl.constexpr, NSEG: tl.constexpr, W16: tl.constexpr):
     """Segment g (clamped to NSEG - 1) of a down task's K: routed slot g < TOPK, else chunk g - TOPK of the shared
     expert's row (I_MOE wide, the last one shorter). (weights' first word, row stride and K in u32 words, the row
-    factors' offset); its x starts at g * I_MOE either way."""
+    factors' offset); its x starts at _xw(g * I_MOE) words either way. ed_w / sd_w in weight elements (bytes for
+    e4m3)."""
+    PW: tl.constexpr = 4 if W16 == 0 else 2     # weights per u32 word
     g = tl.minimum(g, NSEG - 1)
     is_exp = g < TOPK
     e = tl.load(ids_ptr + tl.minimum(g, TOPK - 1), cache_modifier=".cg").to(tl.int64)
     c = tl.maximum(g - TOPK, 0).to(tl.int64)
-    w0 = tl.where(is_exp, ed_w + e * (D * I_MOE), sd_w + c * I_MOE) // 4
-    swn = tl.where(is_exp, I_MOE // 4, I_SH // 4)
-    kw = tl.where(is_exp, I_MOE // 4, tl.minimum(I_MOE, I_SH - c * I_MOE) // 4)
+    w0 = tl.where(is_exp, ed_w + e * (D * I_MOE), sd_w + c * I_MOE) // PW
+    swn = tl.where(is_exp, I_MOE // PW, I_SH // PW)
+    kw = tl.where(is_exp, I_MOE // PW, tl.minimum(I_MOE, I_SH - c * I_MOE) // PW)
     return w0, swn, kw, tl.where(is_exp, ed_f + e * D, sd_f)
 
 
 @triton.jit
 def mma8_down_task(wq, ed_w, sd_w, f_ptr, ed_f, sd_f, b_ptr, r0, r_end, h_ptr, ids_ptr, wts_ptr, sg_ptr, x_ptr,
                    scr_ptr, D: tl.constexpr, I_MOE: tl.constexpr, I_SH: tl.constexpr, TOPK: tl.constexpr,
-                   HAS_EBIAS: tl.constexpr, HAS_SH_GATE: tl.constexpr, NW: tl.constexpr, BLOCK_X: tl.constexpr):
+                   HAS_EBIAS: tl.constexpr, HAS_SH_GATE: tl.constexpr, NW: tl.constexpr, BLOCK_X: tl.constexpr,
+                   HAS_F: tl.constexpr = True, W16: tl.constexpr = 0):
     """x[r] += sum_j f_j[r] (Wdown[e_j][r] . fp16(w_j h_j)) + w_j bdown[e_j][r] + f_sh[r] (Wsh[r] . fp16(sg h_sh)),
     r in [r0, r_end) (stream_expert_down's task on the tensor cores; wq: the fp8 arena as u32, ed_w / sd_w the
     routed / shared down weights' byte offsets in it, ed_f / sd_f their row factors' in f_ptr). K is cut into
     NSEG segments (the TOPK slots, then the shared expert's row in I_MOE chunks); a block's KS warps take
     consecutive runs of segments, each warp scaling its lanes' partials by the segment's row factor before the
     quad and warp sums (in warp order: the same bits every run). The next segment's first loads are issued before
-    the current one's loop."""
-    _stage_h(h_ptr, wts_ptr, sg_ptr, scr_ptr, TOPK, I_MOE, I_SH, HAS_SH_GATE, BLOCK_X)
+    the current one's loop. W16 as mma8_task's (bf16 / fp16 experts, no row factors: HAS_F False)."""
+    _stage_h(h_ptr, wts_ptr, sg_ptr, scr_ptr, TOPK, I_MOE, I_SH, HAS_SH_GATE, BLOCK_X, W16)
     NSEG: tl.constexpr = TOPK + (I_SH + I_MOE - 1) // I_MOE
-    ST: tl.constexpr = (I_MOE // 4 + 16 * PIECES - 1) // (16 * PIECES)   # 128-byte steps per segment
+    ST: tl.constexpr = (_kw(I_MOE, W16) + 16 * PIECES - 1) // (16 * PIECES)   # 128-byte steps per segment
     lane, warp = _lane_warp(NW)
     r = lane >> 2
     q = lane & 3
@@ -258,24 +299,27 @@ def mma8_down_task(wq, ed_w, sd_w, f_ptr, ed_f, sd_f, b_ptr, r0, r_end, h_ptr, i
     for rd in range(0, (nblk + G - 1) // G):
         blk = rd * G + warp // ks
         ra, rb = _rows(r0, r_end, blk, r)
-        w0, swn, kw, fo = _down_seg(g_lo, ed_w, sd_w, ids_ptr, ed_f, sd_f, D, I_MOE, I_SH, TOPK, NSEG)
+        w0, swn, kw, fo = _down_seg(g_lo, ed_w, sd_w, ids_ptr, ed_f, sd_f, D, I_MOE, I_SH, TOPK, NSEG, W16)
         first = fp8_rows_first(wq + w0, ra, rb, wq + w0, ra, rb, swn, q, kw, 0, 1, PIECES)
         acc_a = tl.zeros(q.shape, tl.float32)
         acc_b = tl.zeros(q.shape, tl.float32)
         for i in range(0, spw):
             g = g_lo + i
             wn, swn_n, kw_n, fo_n = _down_seg(tl.minimum(g + 1, g_lo + spw - 1), ed_w, sd_w, ids_ptr, ed_f, sd_f,
-                                              D, I_MOE, I_SH, TOPK, NSEG)
+                                              D, I_MOE, I_SH, TOPK, NSEG, W16)
             nxt = fp8_rows_first(wq + wn, ra, rb, wq + wn, ra, rb, swn_n, q, kw_n, 0, 1, PIECES)
-            ya, yb, _, _ = fp8_rows_dot(xq + g * (I_MOE // 2), wq + w0, ra, rb, wq + w0, ra, rb, swn, q, kw, mine,
-                                        0, ST, 1, PIECES, first)
+            ya, yb, _, _ = fp8_rows_dot(xq + g * _xw(I_MOE, W16), wq + w0, ra, rb, wq + w0, ra, rb, swn, q, kw,
+                                        mine, 0, ST, 1, PIECES, first, 0, W16)
             ok = g < NSEG
-            acc_a += tl.where(ok, ya * tl.load(f_ptr + fo + ra), 0.0)
-            acc_b += tl.where(ok, yb * tl.load(f_ptr + fo + rb), 0.0)
+            if HAS_F:
+                ya = ya * tl.load(f_ptr + fo + ra)
+                yb = yb * tl.load(f_ptr + fo + rb)
+            acc_a += tl.where(ok, ya, 0.0)
+            acc_b += tl.where(ok, yb, 0.0)
             first = nxt
             w0, swn, kw, fo = wn, swn_n, kw_n, fo_n
-        s0, s1, _, _ = _warp_sums(acc_a, acc_b, acc_a, acc_b, ks, scr_ptr + (TOPK * I_MOE + I_SH) // 2, warp, r, q,
-                                  1, NW)
+        s0, s1, _, _ = _warp_sums(acc_a, acc_b, acc_a, acc_b, ks, scr_ptr + _xw(TOPK * I_MOE + I_SH, W16), warp,
+                                  r, q, 1, NW)
         row = r0 + blk * 16 + r
         _down_out(s0, row, lead & (blk < nblk) & (row < r_end), ids_ptr, wts_ptr, b_ptr, x_ptr, D, TOPK,
                   HAS_EBIAS)
@@ -297,9 +341,12 @@ def _down_out(s, rr, ok, ids_ptr, wts_ptr, b_ptr, x_ptr, D: tl.constexpr, TOPK: 
 
 
 @triton.jit
-def _epilogue(s, rr, ok, f_ptr, b_ptr, y_ptr, res_ptr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr):
+def _epilogue(s, rr, ok, f_ptr, b_ptr, y_ptr, res_ptr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
+              HAS_F: tl.constexpr = True):
     """stream_gemv's order: the row factor, the bias, the residual, one fp32 store."""
-    y = s * tl.load(f_ptr + rr, mask=ok, other=0.0)
+    y = s
+    if HAS_F:
+        y = y * tl.load(f_ptr + rr, mask=ok, other=0.0)
     if HAS_BIAS:
         y += tl.load(b_ptr + rr, mask=ok, other=0.0).to(tl.float32)
     if HAS_RES:
@@ -309,10 +356,11 @@ def _epilogue(s, rr, ok, f_ptr, b_ptr, y_ptr, res_ptr, HAS_BIAS: tl.constexpr, H
 
 @triton.jit
 def _glu_out(g, u, rr, ok, fg_ptr, fu_ptr, bg_ptr, bu_ptr, h_ptr, limit, alpha, HAS_BIAS: tl.constexpr,
-             ACT: tl.constexpr):
+             ACT: tl.constexpr, HAS_F: tl.constexpr = True):
     """stream_glu's epilogue: row factors, biases, the GLU, one store."""
-    g = g * tl.load(fg_ptr + rr, mask=ok, other=0.0)
-    u = u * tl.load(fu_ptr + rr, mask=ok, other=0.0)
+    if HAS_F:
+        g = g * tl.load(fg_ptr + rr, mask=ok, other=0.0)
+        u = u * tl.load(fu_ptr + rr, mask=ok, other=0.0)
     if HAS_BIAS:
         g += tl.load(bg_ptr + rr, mask=ok, other=0.0).to(tl.float32)
         u += tl.load(bu_ptr + rr, mask=ok, other=0.0).to(tl.float32)

@@ -19,14 +19,36 @@ pytestmark = needs_device
 @triton.jit
 def _tasks(w_ptr, f_ptr, x_ptr, nw_ptr, b_ptr, y_ptr, res_ptr, scr_ptr, rows_per_task, N, eps, K: tl.constexpr,
            SCR: tl.constexpr, NORM: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, NW: tl.constexpr,
-           BLOCK_X: tl.constexpr):
+           BLOCK_X: tl.constexpr, W16: tl.constexpr):
     pid = tl.program_id(0)
     r0 = pid * rows_per_task
     r_end = tl.minimum(r0 + rows_per_task, N)
     wq = w_ptr.to(tl.pointer_type(tl.uint32))
-    first = mma8_first(wq, K, r0, r_end, NW)
+    first = mma8_first(wq, K, r0, r_end, NW, W16)
     mma8_task(first, wq, f_ptr, K, r0, r_end, x_ptr, nw_ptr, eps, b_ptr, y_ptr, res_ptr, scr_ptr + pid * SCR, NORM,
-              HAS_BIAS, HAS_RES, NW, BLOCK_X)
+              HAS_BIAS, HAS_RES, NW, BLOCK_X, W16 == 0, W16)
+
+
+# weight formats: e4m3 codes with row factors, bf16 / fp16 pairs (W16 1 / 2: x as hi + lo, no factors)
+W16 = {"fp8": 0, "bf16": 1, "fp16": 2}
+# fp32 sums in another order; 16-bit weights' products carry more bits into them than e4m3's
+REL = {"fp8": 1e-5, "bf16": 3e-5, "fp16": 3e-5}
+
+
+def _weight(fmt, N, K, seed):
+    """(handle, its u32-viewable storage, row factors: the fp8 scales, or ones)."""
+    w = random_weight(fmt, N, K, seed=seed, device=DEV)
+    f = w.scale.reshape(-1).float().contiguous() if fmt == "fp8" else torch.ones(N, device=DEV)
+    return w, w.weight.view(torch.uint8) if fmt == "fp8" else w.weight, f
+
+
+def _xin(x, fmt):
+    """x as the mma sees it: fp16-rounded (fp8 tasks) or hi + lo (16-bit tasks, ~16 bits kept)."""
+    if fmt == "fp8":
+        return x.half().float()
+    dt = torch.bfloat16 if fmt == "bf16" else torch.float16
+    hi = x.to(dt).float()
+    return hi + (x - hi).to(dt).float()
 
 
 # (rows, K, rows per task, warps): 1 block on 4 warps (K in 4 ranges), 2 blocks on 4, 3 blocks on 2 warps (2
@@ -35,24 +57,24 @@ def _tasks(w_ptr, f_ptr, x_ptr, nw_ptr, b_ptr, y_ptr, res_ptr, scr_ptr, rows_per
 CASES = [(5, 256, 5, 4), (37, 208, 20, 4), (40, 96, 40, 2), (130, 1040, 130, 4), (19, 16, 19, 1), (50, 512, 16, 8)]
 
 
+@pytest.mark.parametrize("fmt", list(W16))
 @pytest.mark.parametrize("norm", [True, False])
 @pytest.mark.parametrize("N,K,rpt,nw", CASES, ids=[f"{c[0]}x{c[1]}-t{c[2]}-w{c[3]}" for c in CASES])
-def test_mma8_task_matches_torch(N, K, rpt, nw, norm):
-    w = random_weight("fp8", N, K, seed=N + K, device=DEV)
+def test_mma8_task_matches_torch(N, K, rpt, nw, norm, fmt):
+    w, wbuf, f = _weight(fmt, N, K, N + K)
     g = torch.Generator().manual_seed(K)
     x, nw_ = (torch.randn(K, generator=g) * 3).to(DEV), torch.randn(K, generator=g).to(DEV, torch.bfloat16)
-    f = w.scale.reshape(-1).float().contiguous()
     b, res = torch.randn(N, generator=g).to(DEV), torch.randn(N, generator=g).to(DEV)
     tasks = triton.cdiv(N, rpt)
-    scr_words = scratch_words(K, nw)
+    scr_words = scratch_words(K, nw, fmt != "fp8")
     scr = torch.full((tasks * scr_words,), float("nan"), device=DEV)
     y = torch.full((N,), float("nan"), device=DEV)
-    _tasks[(tasks,)](w.weight.view(torch.uint8), f, x, nw_, b, y, res, scr, rpt, N, 1e-6, K, scr_words, norm, True,
-                     True, nw, min(1024, triton.next_power_of_2(K)), num_warps=nw)
+    _tasks[(tasks,)](wbuf, f, x, nw_, b, y, res, scr, rpt, N, 1e-6, K, scr_words, norm, True, True, nw,
+                     min(1024, triton.next_power_of_2(K)), W16[fmt], num_warps=nw)
     xf = x.float()
     xn = xf * torch.rsqrt(xf.square().mean() + 1e-6) * nw_.float() if norm else xf
-    want = (w.weight.float() @ xn.half().float()) * f + b + res
-    assert_close(y, want, what=f"mma8 {N}x{K} rows/task {rpt} warps {nw} norm {norm}")
+    want = (w.weight.float() @ _xin(xn, fmt)) * f + b + res
+    assert_close(y, want, REL[fmt], what=f"mma8 {fmt} {N}x{K} rows/task {rpt} warps {nw} norm {norm}")
 
 
 MK_CASES = [("qwen2_moe", ("attn", "exp")), ("llama", ("attn",)), ("qwen3_moe_norm", ("attn", "exp")),
@@ -93,34 +115,33 @@ def test_monokernel_fp8_tasks_on_the_tensor_cores(case, kinds, tiny_model, monke
 @triton.jit
 def _glu_tasks(wg_ptr, wu_ptr, fg_ptr, fu_ptr, x_ptr, nw_ptr, bg_ptr, bu_ptr, h_ptr, scr_ptr, rows_per_task, N, eps,
                limit, alpha, K: tl.constexpr, SCR: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
-               NW: tl.constexpr, BLOCK_X: tl.constexpr):
+               NW: tl.constexpr, BLOCK_X: tl.constexpr, W16: tl.constexpr):
     pid = tl.program_id(0)
     r0 = pid * rows_per_task
     r_end = tl.minimum(r0 + rows_per_task, N)
     mma8_glu_task(wg_ptr.to(tl.pointer_type(tl.uint32)), wu_ptr.to(tl.pointer_type(tl.uint32)), fg_ptr, fu_ptr, K,
                   r0, r_end, x_ptr, nw_ptr, eps, bg_ptr, bu_ptr, h_ptr, limit, alpha, scr_ptr + pid * SCR, HAS_BIAS,
-                  ACT, NW, BLOCK_X)
+                  ACT, NW, BLOCK_X, W16 == 0, W16)
 
 
+@pytest.mark.parametrize("fmt", list(W16))
 @pytest.mark.parametrize("act", [0, 1])
 @pytest.mark.parametrize("N,K,rpt,nw", CASES, ids=[f"{c[0]}x{c[1]}-t{c[2]}-w{c[3]}" for c in CASES])
-def test_mma8_glu_task_matches_torch(N, K, rpt, nw, act):
+def test_mma8_glu_task_matches_torch(N, K, rpt, nw, act, fmt):
     """The routed experts' gate / up task: glu(fg (Wg . x') + bg, fu (Wu . x') + bu), act 0 silu, 1 gpt-oss's
     clamped GLU (limit 0.7: some values clamped)."""
-    wg, wu = (random_weight("fp8", N, K, seed=N + K + i, device=DEV) for i in (0, 1))
+    (wg, wgb, fg), (wu, wub, fu) = (_weight(fmt, N, K, N + K + i) for i in (0, 1))
     g = torch.Generator().manual_seed(K + 1)
     x, nw_ = (torch.randn(K, generator=g) * 3).to(DEV), torch.randn(K, generator=g).to(DEV, torch.bfloat16)
-    fg, fu = (w.scale.reshape(-1).float().contiguous() for w in (wg, wu))
     bg, bu = torch.randn(N, generator=g).to(DEV), torch.randn(N, generator=g).to(DEV)
     tasks = triton.cdiv(N, rpt)
-    scr_words = scratch_words(K, nw)
+    scr_words = scratch_words(K, nw, fmt != "fp8")
     scr = torch.full((tasks * scr_words,), float("nan"), device=DEV)
     h = torch.full((N,), float("nan"), device=DEV)
-    _glu_tasks[(tasks,)](wg.weight.view(torch.uint8), wu.weight.view(torch.uint8), fg, fu, x, nw_, bg, bu, h, scr,
-                         rpt, N, 1e-6, 0.7, 1.702, K, scr_words, True, act, nw, min(1024, triton.next_power_of_2(K)),
-                         num_warps=nw)
+    _glu_tasks[(tasks,)](wgb, wub, fg, fu, x, nw_, bg, bu, h, scr, rpt, N, 1e-6, 0.7, 1.702, K, scr_words, True, act,
+                         nw, min(1024, triton.next_power_of_2(K)), W16[fmt], num_warps=nw)
     xf = x.float()
-    xn = (xf * torch.rsqrt(xf.square().mean() + 1e-6) * nw_.float()).half().float()
+    xn = _xin(xf * torch.rsqrt(xf.square().mean() + 1e-6) * nw_.float(), fmt)
     gv = (wg.weight.float() @ xn) * fg + bg
     uv = (wu.weight.float() @ xn) * fu + bu
     if act == 0:
@@ -128,20 +149,20 @@ def test_mma8_glu_task_matches_torch(N, K, rpt, nw, act):
     else:
         gc, uc = gv.clamp(max=0.7), uv.clamp(-0.7, 0.7)
         want = (uc + 1) * gc * torch.sigmoid(1.702 * gc)
-    assert_close(h, want, what=f"mma8 glu {N}x{K} rows/task {rpt} warps {nw} act {act}")
+    assert_close(h, want, REL[fmt], what=f"mma8 glu {fmt} {N}x{K} rows/task {rpt} warps {nw} act {act}")
 
 
 @triton.jit
 def _down_tasks(w_ptr, f_ptr, b_ptr, h_ptr, ids_ptr, wts_ptr, sg_ptr, x_ptr, scr_ptr, ed_w, sd_w, ed_f, sd_f,
                 rows_per_task, D: tl.constexpr, I_MOE: tl.constexpr, I_SH: tl.constexpr, TOPK: tl.constexpr,
                 SCR: tl.constexpr, HAS_EBIAS: tl.constexpr, HAS_SH_GATE: tl.constexpr, NW: tl.constexpr,
-                BLOCK_X: tl.constexpr):
+                BLOCK_X: tl.constexpr, W16: tl.constexpr):
     pid = tl.program_id(0)
     r0 = pid * rows_per_task
     r_end = tl.minimum(r0 + rows_per_task, D)
     mma8_down_task(w_ptr.to(tl.pointer_type(tl.uint32)), ed_w, sd_w, f_ptr, ed_f, sd_f, b_ptr, r0, r_end, h_ptr,
                    ids_ptr, wts_ptr, sg_ptr, x_ptr, scr_ptr + pid * SCR, D, I_MOE, I_SH, TOPK, HAS_EBIAS,
-                   HAS_SH_GATE, NW, BLOCK_X)
+                   HAS_SH_GATE, NW, BLOCK_X, W16 == 0, W16)
 
 
 # (D rows, I_MOE, I_SH, top-k, rows per task, warps): 3 blocks on 4 warps with a shared expert of 1.5 chunks; one
@@ -151,26 +172,32 @@ DOWN_CASES = [(37, 32, 48, 2, 37, 4), (16, 64, 0, 3, 16, 8), (50, 16, 0, 4, 20, 
               (8, 32, 32, 1, 8, 1)]
 
 
+@pytest.mark.parametrize("fmt", list(W16))
 @pytest.mark.parametrize("bias,gate", [(True, True), (False, False)])
 @pytest.mark.parametrize("D,I,ISH,TOPK,rpt,nw", DOWN_CASES, ids=[f"{c[0]}x{c[1]}+{c[2]}-k{c[3]}-t{c[4]}-w{c[5]}"
                                                                  for c in DOWN_CASES])
-def test_mma8_down_task_matches_torch(D, I, ISH, TOPK, rpt, nw, bias, gate):
-    """The routed experts' down task (plus the shared expert): x + sum_j f_e (W_e . fp16(w_j h_j)) + w_j b_e +
-    f_sh (W_sh . fp16(sg h_sh)); expert ids repeated and at both ends of the range; the weights at offsets inside
-    one u8 arena as the monokernel's qarena lays them out."""
+def test_mma8_down_task_matches_torch(D, I, ISH, TOPK, rpt, nw, bias, gate, fmt):
+    """The routed experts' down task (plus the shared expert): x + sum_j f_e (W_e . x'(w_j h_j)) + w_j b_e +
+    f_sh (W_sh . x'(sg h_sh)) (x': the mma's rounding, _xin; f: fp8's row scales, 1 for 16-bit weights); expert ids
+    repeated and at both ends of the range; the weights at offsets inside one arena as the monokernel lays them out
+    (qarena's u8 buffer for fp8, the float arena for bf16 / fp16)."""
     E = 6
     ids = torch.tensor([5, 0, 5, 3, 0][:TOPK], dtype=torch.int32)
     g = torch.Generator().manual_seed(D * I + TOPK)
-    we = random_weight("fp8", E * D, I, seed=D + I, device="cpu")
-    ws = random_weight("fp8", D, max(ISH, 16), seed=D + I + 1, device="cpu")
-    ed_w, sd_w = 128, 128 + E * D * I + 256        # byte offsets (128-byte aligned, as qarena's)
-    arena = torch.zeros(sd_w + D * max(ISH, 16) + 64, dtype=torch.uint8)
-    arena[ed_w:ed_w + E * D * I] = we.weight.view(torch.uint8).reshape(-1)
-    arena[sd_w:sd_w + D * ws.in_features] = ws.weight.view(torch.uint8).reshape(-1)
+    we = random_weight(fmt, E * D, I, seed=D + I, device="cpu")
+    ws = random_weight(fmt, D, max(ISH, 16), seed=D + I + 1, device="cpu")
+    # offsets in elements (bytes for fp8), 128-byte aligned as the arenas' are
+    al = 128 // we.weight.element_size()
+    ed_w, sd_w = al, al + E * D * I + 2 * al
+    arena = torch.zeros(sd_w + D * max(ISH, 16) + al, dtype=we.weight.dtype)
+    arena[ed_w:ed_w + E * D * I] = we.weight.reshape(-1)
+    arena[sd_w:sd_w + D * ws.in_features] = ws.weight.reshape(-1)
     ed_f, sd_f = 7, 7 + E * D + 3
-    f = torch.randn(sd_f + D + 5, generator=g)
-    f[ed_f:ed_f + E * D] = we.scale.reshape(-1).float()
-    f[sd_f:sd_f + D] = ws.scale.reshape(-1).float()
+    f = torch.randn(sd_f + D + 5, generator=g) if fmt == "fp8" else torch.ones(sd_f + D + 5)
+    if fmt == "fp8":
+        f[ed_f:ed_f + E * D] = we.scale.reshape(-1).float()
+        f[sd_f:sd_f + D] = ws.scale.reshape(-1).float()
+        arena = arena.view(torch.uint8)
     b = torch.randn(E * D, generator=g).to(torch.bfloat16)
     h = torch.randn(TOPK * I + ISH, generator=g) * 2
     wts = torch.rand(TOPK, generator=g)
@@ -179,18 +206,18 @@ def test_mma8_down_task_matches_torch(D, I, ISH, TOPK, rpt, nw, bias, gate):
     want = x.clone()
     for j in range(TOPK):
         e = int(ids[j])
-        hj = (h[j * I:(j + 1) * I] * wts[j]).half().float()
+        hj = _xin(h[j * I:(j + 1) * I] * wts[j], fmt)
         want += (we.weight[e * D:(e + 1) * D].float() @ hj) * f[ed_f + e * D:ed_f + (e + 1) * D]
         if bias:
             want += wts[j] * b[e * D:(e + 1) * D].float()
     if ISH:
-        hs = (h[TOPK * I:] * (sg[0] if gate else 1.0)).half().float()
+        hs = _xin(h[TOPK * I:] * (sg[0] if gate else 1.0), fmt)
         want += (ws.weight.float() @ hs) * f[sd_f:sd_f + D]
     tasks = triton.cdiv(D, rpt)
-    scr_words = scratch_words(TOPK * I + ISH, nw)
+    scr_words = scratch_words(TOPK * I + ISH, nw, fmt != "fp8")
     scr = torch.full((tasks * scr_words,), float("nan"), device=DEV)
     xd = x.to(DEV)
     dev = [t.to(DEV) for t in (arena, f, b, h, ids, wts, sg)]
     _down_tasks[(tasks,)](*dev, xd, scr, ed_w, sd_w, ed_f, sd_f, rpt, D, I, ISH, TOPK, scr_words, bias, gate, nw,
-                          min(1024, triton.next_power_of_2(TOPK * I + ISH)), num_warps=nw)
-    assert_close(xd, want, what=f"mma8 down D {D} I {I}+{ISH} top-{TOPK} rows/task {rpt} warps {nw}")
+                          min(1024, triton.next_power_of_2(TOPK * I + ISH)), W16[fmt], num_warps=nw)
+    assert_close(xd, want, REL[fmt], what=f"mma8 down {fmt} D {D} I {I}+{ISH} top-{TOPK} rows/task {rpt} warps {nw}")
