@@ -260,7 +260,10 @@ def _down_seg(g, ed_w, sd_w, ids_ptr, ed_f, sd_f, D: tl.constexpr, I_MOE: tl.con
     expert's row (I_MOE wide, the last one shorter). (weights' first word, row stride and K in u32 words, the row
     factors' offset); its x starts at _xw(g * I_MOE) words either way. ed_w / sd_w in weight elements (bytes for
     e4m3)."""
-    PW: tl.constexpr = 4 if W16 == 0 else 2     # weights per u32 word
+    if W16 == 0:       # weights per u32 word
+        PW: tl.constexpr = 4
+    else:
+        PW: tl.constexpr = 2
     g = tl.minimum(g, NSEG - 1)
     is_exp = g < TOPK
     e = tl.load(ids_ptr + tl.minimum(g, TOPK - 1), cache_modifier=".cg").to(tl.int64)
@@ -296,6 +299,7 @@ def mma8_down_task(wq, ed_w, sd_w, f_ptr, ed_f, sd_f, b_ptr, r0, r_end, h_ptr, i
     g_lo = (warp % ks) * spw
     xq = scr_ptr.to(tl.pointer_type(tl.uint32))
     mine = _mine(r, q)
+    n_st = nblk * 0 + ST                # (a tensor: fp8_rows_dot's bound does arithmetic on it)
     for rd in range(0, (nblk + G - 1) // G):
         blk = rd * G + warp // ks
         ra, rb = _rows(r0, r_end, blk, r)
@@ -309,7 +313,7 @@ def mma8_down_task(wq, ed_w, sd_w, f_ptr, ed_f, sd_f, b_ptr, r0, r_end, h_ptr, i
                                               D, I_MOE, I_SH, TOPK, NSEG, W16)
             nxt = fp8_rows_first(wq + wn, ra, rb, wq + wn, ra, rb, swn_n, q, kw_n, 0, 1, PIECES)
             ya, yb, _, _ = fp8_rows_dot(xq + g * _xw(I_MOE, W16), wq + w0, ra, rb, wq + w0, ra, rb, swn, q, kw,
-                                        mine, 0, ST, 1, PIECES, first, 0, W16)
+                                        mine, 0, n_st, 1, PIECES, first, 0, W16)
             ok = g < NSEG
             if HAS_F:
                 ya = ya * tl.load(f_ptr + fo + ra)
