@@ -127,6 +127,17 @@ def _wu(FMT: tl.constexpr, off):
 
 
 @triton.jit
+def _wq(FMT: tl.constexpr, wa_ptr, qw32_ptr, off):
+    """u32 view of a Linear's weights for the tensor-core tasks (mma8.py): e4m3 bytes (fp8; `off` in bytes) or the
+    arena's bf16 / fp16 elements (`off` in elements, even)."""
+    if FMT == 1:
+        p = qw32_ptr + off // 4
+    else:
+        p = wa_ptr.to(tl.pointer_type(tl.uint32)) + off // 2
+    return p
+
+
+@triton.jit
 def _sp(FMT: tl.constexpr, qf32_ptr, qs8f_ptr, qs8u_ptr, off):
     """Typed pointer to a quantized Linear's scales (unused for float and fp8)."""
     if FMT == 3:
@@ -225,7 +236,8 @@ def monokernel(
     n_tasks, n_steps, start_pos, kv_tmax, n_splits, n_lm, n_eos, ignore_eos, n_forced,
     do_sample, inv_temp, seed, timeout_ns, embed_off, lm_off, fnorm_off,
     eps, sm_scale, clip, route_scale, glu_limit, glu_alpha,
-    # MMA8 / MMA8_DN (mma8.py, KIE_MONO_FP8_MMA=1; the experts' down task too): fp32 scratch, MSCR words per program
+    # tensor-core tasks (mma8.py; MMA8: fp8 ones, KIE_MONO_FP8_MMA=1; MMA16 1 / 2: those on a bf16 / fp16 arena,
+    # KIE_MONO_W16_MMA=1; MMA_DN: the experts' down task too): fp32 scratch, MSCR words per program
     mscr_ptr,
     # model constexprs (plan.Dims)
     D: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, DH: tl.constexpr, ROT: tl.constexpr,
@@ -252,7 +264,8 @@ def monokernel(
     XB: tl.constexpr, NS: tl.constexpr, USE_ASM: tl.constexpr, NT: tl.constexpr, MODE: tl.constexpr = 0,
     TP: tl.constexpr = 0, E_LO: tl.constexpr = 0, E_LOC: tl.constexpr = 0,
     SFILTER: tl.constexpr = False, K_CAND: tl.constexpr = 1, SBLOCK_V: tl.constexpr = 1, SBLOCK_T: tl.constexpr = 1,
-    SBLOCK_C: tl.constexpr = 1, MMA8: tl.constexpr = False, MMA8_DN: tl.constexpr = False, MSCR: tl.constexpr = 4,
+    SBLOCK_C: tl.constexpr = 1, MMA8: tl.constexpr = False, MMA16: tl.constexpr = 0, MMA_DN: tl.constexpr = False,
+    MSCR: tl.constexpr = 4,
 ):
     """MODE 0: decode. Benchmark-only modes (wrong tokens, for locating time): 1 = tasks only claim, wait and
     signal (the sampler still runs): the cost of scheduling + dependency latency; 2 = no waits: streaming speed.
@@ -282,6 +295,13 @@ def monokernel(
     HIST_OFF: tl.constexpr = (LANES + 1) * D
     LM_NORM: tl.constexpr = 1 if LANES == 0 else PRE_AGG   # else lane_agg leaves xf normalised
     NSTR: tl.constexpr = D * LANE_NORM                      # a lane's row of a [LANES, D] norm scale
+    # which ops run on the tensor cores (mma8.py), and their weights' W16 (0 e4m3 with row factors, 1 bf16, 2 fp16)
+    MM_ATTN: tl.constexpr = (MMA8 and FMT_ATTN == 1) or (MMA16 > 0 and FMT_ATTN == 0)
+    MM_MLP: tl.constexpr = (MMA8 and FMT_MLP == 1) or (MMA16 > 0 and FMT_MLP == 0)
+    MM_EXP: tl.constexpr = (MMA8 and FMT_EXP == 1) or (MMA16 > 0 and FMT_EXP == 0)
+    W_ATTN: tl.constexpr = MMA16 if FMT_ATTN == 0 else 0
+    W_MLP: tl.constexpr = MMA16 if FMT_MLP == 0 else 0
+    W_EXP: tl.constexpr = MMA16 if FMT_EXP == 0 else 0
     offs_f = tl.arange(0, 16)
     t, rowv = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
     while t < n_total:
@@ -343,19 +363,20 @@ def monokernel(
             w = _wp(FMT_ATTN, wa_ptr, qw8_ptr, qw32_ptr, woff)
             sq = _sp(FMT_ATTN, qf32_ptr, qs8f_ptr, qs8u_ptr, tl.load(lrow + P.LF_QKV_S))
             prefetch_rows(w, r0, nr, D, FMT_ATTN, USE_ASM)   # the whole task into L2 before the wait
-            if MMA8 and FMT_ATTN == 1:   # fp8 on the tensor cores (mma8.py): the first step's loads before the wait
-                wq = qw32_ptr + tl.multiple_of(woff // 4, 32)
-                first = mma8_first(wq, D, r0, r_end, NT // 32)
+            if MM_ATTN:   # on the tensor cores (mma8.py): the first step's loads before the wait
+                wq = tl.multiple_of(_wq(FMT_ATTN, wa_ptr, qw32_ptr, woff), 32)
+                first = mma8_first(wq, D, r0, r_end, NT // 32, W_ATTN)
             else:
                 w0, s0 = tile(w, sq, D, r0, r_end, 0, 1, FMT_ATTN, BN_QKV, BLOCK_K)
             t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
             st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE, tr, trace_on)
-            if MMA8 and FMT_ATTN == 1:
+            if MM_ATTN:
                 if st == 0:
                     mma8_task(first, wq, qf32_ptr + tl.load(lrow + P.LF_QKV_F), D, r0, r_end, lx,
                               wa_ptr + tl.multiple_of(tl.load(lrow + P.LF_ATTN_NORM), 64) + lnw, eps,
                               wa_ptr + tl.multiple_of(tl.load(lrow + P.LF_QKV_B), 64), qkv_ptr, qkv_ptr,
-                              mscr_ptr + pid * MSCR, True, HAS_QKV_BIAS, False, NT // 32, BLOCK_X)
+                              mscr_ptr + pid * MSCR, True, HAS_QKV_BIAS, False, NT // 32, BLOCK_X, FMT_ATTN == 1,
+                              W_ATTN)
             elif st == 0:
                 stream_gemv(w, sq, qf32_ptr + tl.load(lrow + P.LF_QKV_F), w0, s0, D, r0, r_end, lx,
                             wa_ptr + tl.multiple_of(tl.load(lrow + P.LF_ATTN_NORM), 64) + lnw, eps,
@@ -379,18 +400,19 @@ def monokernel(
             w = _wp(FMT_ATTN, wa_ptr, qw8_ptr, qw32_ptr, woff)
             sq = _sp(FMT_ATTN, qf32_ptr, qs8f_ptr, qs8u_ptr, tl.load(lrow + P.LF_O_S))
             prefetch_rows(w, r0, nr, O_K, FMT_ATTN, USE_ASM)
-            if MMA8 and FMT_ATTN == 1:   # (MMA8 excludes TP and MLA: x += W_o ao in place)
-                wq = qw32_ptr + tl.multiple_of(woff // 4, 32)
-                first = mma8_first(wq, O_K, r0, r_end, NT // 32)
+            if MM_ATTN:   # (the tensor-core tasks exclude TP and MLA: x += W_o ao in place)
+                wq = tl.multiple_of(_wq(FMT_ATTN, wa_ptr, qw32_ptr, woff), 32)
+                first = mma8_first(wq, O_K, r0, r_end, NT // 32, W_ATTN)
             else:
                 w0, s0 = tile(w, sq, O_K, r0, r_end, 0, 1, FMT_ATTN, BN_O, BLOCK_K)
             t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
             st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE, tr, trace_on)
-            if MMA8 and FMT_ATTN == 1:
+            if MM_ATTN:
                 if st == 0:
                     mma8_task(first, wq, qf32_ptr + tl.load(lrow + P.LF_O_F), O_K, r0, r_end, ao_ptr, ao_ptr, eps,
                               wa_ptr + tl.multiple_of(tl.load(lrow + P.LF_O_B), 64), x_ptr, x_ptr,
-                              mscr_ptr + pid * MSCR, False, HAS_O_BIAS, True, NT // 32, BLOCK_X)
+                              mscr_ptr + pid * MSCR, False, HAS_O_BIAS, True, NT // 32, BLOCK_X, FMT_ATTN == 1,
+                              W_ATTN)
             else:
                 if TP > 0:   # a launch that is ending puts nothing (peers may already be zeroing for the next one)
                     if st == 0:
@@ -526,19 +548,35 @@ def monokernel(
             su_ = _sp(FMT_MLP, qf32_ptr, qs8f_ptr, qs8u_ptr, s_off + I_DENSE * SC_D_MLP)
             prefetch_rows(wg, r0, nr, D, FMT_MLP, USE_ASM)
             prefetch_rows(wu, r0, nr, D, FMT_MLP, USE_ASM)
-            g0, gs0 = tile(wg, sg_, D, r0, r_end, 0, 1, FMT_MLP, BN_GU, BLOCK_K)
-            u0, us0 = tile(wu, su_, D, r0, r_end, 0, 1, FMT_MLP, BN_GU, BLOCK_K)
-            t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
-            st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE, tr, trace_on)
-            if st == 0:
-                stream_glu(wg, wu, sg_, su_, qf32_ptr + f_off, qf32_ptr + f_off + I_DENSE, g0, u0, gs0, us0, D, r0,
-                           r_end, lx, wa_ptr + tl.multiple_of(tl.load(lrow + P.LF_MLP_NORM), 64) + lnw, eps, wa_ptr,
-                           wa_ptr, h_ptr, glu_limit, glu_alpha, False, 0, FMT_MLP, BN_GU, BLOCK_K, XB, NS)
+            if MM_MLP:   # on the tensor cores (mma8.py; its loads follow the wait, the rows are in L2 by then)
+                t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
+                st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE, tr, trace_on)
+                if st == 0:
+                    mma8_glu_task(_wq(FMT_MLP, wa_ptr, qw32_ptr, woff),
+                                  _wq(FMT_MLP, wa_ptr, qw32_ptr, woff + I_DENSE * D), qf32_ptr + f_off,
+                                  qf32_ptr + f_off + I_DENSE, D, r0, r_end, lx,
+                                  wa_ptr + tl.multiple_of(tl.load(lrow + P.LF_MLP_NORM), 64) + lnw, eps, wa_ptr,
+                                  wa_ptr, h_ptr, glu_limit, glu_alpha, mscr_ptr + pid * MSCR, False, 0, NT // 32,
+                                  BLOCK_X, FMT_MLP == 1, W_MLP)
+            else:
+                g0, gs0 = tile(wg, sg_, D, r0, r_end, 0, 1, FMT_MLP, BN_GU, BLOCK_K)
+                u0, us0 = tile(wu, su_, D, r0, r_end, 0, 1, FMT_MLP, BN_GU, BLOCK_K)
+                t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
+                st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE, tr, trace_on)
+                if st == 0:
+                    stream_glu(wg, wu, sg_, su_, qf32_ptr + f_off, qf32_ptr + f_off + I_DENSE, g0, u0, gs0, us0, D,
+                               r0, r_end, lx, wa_ptr + tl.multiple_of(tl.load(lrow + P.LF_MLP_NORM), 64) + lnw, eps,
+                               wa_ptr, wa_ptr, h_ptr, glu_limit, glu_alpha, False, 0, FMT_MLP, BN_GU, BLOCK_K, XB,
+                               NS)
         elif op == _OP_DOWN:
             w = _wp(FMT_MLP, wa_ptr, qw8_ptr, qw32_ptr, woff)
             sq = _sp(FMT_MLP, qf32_ptr, qs8f_ptr, qs8u_ptr, tl.load(lrow + P.LF_DOWN_S))
             prefetch_rows(w, r0, nr, I_DENSE, FMT_MLP, USE_ASM)
-            w0, s0 = tile(w, sq, I_DENSE, r0, r_end, 0, 1, FMT_MLP, BN_DOWN, BLOCK_K)
+            if MM_MLP:
+                wq = tl.multiple_of(_wq(FMT_MLP, wa_ptr, qw32_ptr, woff), 32)
+                first = mma8_first(wq, I_DENSE, r0, r_end, NT // 32, W_MLP)
+            else:
+                w0, s0 = tile(w, sq, I_DENSE, r0, r_end, 0, 1, FMT_MLP, BN_DOWN, BLOCK_K)
             t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
             st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE, tr, trace_on)
             if TP > 0:
@@ -547,7 +585,12 @@ def monokernel(
             yd = x_ptr
             if TP > 0:   # our row of every rank's recv_d
                 yd = symf_ptr + TP * D + tp_rank * D
-            if st == 0:
+            if MM_MLP:   # (no TP: into x)
+                if st == 0:
+                    mma8_task(first, wq, qf32_ptr + tl.load(lrow + P.LF_DOWN_F), I_DENSE, r0, r_end, h_ptr, h_ptr,
+                              eps, wa_ptr, x_ptr, x_ptr, mscr_ptr + pid * MSCR, False, False, True, NT // 32, BLOCK_X,
+                              FMT_MLP == 1, W_MLP)
+            elif st == 0:
                 stream_gemv(w, sq, qf32_ptr + tl.load(lrow + P.LF_DOWN_F), w0, s0, I_DENSE, r0, r_end, h_ptr, h_ptr,
                             eps, wa_ptr, yd, yd, 0, pv_ptr, pi_ptr, 0, 1.0, 0, 0, False, False, TP == 0, False,
                             FMT_MLP, BN_DOWN, BLOCK_K, XB, NS)
@@ -617,16 +660,17 @@ def monokernel(
                 su_ = _sp(FMT_EXP, qf32_ptr, qs8f_ptr, qs8u_ptr, tl.load(lrow + P.LF_EUP_S) + e * (I_MOE * SC_D_EXP))
                 prefetch_rows(wg, r0, nr_, D, FMT_EXP, USE_ASM)   # experts are known only now
                 prefetch_rows(wu, r0, nr_, D, FMT_EXP, USE_ASM)
-                if MMA8 and FMT_EXP == 1:   # fp8 experts on the tensor cores (mma8.py; no expert parallelism)
+                if MM_EXP:   # on the tensor cores (mma8.py; no expert parallelism)
                     eoff = e * (I_MOE * RU_D_EXP)
-                    mma8_glu_task(qw32_ptr + tl.load(lrow + P.LF_EGATE) // 4 + eoff // 4,
-                                  qw32_ptr + tl.load(lrow + P.LF_EUP) // 4 + eoff // 4,
+                    mma8_glu_task(_wq(FMT_EXP, wa_ptr, qw32_ptr, tl.load(lrow + P.LF_EGATE) + eoff),
+                                  _wq(FMT_EXP, wa_ptr, qw32_ptr, tl.load(lrow + P.LF_EUP) + eoff),
                                   qf32_ptr + tl.load(lrow + P.LF_EGATE_F) + e * I_MOE,
                                   qf32_ptr + tl.load(lrow + P.LF_EUP_F) + e * I_MOE, D, r0, re_, x_ptr,
                                   wa_ptr + tl.multiple_of(tl.load(lrow + P.LF_MLP_NORM), 64), eps,
                                   wa_ptr + tl.load(lrow + P.LF_EGATE_B) + e * I_MOE,
                                   wa_ptr + tl.load(lrow + P.LF_EUP_B) + e * I_MOE, h_ptr + aux * I_MOE, glu_limit,
-                                  glu_alpha, mscr_ptr + pid * MSCR, HAS_EBIAS, EXP_ACT, NT // 32, BLOCK_X)
+                                  glu_alpha, mscr_ptr + pid * MSCR, HAS_EBIAS, EXP_ACT, NT // 32, BLOCK_X,
+                                  FMT_EXP == 1, W_EXP)
                 else:
                     g0, gs0 = tile(wg, sg_, D, r0, re_, 0, 1, FMT_EXP, BN_EUP, BLOCK_K)
                     u0, us0 = tile(wu, su_, D, r0, re_, 0, 1, FMT_EXP, BN_EUP, BLOCK_K)
@@ -657,12 +701,13 @@ def monokernel(
                                           I_MOE, FMT_EXP, USE_ASM)
                         else:
                             prefetch_rows(eb + e * (D * RU_I_EXP), r0, nr, I_MOE, FMT_EXP, USE_ASM)
-                if MMA8_DN:   # fp8 experts on the tensor cores (mma8.py; no TP, no EP: into x)
-                    mma8_down_task(qw32_ptr, tl.load(lrow + P.LF_EDOWN), tl.load(lrow + P.LF_SDOWN), qf32_ptr,
+                if MMA_DN:   # on the tensor cores (mma8.py; no TP, no EP: into x)
+                    mma8_down_task(_wq(FMT_EXP, wa_ptr, qw32_ptr, 0), tl.load(lrow + P.LF_EDOWN),
+                                   tl.load(lrow + P.LF_SDOWN), qf32_ptr,
                                    tl.load(lrow + P.LF_EDOWN_F), tl.load(lrow + P.LF_SDOWN_F),
                                    wa_ptr + tl.load(lrow + P.LF_EDOWN_B), r0, r_end, h_ptr, rids_ptr + layer * TOPK,
                                    rwts_ptr + layer * TOPK, sg_ptr, x_ptr, mscr_ptr + pid * MSCR, D, I_MOE, I_SH,
-                                   TOPK, HAS_EBIAS, HAS_SH_GATE, NT // 32, BLOCK_X)
+                                   TOPK, HAS_EBIAS, HAS_SH_GATE, NT // 32, BLOCK_X, FMT_EXP == 1, W_EXP)
                 else:
                     stream_expert_down(_wbase(FMT_EXP, wa_ptr, qw8_ptr, qw32_ptr),
                                        _sp(FMT_EXP, qf32_ptr, qs8f_ptr, qs8u_ptr, tl.zeros((), tl.int64)), qf32_ptr,

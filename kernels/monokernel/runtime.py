@@ -151,17 +151,25 @@ class MonokernelBackend:
         self.rids = z(d.L, max(d.TOPK, 1), dt=i32)
         self.rwts = z(d.L, max(d.TOPK, 1))
         self.sg = z(1)
-        # KIE_MONO_FP8_MMA=1 (off; mma8.py): fp8 q|k|v, o_proj and routed-expert tasks on the tensor cores, each
-        # program with a scratch of MSCR fp32 words (x or the experts' h as fp16, the K ranges' partial sums)
-        self.mma8 = (os.environ.get("KIE_MONO_FP8_MMA", "0") == "1" and (d.FMT_ATTN == 1 or d.FMT_EXP == 1)
-                     and not d.LANES and not d.MLA and not d.TP and not d.E_LOC and d.D % 16 == 0
-                     and (d.HQ * d.DH) % 16 == 0
+        # Tensor-core tasks (mma8.py; off by default), each program with a scratch of MSCR fp32 words (the task's
+        # input as fp16 / hi + lo pairs, the K ranges' partial sums). KIE_MONO_FP8_MMA=1: the fp8 q|k|v, o_proj,
+        # dense MLP and routed-expert tasks; KIE_MONO_W16_MMA=1: those whose weights are the bf16 / fp16 arena's.
+        # Not for lanes, MLA, tensor or expert parallelism; every K a multiple of 16 (whole 16-byte row pieces).
+        has_exp = d.E > 0 and d.I_MOE > 0
+        plain = (not d.LANES and not d.MLA and not d.TP and not d.E_LOC and d.D % 16 == 0
+                 and (d.HQ * d.DH) % 16 == 0 and d.I_DENSE % 16 == 0)
+        fmts = (d.FMT_ATTN, d.FMT_MLP if d.I_DENSE else -1, d.FMT_EXP if has_exp else -1)
+        self.mma8 = (os.environ.get("KIE_MONO_FP8_MMA", "0") == "1" and plain and 1 in fmts
                      and (self.device.type != "cuda" or has_fp8e4nv(self.device)))   # e4m3 converts: sm_89+
+        w16 = {torch.bfloat16: 1, torch.float16: 2}.get(self.plan.wdtype, 0)
+        self.mma16 = w16 if (os.environ.get("KIE_MONO_W16_MMA", "0") == "1" and plain and 0 in fmts) else 0
         # the experts' down task too where its widths are multiples of 16 (KIE_MONO_FP8_MMA_DOWN=0: its A/B)
-        self.mma8_down = (self.mma8 and d.FMT_EXP == 1 and d.I_MOE % 16 == 0 and d.I_SH % 16 == 0
-                          and os.environ.get("KIE_MONO_FP8_MMA_DOWN", "1") == "1")
-        self.mscr_words = (scratch_words(max(d.D, d.HQ * d.DH, d.TOPK * d.I_MOE + d.I_SH), self.num_warps)
-                           if self.mma8 else 4)
+        self.mma_down = (has_exp and d.I_MOE % 16 == 0 and d.I_SH % 16 == 0
+                         and (self.mma8 if d.FMT_EXP == 1 else (d.FMT_EXP == 0 and self.mma16 > 0))
+                         and os.environ.get("KIE_MONO_FP8_MMA_DOWN", "1") == "1")
+        self.mma_any = self.mma8 or self.mma16 > 0
+        k_max = max(d.D, d.HQ * d.DH, d.I_DENSE, d.TOPK * d.I_MOE + d.I_SH)
+        self.mscr_words = scratch_words(k_max, self.num_warps, self.mma16 > 0) if self.mma_any else 4
         self.mscr = z(self.grid * self.mscr_words)
         self.pv, self.pi = z(self.plan.n_lm_tiles), z(self.plan.n_lm_tiles, dt=i32)
         self.counters = z(P.n_counters(self.spec), dt=i32)
@@ -434,7 +442,8 @@ class MonokernelBackend:
             BLOCK_E=_pow2(max(d.E, 1)), BLOCK_TOPK=_pow2(max(d.TOPK, 1)), BLOCK_EOS=_MAX_EOS, BLOCK_X=bx,
             BLOCK_QG=_pow2(max(d.HQ // max(d.HKV, 1) * d.DH, 1)),
             XB=t.xb, NS=t.ns, USE_ASM=not self.interpret, NT=32 * self.num_warps, TP=d.TP, E_LO=d.E_LO,
-            E_LOC=d.E_LOC, MMA8=self.mma8, MMA8_DN=self.mma8_down, MSCR=self.mscr_words)
+            E_LOC=d.E_LOC, MMA8=self.mma8, MMA16=self.mma16, MMA_DN=self.mma_down,
+            MSCR=self.mscr_words)
         if sampler is not None:
             meta.update(SFILTER=True, K_CAND=sampler.k_cand, SBLOCK_V=sampler.block_v, SBLOCK_T=sampler.block_t,
                         SBLOCK_C=sampler.block_c)

@@ -77,16 +77,17 @@ def test_mma8_task_matches_torch(N, K, rpt, nw, norm, fmt):
     assert_close(y, want, REL[fmt], what=f"mma8 {fmt} {N}x{K} rows/task {rpt} warps {nw} norm {norm}")
 
 
-MK_CASES = [("qwen2_moe", ("attn", "exp")), ("llama", ("attn",)), ("qwen3_moe_norm", ("attn", "exp")),
+MK_CASES = [("qwen2_moe", ("attn", "exp")), ("llama", ("attn", "mlp")), ("qwen3_moe_norm", ("attn", "exp")),
             ("gpt_oss", ("attn", "exp")), ("qwen3", ("attn",)), ("qwen3_moe_norm", ("exp",))]
 
 
 @pytest.mark.parametrize("case,kinds", MK_CASES, ids=[f"{c}-{'+'.join(k)}" for c, k in MK_CASES])
 def test_monokernel_fp8_tasks_on_the_tensor_cores(case, kinds, tiny_model, monkeypatch):
     """KIE_MONO_FP8_MMA=1: the monokernel's fp8 q|k|v (with qwen2's biases), o_proj and routed-expert gate / up
-    (gpt-oss: its biases and clamped GLU) tasks run mma8, and the down task too where the widths allow (qwen2_moe:
-    I_MOE 32 and a shared expert of 48), and decode the reference's greedy tokens; logits and K/V within fp16's
-    rounding of the tasks' input (2^-11 relative, so a looser bound than the exact path's 1e-4)."""
+    (gpt-oss: its biases and clamped GLU) tasks run mma8, the dense MLP's (llama) and the experts' down task too where
+    the widths allow (qwen2_moe: I_MOE 32 and a shared expert of 48), and decode the reference's greedy tokens;
+    logits and K/V within fp16's rounding of the tasks' input (2^-11 relative, so a looser bound than the exact
+    path's 1e-4). An fp32 arena on the GPU too (its default arena is bf16)."""
     from kie_moe.kernels.monokernel.runtime import MonokernelBackend
     from kie_moe.sampling import SamplingParams
 
@@ -95,10 +96,10 @@ def test_monokernel_fp8_tasks_on_the_tensor_cores(case, kinds, tiny_model, monke
     monkeypatch.setenv("KIE_MONO_FP8_MMA", "1")
     m = tiny_model(case)
     q = quantize_model(m, "fp8", kinds)
-    be = MonokernelBackend(m, DEV, quantized=q.get, num_stages=2)
+    be = MonokernelBackend(m, DEV, quantized=q.get, num_stages=2, wdtype=torch.float32)
     d = be.plan.dims
     assert be.mma8 and (d.FMT_ATTN == 1) == ("attn" in kinds) and (d.FMT_EXP == 1) == ("exp" in kinds)
-    assert be.mma8_down == (case == "qwen2_moe")    # the only case whose expert widths are multiples of 16
+    assert be.mma_down == (case == "qwen2_moe") and not be.mma16  # (qwen2_moe: the only expert widths of 16 k)
     got = list(be.generate(PROMPT, SamplingParams(max_new_tokens=4, ignore_eos=True), set()))
 
     class M:
@@ -107,9 +108,48 @@ def test_monokernel_fp8_tasks_on_the_tensor_cores(case, kinds, tiny_model, monke
     check_against_reference(be, M, PROMPT, got, tol=5e-3)
     monkeypatch.setenv("KIE_MONO_FP8_MMA_DOWN", "0")
     off = MonokernelBackend(m, DEV, quantized=q.get, num_stages=2)
-    assert off.mma8 and not off.mma8_down
+    assert off.mma8 and not off.mma_down
     monkeypatch.setenv("KIE_MONO_FP8_MMA", "0")
     assert not MonokernelBackend(m, DEV, quantized=q.get, num_stages=2).mma8
+
+
+# (case, kinds quantized to fp8 or ()): a bf16 arena's attention and dense MLP (llama), its experts with the down
+# task (qwen2_moe: I_MOE 32, a shared expert of 48), experts whose down stays on the CUDA cores (gpt-oss: biases, the
+# clamped GLU; I_MOE 40), fp8 attention beside bf16 experts under both flags (qwen3_moe_norm)
+W16_CASES = [("llama", ()), ("qwen2_moe", ()), ("gpt_oss", ()), ("qwen3_moe_norm", ("attn",))]
+
+
+@pytest.mark.parametrize("case,kinds", W16_CASES, ids=[f"{c}-{'+'.join(k) or 'bf16'}" for c, k in W16_CASES])
+def test_monokernel_bf16_tasks_on_the_tensor_cores(case, kinds, tiny_model, monkeypatch):
+    """KIE_MONO_W16_MMA=1 on a bf16 arena: the float weights' tasks run the W16 loop (x as hi + lo) and give the
+    CUDA-core path's greedy tokens on the same arena, its last LM-head partials within 1e-3 and its K/V within bf16's
+    rounding; and the reference decoder's tokens and bounds (the bf16 arena's, 2e-2) where that path meets them
+    (gpt-oss's bf16 arena leaves the reference's tokens at step 2 with either loop)."""
+    from kie_moe.kernels.monokernel.runtime import MonokernelBackend
+    from kie_moe.sampling import SamplingParams
+
+    from .test_formats import PROMPT, DequantStore, quantize_model
+    from .test_monokernel import check_against_reference
+    monkeypatch.setenv("KIE_MONO_FP8_MMA", "1" if kinds else "0")
+    m = tiny_model(case, torch.bfloat16)      # bf16 weights: the reference upcasts the arena's own values
+    q = quantize_model(m, "fp8", kinds) if kinds else {}
+    runs = {}
+    for flag in ("1", "0"):
+        monkeypatch.setenv("KIE_MONO_W16_MMA", flag)
+        be = MonokernelBackend(m, DEV, quantized=q.get, num_stages=2, wdtype=torch.bfloat16)
+        toks = list(be.generate(PROMPT, SamplingParams(max_new_tokens=4, ignore_eos=True), set()))
+        runs[flag] = be, toks
+    (be, got), (off, want) = runs["1"], runs["0"]
+    assert be.mma16 == 1 and off.mma16 == 0 and be.mma8 == bool(kinds) and be.mma_down == (case == "qwen2_moe")
+    assert got == want
+    torch.testing.assert_close(be.pv.cpu(), off.pv.cpu(), rtol=1e-3, atol=1e-3)
+    kv, kv_off = be.kv.float().cpu(), off.kv.float().cpu()
+    torch.testing.assert_close(kv, kv_off, rtol=2e-2, atol=2e-2 * float(kv_off.abs().max()))
+    if case != "gpt_oss":
+        class M:
+            spec = m.spec
+            weights = DequantStore(m.weights, q) if kinds else m.weights
+        check_against_reference(be, M, PROMPT, got, tol=2e-2)
 
 
 @triton.jit
