@@ -32,11 +32,10 @@ import triton.language as tl
 
 from .device_caps import e4m3_arg
 from .pdl import launch_kw, pdl_begin
-from .tiles import (ACT_ID, FMT_ID, _epi_pre, _glu, _normed_block, _rstd, _rstd_post, _rstd_pre,  # noqa: F401
-                    _split_reduce, _store_out, _store_out_pre, _tile, rstd_early_steps,
+from .tiles import (ACT_ID, FMT_ID, _glu, _normed_block, _rstd, _rstd_post, _rstd_pre,  # noqa: F401
+                    _split_reduce, _store_out, _tile, rstd_early_steps,
                     _tile_bf16, _tile_fp8, _tile_fp8_block, _tile_mxfp4, _tile_nvfp4, _tile_pair, _x8_offs,
                     rstd_block)
-from . import tiles
 from .weights import FP8_BLOCK, WeightHandle, dequantize
 
 __all__ = [
@@ -117,12 +116,11 @@ def _gemv_kernel(
     N, K, k_per_split, eps, stride_x8,
     FMT: tl.constexpr, HAS_NW: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
     SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_X: tl.constexpr,
-    PIPE: tl.constexpr, PDL: tl.constexpr = False, NX: tl.constexpr = 0, EPI: tl.constexpr = False,
+    PIPE: tl.constexpr, PDL: tl.constexpr = False, NX: tl.constexpr = 0,
 ):
     """grid (cdiv(N, BLOCK_N), SPLIT_K): y[N] = (rstd *) W[N, K] @ (nw *) x[K] (+ bias) (+ residual).
     fp4 formats: x_ptr is x8 (prepare_x8, norm applied there) and HAS_NW is False. NX > 0 (SPLIT_K 1): rstd's
-    loads issued before the tile loop (tiles.rstd_early_steps); EPI (SPLIT_K 1): bias / residual too
-    (tiles.EPILOGUE_EARLY)."""
+    loads issued before the tile loop (tiles.rstd_early_steps)."""
     pdl_begin(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -132,8 +130,6 @@ def _gemv_kernel(
     n_mask = offs_n < N
     if NX > 0:
         xs = _rstd_pre(x_ptr, K, BLOCK_X, NX)
-    if EPI:
-        pre = _epi_pre(offs_n, n_mask, bias_ptr, res_ptr, HAS_BIAS, HAS_RES)
     acc = _tile(FMT, w_ptr, stride_wn, s_ptr, stride_sn, stride_sk, gs_ptr, x_ptr, nw_ptr, stride_x8,
                 pid_n * BLOCK_N, N, k_lo, k_hi, HAS_NW, BLOCK_N, BLOCK_K, PIPE)
     if SPLIT_K == 1:
@@ -141,10 +137,7 @@ def _gemv_kernel(
             acc = acc * _rstd_post(xs, K, eps, BLOCK_X, NX)
         elif HAS_NW:
             acc = acc * _rstd(x_ptr, K, eps, BLOCK_X)
-        if EPI:
-            _store_out_pre(acc, pre, offs_n, n_mask, y_ptr, HAS_BIAS, HAS_RES)
-        else:
-            _store_out(acc, offs_n, n_mask, y_ptr, bias_ptr, res_ptr, HAS_BIAS, HAS_RES)
+        _store_out(acc, offs_n, n_mask, y_ptr, bias_ptr, res_ptr, HAS_BIAS, HAS_RES)
     else:
         acc, is_last = _split_reduce(acc, part_ptr, cnt_ptr, pid_n, pid_k, offs_n, n_mask, N, SPLIT_K)
         if is_last:
@@ -388,7 +381,6 @@ def gemv(x: torch.Tensor, w: WeightHandle, *, bias: torch.Tensor | None = None, 
         FMT=FMT_ID[w.fmt], HAS_NW=has_nw, HAS_BIAS=bias is not None, HAS_RES=residual is not None,
         SPLIT_K=split, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_X=rstd_block(K),
         PIPE=cfg.prefetch, NX=rstd_early_steps(K, cfg.num_warps) if has_nw and split == 1 else 0,
-        EPI=tiles.EPILOGUE_EARLY and split == 1 and (bias is not None or residual is not None),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_kw(w.device)
     )
     return y

@@ -21,8 +21,7 @@ import triton.language as tl
 from .gemv import (DEFAULT_GLU_TILES, TileConfig, check_vec, check_x, counters, gemv_tiles, glu_pair_choice,
                    glu_ref, input_args, is_fp4, make_out, num_sms, plan_split, resolve_config, weight_args)
 from .pdl import launch_kw, pdl_begin, reg_cap
-from . import tiles as _tiles
-from .tiles import (ACT_ID, FMT_ID, _epi_pre, _glu, _rstd, _split_reduce, _store_out, _store_out_pre, _tile,
+from .tiles import (ACT_ID, FMT_ID, _glu, _rstd, _split_reduce, _store_out, _tile,
                     _tile_bf16, _tile_pair, _x8_offs,
                     rstd_block)
 from .weights import WeightHandle, dequantize
@@ -481,7 +480,7 @@ def _gemv_route_kernel(
     N, K, E, r_tiles, r_programs, a_splits, k_per_split,
     FMT: tl.constexpr, HAS_BIAS: tl.constexpr, WRITE_U8: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PIPE: tl.constexpr, R_BLOCK_N: tl.constexpr, R_BLOCK_K: tl.constexpr, R_PIPE: tl.constexpr,
-    PDL: tl.constexpr = False, EPI: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
     """grid (r_programs + cdiv(N, BLOCK_N),): the first r_programs write the router's partial logits of y without
     its RMSNorm scale, part[s, E]: splits s < a_splits over K ranges of W_f a (W_f [E, K] = W_r diag(nw) W,
@@ -512,14 +511,9 @@ def _gemv_route_kernel(
         n_start = (pid - r_programs) * BLOCK_N
         offs_n = n_start + tl.arange(0, BLOCK_N)
         n_mask = offs_n < N
-        if EPI:     # tiles.EPILOGUE_EARLY: bias / residual loaded before the tile loop
-            pre = _epi_pre(offs_n, n_mask, bias_ptr, res_ptr, HAS_BIAS, True)
         acc = _tile(FMT, w_ptr, stride_wn, s_ptr, stride_sn, stride_sk, gs_ptr, a_ptr, a_ptr, 0, n_start, N, 0, K,
                     False, BLOCK_N, BLOCK_K, PIPE)
-        if EPI:
-            _store_out_pre(acc, pre, offs_n, n_mask, y_ptr, HAS_BIAS, True)
-        else:
-            _store_out(acc, offs_n, n_mask, y_ptr, bias_ptr, res_ptr, HAS_BIAS, True)
+        _store_out(acc, offs_n, n_mask, y_ptr, bias_ptr, res_ptr, HAS_BIAS, True)
         if WRITE_U8:   # y as stored (its dtype's rounding), times the norm weight
             yv = tl.load(y_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
             nwv = tl.load(nw_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
@@ -609,7 +603,7 @@ def gemv_route(a: torch.Tensor, w: WeightHandle, residual: torch.Tensor, w_fold:
         N, K, E, r_tiles, r_tiles * split, a_splits, kps,
         FMT=FMT_ID[w.fmt], HAS_BIAS=bias is not None, WRITE_U8=x8_out is not None, BLOCK_N=tiles.block_n,
         BLOCK_K=tiles.block_k, PIPE=tiles.prefetch, R_BLOCK_N=router_config.block_n, R_BLOCK_K=router_config.block_k,
-        R_PIPE=router_config.prefetch, EPI=_tiles.EPILOGUE_EARLY, num_warps=tiles.num_warps,
+        R_PIPE=router_config.prefetch, num_warps=tiles.num_warps,
         num_stages=tiles.num_stages, **launch_kw(dev)
     )
     return y, PendingRouting(routing.ids, routing.weights, routing.logits, part, split, True, cfg, router_bias,
@@ -744,7 +738,7 @@ def _expert_down_kernel(
     N, I, slots_per_split,
     FMT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, TOP_K: tl.constexpr,
     SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PIPE: tl.constexpr, PDL: tl.constexpr = False,
-    ATOMIC: tl.constexpr = False, EPI: tl.constexpr = False,
+    ATOMIC: tl.constexpr = False,
 ):
     """grid (cdiv(N, BLOCK_N), SPLIT): y[N] = sum_slot wts[slot] * (Wd[e] h[slot] + bd[e]) (+ residual); the slots
     are split over SPLIT programs per row tile (reduced in slot order by the last one). ATOMIC: each program adds its
@@ -758,17 +752,13 @@ def _expert_down_kernel(
     n_mask = offs_n < N
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for slot in range(pid_s * slots_per_split, tl.minimum(pid_s * slots_per_split + slots_per_split, TOP_K)):
-        if EPI:     # tiles.EPILOGUE_EARLY: the slot's routing weight loaded with its id, before the tile loop
-            wv = tl.load(wts_ptr + slot)
         e = tl.load(ids_ptr + slot).to(tl.int64)
         d = _tile(FMT, wd_ptr + e * stride_wde, stride_wdn, sd_ptr + e * stride_sde, stride_sdn, stride_sdk,
                   gsd_ptr + e * stride_gde, h_ptr + slot * I, h_ptr, I // 8, n_start, N, 0, I, False,
                   BLOCK_N, BLOCK_K, PIPE)
         if HAS_BIAS:
             d += tl.load(bd_ptr + e * stride_bde + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-        if not EPI:
-            wv = tl.load(wts_ptr + slot)
-        acc += wv * d
+        acc += tl.load(wts_ptr + slot) * d
     if ATOMIC:   # fp32 y holds the residual already (the GLU launch wrote it): no partials, counter or last program
         tl.atomic_add(y_ptr + offs_n, acc, mask=n_mask, sem="relaxed", scope="gpu")
     elif SPLIT == 1:
@@ -923,7 +913,7 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gat
         residual if residual is not None else y, y, part, counters(dev, n_tiles) if split > 1 and not atomic else h,
         H, I, per,
         FMT=FMT_ID[w_down.fmt], HAS_BIAS=bd[0] is not None, HAS_RES=residual is not None, TOP_K=top_k,
-        SPLIT=split, BLOCK_N=cd.block_n, BLOCK_K=cd.block_k, ATOMIC=atomic, EPI=_tiles.EPILOGUE_EARLY,
+        SPLIT=split, BLOCK_N=cd.block_n, BLOCK_K=cd.block_k, ATOMIC=atomic,
         PIPE=cd.prefetch, num_warps=cd.num_warps, num_stages=cd.num_stages,
         **launch_kw(dev)
     )

@@ -62,11 +62,11 @@ def _compile_all(arch: int = 90, formats=("bf16", "fp8", "fp8_block", "nvfp4", "
                                       PDL=True, launch_pdl=True, **common)
             assert "griddepcontrol.wait" in k.asm["ptx"]
             record("gemv[bf16,pdl]", k)
-            # rstd's loads before the tile loop (tiles.rstd_early_steps), bias / residual too (EPILOGUE_EARLY)
+            # rstd's loads before the tile loop (tiles.rstd_early_steps)
             k = G._gemv_kernel.warmup(xin, xin, *G.weight_args(w), y, y, y, part, cnt, N, H, H, 1e-6, H // 8,
                                       FMT=fid, HAS_NW=True, HAS_BIAS=True, HAS_RES=True, SPLIT_K=1, BLOCK_X=1024,
-                                      NX=2, EPI=True, **common)
-            record("gemv[bf16,rstd+epilogue early]", k)
+                                      NX=2, **common)
+            record("gemv[bf16,rstd early]", k)
         if fmt == "fp8" and arch >= 90:    # kernels/fp8_mma.py: e4m3 converts are sm_89+; one grid, one persistent
             from kie_moe.kernels.fp8_mma import _fp8_mma_kernel
             xh = torch.empty(H, dtype=torch.float16)

@@ -636,35 +636,3 @@ def test_expert_down_atomic(fmt, case, atomic, monkeypatch):
                            out_dtype=torch.float32)
     assert_close(y.float(), want, rel=1e-2 if case == "bf16_out" else 1e-5, what=f"{fmt} {case}")
     assert seen == [atomic and case != "bf16_out"]
-
-
-
-@pytest.mark.parametrize("split", [1, 3])
-def test_epilogue_early_is_bit_equal(monkeypatch, split):
-    """tiles.EPILOGUE_EARLY (bias / residual / routing weight loaded before the tile loop) changes no bit: gemv with
-    bias + residual, gemv_route's rows, the expert down launch (ordered sum: split 1, and 3 programs per row tile
-    with the atomics off, whose order would differ between runs on a GPU)."""
-    from kie_moe.kernels import moe as M
-    from kie_moe.kernels import tiles
-    monkeypatch.setattr(M, "EXPERT_DOWN_ATOMIC", False)
-    E, cfg, extra = ROUTERS["softmax_norm"]
-    N, K, I = 96, 136, 40
-    f32 = torch.float32
-    wo = random_weight("fp8", N, K, seed=60, device=DEV)
-    a, x, bias = _t(K, seed=61, dtype=f32), _t(N, seed=62, dtype=f32), _t(N, seed=63, dtype=f32)
-    w_r, nw = _t(E, N, seed=64, scale=0.2, dtype=f32), _t(N, seed=65, dtype=f32)
-    w_f = fold_router(w_r, nw, wo)
-    wg, wu, wd = _experts("fp8", E, I, N, seed=66)
-    got = {}
-    for early in (False, True):
-        monkeypatch.setattr(tiles, "EPILOGUE_EARLY", early)
-        y = gemv(a, wo, bias=bias, residual=x, config=TileConfig(8, 32))
-        yr, p = gemv_route(a, wo, x, w_f, w_r, nw, cfg, eps=1e-5, config=TileConfig(8, 32),
-                           router_config=TileConfig(8, 32))
-        r = route_ref(yr, w_r, cfg, norm_weight=nw, eps=1e-5)
-        out = moe_experts(yr, r.ids, r.weights, wg, wu, wd, residual=x, norm_weight=nw, eps=1e-5,
-                          out=torch.empty(N, device=DEV), split=split)
-        got[early] = (y, yr, out)
-    for name, u, v in zip(("gemv", "gemv_route", "experts"), got[False], got[True]):
-        assert torch.equal(u, v), f"{name}: EPILOGUE_EARLY changed the result"
-    assert_close(got[True][0], gemv_ref(a, wo, bias=bias, residual=x), what="gemv with bias + residual")
