@@ -15,8 +15,12 @@ up rows of one 16-row block of the expert, h = glu(g, u). The down task (mma8_do
 (each routed slot, then the shared expert in I_MOE chunks) that a block's warps share; its x is h as fp16, each
 slot's values times its routing weight first (h is not normed: fp16's range, 65504, bounds it).
 
-Scratch per program (fp32 words): [K / 2: x as fp16] [NW x 32: one quad sum per warp and row of each block];
-scratch_words. Reference: y[r] = f[r] * (W[r] . fp16(x')) (+ b[r]) (+ res[r]) with x' the normed input,
+W16 (KIE_MONO_W16_MMA=1: the tasks whose weights are the bf16 / fp16 arena's): the same tasks over 16-bit weight
+pairs (fp8_rows_dot's W16), no row factors (HAS_F False), x staged as hi + lo pairs (kernels/fp8_mma.py's x16
+layout, K words instead of K / 2).
+
+Scratch per program (fp32 words): [K / 2: x as fp16 | K: x16] [NW x 32: one quad sum per warp and row of each
+block]; scratch_words. Reference: y[r] = f[r] * (W[r] . fp16(x')) (+ b[r]) (+ res[r]) with x' the normed input,
 kernels/fp8_mma.py's rounding of x; the monokernel tests compare whole decode steps against the reference decoder.
 """
 from __future__ import annotations
