@@ -39,8 +39,12 @@ def reference_greedy(m, prompt, n):
     return toks
 
 
-def check_against_reference(be, m, prompt, got, tol=1e-4):
-    """tol: relative and absolute, fp32 arenas; a bf16 arena keeps activations and K/V in bf16 (2^-8)."""
+def check_against_reference(be, m, prompt, got, tol=None):
+    """tol: relative and absolute; default 1e-4 for fp32 arenas, 5e-3 when the backend runs tensor-core tasks
+    (KIE_MONO_FP8_MMA / KIE_MONO_W16_MMA: their input rounded to fp16 first, 2^-11); a bf16 arena keeps activations
+    and K/V in bf16 (callers pass 2e-2)."""
+    if tol is None:
+        tol = 5e-3 if getattr(be, "mma_any", False) else 1e-4
     want = reference_greedy(m, prompt, len(got))
     assert got == want
     logits, cache = reference_run(m, prompt, got)
