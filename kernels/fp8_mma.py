@@ -124,17 +124,11 @@ def _piece(acc_a, acc_b, H, X, W16: tl.constexpr = 0):
     16-bit weight pairs (W16 1 bf16, 2 fp16) against x's hi pairs X[0..3] and lo pairs X[4..7] (x = hi + lo: x16
     layout, module docstring)."""
     if _ASM:
-        args = [acc_a, acc_b, H[0], H[1], H[2], H[3], H[4], H[5], H[6], H[7], X[0], X[1], X[2], X[3], X[4], X[5],
-                X[6], X[7]]
-        if W16 == 0:
-            acc_a, acc_b = tl.inline_asm_elementwise(_PIECE, "=f,=f,f,f" + ",r" * 16, args, dtype=(tl.float32,) * 2,
-                                                     is_pure=True, pack=1)
-        elif W16 == 1:
-            acc_a, acc_b = tl.inline_asm_elementwise(_PIECE_BF16, "=f,=f,f,f" + ",r" * 16, args,
-                                                     dtype=(tl.float32,) * 2, is_pure=True, pack=1)
-        else:
-            acc_a, acc_b = tl.inline_asm_elementwise(_PIECE_F16, "=f,=f,f,f" + ",r" * 16, args,
-                                                     dtype=(tl.float32,) * 2, is_pure=True, pack=1)
+        ptx: tl.constexpr = _PIECE if W16 == 0 else (_PIECE_BF16 if W16 == 1 else _PIECE_F16)
+        acc_a, acc_b = tl.inline_asm_elementwise(
+            ptx, "=f,=f,f,f" + ",r" * 16, [acc_a, acc_b, H[0], H[1], H[2], H[3], H[4], H[5], H[6], H[7], X[0], X[1],
+                                           X[2], X[3], X[4], X[5], X[6], X[7]],
+            dtype=(tl.float32,) * 2, is_pure=True, pack=1)
     else:
         for j in tl.static_range(4):
             if W16 == 0:

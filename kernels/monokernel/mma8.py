@@ -264,10 +264,7 @@ def _down_seg(g, ed_w, sd_w, ids_ptr, ed_f, sd_f, D: tl.constexpr, I_MOE: tl.con
     expert's row (I_MOE wide, the last one shorter). (weights' first word, row stride and K in u32 words, the row
     factors' offset); its x starts at _xw(g * I_MOE) words either way. ed_w / sd_w in weight elements (bytes for
     e4m3)."""
-    if W16 == 0:       # weights per u32 word
-        PW: tl.constexpr = 4
-    else:
-        PW: tl.constexpr = 2
+    PW: tl.constexpr = 4 if W16 == 0 else 2     # weights per u32 word
     g = tl.minimum(g, NSEG - 1)
     is_exp = g < TOPK
     e = tl.load(ids_ptr + tl.minimum(g, TOPK - 1), cache_modifier=".cg").to(tl.int64)

@@ -42,6 +42,16 @@ def _weight(fmt, N, K, seed):
     return w, w.weight.view(torch.uint8) if fmt == "fp8" else w.weight, f
 
 
+def _inputs(N, K, seed, fmt, nw, tasks):
+    """A task test's x [K] (x 3), norm weight [K] bf16, two [N] vectors (bias / residual or the GLU's biases) and a
+    NaN-filled scratch of `tasks` programs."""
+    g = torch.Generator().manual_seed(seed)
+    x, nw_ = (torch.randn(K, generator=g) * 3).to(DEV), torch.randn(K, generator=g).to(DEV, torch.bfloat16)
+    b0, b1 = torch.randn(N, generator=g).to(DEV), torch.randn(N, generator=g).to(DEV)
+    scr_words = scratch_words(K, nw, fmt != "fp8")
+    return x, nw_, b0, b1, torch.full((tasks * scr_words,), float("nan"), device=DEV), scr_words
+
+
 def _xin(x, fmt):
     """x as the mma sees it: fp16-rounded (fp8 tasks) or hi + lo (16-bit tasks, ~16 bits kept)."""
     if fmt == "fp8":
@@ -62,12 +72,8 @@ CASES = [(5, 256, 5, 4), (37, 208, 20, 4), (40, 96, 40, 2), (130, 1040, 130, 4),
 @pytest.mark.parametrize("N,K,rpt,nw", CASES, ids=[f"{c[0]}x{c[1]}-t{c[2]}-w{c[3]}" for c in CASES])
 def test_mma8_task_matches_torch(N, K, rpt, nw, norm, fmt):
     w, wbuf, f = _weight(fmt, N, K, N + K)
-    g = torch.Generator().manual_seed(K)
-    x, nw_ = (torch.randn(K, generator=g) * 3).to(DEV), torch.randn(K, generator=g).to(DEV, torch.bfloat16)
-    b, res = torch.randn(N, generator=g).to(DEV), torch.randn(N, generator=g).to(DEV)
     tasks = triton.cdiv(N, rpt)
-    scr_words = scratch_words(K, nw, fmt != "fp8")
-    scr = torch.full((tasks * scr_words,), float("nan"), device=DEV)
+    x, nw_, b, res, scr, scr_words = _inputs(N, K, K, fmt, nw, tasks)
     y = torch.full((N,), float("nan"), device=DEV)
     _tasks[(tasks,)](wbuf, f, x, nw_, b, y, res, scr, rpt, N, 1e-6, K, scr_words, norm, True, True, nw,
                      min(1024, triton.next_power_of_2(K)), W16[fmt], num_warps=nw)
@@ -171,12 +177,8 @@ def test_mma8_glu_task_matches_torch(N, K, rpt, nw, act, fmt):
     """The routed experts' gate / up task: glu(fg (Wg . x') + bg, fu (Wu . x') + bu), act 0 silu, 1 gpt-oss's
     clamped GLU (limit 0.7: some values clamped)."""
     (wg, wgb, fg), (wu, wub, fu) = (_weight(fmt, N, K, N + K + i) for i in (0, 1))
-    g = torch.Generator().manual_seed(K + 1)
-    x, nw_ = (torch.randn(K, generator=g) * 3).to(DEV), torch.randn(K, generator=g).to(DEV, torch.bfloat16)
-    bg, bu = torch.randn(N, generator=g).to(DEV), torch.randn(N, generator=g).to(DEV)
     tasks = triton.cdiv(N, rpt)
-    scr_words = scratch_words(K, nw, fmt != "fp8")
-    scr = torch.full((tasks * scr_words,), float("nan"), device=DEV)
+    x, nw_, bg, bu, scr, scr_words = _inputs(N, K, K + 1, fmt, nw, tasks)
     h = torch.full((N,), float("nan"), device=DEV)
     _glu_tasks[(tasks,)](wgb, wub, fg, fu, x, nw_, bg, bu, h, scr, rpt, N, 1e-6, 0.7, 1.702, K, scr_words, True, act,
                          nw, min(1024, triton.next_power_of_2(K)), W16[fmt], num_warps=nw)
