@@ -1,0 +1,149 @@
+"""The monokernel's attention task alone (GPU only): where its ~20 us per qwen3 layer go.
+
+    python benchmarks/attention_task_micro.py --out $OUT/attention_task_micro.json [--contexts 36 1024 8192]
+
+The monokernel's trace gives a qwen3-30b-a3b attention task ~20 us of work at ~36 cached positions (NOTES.md,
+sessions 6, 7 and 29), ~10x its instruction count; neither prefetching its K/V rows into L2 nor hoisting its loads
+changed that. This runs `ops.attention_task` itself, with the monokernel's block sizes and warps, in a small wrapper
+kernel, REPS times back to back per kv head (4 programs), under four surroundings:
+
+- alone: a grid of only the attention programs;
+- spin: 128 more programs that poll a counter the way the monokernel's waiting programs do (kccl.sync.wait: every
+  thread an acquire load + a volatile load of the stop word + globaltimer per poll), signalled once per rep;
+- prefetch+spin: the same, each first bulk-prefetching its share (64 KB) of an 8 MB weight range into L2, as the
+  o_proj tasks do while attention runs (a fresh range per rep);
+- spin-one / spin-sleep: spin with kccl.sync.wait's ONE (only thread 0 polls) or SLEEP_NS (nanosleep between
+  polls), the candidate fixes if spinning is what slows the task (the monokernel's KIE_WAIT_ONE /
+  KIE_WAIT_SLEEP_NS).
+
+us per task = the attention program's globaltimer span / REPS (the median over the kv heads).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import statistics
+
+import torch
+import triton
+import triton.language as tl
+
+from kie_moe.kccl.sync import globaltimer, red_release, wait
+from kie_moe.kernels.monokernel.ops import attention_task, kv_split_range
+from kie_moe.kernels.monokernel.prefetch import l2_prefetch
+
+QWEN3 = dict(HQ=32, HKV=4, DH=128)
+
+
+@triton.jit
+def _attn_micro(qkv, kv, cos, sin, qn, kn, ao, am, al, acnt, ctr, stop, span, wbuf, pos, reps, n_attn, n_splits,
+                tmax, wstride, eps, sm_scale, HQ: tl.constexpr, HKV: tl.constexpr, DH: tl.constexpr,
+                BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
+                BLOCK_QG: tl.constexpr, NT: tl.constexpr, OTHERS: tl.constexpr, ONE: tl.constexpr,
+                SLEEP_NS: tl.constexpr):
+    pid = tl.program_id(0)
+    if pid < n_attn:
+        g = pid // n_splits
+        sp = pid % n_splits
+        k_head = kv + (g * tmax * DH).to(tl.int64)
+        v_head = k_head + HKV * tmax * DH
+        lo, hi = kv_split_range(pos, 0, n_splits, sp)
+        t0 = globaltimer()
+        for r in range(reps):
+            attention_task(g, sp, n_splits, pos, lo, hi, qkv, k_head, v_head, cos, sin, qn, kn, ao, am, al,
+                           acnt + g, qn, eps, sm_scale, 0.0, span, False, HQ, HKV, DH, DH, False, 1, False, False,
+                           BLOCK_R, BLOCK_H, 16, BLOCK_D, BLOCK_T, 1024, BLOCK_QG, NT)
+            tl.debug_barrier()
+            red_release(ctr, 1)
+        tl.store(span + pid, globaltimer() - t0)
+    elif OTHERS > 0:
+        q = pid - n_attn
+        for r in range(reps):
+            if OTHERS == 2:   # this rep's 64 KB share of a fresh 8 MB range (wbuf: reps x 8 MB bytes)
+                l2_prefetch(wbuf + r.to(tl.int64) * wstride + q * 65536, q * 0 + 65536, 1, True, 1024, 64)
+            wait(ctr, n_attn * (r + 1), stop, 10_000_000_000, True, False, NT, ONE, SLEEP_NS)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def run_case(pos: int, others: int, one: bool = False, sleep_ns: int = 0, n_splits: int = 1, reps: int = 200, block_t: int = 16,
+             num_warps: int = 8, sm: int | None = None, shape=QWEN3) -> dict:
+    dev = "cuda"
+    HQ, HKV, DH = shape["HQ"], shape["HKV"], shape["DH"]
+    tmax = pos + 64
+    g = torch.Generator(device="cpu").manual_seed(0)
+    qkv = torch.randn((HQ + 2 * HKV) * DH, generator=g).to(dev)
+    kv = (torch.randn(2, HKV, tmax, DH, generator=g) * 0.5).to(torch.bfloat16).to(dev)
+    ang = torch.arange(tmax)[:, None] * (1e6 ** (-torch.arange(DH // 2) / (DH // 2)))[None, :]
+    cos, sin = ang.cos().float().to(dev).contiguous(), ang.sin().float().to(dev).contiguous()
+    qn = torch.ones(DH, device=dev, dtype=torch.bfloat16)
+    ao = torch.zeros(n_splits, HQ * DH, device=dev)
+    am = torch.zeros(n_splits, HQ, device=dev)
+    al = torch.zeros(n_splits, HQ, device=dev)
+    acnt = torch.zeros(HKV, dtype=torch.int32, device=dev)
+    ctr = torch.zeros(1, dtype=torch.int32, device=dev)
+    stop = torch.zeros(1, dtype=torch.int32, device=dev)
+    n_attn = HKV * n_splits
+    span = torch.zeros(n_attn, dtype=torch.int64, device=dev)
+    sm = sm or torch.cuda.get_device_properties(0).multi_processor_count
+    grid = n_attn + (sm - n_attn if others else 0)
+    wstride = 8 << 20
+    n_pf_reps = reps if others == 2 else 1
+    wbuf = torch.empty(n_pf_reps * wstride + (1 << 20), dtype=torch.uint8, device=dev)
+    meta = dict(HQ=HQ, HKV=HKV, DH=DH, BLOCK_R=max(16, _pow2(HQ // HKV)), BLOCK_H=max(16, DH // 2),
+                BLOCK_D=max(16, _pow2(DH)), BLOCK_T=block_t, BLOCK_QG=_pow2(HQ // HKV * DH), NT=32 * num_warps,
+                OTHERS=others, ONE=one, SLEEP_NS=sleep_ns)
+    args = (qkv, kv, cos, sin, qn, qn, ao, am, al, acnt, ctr, stop, span, wbuf, pos, reps, n_attn, n_splits, tmax,
+            wstride, 1e-6, 1.0 / math.sqrt(DH))
+    out = []
+    for _ in range(4):   # the first is the compile + warm-up
+        ctr.zero_()
+        acnt.zero_()
+        torch.cuda.synchronize()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        _attn_micro[(grid,)](*args, **meta, num_warps=num_warps)
+        b.record()
+        b.synchronize()
+        out.append((a.elapsed_time(b) * 1e3 / reps, statistics.median(span.tolist()) / 1e3 / reps))
+    ev, sp = statistics.median(o[0] for o in out[1:]), statistics.median(o[1] for o in out[1:])
+    return dict(pos=pos, others=("none", "spin", "prefetch+spin")[others], one=one, sleep_ns=sleep_ns, n_splits=n_splits,
+                block_t=block_t, num_warps=num_warps, reps=reps, grid=grid, us_per_task=round(sp, 3),
+                us_per_rep_events=round(ev, 3), kv_blocks=-(-pos // (n_splits * block_t)))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out")
+    ap.add_argument("--contexts", type=int, nargs="+", default=[36, 1024, 8192])
+    ap.add_argument("--reps", type=int, default=200)
+    a = ap.parse_args(argv)
+    rows = []
+    # (others, one, sleep_ns, block_t, warps): the monokernel's qwen3 task is block_t 16 at 8 warps
+    cases = [(0, False, 0, 16, 8), (1, False, 0, 16, 8), (2, False, 0, 16, 8), (1, True, 0, 16, 8),
+             (1, False, 200, 16, 8), (2, True, 0, 16, 8), (0, False, 0, 32, 8), (0, False, 0, 64, 8),
+             (0, False, 0, 16, 4)]
+    for pos in a.contexts:
+        for others, one, sleep_ns, bt, nw in cases:
+            try:
+                r = run_case(pos, others, one, sleep_ns, reps=a.reps if pos < 4096 else max(10, a.reps // 10),
+                             block_t=bt, num_warps=nw)
+            except Exception as e:   # noqa: BLE001 -- one failing variant must not lose the others' numbers
+                r = dict(pos=pos, others=others, one=one, sleep_ns=sleep_ns, block_t=bt, num_warps=nw,
+                         error=repr(e)[:300])
+            print(json.dumps(r), flush=True)
+            rows.append(r)
+    res = dict(date=datetime.date.today().isoformat(), device=torch.cuda.get_device_name(0),
+               torch=torch.__version__, triton=triton.__version__, shape=QWEN3, rows=rows)
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(res, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
