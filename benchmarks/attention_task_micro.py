@@ -16,7 +16,8 @@ kernel, REPS times back to back per kv head (4 programs), under four surrounding
   polls), the candidate fixes if spinning is what slows the task (the monokernel's KIE_WAIT_ONE /
   KIE_WAIT_SLEEP_NS).
 
-us per task = the attention program's globaltimer span / REPS (the median over the kv heads).
+us per task = the attention program's globaltimer span / REPS (the median over the kv heads); the last rep is also
+stamped in clock64 cycles, whole and up to its K/V loop (attention_task's STAMP: the trace's `pre us`).
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kie_moe.kccl.sync import globaltimer, red_release, wait
+from kie_moe.kccl.sync import clock64, globaltimer, red_release, wait
 from kie_moe.kernels.monokernel.ops import attention_task, kv_split_range
 from kie_moe.kernels.monokernel.prefetch import l2_prefetch
 
@@ -50,11 +51,14 @@ def _attn_micro(qkv, kv, cos, sin, qn, kn, ao, am, al, acnt, ctr, stop, span, wb
         k_head = kv + (g * tmax * DH).to(tl.int64)
         v_head = k_head + HKV * tmax * DH
         lo, hi = kv_split_range(pos, 0, n_splits, sp)
+        tr = span + n_attn + pid * 8          # [8] per program: clock64 at the last rep's start, task's loop stamp
         t0 = globaltimer()
         for r in range(reps):
+            tl.store(tr, clock64())
             attention_task(g, sp, n_splits, pos, lo, hi, qkv, k_head, v_head, cos, sin, qn, kn, ao, am, al,
-                           acnt + g, qn, eps, sm_scale, 0.0, span, False, HQ, HKV, DH, DH, False, 1, False, False,
-                           BLOCK_R, BLOCK_H, 16, BLOCK_D, BLOCK_T, 1024, BLOCK_QG, NT)
+                           acnt + g, qn, eps, sm_scale, 0.0, tr, True, HQ, HKV, DH, DH, False, 1, False, False,
+                           BLOCK_R, BLOCK_H, 16, BLOCK_D, BLOCK_T, 1024, BLOCK_QG, NT, True)
+            tl.store(tr + 1, clock64())
             tl.debug_barrier()
             red_release(ctr, 1)
         tl.store(span + pid, globaltimer() - t0)
@@ -88,7 +92,7 @@ def run_case(pos: int, others: int, one: bool = False, sleep_ns: int = 0, n_spli
     ctr = torch.zeros(1, dtype=torch.int32, device=dev)
     stop = torch.zeros(1, dtype=torch.int32, device=dev)
     n_attn = HKV * n_splits
-    span = torch.zeros(n_attn, dtype=torch.int64, device=dev)
+    span = torch.zeros(n_attn * 9, dtype=torch.int64, device=dev)   # spans, then [n_attn, 8] stamps
     sm = sm or torch.cuda.get_device_properties(0).multi_processor_count
     grid = n_attn + (sm - n_attn if others else 0)
     wstride = 8 << 20
@@ -109,11 +113,16 @@ def run_case(pos: int, others: int, one: bool = False, sleep_ns: int = 0, n_spli
         _attn_micro[(grid,)](*args, **meta, num_warps=num_warps)
         b.record()
         b.synchronize()
-        out.append((a.elapsed_time(b) * 1e3 / reps, statistics.median(span.tolist()) / 1e3 / reps))
+        st = span[n_attn:].view(n_attn, 8).cpu()
+        pre, tot = (st[:, 7] - st[:, 0]).tolist(), (st[:, 1] - st[:, 0]).tolist()
+        out.append((a.elapsed_time(b) * 1e3 / reps, statistics.median(span[:n_attn].tolist()) / 1e3 / reps,
+                    statistics.median(pre), statistics.median(tot)))
     ev, sp = statistics.median(o[0] for o in out[1:]), statistics.median(o[1] for o in out[1:])
+    pre_cyc, task_cyc = statistics.median(o[2] for o in out[1:]), statistics.median(o[3] for o in out[1:])
     return dict(pos=pos, others=("none", "spin", "prefetch+spin")[others], one=one, sleep_ns=sleep_ns, n_splits=n_splits,
                 block_t=block_t, num_warps=num_warps, reps=reps, grid=grid, us_per_task=round(sp, 3),
-                us_per_rep_events=round(ev, 3), kv_blocks=-(-pos // (n_splits * block_t)))
+                us_per_rep_events=round(ev, 3), kv_blocks=-(-pos // (n_splits * block_t)),
+                last_rep_cycles=task_cyc, last_rep_pre_loop_cycles=pre_cyc)
 
 
 def main(argv=None) -> int:
