@@ -132,17 +132,17 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=200)
     a = ap.parse_args(argv)
     rows = []
-    # (others, one, sleep_ns, block_t, warps): the monokernel's qwen3 task is block_t 16 at 8 warps
-    cases = [(0, False, 0, 16, 8), (1, False, 0, 16, 8), (2, False, 0, 16, 8), (1, True, 0, 16, 8),
-             (1, False, 200, 16, 8), (2, True, 0, 16, 8), (0, False, 0, 32, 8), (0, False, 0, 64, 8),
-             (0, False, 0, 16, 4)]
+    # (others, one, sleep_ns, block_t, warps, splits): the monokernel's qwen3 task is block_t 16 at 8 warps
+    cases = [(0, False, 0, 16, 8, 1), (1, False, 0, 16, 8, 1), (2, False, 0, 16, 8, 1), (1, True, 0, 16, 8, 1),
+             (1, False, 200, 16, 8, 1), (2, True, 0, 16, 8, 1), (0, False, 0, 32, 8, 1), (0, False, 0, 64, 8, 1),
+             (0, False, 0, 16, 4, 1), (0, False, 0, 16, 8, 3), (2, False, 0, 16, 8, 3)]
     for pos in a.contexts:
-        for others, one, sleep_ns, bt, nw in cases:
+        for others, one, sleep_ns, bt, nw, ns in cases:
             try:
-                r = run_case(pos, others, one, sleep_ns, reps=a.reps if pos < 4096 else max(10, a.reps // 10),
-                             block_t=bt, num_warps=nw)
+                r = run_case(pos, others, one, sleep_ns, n_splits=ns,
+                             reps=a.reps if pos < 4096 else max(10, a.reps // 10), block_t=bt, num_warps=nw)
             except Exception as e:   # noqa: BLE001 -- one failing variant must not lose the others' numbers
-                r = dict(pos=pos, others=others, one=one, sleep_ns=sleep_ns, block_t=bt, num_warps=nw,
+                r = dict(pos=pos, others=others, one=one, sleep_ns=sleep_ns, block_t=bt, num_warps=nw, n_splits=ns,
                          error=repr(e)[:300])
             print(json.dumps(r), flush=True)
             rows.append(r)

@@ -117,6 +117,10 @@ class MonokernelBackend:
         self.grid = 1 if self.interpret else self.plan.n_sms
         groups = len(self.plan.op_rows["mla_attn"]) if d.MLA else d.HKV   # attention tasks per split
         self.max_splits = max_splits or max(1, self.plan.n_sms // groups)
+        split_kb = os.environ.get("KIE_ATTN_SPLIT_KB", "32")
+        if not split_kb.isdigit() or int(split_kb) < 1:
+            raise ValueError(f"KIE_ATTN_SPLIT_KB={split_kb!r}: expected a positive number of KB of K+V per split")
+        self.split_kb = int(split_kb)
         self.n_splits_override: int | None = None   # tests: force attention splits
         self._plant: tuple[int, int] | None = None  # tests: (task row, extra count) for the next launch only
         self._tasks: dict[tuple[int, int], torch.Tensor] = {}   # (attention splits, sample tiles) -> table
@@ -251,13 +255,15 @@ class MonokernelBackend:
         return self._sampler
 
     def pick_splits(self, n_ctx: int) -> int:
-        """Attention splits for a context: ~32 KB of K+V per split task, at most one wave of programs."""
+        """Attention splits for a context: ~32 KB of K+V per split task (KIE_ATTN_SPLIT_KB), at most one wave of
+        programs. A task's K/V blocks are dependent round trips (one in flight ahead of the math), so fewer bytes
+        per split trade more tasks (idle programs exist: the attention phase has 4-8 tasks) for a shorter chain."""
         if self.n_splits_override is not None:
             return self.n_splits_override
         d = self.dims
         row = (d.R_KV + d.ROT) if d.MLA else 2 * d.DH
         kv_bytes = n_ctx * row * self.kv.element_size()
-        return int(max(1, min(self.max_splits, kv_bytes // (32 << 10))))
+        return int(max(1, min(self.max_splits, kv_bytes // (self.split_kb << 10))))
 
     # ---- prefill --------------------------------------------------------------------------------------------------
     def prefill(self, ids: list[int]):

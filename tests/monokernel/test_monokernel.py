@@ -101,6 +101,27 @@ def test_attention_split_over_sequence(case, splits, tiny_model):
     check_against_reference(be, m, PROMPT, got)
 
 
+def test_attention_split_size_from_the_environment(tiny_model, monkeypatch):
+    """KIE_ATTN_SPLIT_KB sets the K+V bytes per attention split (pick_splits: 32 KB by default), so a short
+    context runs as more, shorter tasks; the launch gives the reference's tokens with the splits it picked. A value
+    that is not a positive number of KB is refused with the variable's name."""
+    m = tiny_model("qwen3_moe_norm")
+    monkeypatch.setenv("KIE_ATTN_SPLIT_KB", "1")
+    be = MonokernelBackend(m, "cpu", max_splits=8)   # (the interpreter's plan has one program: max_splits 1)
+    be._ensure_kv(64)
+    row = 2 * be.dims.DH * be.kv.element_size()        # K + V bytes per position
+    n_ctx = len(PROMPT) + 16
+    want = max(1, min(be.max_splits, n_ctx * row // 1024))
+    assert be.pick_splits(n_ctx) == want > 1
+    got = list(be.generate(PROMPT, SamplingParams(max_new_tokens=16, ignore_eos=True), set()))
+    assert be.last_launch["n_splits"] == want
+    check_against_reference(be, m, PROMPT, got)
+    for bad in ("0", "-8", "4.5"):
+        monkeypatch.setenv("KIE_ATTN_SPLIT_KB", bad)
+        with pytest.raises(ValueError, match="KIE_ATTN_SPLIT_KB"):
+            MonokernelBackend(m, "cpu")
+
+
 def test_attention_combine_over_several_round_trips(tiny_model):
     """More non-empty splits than ops.head_combine takes per round trip (SC = 4 * threads // pow2(REP * Dh); one
     warp makes SC small enough for a context of 13..17): the last split of each kv head combines them all."""
