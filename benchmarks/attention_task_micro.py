@@ -1,6 +1,6 @@
 """The monokernel's attention task alone (GPU only): where its ~20 us per qwen3 layer go.
 
-    python benchmarks/attention_task_micro.py --out $OUT/attention_task_micro.json [--contexts 36 1024 8192]
+    python benchmarks/attention_task_micro.py --out $OUT/attention_task_micro.json [--contexts 36 8192] [--more]
 
 The monokernel's trace gives a qwen3-30b-a3b attention task ~20 us of work at ~36 cached positions (NOTES.md,
 sessions 6, 7 and 29), ~10x its instruction count; neither prefetching its K/V rows into L2 nor hoisting its loads
@@ -128,14 +128,17 @@ def run_case(pos: int, others: int, one: bool = False, sleep_ns: int = 0, n_spli
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out")
-    ap.add_argument("--contexts", type=int, nargs="+", default=[36, 1024, 8192])
+    ap.add_argument("--contexts", type=int, nargs="+", default=[36, 8192])
     ap.add_argument("--reps", type=int, default=200)
+    ap.add_argument("--more", action="store_true", help="also prefetch+spin-one, block_t 32, 4 warps, 3 splits "
+                    "beside prefetching programs")
     a = ap.parse_args(argv)
     rows = []
     # (others, one, sleep_ns, block_t, warps, splits): the monokernel's qwen3 task is block_t 16 at 8 warps
     cases = [(0, False, 0, 16, 8, 1), (1, False, 0, 16, 8, 1), (2, False, 0, 16, 8, 1), (1, True, 0, 16, 8, 1),
-             (1, False, 200, 16, 8, 1), (2, True, 0, 16, 8, 1), (0, False, 0, 32, 8, 1), (0, False, 0, 64, 8, 1),
-             (0, False, 0, 16, 4, 1), (0, False, 0, 16, 8, 3), (2, False, 0, 16, 8, 3)]
+             (1, False, 200, 16, 8, 1), (0, False, 0, 64, 8, 1), (0, False, 0, 16, 8, 3)]
+    if a.more:
+        cases += [(2, True, 0, 16, 8, 1), (0, False, 0, 32, 8, 1), (0, False, 0, 16, 4, 1), (2, False, 0, 16, 8, 3)]
     for pos in a.contexts:
         for others, one, sleep_ns, bt, nw, ns in cases:
             try:
