@@ -5,16 +5,16 @@
 The monokernel's trace gives a qwen3-30b-a3b attention task ~20 us of work at ~36 cached positions (NOTES.md,
 sessions 6, 7 and 29), ~10x its instruction count; neither prefetching its K/V rows into L2 nor hoisting its loads
 changed that. This runs `ops.attention_task` itself, with the monokernel's block sizes and warps, in a small wrapper
-kernel, REPS times back to back per kv head (4 programs), under four surroundings:
+kernel, REPS times back to back per kv head (4 programs), under three surroundings:
 
 - alone: a grid of only the attention programs;
 - spin: 128 more programs that poll a counter the way the monokernel's waiting programs do (kccl.sync.wait: every
   thread an acquire load + a volatile load of the stop word + globaltimer per poll), signalled once per rep;
 - prefetch+spin: the same, each first bulk-prefetching its share (64 KB) of an 8 MB weight range into L2, as the
   o_proj tasks do while attention runs (a fresh range per rep);
-- spin-one / spin-sleep: spin with kccl.sync.wait's ONE (only thread 0 polls) or SLEEP_NS (nanosleep between
-  polls), the candidate fixes if spinning is what slows the task (the monokernel's KIE_WAIT_ONE /
-  KIE_WAIT_SLEEP_NS).
+and with the task's dots in fp32 FMAs ("ieee", the monokernel's default) or on the tensor cores ("tf32x3", ~fp32
+accuracy; "tf32", one product, for timing), at several K/V block sizes, splits and warps. (Session 30, H100: the
+task alone is as slow as beside the spinners, ~10,000 cycles per ieee block of 16 positions.)
 
 us per task = the attention program's globaltimer span / REPS (the median over the kv heads); the last rep is also
 stamped in clock64 cycles, whole and up to its K/V loop (attention_task's STAMP: the trace's `pre us`).
@@ -42,8 +42,7 @@ QWEN3 = dict(HQ=32, HKV=4, DH=128)
 def _attn_micro(qkv, kv, cos, sin, qn, kn, ao, am, al, acnt, ctr, stop, span, wbuf, pos, reps, n_attn, n_splits,
                 tmax, wstride, eps, sm_scale, HQ: tl.constexpr, HKV: tl.constexpr, DH: tl.constexpr,
                 BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
-                BLOCK_QG: tl.constexpr, NT: tl.constexpr, OTHERS: tl.constexpr, ONE: tl.constexpr,
-                SLEEP_NS: tl.constexpr):
+                BLOCK_QG: tl.constexpr, NT: tl.constexpr, OTHERS: tl.constexpr, PREC: tl.constexpr):
     pid = tl.program_id(0)
     if pid < n_attn:
         g = pid // n_splits
@@ -57,7 +56,7 @@ def _attn_micro(qkv, kv, cos, sin, qn, kn, ao, am, al, acnt, ctr, stop, span, wb
             tl.store(tr, clock64())
             attention_task(g, sp, n_splits, pos, lo, hi, qkv, k_head, v_head, cos, sin, qn, kn, ao, am, al,
                            acnt + g, qn, eps, sm_scale, 0.0, tr, True, HQ, HKV, DH, DH, False, 1, False, False,
-                           BLOCK_R, BLOCK_H, 16, BLOCK_D, BLOCK_T, 1024, BLOCK_QG, NT, True)
+                           BLOCK_R, BLOCK_H, 16, BLOCK_D, BLOCK_T, 1024, BLOCK_QG, NT, True, PREC)
             tl.store(tr + 1, clock64())
             tl.debug_barrier()
             red_release(ctr, 1)
@@ -67,14 +66,14 @@ def _attn_micro(qkv, kv, cos, sin, qn, kn, ao, am, al, acnt, ctr, stop, span, wb
         for r in range(reps):
             if OTHERS == 2:   # this rep's 64 KB share of a fresh 8 MB range (wbuf: reps x 8 MB bytes)
                 l2_prefetch(wbuf + r.to(tl.int64) * wstride + q * 65536, q * 0 + 65536, 1, True, 1024, 64)
-            wait(ctr, n_attn * (r + 1), stop, 10_000_000_000, True, False, NT, ONE, SLEEP_NS)
+            wait(ctr, n_attn * (r + 1), stop, 10_000_000_000, True, False, NT)
 
 
 def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def run_case(pos: int, others: int, one: bool = False, sleep_ns: int = 0, n_splits: int = 1, reps: int = 200, block_t: int = 16,
+def run_case(pos: int, others: int, prec: str = "ieee", n_splits: int = 1, reps: int = 200, block_t: int = 16,
              num_warps: int = 8, sm: int | None = None, shape=QWEN3) -> dict:
     dev = "cuda"
     HQ, HKV, DH = shape["HQ"], shape["HKV"], shape["DH"]
@@ -100,7 +99,7 @@ def run_case(pos: int, others: int, one: bool = False, sleep_ns: int = 0, n_spli
     wbuf = torch.empty(n_pf_reps * wstride + (1 << 20), dtype=torch.uint8, device=dev)
     meta = dict(HQ=HQ, HKV=HKV, DH=DH, BLOCK_R=max(16, _pow2(HQ // HKV)), BLOCK_H=max(16, DH // 2),
                 BLOCK_D=max(16, _pow2(DH)), BLOCK_T=block_t, BLOCK_QG=_pow2(HQ // HKV * DH), NT=32 * num_warps,
-                OTHERS=others, ONE=one, SLEEP_NS=sleep_ns)
+                OTHERS=others, PREC=prec)
     args = (qkv, kv, cos, sin, qn, qn, ao, am, al, acnt, ctr, stop, span, wbuf, pos, reps, n_attn, n_splits, tmax,
             wstride, 1e-6, 1.0 / math.sqrt(DH))
     out = []
@@ -119,7 +118,7 @@ def run_case(pos: int, others: int, one: bool = False, sleep_ns: int = 0, n_spli
                     statistics.median(pre), statistics.median(tot)))
     ev, sp = statistics.median(o[0] for o in out[1:]), statistics.median(o[1] for o in out[1:])
     pre_cyc, task_cyc = statistics.median(o[2] for o in out[1:]), statistics.median(o[3] for o in out[1:])
-    return dict(pos=pos, others=("none", "spin", "prefetch+spin")[others], one=one, sleep_ns=sleep_ns, n_splits=n_splits,
+    return dict(pos=pos, others=("none", "spin", "prefetch+spin")[others], prec=prec, n_splits=n_splits,
                 block_t=block_t, num_warps=num_warps, reps=reps, grid=grid, us_per_task=round(sp, 3),
                 us_per_rep_events=round(ev, 3), kv_blocks=-(-pos // (n_splits * block_t)),
                 last_rep_cycles=task_cyc, last_rep_pre_loop_cycles=pre_cyc)
@@ -130,22 +129,23 @@ def main(argv=None) -> int:
     ap.add_argument("--out")
     ap.add_argument("--contexts", type=int, nargs="+", default=[36, 8192])
     ap.add_argument("--reps", type=int, default=200)
-    ap.add_argument("--more", action="store_true", help="also prefetch+spin-one, block_t 32, 4 warps, 3 splits "
-                    "beside prefetching programs")
+    ap.add_argument("--more", action="store_true", help="also the ieee dots beside spinning / prefetching "
+                    "programs, at block_t 32 / 64, 3 splits, 4 warps")
     a = ap.parse_args(argv)
     rows = []
-    # (others, one, sleep_ns, block_t, warps, splits): the monokernel's qwen3 task is block_t 16 at 8 warps
-    cases = [(0, False, 0, 16, 8, 1), (1, False, 0, 16, 8, 1), (2, False, 0, 16, 8, 1), (1, True, 0, 16, 8, 1),
-             (1, False, 200, 16, 8, 1), (0, False, 0, 64, 8, 1), (0, False, 0, 16, 8, 3)]
+    # (others, dot precision, block_t, warps, splits): the monokernel's qwen3 task is ieee, block_t 16 at 8 warps
+    cases = [(0, "ieee", 16, 8, 1), (0, "tf32x3", 16, 8, 1), (0, "tf32", 16, 8, 1), (0, "tf32x3", 32, 8, 1),
+             (0, "tf32x3", 64, 8, 1), (2, "tf32x3", 16, 8, 1), (0, "tf32x3", 16, 8, 3), (0, "tf32x3", 16, 4, 1)]
     if a.more:
-        cases += [(2, True, 0, 16, 8, 1), (0, False, 0, 32, 8, 1), (0, False, 0, 16, 4, 1), (2, False, 0, 16, 8, 3)]
+        cases += [(1, "ieee", 16, 8, 1), (2, "ieee", 16, 8, 1), (0, "ieee", 64, 8, 1), (0, "ieee", 16, 8, 3),
+                  (0, "ieee", 32, 8, 1), (0, "ieee", 16, 4, 1)]
     for pos in a.contexts:
-        for others, one, sleep_ns, bt, nw, ns in cases:
+        for others, prec, bt, nw, ns in cases:
             try:
-                r = run_case(pos, others, one, sleep_ns, n_splits=ns,
+                r = run_case(pos, others, prec, n_splits=ns,
                              reps=a.reps if pos < 4096 else max(10, a.reps // 10), block_t=bt, num_warps=nw)
             except Exception as e:   # noqa: BLE001 -- one failing variant must not lose the others' numbers
-                r = dict(pos=pos, others=others, one=one, sleep_ns=sleep_ns, block_t=bt, num_warps=nw, n_splits=ns,
+                r = dict(pos=pos, others=others, prec=prec, block_t=bt, num_warps=nw, n_splits=ns,
                          error=repr(e)[:300])
             print(json.dumps(r), flush=True)
             rows.append(r)

@@ -40,19 +40,9 @@ def clock64():
 
 
 @triton.jit
-def ld_acquire(ptr, SYS: tl.constexpr = False, ONE: tl.constexpr = False):
-    """Acquire load of an int32 word (every thread loads; all see a value at least as new as the release).
-    ONE: only thread 0 loads; the others get INT32_MAX (wait(): "satisfied", they go on to its barrier)."""
-    if ONE:   # (the scope is spelled out: the asm string must be a literal)
-        if SYS:
-            v = tl.inline_asm_elementwise(
-                "{ .reg .pred %p; .reg .u32 %t; mov.u32 %t, %tid.x; setp.eq.u32 %p, %t, 0; mov.u32 $0, 2147483647; "
-                "@%p ld.global.acquire.sys.b32 $0, [$1]; }", "=r,l", [ptr], dtype=tl.int32, is_pure=False, pack=1)
-        else:
-            v = tl.inline_asm_elementwise(
-                "{ .reg .pred %p; .reg .u32 %t; mov.u32 %t, %tid.x; setp.eq.u32 %p, %t, 0; mov.u32 $0, 2147483647; "
-                "@%p ld.global.acquire.gpu.b32 $0, [$1]; }", "=r,l", [ptr], dtype=tl.int32, is_pure=False, pack=1)
-    elif SYS:
+def ld_acquire(ptr, SYS: tl.constexpr = False):
+    """Acquire load of an int32 word (every thread loads; all see a value at least as new as the release)."""
+    if SYS:
         v = tl.inline_asm_elementwise("ld.global.acquire.sys.b32 $0, [$1];", "=r,l", [ptr], dtype=tl.int32,
                                       is_pure=False, pack=1)
     else:
@@ -62,18 +52,11 @@ def ld_acquire(ptr, SYS: tl.constexpr = False, ONE: tl.constexpr = False):
 
 
 @triton.jit
-def ld_volatile(ptr, USE_ASM: tl.constexpr, ONE: tl.constexpr = False):
-    """Uncached int32 read of a flag another agent (program, GPU, host) may change while we run.
-    ONE: only thread 0 reads; the others get 0 ("not set")."""
+def ld_volatile(ptr, USE_ASM: tl.constexpr):
+    """Uncached int32 read of a flag another agent (program, GPU, host) may change while we run."""
     if USE_ASM:
-        if ONE:
-            v = tl.inline_asm_elementwise(
-                "{ .reg .pred %p; .reg .u32 %t; mov.u32 %t, %tid.x; setp.eq.u32 %p, %t, 0; mov.u32 $0, 0; "
-                "@%p ld.volatile.global.b32 $0, [$1]; }",
-                "=r,l", [ptr], dtype=tl.int32, is_pure=False, pack=1)
-        else:
-            v = tl.inline_asm_elementwise("ld.volatile.global.b32 $0, [$1];", "=r,l", [ptr], dtype=tl.int32,
-                                          is_pure=False, pack=1)
+        v = tl.inline_asm_elementwise("ld.volatile.global.b32 $0, [$1];", "=r,l", [ptr], dtype=tl.int32,
+                                      is_pure=False, pack=1)
     else:
         v = tl.load(ptr)
     return v
@@ -144,27 +127,20 @@ def flag_is_set(ptr, USE_ASM: tl.constexpr, NT: tl.constexpr = 256):
 
 @triton.jit
 def wait(counter_ptr, target, abort_ptr, timeout_ns, USE_ASM: tl.constexpr, SYS: tl.constexpr = False,
-         NT: tl.constexpr = 256, ONE: tl.constexpr = False, SLEEP_NS: tl.constexpr = 0):
+         NT: tl.constexpr = 256):
     """Spin until *counter_ptr >= target. Returns WAIT_OK (0), WAIT_ABORTED (1: *abort_ptr != 0) or
     WAIT_TIMEOUT (2: `timeout_ns` passed on the GPU; under the interpreter, not satisfied on the first look).
 
     GPU: every thread polls on its own (no barrier per poll; a thread may leave the loop early), then one
-    cta_max makes the status uniform (the most pessimistic thread wins: abort/timeout over success).
-    ONE: only thread 0 polls (the CUTLASS semaphore's shape: its acquire, then cta_max's bar.sync, orders every
-    thread's later loads after the producer's release); the others leave at once with "satisfied" and wait in
-    cta_max's barrier, so a waiting program sends one poll to the counter's L2 line instead of one per warp.
-    SLEEP_NS > 0: `nanosleep` between polls (fewer polls from the 100+ programs that spin at a phase boundary)."""
+    cta_max makes the status uniform (the most pessimistic thread wins: abort/timeout over success)."""
     if USE_ASM:
-        v = ld_acquire(counter_ptr, SYS, ONE)
-        stop = ld_volatile(abort_ptr, USE_ASM, ONE)
+        v = ld_acquire(counter_ptr, SYS)
+        stop = ld_volatile(abort_ptr, USE_ASM)
         t0 = globaltimer()
         elapsed = t0 - t0
         while (v < target) & (stop == 0) & (elapsed < timeout_ns):
-            if SLEEP_NS > 0:
-                tl.inline_asm_elementwise("nanosleep.u32 $1; mov.u32 $0, 0;", "=r,r", [v * 0 + SLEEP_NS],
-                                          dtype=tl.int32, is_pure=False, pack=1)
-            v = ld_acquire(counter_ptr, SYS, ONE)
-            stop = ld_volatile(abort_ptr, USE_ASM, ONE)
+            v = ld_acquire(counter_ptr, SYS)
+            stop = ld_volatile(abort_ptr, USE_ASM)
             elapsed = globaltimer() - t0
         status = cta_max(tl.where(v >= target, 0, tl.where(stop != 0, 1, 2)), NT)
     else:

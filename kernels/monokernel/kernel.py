@@ -151,11 +151,11 @@ def _sp(FMT: tl.constexpr, qf32_ptr, qs8f_ptr, qs8u_ptr, off):
 
 @triton.jit
 def _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM: tl.constexpr, NT: tl.constexpr, MODE: tl.constexpr, tr,
-          trace_on, WAIT_ONE: tl.constexpr, WAIT_SLEEP: tl.constexpr):
+          trace_on):
     if MODE == 2:   # benchmark mode "no waits": streaming speed without dependency latency (wrong results)
         st = 0
     else:
-        st = wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, False, NT, WAIT_ONE, WAIT_SLEEP)
+        st = wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, False, NT)
     if MODE == 3:
         _stamp(tr, 1, trace_on)
     return st
@@ -266,8 +266,8 @@ def monokernel(
     SFILTER: tl.constexpr = False, K_CAND: tl.constexpr = 1, SBLOCK_V: tl.constexpr = 1, SBLOCK_T: tl.constexpr = 1,
     SBLOCK_C: tl.constexpr = 1, MMA8: tl.constexpr = False, MMA16: tl.constexpr = 0, MMA_DN: tl.constexpr = False,
     MSCR: tl.constexpr = 4,
-    # how a program waits (kccl.sync.wait): only thread 0 polls; nanoseconds of sleep between polls
-    WAIT_ONE: tl.constexpr = False, WAIT_SLEEP: tl.constexpr = 0,
+    # attention's tl.dot precision (ops.attention_task PREC; KIE_ATTN_DOT)
+    ATTN_PREC: tl.constexpr = "ieee",
 ):
     """MODE 0: decode. Benchmark-only modes (wrong tokens, for locating time): 1 = tasks only claim, wait and
     signal (the sampler still runs): the cost of scheduling + dependency latency; 2 = no waits: streaming speed.
@@ -371,7 +371,7 @@ def monokernel(
             else:
                 w0, s0 = tile(w, sq, D, r0, r_end, 0, 1, FMT_ATTN, BN_QKV, BLOCK_K)
             t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
-            st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE, tr, trace_on, WAIT_ONE, WAIT_SLEEP)
+            st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE, tr, trace_on)
             if MM_ATTN:
                 if st == 0:
                     mma8_task(first, wq, qf32_ptr + tl.load(lrow + P.LF_QKV_F), D, r0, r_end, lx,
@@ -389,7 +389,7 @@ def monokernel(
             v_head = k_head + HKV * kv_tmax * DH
             kv_lo, kv_hi = kv_split_range(pos, tl.load(lrow + P.LF_WINDOW).to(tl.int32), n_splits, nr)
             t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
-            st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE, tr, trace_on, WAIT_ONE, WAIT_SLEEP)
+            st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE, tr, trace_on)
             if MLA == 0:   # (an MLA model never has these tasks: do not compile them)
                 if st == 0:
                     attention_task(r0, nr, n_splits, pos, kv_lo, kv_hi, qkv_ptr, k_head, v_head, cos_ptr, sin_ptr,
@@ -397,7 +397,7 @@ def monokernel(
                                    ao_ptr, am_ptr, al_ptr, acnt_ptr + layer * HKV + r0,
                                    wa_ptr + tl.load(lrow + P.LF_SINKS), eps, sm_scale, clip, tr, trace_on, HQ, HKV,
                                    DH, ROT, ROPE_PAIR, QK_NORM, HAS_CLIP, HAS_SINKS, BLOCK_R, BLOCK_H, BLOCK_C,
-                                   BLOCK_D, BLOCK_T, BLOCK_X, BLOCK_QG, NT, MODE == 3)
+                                   BLOCK_D, BLOCK_T, BLOCK_X, BLOCK_QG, NT, MODE == 3, ATTN_PREC)
         elif op == _OP_O:
             w = _wp(FMT_ATTN, wa_ptr, qw8_ptr, qw32_ptr, woff)
             sq = _sp(FMT_ATTN, qf32_ptr, qs8f_ptr, qs8u_ptr, tl.load(lrow + P.LF_O_S))
@@ -408,7 +408,7 @@ def monokernel(
             else:
                 w0, s0 = tile(w, sq, O_K, r0, r_end, 0, 1, FMT_ATTN, BN_O, BLOCK_K)
             t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
-            st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE, tr, trace_on, WAIT_ONE, WAIT_SLEEP)
+            st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE, tr, trace_on)
             if MM_ATTN:
                 if st == 0:
                     mma8_task(first, wq, qf32_ptr + tl.load(lrow + P.LF_O_F), O_K, r0, r_end, ao_ptr, ao_ptr, eps,
@@ -436,7 +436,7 @@ def monokernel(
             w = wa_ptr + tl.multiple_of(woff, 64)
             w0, s0 = tile(w, qf32_ptr, R_Q, r0, r_end, 0, 1, 0, BN_QB, BLOCK_K)
             t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
-            st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE, tr, trace_on, WAIT_ONE, WAIT_SLEEP)
+            st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE, tr, trace_on)
             if MLA:
                 if st == 0:
                     stream_gemv(w, qf32_ptr, qf32_ptr, w0, s0, R_Q, r0, r_end, qkv_ptr,
@@ -445,7 +445,7 @@ def monokernel(
                                 BLOCK_K, XB, NS)
         elif op == _OP_ABSORB:
             t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
-            st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE, tr, trace_on, WAIT_ONE, WAIT_SLEEP)
+            st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE, tr, trace_on)
             if MLA:
                 if st == 0:
                     mla_absorb_task(r0, nr, pos, qkv_ptr + Q_OFF, wa_ptr + tl.multiple_of(woff, 64),
@@ -455,7 +455,7 @@ def monokernel(
                                     DH, NOPE, VD, R_KV, ROT, ROPE_PAIR, BN_KVB, BLOCK_RKV, BLOCK_H)
         elif op == _OP_MLA_ATTN:
             t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
-            st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE, tr, trace_on, WAIT_ONE, WAIT_SLEEP)
+            st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE, tr, trace_on)
             if MLA:
                 if st == 0:
                     mla_attention_task(r0, nr, aux, n_splits, pos, qkv_ptr + QLAT_OFF, qkv_ptr + QPE_OFF,
@@ -463,7 +463,7 @@ def monokernel(
                                        sm_scale, HQ, R_KV, ROT, BLOCK_HG, BLOCK_RKV, BLOCK_RD, BLOCK_T)
         elif op == _OP_VUP:
             t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
-            st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE, tr, trace_on, WAIT_ONE, WAIT_SLEEP)
+            st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE, tr, trace_on)
             if MLA:
                 if st == 0:
                     mla_vup_task(r0, nr, n_splits, ao_ptr, am_ptr, al_ptr, wa_ptr + tl.multiple_of(woff, 64), h_ptr,
@@ -475,7 +475,7 @@ def monokernel(
                     prefetch_rows(w + lane * (D * (NQ // LANES)), r0, nr, NQ // LANES, 0, USE_ASM)
                 w0, s0 = lane_out_tile(w, qf32_ptr, NQ // LANES, D, r0, r_end, 0, 1, LANES, 0, BN_O, BK_O)
             t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
-            st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE, tr, trace_on, WAIT_ONE, WAIT_SLEEP)
+            st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE, tr, trace_on)
             if TP > 0:   # DTP: a delayed layer also needs every rank's partials of layer i - DELAY (long there)
                 if st == 0:
                     if xw >= 0:
@@ -502,7 +502,7 @@ def monokernel(
                 w0, s0 = lane_out_tile(w, qf32_ptr, I_DENSE // LANES, D, r0, r_end, 0, 1, LANES, 0, BN_DOWN,
                                        BK_DOWN)
             t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
-            st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE, tr, trace_on, WAIT_ONE, WAIT_SLEEP)
+            st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE, tr, trace_on)
             if TP > 0:
                 if st == 0:
                     if xw >= 0:
@@ -523,7 +523,7 @@ def monokernel(
                                     TP, USE_ASM, BLOCK_X)
         elif op == _OP_LANE_AGG:   # Laneformer without pre_norm_lane_agg: xf = mean of the lanes' final norms
             t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
-            st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE, tr, trace_on, WAIT_ONE, WAIT_SLEEP)
+            st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE, tr, trace_on)
             if TP > 0:
                 if st == 0:
                     st = flag_is_set(stop_ptr, USE_ASM, NT).to(tl.int32)
@@ -552,7 +552,7 @@ def monokernel(
             prefetch_rows(wu, r0, nr, D, FMT_MLP, USE_ASM)
             if MM_MLP:   # on the tensor cores (mma8.py; its loads follow the wait, the rows are in L2 by then)
                 t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
-                st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE, tr, trace_on, WAIT_ONE, WAIT_SLEEP)
+                st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE, tr, trace_on)
                 if st == 0:
                     mma8_glu_task(_wq(FMT_MLP, wa_ptr, qw32_ptr, woff),
                                   _wq(FMT_MLP, wa_ptr, qw32_ptr, woff + I_DENSE * D), qf32_ptr + f_off,
@@ -564,7 +564,7 @@ def monokernel(
                 g0, gs0 = tile(wg, sg_, D, r0, r_end, 0, 1, FMT_MLP, BN_GU, BLOCK_K)
                 u0, us0 = tile(wu, su_, D, r0, r_end, 0, 1, FMT_MLP, BN_GU, BLOCK_K)
                 t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
-                st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE, tr, trace_on, WAIT_ONE, WAIT_SLEEP)
+                st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE, tr, trace_on)
                 if st == 0:
                     stream_glu(wg, wu, sg_, su_, qf32_ptr + f_off, qf32_ptr + f_off + I_DENSE, g0, u0, gs0, us0, D,
                                r0, r_end, lx, wa_ptr + tl.multiple_of(tl.load(lrow + P.LF_MLP_NORM), 64) + lnw, eps,
@@ -580,7 +580,7 @@ def monokernel(
             else:
                 w0, s0 = tile(w, sq, I_DENSE, r0, r_end, 0, 1, FMT_MLP, BN_DOWN, BLOCK_K)
             t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
-            st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE, tr, trace_on, WAIT_ONE, WAIT_SLEEP)
+            st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE, tr, trace_on)
             if TP > 0:
                 if st == 0:
                     st = flag_is_set(stop_ptr, USE_ASM, NT).to(tl.int32)
@@ -602,7 +602,7 @@ def monokernel(
             w = wa_ptr + tl.multiple_of(woff, 64)
             w0, s0 = tile(w, qf32_ptr, D, r0, r_end, 0, 1, 0, BN_ROUTER, BLOCK_K)
             t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
-            st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE, tr, trace_on, WAIT_ONE, WAIT_SLEEP)
+            st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE, tr, trace_on)
             if st == 0:
                 stream_gemv(w, qf32_ptr, qf32_ptr, w0, s0, D, r0, r_end, x_ptr,
                             wa_ptr + tl.multiple_of(tl.load(lrow + P.LF_MLP_NORM), 64), eps,
@@ -621,7 +621,7 @@ def monokernel(
             g0, gs0 = tile(wg, sg_, D, r0, r_end, 0, 1, FMT_EXP, BN_SUP, BLOCK_K)
             u0, us0 = tile(wu, su_, D, r0, r_end, 0, 1, FMT_EXP, BN_SUP, BLOCK_K)
             t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
-            st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE, tr, trace_on, WAIT_ONE, WAIT_SLEEP)
+            st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE, tr, trace_on)
             if st == 0:
                 nw = wa_ptr + tl.multiple_of(tl.load(lrow + P.LF_MLP_NORM), 64)
                 stream_glu(wg, wu, sg_, su_, qf32_ptr + f_off, qf32_ptr + f_off + I_SH, g0, u0, gs0, us0, D, r0,
@@ -633,7 +633,7 @@ def monokernel(
                         tl.store(sg_ptr, tl.sigmoid(s))
         elif op == _OP_EXP_UP:
             t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
-            st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE, tr, trace_on, WAIT_ONE, WAIT_SLEEP)
+            st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE, tr, trace_on)
             if st == 0:
                 # every expert task recomputes the (tiny) top-k from the router logits: no extra phase
                 ids, wts = route(rlog_ptr + layer * E, wa_ptr + tl.load(lrow + P.LF_SCORE_B), route_scale, E, TOPK,
@@ -685,7 +685,7 @@ def monokernel(
                                BLOCK_K, XB, NS)
         elif op == _OP_EXP_DOWN:
             t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
-            st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE, tr, trace_on, WAIT_ONE, WAIT_SLEEP)
+            st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE, tr, trace_on)
             if TP > 0:
                 if st == 0:
                     st = flag_is_set(stop_ptr, USE_ASM, NT).to(tl.int32)
@@ -728,7 +728,7 @@ def monokernel(
             prefetch_rows(w, r0, nr, D, 0, USE_ASM)
             w0, s0 = tile(w, qf32_ptr, D, r0, r_end, 0, 1, 0, BN_LM, BLOCK_K)
             t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
-            st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE, tr, trace_on, WAIT_ONE, WAIT_SLEEP)
+            st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE, tr, trace_on)
             if TP > 0:
                 if st == 0:
                     st = flag_is_set(stop_ptr, USE_ASM, NT).to(tl.int32)
@@ -764,7 +764,7 @@ def monokernel(
                 pvs = symf_ptr + sym_pv_off
                 pis = symi_ptr + sym_pv_off + TP * n_lm
             else:
-                st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE, tr, trace_on, WAIT_ONE, WAIT_SLEEP)
+                st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE, tr, trace_on)
             if st == 0:
                 if step < n_forced:   # in-kernel prefill: the next input is the prompt's next token
                     tok = tl.load(forced_ptr + step + 1)
@@ -792,7 +792,7 @@ def monokernel(
                     embed_row(wa_ptr + embed_off, tl.maximum(tok, 0), x_ptr + lane * D, D, BLOCK_X)
         elif SFILTER and op == _OP_SAMPLE_TILE:
             t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
-            st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE, tr, trace_on, WAIT_ONE, WAIT_SLEEP)
+            st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE, tr, trace_on)
             if (st == 0) & (step >= n_forced):   # noise keyed by (seed, generated index): sampling.py's Philox
                 sample_tile_task(aux, 0, slg_ptr, vocab, sparams_ptr, srng_ptr, spf_ptr, spi_ptr, scand_ptr,
                                  sgf_ptr, sgi_ptr, n_stiles, 1, step - n_forced, True, K_CAND, 1, SBLOCK_V)
@@ -813,7 +813,7 @@ def monokernel(
                         _tp_reduce(symf_ptr + aux * (TP * D), x_ptr, r0, r_end, D, TP, BLOCK_X)
         else:  # MODE 1 (sync only), or an unknown opcode: claim, wait, signal
             t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
-            st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE, tr, trace_on, WAIT_ONE, WAIT_SLEEP)
+            st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE, tr, trace_on)
         if st == 0:
             signal(cnt_ptr + sig, 1, USE_ASM)
         if MODE == 3:

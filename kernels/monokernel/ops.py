@@ -168,7 +168,7 @@ def attention_task(g, sp, n_splits, pos, lo, hi, qkv_ptr, k_cache, v_cache, cos_
                    ROPE_PAIR: tl.constexpr, QK_NORM: tl.constexpr, HAS_CLIP: tl.constexpr, HAS_SINKS: tl.constexpr,
                    BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_T: tl.constexpr, BLOCK_X: tl.constexpr, BLOCK_QG: tl.constexpr, NT: tl.constexpr,
-                   STAMP: tl.constexpr = False):
+                   STAMP: tl.constexpr = False, PREC: tl.constexpr = "ieee"):
     """One kv head `g`, split `sp` of `n_splits`: its REP query heads against cached keys [lo, hi), this split's
     share of the visible window (kv_split_range, computed once by the caller);
     split 0 also takes the current token (and appends its k, v to the cache at
@@ -177,7 +177,11 @@ def attention_task(g, sp, n_splits, pos, lo, hi, qkv_ptr, k_cache, v_cache, cos_
     them into split 0's row of ao, so the o_proj reads a plain vector. k_cache / v_cache: this layer's and head's
     [T_max, DH] rows. Every BLOCK_* that is a tl.dot dimension (R, H, C, D, T) is >= 16 (runtime pads them;
     masks keep the padding out). STAMP (trace mode): clock64 into tr[7] when the K/V loop starts, so the trace can
-    split the task's work into what comes before the loop and the loop + combine (trace.py, `pre us`)."""
+    split the task's work into what comes before the loop and the loop + combine (trace.py, `pre us`).
+    PREC: the tl.dot precision of the scores and p.V: "ieee" (fp32 FMAs), "tf32x3" (tensor cores, three tf32
+    products per fp32 one: ~fp32 accuracy; K / V, stored in bf16 / fp16 / fp32, lose nothing to their split) or
+    "tf32" (one product: 10-bit operands, for timing only). On an H100 an ieee block of 16 positions costs ~10,000
+    cycles (benchmarks/attention_task_micro.py), the whole task's math ~2 us of issue."""
     REP: tl.constexpr = HQ // HKV
     offs_r = tl.arange(0, BLOCK_R)
     r_mask = offs_r < REP
@@ -234,16 +238,16 @@ def attention_task(g, sp, n_splits, pos, lo, hi, qkv_ptr, k_cache, v_cache, cos_
         na, nb, nc, nv = _kv_block(k_cache, v_cache, t0 + BLOCK_T, hi, ia, ib, ic, h_mask, c_mask, offs_d, d_mask,
                                    DH, ROT, BLOCK_T)
         t_mask = t0 + tl.arange(0, BLOCK_T) < hi
-        s = (tl.dot(qa, tl.trans(ta.to(tl.float32)), input_precision="ieee")
-             + tl.dot(qb, tl.trans(tb.to(tl.float32)), input_precision="ieee"))              # [R, T]
+        s = (tl.dot(qa, tl.trans(ta.to(tl.float32)), input_precision=PREC)
+             + tl.dot(qb, tl.trans(tb.to(tl.float32)), input_precision=PREC))                # [R, T]
         if ROT < DH:   # the heads' unrotated columns
-            s += tl.dot(qc, tl.trans(tc.to(tl.float32)), input_precision="ieee")
+            s += tl.dot(qc, tl.trans(tc.to(tl.float32)), input_precision=PREC)
         s = tl.where(t_mask[None, :], s * sm_scale, -1e30)
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[:, None]) * t_mask[None, :].to(tl.float32)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p, vt.to(tl.float32), input_precision="ieee")
+        acc = acc * alpha[:, None] + tl.dot(p, vt.to(tl.float32), input_precision=PREC)
         m_i = m_new
         ta, tb, tc, vt = na, nb, nc, nv
     tl.store(am_ptr + sp * HQ + heads, m_i, mask=r_mask)

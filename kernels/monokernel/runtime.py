@@ -172,13 +172,11 @@ class MonokernelBackend:
                          and (self.mma8 if d.FMT_EXP == 1 else (d.FMT_EXP == 0 and self.mma16 > 0))
                          and os.environ.get("KIE_MONO_FP8_MMA_DOWN", "1") == "1")
         self.mma_any = self.mma8 or self.mma16 > 0
-        # How a waiting program polls (kccl.sync.wait): KIE_WAIT_ONE=1 only thread 0 (one poll per program
-        # instead of one per warp), KIE_WAIT_SLEEP_NS=N a nanosleep between polls. The interpreter never polls.
-        self.wait_one = os.environ.get("KIE_WAIT_ONE", "0") == "1"
-        sleep = os.environ.get("KIE_WAIT_SLEEP_NS", "0")
-        if not sleep.isdigit() or int(sleep) > 1_000_000:
-            raise ValueError(f"KIE_WAIT_SLEEP_NS={sleep!r}: expected nanoseconds between polls, 0..1000000")
-        self.wait_sleep = int(sleep)
+        # attention's score and p.V dots (ops.attention_task PREC): "ieee" fp32 FMAs, "tf32x3" tensor cores at
+        # ~fp32 accuracy, "tf32" one tf32 product (timing only)
+        self.attn_prec = os.environ.get("KIE_ATTN_DOT", "ieee")
+        if self.attn_prec not in ("ieee", "tf32x3", "tf32"):
+            raise ValueError(f"KIE_ATTN_DOT={self.attn_prec!r}: expected ieee, tf32x3 or tf32")
         k_max = max(d.D, d.HQ * d.DH, d.I_DENSE, d.TOPK * d.I_MOE + d.I_SH)
         self.mscr_words = scratch_words(k_max, self.num_warps, self.mma16 > 0) if self.mma_any else 4
         self.mscr = z(self.grid * self.mscr_words)
@@ -456,7 +454,7 @@ class MonokernelBackend:
             BLOCK_QG=_pow2(max(d.HQ // max(d.HKV, 1) * d.DH, 1)),
             XB=t.xb, NS=t.ns, USE_ASM=not self.interpret, NT=32 * self.num_warps, TP=d.TP, E_LO=d.E_LO,
             E_LOC=d.E_LOC, MMA8=self.mma8, MMA16=self.mma16, MMA_DN=self.mma_down,
-            MSCR=self.mscr_words, WAIT_ONE=self.wait_one, WAIT_SLEEP=self.wait_sleep)
+            MSCR=self.mscr_words, ATTN_PREC=self.attn_prec)
         if sampler is not None:
             meta.update(SFILTER=True, K_CAND=sampler.k_cand, SBLOCK_V=sampler.block_v, SBLOCK_T=sampler.block_t,
                         SBLOCK_C=sampler.block_c)

@@ -45,15 +45,13 @@ for arg in sys.argv[1:]:
         assert be.mma8 and be.plan.dims.FMT_EXP == 1 and "cvt.rn.f16x2.e4m3x2" in ptx, path
         # 8 per 1-block rows_dot (q|k|v, o_proj, the experts' down), 16 per GLU
         assert ptx.count("mma.sync.aligned.m16n8k16") >= 40, path
-        # KIE_WAIT_ONE / KIE_WAIT_SLEEP_NS reach every wait: thread 0's predicated acquire, a sleep per poll
-        assert "nanosleep" not in ptx and "@%p ld.global.acquire.gpu" not in ptx, path
-        os.environ.update(KIE_WAIT_ONE="1", KIE_WAIT_SLEEP_NS="64")
-        ptx_w = compile_offline(MonokernelBackend(m, "cpu", offline=True, wdtype=torch.bfloat16, block_k=512,
+        # KIE_ATTN_DOT=tf32x3: attention's dots on the tensor cores (m16n8k8 tf32 mma), none in the default build
+        assert ".tf32" not in ptx, path
+        os.environ["KIE_ATTN_DOT"] = "tf32x3"
+        ptx_t = compile_offline(MonokernelBackend(m, "cpu", offline=True, wdtype=torch.bfloat16, block_k=512,
                                                   block_t=32, n_sms=132, quantized=q.get)).asm["ptx"]
-        for k in ("KIE_WAIT_ONE", "KIE_WAIT_SLEEP_NS"):
-            os.environ.pop(k)
-        assert "@%p ld.global.acquire.gpu" in ptx_w and "nanosleep.u32" in ptx_w, path
-        assert ptx_w.count("nanosleep.u32") >= 10, path   # (qwen2_moe fp8: one per task kind's wait)
+        os.environ.pop("KIE_ATTN_DOT")
+        assert "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32" in ptx_t, path
     print("ok", arg, len(ptx))
 """
 

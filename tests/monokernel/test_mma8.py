@@ -264,25 +264,3 @@ def test_mma8_down_task_matches_torch(D, I, ISH, TOPK, rpt, nw, bias, gate, fmt)
                           min(1024, triton.next_power_of_2(TOPK * I + ISH)), W16[fmt], num_warps=nw)
     assert_close(xd, want, REL[fmt], what=f"mma8 down {fmt} D {D} I {I}+{ISH} top-{TOPK} rows/task {rpt} warps {nw}")
 
-
-def test_wait_flags_reach_the_kernel_and_bad_values_name_the_variable(tiny_model, monkeypatch):
-    """KIE_WAIT_ONE / KIE_WAIT_SLEEP_NS (kccl.sync.wait's ONE / SLEEP_NS) become the launch's constexprs; a value
-    that is not a sleep in nanoseconds is refused with the variable's name. (Their PTX: test_compile_sm90.py.)"""
-    from kie_moe.kernels.monokernel.runtime import MonokernelBackend
-    m = tiny_model("llama")
-    monkeypatch.setenv("KIE_WAIT_ONE", "1")
-    monkeypatch.setenv("KIE_WAIT_SLEEP_NS", "128")
-    be = MonokernelBackend(m, DEV, num_stages=2)
-    be._ensure_kv(8)
-    _, meta = be.kernel_args(be.tasks(1), 2, 4, 1, 1)
-    assert meta["WAIT_ONE"] is True and meta["WAIT_SLEEP"] == 128
-    for bad in ("-5", "1e3", "2000000"):
-        monkeypatch.setenv("KIE_WAIT_SLEEP_NS", bad)
-        with pytest.raises(ValueError, match="KIE_WAIT_SLEEP_NS"):
-            MonokernelBackend(m, DEV, num_stages=2)
-    monkeypatch.delenv("KIE_WAIT_ONE")
-    monkeypatch.delenv("KIE_WAIT_SLEEP_NS")
-    off = MonokernelBackend(m, DEV, num_stages=2)
-    off._ensure_kv(8)
-    _, meta = off.kernel_args(off.tasks(1), 2, 4, 1, 1)
-    assert meta["WAIT_ONE"] is False and meta["WAIT_SLEEP"] == 0

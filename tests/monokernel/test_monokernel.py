@@ -122,6 +122,24 @@ def test_attention_split_size_from_the_environment(tiny_model, monkeypatch):
             MonokernelBackend(m, "cpu")
 
 
+@pytest.mark.parametrize("case", ["qwen3_moe_norm", "gpt_oss"])
+def test_attention_dots_on_the_tensor_cores(case, tiny_model, monkeypatch):
+    """KIE_ATTN_DOT=tf32x3 (attention's score and p.V dots as three tf32 products each: ~fp32 accuracy) gives the
+    reference's tokens and logits within the exact path's bound (per-head q/k norms; sinks and a window); a value
+    that is not a precision is refused with the variable's name."""
+    m = tiny_model(case)
+    monkeypatch.setenv("KIE_ATTN_DOT", "tf32x3")
+    be = MonokernelBackend(m, "cpu", max_splits=4)
+    be.n_splits_override = 2
+    _, meta = (be._ensure_kv(8), be.kernel_args(be.tasks(2), 2, 4, 2, 1))[1]
+    assert meta["ATTN_PREC"] == "tf32x3"
+    got = list(be.generate(PROMPT, SamplingParams(max_new_tokens=5, ignore_eos=True), set()))
+    check_against_reference(be, m, PROMPT, got)
+    monkeypatch.setenv("KIE_ATTN_DOT", "fp16")
+    with pytest.raises(ValueError, match="KIE_ATTN_DOT"):
+        MonokernelBackend(m, "cpu")
+
+
 def test_attention_combine_over_several_round_trips(tiny_model):
     """More non-empty splits than ops.head_combine takes per round trip (SC = 4 * threads // pow2(REP * Dh); one
     warp makes SC small enough for a context of 13..17): the last split of each kv head combines them all."""
