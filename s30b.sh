@@ -4,7 +4,7 @@
 # splits, the GPU whole-step tests with it, llama-3.2-1b bf16 with / without it.
 R=/tmp/s30b; mkdir -p $R; T0=$(date +%s)
 pk() { tar czf $OUT/s30b.tgz -C /tmp s30b; echo "[t=$(( $(date +%s) - T0 ))s] packed"; }
-left() { echo $(( 320 - ($(date +%s) - T0) )); }
+left() { echo $(( 290 - ($(date +%s) - T0) )); }
 scripts/gpu-check $R env >/dev/null 2>&1; tail -1 $R/env.log | cut -c1-120; export PYTHONPATH=/tmp/site
 timeout 90 python3 benchmarks/attention_task_micro.py --out $R/attn-micro.json >$R/attn-micro.log 2>&1; echo "micro rc=$?"
 grep -o '"pos": [0-9]*\|"others": "[a-z+]*"\|"prec": "[a-z0-9]*"\|"n_splits": [0-9]*\|"block_t": [0-9]*\|"num_warps": [0-9]*\|"us_per_task": [0-9.]*\|error' $R/attn-micro.log | tr '\n' ' ' | sed 's/"pos"/\n"pos"/g'; echo; pk
