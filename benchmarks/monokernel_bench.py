@@ -80,7 +80,7 @@ def bench_one(arch: str, probe: float, *, new_tokens: int, prompt_len: int, reps
             torch.cuda.synchronize()
             mk.check_error()
             # the timed launches' task table (their context picks the attention split count: qwen3 at 32 + 128
-            # tokens needs 2 splits, the 4-token warm-up 1): built on the host once per split count, ~0.2 s, which
+            # tokens needs 10 splits, the 4-token warm-up 2): built on the host once per split count, ~0.2 s, which
             # otherwise fell into the first timed run (session 7: qwen3's first of 3 runs 25-35% slower)
             mk.tasks(mk.pick_splits(prompt_len + new_tokens))
             warm = time.perf_counter() - t0

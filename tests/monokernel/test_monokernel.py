@@ -102,7 +102,7 @@ def test_attention_split_over_sequence(case, splits, tiny_model):
 
 
 def test_attention_split_size_from_the_environment(tiny_model, monkeypatch):
-    """KIE_ATTN_SPLIT_KB sets the K+V bytes per attention split (pick_splits: 32 KB by default), so a short
+    """KIE_ATTN_SPLIT_KB sets the K+V bytes per attention split (pick_splits: 8 KB by default), so a short
     context runs as more, shorter tasks; the launch gives the reference's tokens with the splits it picked. A value
     that is not a positive number of KB is refused with the variable's name."""
     m = tiny_model("qwen3_moe_norm")
