@@ -181,7 +181,7 @@ def attention_task(g, sp, n_splits, pos, lo, hi, qkv_ptr, k_cache, v_cache, cos_
     PREC: the tl.dot precision of the scores and p.V: "ieee" (fp32 FMAs), "tf32x3" (tensor cores, three tf32
     products per fp32 one: ~fp32 accuracy; K / V, stored in bf16 / fp16 / fp32, lose nothing to their split) or
     "tf32" (one product: 10-bit operands, for timing only). On an H100 an ieee block of 16 positions costs ~10,000
-    cycles (benchmarks/attention_task_micro.py), the whole task's math ~2 us of issue."""
+    cycles for its ~490 instructions (benchmarks/attention_task_micro.py; the FMA dots' dependent chains)."""
     REP: tl.constexpr = HQ // HKV
     offs_r = tl.arange(0, BLOCK_R)
     r_mask = offs_r < REP

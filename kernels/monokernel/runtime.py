@@ -117,7 +117,9 @@ class MonokernelBackend:
         self.grid = 1 if self.interpret else self.plan.n_sms
         groups = len(self.plan.op_rows["mla_attn"]) if d.MLA else d.HKV   # attention tasks per split
         self.max_splits = max_splits or max(1, self.plan.n_sms // groups)
-        split_kb = os.environ.get("KIE_ATTN_SPLIT_KB", "8")
+        # K+V bytes per attention split (pick_splits): 8 KB for GQA tasks, measured; MLA's tasks (mla.py, another
+        # loop) keep the 32 KB they were tuned at
+        split_kb = os.environ.get("KIE_ATTN_SPLIT_KB", "32" if d.MLA else "8")
         if not split_kb.isdigit() or int(split_kb) < 1:
             raise ValueError(f"KIE_ATTN_SPLIT_KB={split_kb!r}: expected a positive number of KB of K+V per split")
         self.split_kb = int(split_kb)
@@ -253,8 +255,8 @@ class MonokernelBackend:
         return self._sampler
 
     def pick_splits(self, n_ctx: int) -> int:
-        """Attention splits for a context: ~8 KB of K+V per split task (KIE_ATTN_SPLIT_KB; 32 until session 30), at
-        most one wave of programs. A task's K/V blocks run one after another (~5 us per block of 16 positions on
+        """Attention splits for a context: ~8 KB of K+V per split task (KIE_ATTN_SPLIT_KB; 32 until session 30 and
+        still for MLA), at most one wave of programs. A task's K/V blocks run one after another (~5 us per block of 16 positions on
         an H100 with fp32 dots: benchmarks/attention_task_micro.py), and the other programs idle during attention,
         so more, shorter tasks shorten the phase: qwen3-30b-a3b fp8 (KIE_MONO_FP8_MMA=1) at 160 positions, 10
         splits instead of 2, 179.8 -> 194.0 tok/s. Past ~2,100 positions (qwen3) both sizes hit max_splits."""

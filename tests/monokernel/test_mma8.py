@@ -263,4 +263,3 @@ def test_mma8_down_task_matches_torch(D, I, ISH, TOPK, rpt, nw, bias, gate, fmt)
     _down_tasks[(tasks,)](*dev, xd, scr, ed_w, sd_w, ed_f, sd_f, rpt, D, I, ISH, TOPK, scr_words, bias, gate, nw,
                           min(1024, triton.next_power_of_2(TOPK * I + ISH)), W16[fmt], num_warps=nw)
     assert_close(xd, want, REL[fmt], what=f"mma8 down {fmt} D {D} I {I}+{ISH} top-{TOPK} rows/task {rpt} warps {nw}")
-

@@ -104,7 +104,8 @@ def test_attention_split_over_sequence(case, splits, tiny_model):
 def test_attention_split_size_from_the_environment(tiny_model, monkeypatch):
     """KIE_ATTN_SPLIT_KB sets the K+V bytes per attention split (pick_splits: 8 KB by default), so a short
     context runs as more, shorter tasks; the launch gives the reference's tokens with the splits it picked. A value
-    that is not a positive number of KB is refused with the variable's name."""
+    that is not a positive number of KB is refused with the variable's name; without it GQA splits carry 8 KB, MLA's
+    32 KB."""
     m = tiny_model("qwen3_moe_norm")
     monkeypatch.setenv("KIE_ATTN_SPLIT_KB", "1")
     be = MonokernelBackend(m, "cpu", max_splits=8)   # (the interpreter's plan has one program: max_splits 1)
@@ -120,6 +121,9 @@ def test_attention_split_size_from_the_environment(tiny_model, monkeypatch):
         monkeypatch.setenv("KIE_ATTN_SPLIT_KB", bad)
         with pytest.raises(ValueError, match="KIE_ATTN_SPLIT_KB"):
             MonokernelBackend(m, "cpu")
+    monkeypatch.delenv("KIE_ATTN_SPLIT_KB")   # defaults: 8 KB for GQA tasks, MLA's keep 32
+    assert MonokernelBackend(m, "cpu").split_kb == 8
+    assert MonokernelBackend(tiny_model("deepseek_v3"), "cpu").split_kb == 32
 
 
 @pytest.mark.parametrize("case", ["qwen3_moe_norm", "gpt_oss"])
