@@ -255,11 +255,12 @@ class MonokernelBackend:
         return self._sampler
 
     def pick_splits(self, n_ctx: int) -> int:
-        """Attention splits for a context: ~8 KB of K+V per split task (KIE_ATTN_SPLIT_KB; 32 until session 30 and
-        still for MLA), at most one wave of programs. A task's K/V blocks run one after another (~5 us per block of 16 positions on
-        an H100 with fp32 dots: benchmarks/attention_task_micro.py), and the other programs idle during attention,
-        so more, shorter tasks shorten the phase: qwen3-30b-a3b fp8 (KIE_MONO_FP8_MMA=1) at 160 positions, 10
-        splits instead of 2, 179.8 -> 194.0 tok/s. Past ~2,100 positions (qwen3) both sizes hit max_splits."""
+        """Attention splits for a context: ~8 KB of K+V per split task (KIE_ATTN_SPLIT_KB; 32 until session 30
+        and still for MLA), at most one wave of programs. A task's K/V blocks run one after another (~5 us per
+        block of 16 positions on an H100 with fp32 dots: benchmarks/attention_task_micro.py), and the other
+        programs idle during attention, so more, shorter tasks shorten the phase: qwen3-30b-a3b fp8
+        (KIE_MONO_FP8_MMA=1) at 160 positions, 10 splits instead of 2, 179.8 -> 194.0 tok/s. Past ~2,100 positions
+        (qwen3) both sizes hit max_splits."""
         if self.n_splits_override is not None:
             return self.n_splits_override
         d = self.dims
