@@ -291,7 +291,7 @@ def head_combine(ao_ptr, am_ptr, al_ptr, sink_ptr, n_splits, g, HQ: tl.constexpr
         m = m_new
     if HAS_SINKS:
         den += tl.exp(tl.load(sink_ptr + h, mask=c_mask, other=0.0).to(tl.float32) - m)
-    tl.store(ao_ptr + col, num / den, mask=c_mask)
+    tl.store(ao_ptr + col, num / tl.where(c_mask, den, 1.0), mask=c_mask)   # (padding lanes: 0 / 0 otherwise)
 
 
 # ---- LM head and sampling --------------------------------------------------------------------------------------------
