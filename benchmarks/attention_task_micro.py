@@ -69,10 +69,6 @@ def _attn_micro(qkv, kv, cos, sin, qn, kn, ao, am, al, acnt, ctr, stop, span, wb
             wait(ctr, n_attn * (r + 1), stop, 10_000_000_000, True, False, NT)
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
 def run_case(pos: int, others: int, prec: str = "ieee", n_splits: int = 1, reps: int = 200, block_t: int = 16,
              num_warps: int = 8, sm: int | None = None, shape=QWEN3) -> dict:
     dev = "cuda"
@@ -97,8 +93,9 @@ def run_case(pos: int, others: int, prec: str = "ieee", n_splits: int = 1, reps:
     wstride = 8 << 20
     n_pf_reps = reps if others == 2 else 1
     wbuf = torch.empty(n_pf_reps * wstride + (1 << 20), dtype=torch.uint8, device=dev)
-    meta = dict(HQ=HQ, HKV=HKV, DH=DH, BLOCK_R=max(16, _pow2(HQ // HKV)), BLOCK_H=max(16, DH // 2),
-                BLOCK_D=max(16, _pow2(DH)), BLOCK_T=block_t, BLOCK_QG=_pow2(HQ // HKV * DH), NT=32 * num_warps,
+    p2 = triton.next_power_of_2      # the monokernel's attention block sizes (runtime.kernel_args)
+    meta = dict(HQ=HQ, HKV=HKV, DH=DH, BLOCK_R=max(16, p2(HQ // HKV)), BLOCK_H=max(16, DH // 2),
+                BLOCK_D=max(16, p2(DH)), BLOCK_T=block_t, BLOCK_QG=p2(HQ // HKV * DH), NT=32 * num_warps,
                 OTHERS=others, PREC=prec)
     args = (qkv, kv, cos, sin, qn, qn, ao, am, al, acnt, ctr, stop, span, wbuf, pos, reps, n_attn, n_splits, tmax,
             wstride, 1e-6, 1.0 / math.sqrt(DH))

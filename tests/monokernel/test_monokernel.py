@@ -135,7 +135,8 @@ def test_attention_dots_on_the_tensor_cores(case, tiny_model, monkeypatch):
     monkeypatch.setenv("KIE_ATTN_DOT", "tf32x3")
     be = MonokernelBackend(m, "cpu", max_splits=4)
     be.n_splits_override = 2
-    _, meta = (be._ensure_kv(8), be.kernel_args(be.tasks(2), 2, 4, 2, 1))[1]
+    be._ensure_kv(8)
+    _, meta = be.kernel_args(be.tasks(2), 2, 4, 2, 1)
     assert meta["ATTN_PREC"] == "tf32x3"
     got = list(be.generate(PROMPT, SamplingParams(max_new_tokens=5, ignore_eos=True), set()))
     check_against_reference(be, m, PROMPT, got)
