@@ -62,6 +62,7 @@ _OP_EXP_UP = tl.constexpr(P.OP_EXP_UP)
 _OP_SH_UP = tl.constexpr(P.OP_SH_UP)
 _OP_EXP_DOWN = tl.constexpr(P.OP_EXP_DOWN)
 _OP_LM = tl.constexpr(P.OP_LM)
+TRACE_W = tl.constexpr(P.TRACE_W)
 _OP_SAMPLE = tl.constexpr(P.OP_SAMPLE)
 _OP_LANE_O = tl.constexpr(P.OP_LANE_O)
 _OP_LANE_DOWN = tl.constexpr(P.OP_LANE_DOWN)
@@ -344,7 +345,7 @@ def monokernel(
             xctr += xc
         if MODE == 1:
             op = tl.where(op == _OP_SAMPLE, op, 0)
-        tr = trace_ptr + t.to(tl.int64) * 8
+        tr = trace_ptr + t.to(tl.int64) * TRACE_W
         trace_on = (MODE == 3) & (t < trace_cap)
         if MODE == 3:
             _stamp(tr, 0, trace_on)
@@ -378,7 +379,7 @@ def monokernel(
                               wa_ptr + tl.multiple_of(tl.load(lrow + P.LF_ATTN_NORM), 64) + lnw, eps,
                               wa_ptr + tl.multiple_of(tl.load(lrow + P.LF_QKV_B), 64), qkv_ptr, qkv_ptr,
                               mscr_ptr + pid * MSCR, True, HAS_QKV_BIAS, False, NT // 32, BLOCK_X, FMT_ATTN == 1,
-                              W_ATTN)
+                              W_ATTN, tr, trace_on, MODE == 3)
             elif st == 0:
                 stream_gemv(w, sq, qf32_ptr + tl.load(lrow + P.LF_QKV_F), w0, s0, D, r0, r_end, lx,
                             wa_ptr + tl.multiple_of(tl.load(lrow + P.LF_ATTN_NORM), 64) + lnw, eps,
@@ -414,7 +415,7 @@ def monokernel(
                     mma8_task(first, wq, qf32_ptr + tl.load(lrow + P.LF_O_F), O_K, r0, r_end, ao_ptr, ao_ptr, eps,
                               wa_ptr + tl.multiple_of(tl.load(lrow + P.LF_O_B), 64), x_ptr, x_ptr,
                               mscr_ptr + pid * MSCR, False, HAS_O_BIAS, True, NT // 32, BLOCK_X, FMT_ATTN == 1,
-                              W_ATTN)
+                              W_ATTN, tr, trace_on, MODE == 3)
             else:
                 if TP > 0:   # a launch that is ending puts nothing (peers may already be zeroing for the next one)
                     if st == 0:
@@ -559,7 +560,7 @@ def monokernel(
                                   qf32_ptr + f_off + I_DENSE, D, r0, r_end, lx,
                                   wa_ptr + tl.multiple_of(tl.load(lrow + P.LF_MLP_NORM), 64) + lnw, eps, wa_ptr,
                                   wa_ptr, h_ptr, glu_limit, glu_alpha, mscr_ptr + pid * MSCR, False, 0, NT // 32,
-                                  BLOCK_X, FMT_MLP == 1, W_MLP)
+                                  BLOCK_X, FMT_MLP == 1, W_MLP, tr, trace_on, MODE == 3)
             else:
                 g0, gs0 = tile(wg, sg_, D, r0, r_end, 0, 1, FMT_MLP, BN_GU, BLOCK_K)
                 u0, us0 = tile(wu, su_, D, r0, r_end, 0, 1, FMT_MLP, BN_GU, BLOCK_K)
@@ -591,7 +592,7 @@ def monokernel(
                 if st == 0:
                     mma8_task(first, wq, qf32_ptr + tl.load(lrow + P.LF_DOWN_F), I_DENSE, r0, r_end, h_ptr, h_ptr,
                               eps, wa_ptr, x_ptr, x_ptr, mscr_ptr + pid * MSCR, False, False, True, NT // 32, BLOCK_X,
-                              FMT_MLP == 1, W_MLP)
+                              FMT_MLP == 1, W_MLP, tr, trace_on, MODE == 3)
             elif st == 0:
                 stream_gemv(w, sq, qf32_ptr + tl.load(lrow + P.LF_DOWN_F), w0, s0, I_DENSE, r0, r_end, h_ptr, h_ptr,
                             eps, wa_ptr, yd, yd, 0, pv_ptr, pi_ptr, 0, 1.0, 0, 0, False, False, TP == 0, False,
@@ -638,6 +639,9 @@ def monokernel(
                 # every expert task recomputes the (tiny) top-k from the router logits: no extra phase
                 ids, wts = route(rlog_ptr + layer * E, wa_ptr + tl.load(lrow + P.LF_SCORE_B), route_scale, E, TOPK,
                                  SCORING, NORM_TOPK, HAS_SBIAS, BLOCK_E, BLOCK_TOPK, NG, TG, GSCORE, BLOCK_G)
+                if MODE == 3:   # the trace's `mid` event: the top-k is done
+                    if trace_on:
+                        tl.store(tr + 8, clock64() + tl.sum(ids, axis=0) * 0)
                 offs_j = tl.arange(0, BLOCK_TOPK)
                 if (aux == 0) & (r0 == 0):  # publish ids / weights for expert_down (and the host)
                     tl.store(rids_ptr + layer * TOPK + offs_j, ids, mask=offs_j < TOPK)
@@ -672,7 +676,7 @@ def monokernel(
                                   wa_ptr + tl.load(lrow + P.LF_EGATE_B) + e * I_MOE,
                                   wa_ptr + tl.load(lrow + P.LF_EUP_B) + e * I_MOE, h_ptr + aux * I_MOE, glu_limit,
                                   glu_alpha, mscr_ptr + pid * MSCR, HAS_EBIAS, EXP_ACT, NT // 32, BLOCK_X,
-                                  FMT_EXP == 1, W_EXP)
+                                  FMT_EXP == 1, W_EXP, tr, trace_on, MODE == 3)
                 else:
                     g0, gs0 = tile(wg, sg_, D, r0, re_, 0, 1, FMT_EXP, BN_EUP, BLOCK_K)
                     u0, us0 = tile(wu, su_, D, r0, re_, 0, 1, FMT_EXP, BN_EUP, BLOCK_K)
@@ -709,7 +713,8 @@ def monokernel(
                                    tl.load(lrow + P.LF_EDOWN_F), tl.load(lrow + P.LF_SDOWN_F),
                                    wa_ptr + tl.load(lrow + P.LF_EDOWN_B), r0, r_end, h_ptr, rids_ptr + layer * TOPK,
                                    rwts_ptr + layer * TOPK, sg_ptr, x_ptr, mscr_ptr + pid * MSCR, D, I_MOE, I_SH,
-                                   TOPK, HAS_EBIAS, HAS_SH_GATE, NT // 32, BLOCK_X, FMT_EXP == 1, W_EXP)
+                                   TOPK, HAS_EBIAS, HAS_SH_GATE, NT // 32, BLOCK_X, FMT_EXP == 1, W_EXP, tr, trace_on,
+                                   MODE == 3)
                 else:
                     stream_expert_down(_wbase(FMT_EXP, wa_ptr, qw8_ptr, qw32_ptr),
                                        _sp(FMT_EXP, qf32_ptr, qs8f_ptr, qs8u_ptr, tl.zeros((), tl.int64)), qf32_ptr,

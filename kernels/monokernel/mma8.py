@@ -30,6 +30,8 @@ import triton.language as tl
 
 from ..fp4_mma import _lane_warp, _mine, _quad_sum
 from ..fp8_mma import fp8_rows_dot, fp8_rows_first
+from kie_moe.kccl.sync import clock64
+
 from .stream import glu
 
 PIECES = tl.constexpr(2)   # 16-byte pieces per row and step: 128 contiguous bytes of a row
@@ -112,6 +114,15 @@ def _store_x(scr_ptr, k, x, m, W16: tl.constexpr):
 
 
 @triton.jit
+def _stamp_loop(tr, trace_on, STAMP: tl.constexpr):
+    """Trace mode (kernel MODE 3): clock64 into the task's trace row field 7 when its weight rows loop starts (after
+    its input is staged), so trace.summarize can split the task's work into `pre` and the stream."""
+    if STAMP:
+        if trace_on:
+            tl.store(tr + 7, clock64())
+
+
+@triton.jit
 def _stage_x(x_ptr, nw_ptr, eps, scr_ptr, K: tl.constexpr, NORM: tl.constexpr, BLOCK_X: tl.constexpr,
              W16: tl.constexpr = 0):
     """x (fp32, written by other programs: .cg) -> the scratch's start (_store_x), times nw and the RMSNorm scale
@@ -184,10 +195,12 @@ def _warp_sums(y0, y1, y2, y3, ks, red, warp, r, q, RB: tl.constexpr, NW: tl.con
 @triton.jit
 def mma8_task(first, wq, f_ptr, K: tl.constexpr, r0, r_end, x_ptr, nw_ptr, eps, b_ptr, y_ptr, res_ptr, scr_ptr,
               NORM: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, NW: tl.constexpr,
-              BLOCK_X: tl.constexpr, HAS_F: tl.constexpr = True, W16: tl.constexpr = 0):
+              BLOCK_X: tl.constexpr, HAS_F: tl.constexpr = True, W16: tl.constexpr = 0, tr=0, trace_on=False,
+              STAMP: tl.constexpr = False):
     """y[r] for r in [r0, r_end) (module docstring), after the task's wait; first = mma8_first(...). y may alias
-    res (each task owns its rows). W16 1 / 2: bf16 / fp16 weights (no row factors: HAS_F False)."""
+    res (each task owns its rows). W16 1 / 2: bf16 / fp16 weights (no row factors: HAS_F False). STAMP: _stamp_loop."""
     _stage_x(x_ptr, nw_ptr, eps, scr_ptr, K, NORM, BLOCK_X, W16)
+    _stamp_loop(tr, trace_on, STAMP)
     lane, warp = _lane_warp(NW)
     r = lane >> 2
     q = lane & 3
@@ -211,11 +224,13 @@ def mma8_task(first, wq, f_ptr, K: tl.constexpr, r0, r_end, x_ptr, nw_ptr, eps, 
 @triton.jit
 def mma8_glu_task(wg, wu, fg_ptr, fu_ptr, K: tl.constexpr, r0, r_end, x_ptr, nw_ptr, eps, bg_ptr, bu_ptr, h_ptr,
                   limit, alpha, scr_ptr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, NW: tl.constexpr,
-                  BLOCK_X: tl.constexpr, HAS_F: tl.constexpr = True, W16: tl.constexpr = 0):
+                  BLOCK_X: tl.constexpr, HAS_F: tl.constexpr = True, W16: tl.constexpr = 0, tr=0, trace_on=False,
+                  STAMP: tl.constexpr = False):
     """h[r] = glu(fg[r] (Wg[r] . x') (+ bg[r]), fu[r] (Wu[r] . x') (+ bu[r])) for r in [r0, r_end), x' = fp16 of the
     RMS-normed x (stream_glu's task on the tensor cores: a routed expert's gate / up rows, known only after the
     wait, so no loads go before it; also the dense MLP's gate / up, W16 as mma8_task's)."""
     _stage_x(x_ptr, nw_ptr, eps, scr_ptr, K, True, BLOCK_X, W16)
+    _stamp_loop(tr, trace_on, STAMP)
     lane, warp = _lane_warp(NW)
     r = lane >> 2
     q = lane & 3
@@ -279,7 +294,8 @@ def _down_seg(g, ed_w, sd_w, ids_ptr, ed_f, sd_f, D: tl.constexpr, I_MOE: tl.con
 def mma8_down_task(wq, ed_w, sd_w, f_ptr, ed_f, sd_f, b_ptr, r0, r_end, h_ptr, ids_ptr, wts_ptr, sg_ptr, x_ptr,
                    scr_ptr, D: tl.constexpr, I_MOE: tl.constexpr, I_SH: tl.constexpr, TOPK: tl.constexpr,
                    HAS_EBIAS: tl.constexpr, HAS_SH_GATE: tl.constexpr, NW: tl.constexpr, BLOCK_X: tl.constexpr,
-                   HAS_F: tl.constexpr = True, W16: tl.constexpr = 0):
+                   HAS_F: tl.constexpr = True, W16: tl.constexpr = 0, tr=0, trace_on=False,
+                   STAMP: tl.constexpr = False):
     """x[r] += sum_j f_j[r] (Wdown[e_j][r] . fp16(w_j h_j)) + w_j bdown[e_j][r] + f_sh[r] (Wsh[r] . fp16(sg h_sh)),
     r in [r0, r_end) (stream_expert_down's task on the tensor cores; wq: the fp8 arena as u32, ed_w / sd_w the
     routed / shared down weights' byte offsets in it, ed_f / sd_f their row factors' in f_ptr). K is cut into
@@ -288,6 +304,7 @@ def mma8_down_task(wq, ed_w, sd_w, f_ptr, ed_f, sd_f, b_ptr, r0, r_end, h_ptr, i
     quad and warp sums (in warp order: the same bits every run). The next segment's first loads are issued before
     the current one's loop. W16 as mma8_task's (bf16 / fp16 experts, no row factors: HAS_F False)."""
     _stage_h(h_ptr, wts_ptr, sg_ptr, scr_ptr, TOPK, I_MOE, I_SH, HAS_SH_GATE, BLOCK_X, W16)
+    _stamp_loop(tr, trace_on, STAMP)
     NSEG: tl.constexpr = TOPK + (I_SH + I_MOE - 1) // I_MOE
     ST: tl.constexpr = (_kw(I_MOE, W16) + 16 * PIECES - 1) // (16 * PIECES)   # 128-byte steps per segment
     lane, warp = _lane_warp(NW)

@@ -48,6 +48,7 @@ OP_NAMES = {OP_QKV: "qkv_proj", OP_ATTN: "attention", OP_O: "o_proj", OP_GATEUP:
 
 OP_LANE_O, OP_LANE_DOWN, OP_LANE_AGG = range(20, 23)   # Laneformer (lanes.py): output projections of every lane + the
 OP_NAMES.update({OP_LANE_O: "lane_o_proj", OP_LANE_DOWN: "lane_down", OP_LANE_AGG: "lane_agg"})  # lane combination
+TRACE_W = 9   # int64 fields per traced task (MonokernelBackend.trace; kernels/monokernel/trace.py names them)
 
 # ---- task table columns ----------------------------------------------------------------------------------------
 F_OP, F_LAYER, F_ROW0, F_NROWS, F_AUX, F_WAIT, F_WCNT, F_WBASE, F_SIG, F_WLO, F_WHI, F_XCTR, F_XWAIT = range(13)

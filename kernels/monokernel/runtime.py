@@ -185,7 +185,7 @@ class MonokernelBackend:
         self.pv, self.pi = z(self.plan.n_lm_tiles), z(self.plan.n_lm_tiles, dt=i32)
         self.counters = z(P.n_counters(self.spec), dt=i32)
         self.cursor = z(1, dt=i32)
-        self.trace = torch.zeros(1, 8, dtype=torch.int64, device=dev)   # launch(trace_tasks=...) grows it
+        self.trace = torch.zeros(1, P.TRACE_W, dtype=torch.int64, device=dev)   # launch(trace_tasks=...) grows it
         self.ctrl = z(N_CTRL + 3 * self.grid, dt=i32)
         self.eos = z(_MAX_EOS, dt=i32)
         self.forced = z(1, dt=i32)                     # prompt ids of an in-kernel prefill
@@ -333,7 +333,7 @@ class MonokernelBackend:
         inputs, no logits, nothing in the ring), then n_steps generated tokens.
         mode 1 / 2: benchmark-only kernel variants (kernel.monokernel's MODE: sync only / no waits).
         trace_tasks > 0 (GPU): decode as usual and time stamp the first trace_tasks tasks in claim order into
-        self.trace (int64 [trace_tasks, 8]; kernels/monokernel/trace.summarize reads it).
+        self.trace (int64 [trace_tasks, P.TRACE_W]; kernels/monokernel/trace.summarize reads it).
         top_k / top_p (with temperature > 0): the LM head stores logits and sampling.py's tile + final tasks draw
         from them (Philox noise keyed by seed and generated index); else the LM tiles' own Gumbel-max / argmax."""
         d, pl = self.dims, self.plan
@@ -342,7 +342,7 @@ class MonokernelBackend:
                 raise InputError("monokernel: tracing reads GPU clocks (not under TRITON_INTERPRET)")
             mode = 3
             if self.trace.shape[0] < trace_tasks:
-                self.trace = torch.zeros(trace_tasks, 8, dtype=torch.int64, device=self.device)
+                self.trace = torch.zeros(trace_tasks, P.TRACE_W, dtype=torch.int64, device=self.device)
             self.trace.zero_()
         if self._done is not None:      # the previous launch may still write the ring we are about to reuse
             self._done.synchronize()

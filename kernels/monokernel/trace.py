@@ -2,12 +2,16 @@
 
 The kernel's MODE 3 stamps every task (claim order t = step * T + row) with the global timer and the SM's clock64 at
 three events: start (before its weight loads), input ready (its dependency wait returned), done (after its signal),
-and attention tasks a fourth in clock64 only, when their K/V loop starts (ops.attention_task):
-trace int64 [N, 8] = gt_start, gt_ready, gt_done, clk_start, clk_ready, clk_done, program, clk_loop (0: none).
+and some tasks one or two more in clock64 only: `loop` when their main loop starts (attention's K/V loop, the
+tensor-core tasks' weight rows after their input is staged: ops.attention_task, mma8.py), `mid` when a routed
+expert's gate / up task has its top-k (kernel.py):
+trace int64 [N, 9] (plan.TRACE_W) = gt_start, gt_ready, gt_done, clk_start, clk_ready, clk_done, program, clk_loop,
+clk_mid (0: none; traces of 8 fields, before the mid event, read the same).
 
 summarize() turns that into
 - per op kind: tasks, mean wait (start -> ready) and work (ready -> done) in us, from clock64 (exact on one SM),
-  and for ops with a loop stamp the part of the work before it (`pre`: attention's q / k / RoPE / cache-append);
+  and for ops with a loop stamp the part of the work before it (`pre`: attention's q / k / RoPE / cache-append,
+  a tensor-core task's input staging), and with a mid stamp the part before that (`mid`: the expert's top-k);
 - the critical path: a phase is every task of one step that signals the same counter (one layer's o_proj tiles,
   ...); phases ordered by when their last task finished, each is charged the time since the previous phase ended.
   Summed per op kind, that says which ops the step's wall time goes to (their sum is the traced span);
@@ -25,7 +29,7 @@ from . import plan as P
 
 def summarize(tasks: np.ndarray, trace: np.ndarray, n_programs: int, skip_steps: int = 1,
               op_bytes: dict[str, float] | None = None) -> dict:
-    """tasks: int [T, NF] (one step's table); trace: int64 [N, 8] as above (rows never stamped are all zero).
+    """tasks: int [T, NF] (one step's table); trace: int64 [N, 8 or 9] as above (rows never stamped are all zero).
     skip_steps: leading steps left out (the first step of a launch pays for cold caches and the claim ramp).
     op_bytes: weight bytes per step of each op kind (Plan.op_bytes_per_step): adds each op's MB and the GB/s its
     share of the critical path streams them at."""
@@ -53,10 +57,13 @@ def summarize(tasks: np.ndarray, trace: np.ndarray, n_programs: int, skip_steps:
     for o in np.unique(op):
         m = op == o
         per_op[name(o)] = dict(tasks_per_step=int(m.sum() // steps), wait_us=float(wait_us[m].mean()),
-                               work_us=float(work_us[m].mean()), work_us_max=float(work_us[m].max()), pre_us=None)
-        ml = m & (tr[:, 7] > 0)
-        if ml.any():
-            per_op[name(o)]["pre_us"] = float(((tr[ml, 7] - tr[ml, 4]) / ghz / 1e3).mean())
+                               work_us=float(work_us[m].mean()), work_us_max=float(work_us[m].max()), pre_us=None,
+                               mid_us=None)
+        for col, key_ in ((7, "pre_us"), (8, "mid_us")):
+            if col < tr.shape[1]:
+                ml = m & (tr[:, col] > 0)
+                if ml.any():
+                    per_op[name(o)][key_] = float(((tr[ml, col] - tr[ml, 4]) / ghz / 1e3).mean())
 
     # phases: (step, signalled counter) -> (op, first ready, last done, first done)
     key = step.astype(np.int64) * (int(sig.max()) + 1) + sig
@@ -94,11 +101,12 @@ def format_table(s: dict) -> str:
              f"{s['sm_ghz']:.2f} GHz, programs busy {100 * s['busy_share']:.0f}% / waiting "
              f"{100 * s['wait_share']:.0f}%",
              f"{'op':<16}{'tasks':>7}{'wait us':>9}{'work us':>9}{'max':>8}{'crit us/step':>13}{'lag us':>8}"
-             f"{'spread us':>10}{'MB':>8}{'GB/s crit':>10}{'pre us':>8}"]
+             f"{'spread us':>10}{'MB':>8}{'GB/s crit':>10}{'pre us':>8}{'mid us':>8}"]
     ops = sorted(s["ops"].items(), key=lambda kv: -kv[1]["critical_us_per_step"])
     for nm, d in ops:
         f = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
         lines.append(f"{nm:<16}{d['tasks_per_step']:>7}{d['wait_us']:>9.2f}{d['work_us']:>9.2f}{d['work_us_max']:>8.1f}"
                      f"{d['critical_us_per_step']:>13.1f}{f(d['wake_lag_us']):>8}{f(d['ready_spread_us']):>10}"
-                     f"{f(d.get('mb_per_step')):>8}{f(d.get('gbps_on_critical_path')):>10}{f(d.get('pre_us')):>8}")
+                     f"{f(d.get('mb_per_step')):>8}{f(d.get('gbps_on_critical_path')):>10}{f(d.get('pre_us')):>8}"
+                     f"{f(d.get('mid_us')):>8}")
     return "\n".join(lines)

@@ -45,6 +45,8 @@ for arg in sys.argv[1:]:
         assert be.mma8 and be.plan.dims.FMT_EXP == 1 and "cvt.rn.f16x2.e4m3x2" in ptx, path
         # 8 per 1-block rows_dot (q|k|v, o_proj, the experts' down), 16 per GLU
         assert ptx.count("mma.sync.aligned.m16n8k16") >= 40, path
+        # the trace build (MODE 3) with the tensor-core tasks' loop stamps and the expert's top-k stamp
+        assert compile_offline(be, mode=3).asm["ptx"].count("%clock64") > ptx.count("%clock64") + 4, path
         # KIE_ATTN_DOT=tf32x3: attention's dots on the tensor cores (m16n8k8 tf32 mma), none in the default build
         assert ".tf32" not in ptx, path
         os.environ["KIE_ATTN_DOT"] = "tf32x3"

@@ -81,6 +81,20 @@ def test_summarize_splits_attention_work_at_its_loop_stamp():
     assert summarize(tasks, tr, n_programs=1, skip_steps=1)["ops"]["attention"]["pre_us"] is None
 
 
+def test_summarize_splits_expert_work_at_its_mid_and_loop_stamps():
+    # an expert gate / up task: ready at +100 ns, top-k done (mid) at +300, rows loop at +500, done at +900
+    tasks = _tasks([(P.OP_EXP_UP, 0)])
+    tr = np.zeros((2, P.TRACE_W), dtype=np.int64)
+    for s in range(2):
+        b = 10_000 + s * 1_000
+        tr[s, :8] = [b, b + 100, b + 900, 2 * b, 2 * (b + 100), 2 * (b + 900), 0, 2 * (b + 500)]
+        tr[s, 8] = 2 * (b + 300)
+    e = summarize(tasks, tr, n_programs=1, skip_steps=1)["ops"]["expert_gate_up"]
+    assert e["work_us"] == pytest.approx(0.8) and e["mid_us"] == pytest.approx(0.2) and e["pre_us"] == pytest.approx(0.4)
+    assert "mid us" in format_table(summarize(tasks, tr, n_programs=1, skip_steps=1))
+    assert summarize(tasks, tr[:, :8], n_programs=1, skip_steps=1)["ops"]["expert_gate_up"]["mid_us"] is None
+
+
 def test_summarize_needs_more_steps_than_it_skips():
     tasks = _tasks([(P.OP_QKV, 0)])
     tr = np.zeros((1, 8), dtype=np.int64)
@@ -109,3 +123,6 @@ def test_gpu_traced_launch_decodes_the_same_and_stamps_every_task(tiny_model):
     s = summarize(mk._launch_tasks.cpu().numpy(), tr, mk.grid, op_bytes=mk.plan.op_bytes_per_step())
     assert sum(mk.plan.op_bytes_per_step().values()) == pytest.approx(_streamed_bytes(m, mk.plan))
     assert s["steps"] == 5 and {"expert_gate_up", "mlp_gate_up", "lm_head"} <= set(s["ops"])
+    if mk.mma_any:   # the tensor-core tasks stamp their rows loop, the expert gate / up its top-k before it
+        e = s["ops"]["expert_gate_up"]
+        assert 0 < e["mid_us"] <= e["pre_us"] <= e["work_us"]
