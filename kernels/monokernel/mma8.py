@@ -25,6 +25,8 @@ kernels/fp8_mma.py's rounding of x; the monokernel tests compare whole decode st
 """
 from __future__ import annotations
 
+import os
+
 import triton
 import triton.language as tl
 
@@ -34,7 +36,13 @@ from kie_moe.kccl.sync import clock64
 
 from .stream import glu
 
-PIECES = tl.constexpr(2)   # 16-byte pieces per row and step: 128 contiguous bytes of a row
+# 16-byte pieces per row and step (2: 128 contiguous bytes of a row; 4: 256, twice the bytes in flight per warp and
+# half the steps). KIE_MMA8_PIECES, read when this module is imported (one value per process: Triton keys its cache on
+# it); anything but 2 or 4 is refused.
+_pieces = os.environ.get("KIE_MMA8_PIECES", "2")
+if _pieces not in ("2", "4"):
+    raise ValueError(f"KIE_MMA8_PIECES={_pieces!r}: expected 2 or 4 (16-byte pieces per row and step)")
+PIECES = tl.constexpr(int(_pieces))
 
 
 def scratch_words(k_max: int, num_warps: int, w16: bool = False) -> int:
