@@ -261,7 +261,8 @@ def monokernel(
     BLOCK_HG: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr,
-    BLOCK_TOPK: tl.constexpr, BLOCK_EOS: tl.constexpr, BLOCK_X: tl.constexpr, BLOCK_QG: tl.constexpr,
+    BLOCK_TOPK: tl.constexpr, BLOCK_EOS: tl.constexpr, BLOCK_X: tl.constexpr, BLOCK_XS: tl.constexpr,
+    BLOCK_QG: tl.constexpr,
     XB: tl.constexpr, NS: tl.constexpr, USE_ASM: tl.constexpr, NT: tl.constexpr, MODE: tl.constexpr = 0,
     TP: tl.constexpr = 0, E_LO: tl.constexpr = 0, E_LOC: tl.constexpr = 0,
     SFILTER: tl.constexpr = False, K_CAND: tl.constexpr = 1, SBLOCK_V: tl.constexpr = 1, SBLOCK_T: tl.constexpr = 1,
@@ -378,7 +379,7 @@ def monokernel(
                     mma8_task(first, wq, qf32_ptr + tl.load(lrow + P.LF_QKV_F), D, r0, r_end, lx,
                               wa_ptr + tl.multiple_of(tl.load(lrow + P.LF_ATTN_NORM), 64) + lnw, eps,
                               wa_ptr + tl.multiple_of(tl.load(lrow + P.LF_QKV_B), 64), qkv_ptr, qkv_ptr,
-                              mscr_ptr + pid * MSCR, True, HAS_QKV_BIAS, False, NT // 32, BLOCK_X, FMT_ATTN == 1,
+                              mscr_ptr + pid * MSCR, True, HAS_QKV_BIAS, False, NT // 32, BLOCK_XS, FMT_ATTN == 1,
                               W_ATTN, tr, trace_on, MODE == 3)
             elif st == 0:
                 stream_gemv(w, sq, qf32_ptr + tl.load(lrow + P.LF_QKV_F), w0, s0, D, r0, r_end, lx,
@@ -414,7 +415,7 @@ def monokernel(
                 if st == 0:
                     mma8_task(first, wq, qf32_ptr + tl.load(lrow + P.LF_O_F), O_K, r0, r_end, ao_ptr, ao_ptr, eps,
                               wa_ptr + tl.multiple_of(tl.load(lrow + P.LF_O_B), 64), x_ptr, x_ptr,
-                              mscr_ptr + pid * MSCR, False, HAS_O_BIAS, True, NT // 32, BLOCK_X, FMT_ATTN == 1,
+                              mscr_ptr + pid * MSCR, False, HAS_O_BIAS, True, NT // 32, BLOCK_XS, FMT_ATTN == 1,
                               W_ATTN, tr, trace_on, MODE == 3)
             else:
                 if TP > 0:   # a launch that is ending puts nothing (peers may already be zeroing for the next one)
@@ -560,7 +561,7 @@ def monokernel(
                                   qf32_ptr + f_off + I_DENSE, D, r0, r_end, lx,
                                   wa_ptr + tl.multiple_of(tl.load(lrow + P.LF_MLP_NORM), 64) + lnw, eps, wa_ptr,
                                   wa_ptr, h_ptr, glu_limit, glu_alpha, mscr_ptr + pid * MSCR, False, 0, NT // 32,
-                                  BLOCK_X, FMT_MLP == 1, W_MLP, tr, trace_on, MODE == 3)
+                                  BLOCK_XS, FMT_MLP == 1, W_MLP, tr, trace_on, MODE == 3)
             else:
                 g0, gs0 = tile(wg, sg_, D, r0, r_end, 0, 1, FMT_MLP, BN_GU, BLOCK_K)
                 u0, us0 = tile(wu, su_, D, r0, r_end, 0, 1, FMT_MLP, BN_GU, BLOCK_K)
@@ -591,7 +592,7 @@ def monokernel(
             if MM_MLP:   # (no TP: into x)
                 if st == 0:
                     mma8_task(first, wq, qf32_ptr + tl.load(lrow + P.LF_DOWN_F), I_DENSE, r0, r_end, h_ptr, h_ptr,
-                              eps, wa_ptr, x_ptr, x_ptr, mscr_ptr + pid * MSCR, False, False, True, NT // 32, BLOCK_X,
+                              eps, wa_ptr, x_ptr, x_ptr, mscr_ptr + pid * MSCR, False, False, True, NT // 32, BLOCK_XS,
                               FMT_MLP == 1, W_MLP, tr, trace_on, MODE == 3)
             elif st == 0:
                 stream_gemv(w, sq, qf32_ptr + tl.load(lrow + P.LF_DOWN_F), w0, s0, I_DENSE, r0, r_end, h_ptr, h_ptr,
@@ -675,7 +676,7 @@ def monokernel(
                                   wa_ptr + tl.multiple_of(tl.load(lrow + P.LF_MLP_NORM), 64), eps,
                                   wa_ptr + tl.load(lrow + P.LF_EGATE_B) + e * I_MOE,
                                   wa_ptr + tl.load(lrow + P.LF_EUP_B) + e * I_MOE, h_ptr + aux * I_MOE, glu_limit,
-                                  glu_alpha, mscr_ptr + pid * MSCR, HAS_EBIAS, EXP_ACT, NT // 32, BLOCK_X,
+                                  glu_alpha, mscr_ptr + pid * MSCR, HAS_EBIAS, EXP_ACT, NT // 32, BLOCK_XS,
                                   FMT_EXP == 1, W_EXP, tr, trace_on, MODE == 3)
                 else:
                     g0, gs0 = tile(wg, sg_, D, r0, re_, 0, 1, FMT_EXP, BN_EUP, BLOCK_K)
@@ -713,7 +714,7 @@ def monokernel(
                                    tl.load(lrow + P.LF_EDOWN_F), tl.load(lrow + P.LF_SDOWN_F),
                                    wa_ptr + tl.load(lrow + P.LF_EDOWN_B), r0, r_end, h_ptr, rids_ptr + layer * TOPK,
                                    rwts_ptr + layer * TOPK, sg_ptr, x_ptr, mscr_ptr + pid * MSCR, D, I_MOE, I_SH,
-                                   TOPK, HAS_EBIAS, HAS_SH_GATE, NT // 32, BLOCK_X, FMT_EXP == 1, W_EXP, tr, trace_on,
+                                   TOPK, HAS_EBIAS, HAS_SH_GATE, NT // 32, BLOCK_XS, FMT_EXP == 1, W_EXP, tr, trace_on,
                                    MODE == 3)
                 else:
                     stream_expert_down(_wbase(FMT_EXP, wa_ptr, qw8_ptr, qw32_ptr),

@@ -135,22 +135,32 @@ def _stage_x(x_ptr, nw_ptr, eps, scr_ptr, K: tl.constexpr, NORM: tl.constexpr, B
              W16: tl.constexpr = 0):
     """x (fp32, written by other programs: .cg) -> the scratch's start (_store_x), times nw and the RMSNorm scale
     first when NORM; a barrier after (every warp reads all of it), and one before (a previous task of this program
-    may still be reading the last x from the same words)."""
+    may still be reading the last x from the same words). K <= BLOCK_X: one block, x and nw loaded once, together
+    (one round trip where the blocked passes take one per block and pass; runtime KIE_MMA8_STAGE)."""
     tl.debug_barrier()
     offs = tl.arange(0, BLOCK_X)
     rstd = 1.0
-    if NORM:
-        ss = tl.zeros((BLOCK_X,), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_X):
-            x = tl.load(x_ptr + k0 + offs, mask=k0 + offs < K, other=0.0, cache_modifier=".cg")
-            ss += x * x
-        rstd = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / K + eps)
-    for k0 in range(0, K, BLOCK_X):
-        m = k0 + offs < K
-        x = tl.load(x_ptr + k0 + offs, mask=m, other=0.0, cache_modifier=".cg")
+    if K <= BLOCK_X:
+        m = offs < K
+        x = tl.load(x_ptr + offs, mask=m, other=0.0, cache_modifier=".cg")
         if NORM:
-            x = x * tl.load(nw_ptr + k0 + offs, mask=m, other=0.0).to(tl.float32) * rstd
-        _store_x(scr_ptr, k0 + offs, x, m, W16)
+            w = tl.load(nw_ptr + offs, mask=m, other=0.0).to(tl.float32)
+            rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / K + eps)
+            x = x * w * rstd
+        _store_x(scr_ptr, offs, x, m, W16)
+    else:
+        if NORM:
+            ss = tl.zeros((BLOCK_X,), dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_X):
+                x = tl.load(x_ptr + k0 + offs, mask=k0 + offs < K, other=0.0, cache_modifier=".cg")
+                ss += x * x
+            rstd = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / K + eps)
+        for k0 in range(0, K, BLOCK_X):
+            m = k0 + offs < K
+            x = tl.load(x_ptr + k0 + offs, mask=m, other=0.0, cache_modifier=".cg")
+            if NORM:
+                x = x * tl.load(nw_ptr + k0 + offs, mask=m, other=0.0).to(tl.float32) * rstd
+            _store_x(scr_ptr, k0 + offs, x, m, W16)
     tl.debug_barrier()
 
 

@@ -180,6 +180,13 @@ class MonokernelBackend:
         if self.attn_prec not in ("ieee", "tf32x3", "tf32"):
             raise ValueError(f"KIE_ATTN_DOT={self.attn_prec!r}: expected ieee, tf32x3 or tf32")
         k_max = max(d.D, d.HQ * d.DH, d.I_DENSE, d.TOPK * d.I_MOE + d.I_SH)
+        # The tensor-core tasks stage their input (mma8._stage_x / _stage_h) in blocks of BLOCK_XS values: all of it
+        # in one block ("once": every load out at once, one round trip, the RMSNorm from registers), or the kernel's
+        # BLOCK_X ("loop": a round trip per block and pass, 4-6 per task at qwen3's sizes; KIE_MMA8_STAGE=loop).
+        stage = os.environ.get("KIE_MMA8_STAGE", "once")
+        if stage not in ("once", "loop"):
+            raise ValueError(f"KIE_MMA8_STAGE={stage!r}: expected once or loop")
+        self.stage_block = min(_pow2(k_max), 16384) if stage == "once" else 0   # 0: the kernel's BLOCK_X
         self.mscr_words = scratch_words(k_max, self.num_warps, self.mma16 > 0) if self.mma_any else 4
         self.mscr = z(self.grid * self.mscr_words)
         self.pv, self.pi = z(self.plan.n_lm_tiles), z(self.plan.n_lm_tiles, dt=i32)
@@ -459,7 +466,7 @@ class MonokernelBackend:
             BLOCK_QG=_pow2(max(d.HQ // max(d.HKV, 1) * d.DH, 1)),
             XB=t.xb, NS=t.ns, USE_ASM=not self.interpret, NT=32 * self.num_warps, TP=d.TP, E_LO=d.E_LO,
             E_LOC=d.E_LOC, MMA8=self.mma8, MMA16=self.mma16, MMA_DN=self.mma_down,
-            MSCR=self.mscr_words, ATTN_PREC=self.attn_prec)
+            MSCR=self.mscr_words, ATTN_PREC=self.attn_prec, BLOCK_XS=self.stage_block or bx)
         if sampler is not None:
             meta.update(SFILTER=True, K_CAND=sampler.k_cand, SBLOCK_V=sampler.block_v, SBLOCK_T=sampler.block_t,
                         SBLOCK_C=sampler.block_c)

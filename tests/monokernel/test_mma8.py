@@ -112,6 +112,15 @@ def test_monokernel_fp8_tasks_on_the_tensor_cores(case, kinds, tiny_model, monke
         spec = m.spec
         weights = DequantStore(m.weights, q)
     check_against_reference(be, M, PROMPT, got, tol=5e-3)
+    if case == "qwen2_moe":   # the inputs staged in blocks of the kernel's BLOCK_X (K > BLOCK_X: the blocked passes)
+        monkeypatch.setenv("KIE_MMA8_STAGE", "loop")
+        lp = MonokernelBackend(m, DEV, quantized=q.get, num_stages=2, wdtype=torch.float32)
+        assert be.stage_block >= 64 and lp.stage_block == 0
+        assert list(lp.generate(PROMPT, SamplingParams(max_new_tokens=4, ignore_eos=True), set())) == got
+        monkeypatch.setenv("KIE_MMA8_STAGE", "twice")
+        with pytest.raises(ValueError, match="KIE_MMA8_STAGE='twice'"):
+            MonokernelBackend(m, DEV, quantized=q.get, num_stages=2)
+        monkeypatch.delenv("KIE_MMA8_STAGE")
     monkeypatch.setenv("KIE_MONO_FP8_MMA_DOWN", "0")
     off = MonokernelBackend(m, DEV, quantized=q.get, num_stages=2)
     assert off.mma8 and not off.mma_down
@@ -261,7 +270,7 @@ def test_mma8_down_task_matches_torch(D, I, ISH, TOPK, rpt, nw, bias, gate, fmt)
     xd = x.to(DEV)
     dev = [t.to(DEV) for t in (arena, f, b, h, ids, wts, sg)]
     _down_tasks[(tasks,)](*dev, xd, scr, ed_w, sd_w, ed_f, sd_f, rpt, D, I, ISH, TOPK, scr_words, bias, gate, nw,
-                          min(1024, triton.next_power_of_2(TOPK * I + ISH)), W16[fmt], num_warps=nw)
+                          min(128, triton.next_power_of_2(TOPK * I + ISH)), W16[fmt], num_warps=nw)
     assert_close(xd, want, REL[fmt], what=f"mma8 down {fmt} D {D} I {I}+{ISH} top-{TOPK} rows/task {rpt} warps {nw}")
 
 
