@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -451,6 +452,23 @@ def detect_formats(spec: ModelSpec, names, quantized) -> dict:
 
 # ---- tiling ----------------------------------------------------------------------------------------------------
 
+TASK_KB_OPS = ("qkv", "o", "lm", "gateup", "down", "router", "exp_up", "exp_down", "sh_up")
+
+
+def task_kb_overrides(text: str | None = None) -> dict[str, int]:
+    """KIE_TASK_KB (or text): an op's own max task size in KB, "exp_up:256,lm:512" (ops: TASK_KB_OPS), over the
+    plan's one max_task_bytes; so one op's tasks can be sized without moving the others'."""
+    text = os.environ.get("KIE_TASK_KB", "") if text is None else text
+    out = {}
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        op, _, kb = item.partition(":")
+        if op not in TASK_KB_OPS or not kb.isdigit() or int(kb) < 1:
+            raise ValueError(f"KIE_TASK_KB: {item!r} is not op:KB with op one of {', '.join(TASK_KB_OPS)} and KB a "
+                             f"positive integer")
+        out[op] = int(kb)
+    return out
+
+
 def split_rows(n_rows: int, row_bytes: int, n_sms: int, min_task_bytes: int, max_task_bytes: int,
                groups: int = 1) -> list[tuple[int, int]]:
     """Rows [0, n_rows) -> equal (row0, n) tiles. `groups` ops of this shape run side by side (expert slots):
@@ -590,9 +608,13 @@ def build_plan(spec: ModelSpec, weights=None, device: str | torch.device = "cpu"
         # qwen3-30b-a3b fp8 (+12%), but cost qwen3 nvfp4 2.5% (fp4 tiles are ALU-bound: more tasks, more per-task
         # decode set-up) and the Laneformer 17% (its lane ops read every lane's rows per task)
         max_task_bytes = (512 if d.LANES or max(d.FMT_ATTN, d.FMT_MLP, d.FMT_EXP) >= 3 else 128) << 10
-    sp = lambda n, rb, g=1: split_rows(n, int(rb), n_sms, min_task_bytes, max_task_bytes, g)  # noqa: E731
+    op_kb = task_kb_overrides()
+    # (an op's own max task size, KIE_TASK_KB, else the plan's)
+    sp = lambda n, rb, g=1, op=None: split_rows(n, int(rb), n_sms, min_task_bytes,  # noqa: E731
+                                                op_kb[op] << 10 if op in op_kb else max_task_bytes, g)
     o_in = d.HQ * (d.VD if d.MLA else d.DH)
-    rows = {"qkv": sp(d.NQKV, d.D * qb["attn"]), "o": sp(d.D, o_in * qb["attn"]), "lm": sp(d.V, d.D * eb)}
+    rows = {"qkv": sp(d.NQKV, d.D * qb["attn"], op="qkv"), "o": sp(d.D, o_in * qb["attn"], op="o"),
+            "lm": sp(d.V, d.D * eb, op="lm")}
     if tp:   # this rank's vocab piece [rank * per, (rank + 1) * per) of the whole LM head; as many tiles on every
         per = -(-d.V // tp[1])   # rank (the last piece may be short: its tail tiles are empty)
         lo = tp[0] * per
@@ -605,18 +627,18 @@ def build_plan(spec: ModelSpec, weights=None, device: str | torch.device = "cpu"
         rows["vup"] = sp(d.HQ, d.VD * d.R_KV * eb)
         rows["mla_attn"] = [(h, min(MLA_HEADS, d.HQ - h)) for h in range(0, d.HQ, MLA_HEADS)]
     if d.I_DENSE:
-        rows["gateup"] = sp(d.I_DENSE, 2 * d.D * qb["mlp"])
-        rows["down"] = sp(d.D, d.I_DENSE * qb["mlp"])
+        rows["gateup"] = sp(d.I_DENSE, 2 * d.D * qb["mlp"], op="gateup")
+        rows["down"] = sp(d.D, d.I_DENSE * qb["mlp"], op="down")
     if d.LANES:   # q|k|v and gate|up tiles of one lane each; the final lane aggregation's tiles
         from .lanes import agg_rows, lane_rows
         lane_rows(d, rows, {"qkv": d.D * eb, "gateup": 2 * d.D * eb}, n_sms, min_task_bytes, max_task_bytes)
         rows["lane_agg"] = agg_rows(d, n_sms)
     if d.E:
-        rows["router"] = sp(d.E, d.D * eb)
-        rows["exp_up"] = sp(d.I_MOE, 2 * d.D * qb["exp"], d.TOPK)
-        rows["exp_down"] = sp(d.D, (d.TOPK * d.I_MOE + d.I_SH) * qb["exp"])
+        rows["router"] = sp(d.E, d.D * eb, op="router")
+        rows["exp_up"] = sp(d.I_MOE, 2 * d.D * qb["exp"], d.TOPK, op="exp_up")
+        rows["exp_down"] = sp(d.D, (d.TOPK * d.I_MOE + d.I_SH) * qb["exp"], op="exp_down")
         if d.I_SH:
-            rows["sh_up"] = sp(d.I_SH, 2 * d.D * qb["exp"])
+            rows["sh_up"] = sp(d.I_SH, 2 * d.D * qb["exp"], op="sh_up")
     pairs = ("gateup", "exp_up", "sh_up")
     kind = {"qkv": "attn", "o": "attn", "gateup": "mlp", "down": "mlp", "exp_up": "exp", "exp_down": "exp",
             "sh_up": "exp"}

@@ -98,3 +98,21 @@ def test_split_tasks_equals_the_builder_tensor_parallel(tiny_model):
     base = P.build_tasks(plan, 1)
     for n in (2, 5):
         assert torch.equal(P.split_tasks(base, n), P.build_tasks(plan, n)), n
+
+
+def test_task_size_of_one_op_from_the_environment(monkeypatch):
+    """KIE_TASK_KB sizes one op's tasks without moving the others': qwen3-30b-a3b's expert gate / up at 256 KB is one
+    wave of 48-row tasks (16 per slot on 132 programs) where the plan's 128 KB makes two of 24; q|k|v, o_proj, the
+    experts' down and the LM head keep their tiles. Malformed entries are refused naming the variable."""
+    spec = P.preset_spec("qwen3-30b-a3b", 2)
+    base = P.build_plan(spec, None, "meta", n_sms=132, formats={"attn": "fp8", "exp": "fp8"})
+    monkeypatch.setenv("KIE_TASK_KB", "exp_up:256")
+    big = P.build_plan(spec, None, "meta", n_sms=132, formats={"attn": "fp8", "exp": "fp8"})
+    assert {n for _, n in base.op_rows["exp_up"]} == {24} and len(base.op_rows["exp_up"]) == 32
+    assert {n for _, n in big.op_rows["exp_up"]} == {48} and len(big.op_rows["exp_up"]) == 16
+    for op in ("qkv", "o", "exp_down", "lm", "router"):
+        assert big.op_rows[op] == base.op_rows[op], op
+    for bad in ("exp_up", "experts:256", "lm:0", "lm:1.5"):
+        monkeypatch.setenv("KIE_TASK_KB", bad)
+        with pytest.raises(ValueError, match="KIE_TASK_KB"):
+            P.build_plan(spec, None, "meta", n_sms=132)
