@@ -246,9 +246,8 @@ def mma8_glu_task(wg, wu, fg_ptr, fu_ptr, K: tl.constexpr, r0, r_end, x_ptr, nw_
                   STAMP: tl.constexpr = False):
     """h[r] = glu(fg[r] (Wg[r] . x') (+ bg[r]), fu[r] (Wu[r] . x') (+ bu[r])) for r in [r0, r_end), x' = fp16 of the
     RMS-normed x (stream_glu's task on the tensor cores: a routed expert's gate / up rows, known only after the
-    wait, so no loads go before it; also the dense MLP's gate / up, W16 as mma8_task's)."""
-    _stage_x(x_ptr, nw_ptr, eps, scr_ptr, K, True, BLOCK_X, W16)
-    _stamp_loop(tr, trace_on, STAMP)
+    wait, so no loads go before it; also the dense MLP's gate / up, W16 as mma8_task's). The first block's first
+    step of loads goes out before the input staging, so the staging's round trip runs under the weights' latency."""
     lane, warp = _lane_warp(NW)
     r = lane >> 2
     q = lane & 3
@@ -256,10 +255,15 @@ def mma8_glu_task(wg, wu, fg_ptr, fu_ptr, K: tl.constexpr, r0, r_end, x_ptr, nw_
     G = NW // ks
     lead = (q == 0) & (warp % ks == 0)
     st0 = (warp % ks) * sks
+    ra, rb = _rows(r0, r_end, warp // ks, r)
+    first = fp8_rows_first(wg, ra, rb, wu, ra, rb, _kw(K, W16), q, _kw(K, W16), st0, 2, PIECES)
+    _stage_x(x_ptr, nw_ptr, eps, scr_ptr, K, True, BLOCK_X, W16)
+    _stamp_loop(tr, trace_on, STAMP)
     for rd in range(0, (nblk + G - 1) // G):
         blk = rd * G + warp // ks
-        ra, rb = _rows(r0, r_end, blk, r)
-        first = fp8_rows_first(wg, ra, rb, wu, ra, rb, _kw(K, W16), q, _kw(K, W16), st0, 2, PIECES)
+        if rd > 0:
+            ra, rb = _rows(r0, r_end, blk, r)
+            first = fp8_rows_first(wg, ra, rb, wu, ra, rb, _kw(K, W16), q, _kw(K, W16), st0, 2, PIECES)
         g0, g1, u0, u1 = _block_sums(first, wg, wu, K, r0, r_end, blk, st0, sks, ks, scr_ptr, warp, r, q, 2, NW,
                                      W16)
         row = r0 + blk * 16 + r
@@ -321,8 +325,6 @@ def mma8_down_task(wq, ed_w, sd_w, f_ptr, ed_f, sd_f, b_ptr, r0, r_end, h_ptr, i
     consecutive runs of segments, each warp scaling its lanes' partials by the segment's row factor before the
     quad and warp sums (in warp order: the same bits every run). The next segment's first loads are issued before
     the current one's loop. W16 as mma8_task's (bf16 / fp16 experts, no row factors: HAS_F False)."""
-    _stage_h(h_ptr, wts_ptr, sg_ptr, scr_ptr, TOPK, I_MOE, I_SH, HAS_SH_GATE, BLOCK_X, W16)
-    _stamp_loop(tr, trace_on, STAMP)
     NSEG: tl.constexpr = TOPK + (I_SH + I_MOE - 1) // I_MOE
     ST: tl.constexpr = (_kw(I_MOE, W16) + 16 * PIECES - 1) // (16 * PIECES)   # 128-byte steps per segment
     lane, warp = _lane_warp(NW)
@@ -336,11 +338,18 @@ def mma8_down_task(wq, ed_w, sd_w, f_ptr, ed_f, sd_f, b_ptr, r0, r_end, h_ptr, i
     xq = scr_ptr.to(tl.pointer_type(tl.uint32))
     mine = _mine(r, q)
     n_st = nblk * 0 + ST                # (a tensor: fp8_rows_dot's bound does arithmetic on it)
+    # the first block's first segment: its loads go out before h is staged (the staging under their latency)
+    ra, rb = _rows(r0, r_end, warp // ks, r)
+    w0, swn, kw, fo = _down_seg(g_lo, ed_w, sd_w, ids_ptr, ed_f, sd_f, D, I_MOE, I_SH, TOPK, NSEG, W16)
+    first = fp8_rows_first(wq + w0, ra, rb, wq + w0, ra, rb, swn, q, kw, 0, 1, PIECES)
+    _stage_h(h_ptr, wts_ptr, sg_ptr, scr_ptr, TOPK, I_MOE, I_SH, HAS_SH_GATE, BLOCK_X, W16)
+    _stamp_loop(tr, trace_on, STAMP)
     for rd in range(0, (nblk + G - 1) // G):
         blk = rd * G + warp // ks
-        ra, rb = _rows(r0, r_end, blk, r)
-        w0, swn, kw, fo = _down_seg(g_lo, ed_w, sd_w, ids_ptr, ed_f, sd_f, D, I_MOE, I_SH, TOPK, NSEG, W16)
-        first = fp8_rows_first(wq + w0, ra, rb, wq + w0, ra, rb, swn, q, kw, 0, 1, PIECES)
+        if rd > 0:
+            ra, rb = _rows(r0, r_end, blk, r)
+            w0, swn, kw, fo = _down_seg(g_lo, ed_w, sd_w, ids_ptr, ed_f, sd_f, D, I_MOE, I_SH, TOPK, NSEG, W16)
+            first = fp8_rows_first(wq + w0, ra, rb, wq + w0, ra, rb, swn, q, kw, 0, 1, PIECES)
         acc_a = tl.zeros(q.shape, tl.float32)
         acc_b = tl.zeros(q.shape, tl.float32)
         for i in range(0, spw):
