@@ -262,7 +262,7 @@ def monokernel(
     BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr,
     BLOCK_TOPK: tl.constexpr, BLOCK_EOS: tl.constexpr, BLOCK_X: tl.constexpr, BLOCK_XS: tl.constexpr,
-    BLOCK_QG: tl.constexpr,
+    ROUTE_RANK: tl.constexpr, BLOCK_QG: tl.constexpr,
     XB: tl.constexpr, NS: tl.constexpr, USE_ASM: tl.constexpr, NT: tl.constexpr, MODE: tl.constexpr = 0,
     TP: tl.constexpr = 0, E_LO: tl.constexpr = 0, E_LOC: tl.constexpr = 0,
     SFILTER: tl.constexpr = False, K_CAND: tl.constexpr = 1, SBLOCK_V: tl.constexpr = 1, SBLOCK_T: tl.constexpr = 1,
@@ -639,7 +639,8 @@ def monokernel(
             if st == 0:
                 # every expert task recomputes the (tiny) top-k from the router logits: no extra phase
                 ids, wts = route(rlog_ptr + layer * E, wa_ptr + tl.load(lrow + P.LF_SCORE_B), route_scale, E, TOPK,
-                                 SCORING, NORM_TOPK, HAS_SBIAS, BLOCK_E, BLOCK_TOPK, NG, TG, GSCORE, BLOCK_G)
+                                 SCORING, NORM_TOPK, HAS_SBIAS, BLOCK_E, BLOCK_TOPK, NG, TG, GSCORE, BLOCK_G,
+                                 ROUTE_RANK)
                 if MODE == 3:   # the trace's `mid` event: the top-k is done
                     if trace_on:
                         tl.store(tr + 8, clock64() + tl.sum(ids, axis=0) * 0)

@@ -187,6 +187,12 @@ class MonokernelBackend:
         if stage not in ("once", "loop"):
             raise ValueError(f"KIE_MMA8_STAGE={stage!r}: expected once or loop")
         self.stage_block = min(_pow2(k_max), 16384) if stage == "once" else 0   # 0: the kernel's BLOCK_X
+        # The expert tasks' top-k from one rank count (ops.route RANK; KIE_ROUTE_RANK=1, off) where E <= 128 (its
+        # [E, E] comparison in registers); more experts keep the rounds.
+        rank = os.environ.get("KIE_ROUTE_RANK", "0")
+        if rank not in ("0", "1"):
+            raise ValueError(f"KIE_ROUTE_RANK={rank!r}: expected 0 or 1")
+        self.route_rank = rank == "1" and 0 < d.E <= 128
         self.mscr_words = scratch_words(k_max, self.num_warps, self.mma16 > 0) if self.mma_any else 4
         self.mscr = z(self.grid * self.mscr_words)
         self.pv, self.pi = z(self.plan.n_lm_tiles), z(self.plan.n_lm_tiles, dt=i32)
@@ -466,7 +472,8 @@ class MonokernelBackend:
             BLOCK_QG=_pow2(max(d.HQ // max(d.HKV, 1) * d.DH, 1)),
             XB=t.xb, NS=t.ns, USE_ASM=not self.interpret, NT=32 * self.num_warps, TP=d.TP, E_LO=d.E_LO,
             E_LOC=d.E_LOC, MMA8=self.mma8, MMA16=self.mma16, MMA_DN=self.mma_down,
-            MSCR=self.mscr_words, ATTN_PREC=self.attn_prec, BLOCK_XS=self.stage_block or bx)
+            MSCR=self.mscr_words, ATTN_PREC=self.attn_prec, BLOCK_XS=self.stage_block or bx,
+            ROUTE_RANK=self.route_rank)
         if sampler is not None:
             meta.update(SFILTER=True, K_CAND=sampler.k_cand, SBLOCK_V=sampler.block_v, SBLOCK_T=sampler.block_t,
                         SBLOCK_C=sampler.block_c)

@@ -145,6 +145,22 @@ def test_attention_dots_on_the_tensor_cores(case, tiny_model, monkeypatch):
         MonokernelBackend(m, "cpu")
 
 
+@pytest.mark.parametrize("case", ["qwen3_moe_norm", "deepseek_v3"])
+def test_expert_top_k_from_one_rank_count(case, tiny_model, monkeypatch):
+    """KIE_ROUTE_RANK=1: the expert tasks pick their top-k from one rank count (ops.route RANK) and decode the
+    reference's tokens (renormalised softmax; sigmoid with a correction bias and top-2-sum groups); a value other
+    than 0 / 1 is refused with the variable's name."""
+    m = tiny_model(case)
+    monkeypatch.setenv("KIE_ROUTE_RANK", "1")
+    be = MonokernelBackend(m, "cpu")
+    assert be.route_rank
+    got = list(be.generate(PROMPT, SamplingParams(max_new_tokens=5, ignore_eos=True), set()))
+    check_against_reference(be, m, PROMPT, got)
+    monkeypatch.setenv("KIE_ROUTE_RANK", "yes")
+    with pytest.raises(ValueError, match="KIE_ROUTE_RANK"):
+        MonokernelBackend(m, "cpu")
+
+
 def test_attention_combine_over_several_round_trips(tiny_model):
     """More non-empty splits than ops.head_combine takes per round trip (SC = 4 * threads // pow2(REP * Dh); one
     warp makes SC small enough for a context of 13..17): the last split of each kv head combines them all."""
