@@ -240,6 +240,9 @@ def monokernel(
     # tensor-core tasks (mma8.py; MMA8: fp8 ones, KIE_MONO_FP8_MMA=1; MMA16 1 / 2: those on a bf16 / fp16 arena,
     # KIE_MONO_W16_MMA=1; MMA_DN: the experts' down task too): fp32 scratch, MSCR words per program
     mscr_ptr,
+    # ROUTE_ONCE (KIE_ROUTE_ONCE=1): int32 [L] tickets of the router tasks (zeroed per launch; the N_ROUTER-th of a
+    # layer's step picks the top-k)
+    rtk_ptr,
     # model constexprs (plan.Dims)
     D: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, DH: tl.constexpr, ROT: tl.constexpr,
     ROPE_PAIR: tl.constexpr, QK_NORM: tl.constexpr, HAS_QKV_BIAS: tl.constexpr, HAS_O_BIAS: tl.constexpr,
@@ -262,7 +265,7 @@ def monokernel(
     BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr,
     BLOCK_TOPK: tl.constexpr, BLOCK_EOS: tl.constexpr, BLOCK_X: tl.constexpr, BLOCK_XS: tl.constexpr,
-    ROUTE_RANK: tl.constexpr, BLOCK_QG: tl.constexpr,
+    ROUTE_ONCE: tl.constexpr, N_ROUTER: tl.constexpr, BLOCK_QG: tl.constexpr,
     XB: tl.constexpr, NS: tl.constexpr, USE_ASM: tl.constexpr, NT: tl.constexpr, MODE: tl.constexpr = 0,
     TP: tl.constexpr = 0, E_LO: tl.constexpr = 0, E_LOC: tl.constexpr = 0,
     SFILTER: tl.constexpr = False, K_CAND: tl.constexpr = 1, SBLOCK_V: tl.constexpr = 1, SBLOCK_T: tl.constexpr = 1,
@@ -611,6 +614,16 @@ def monokernel(
                             wa_ptr + tl.multiple_of(tl.load(lrow + P.LF_ROUTER_B), 64), rlog_ptr + layer * E,
                             rlog_ptr, 0, pv_ptr, pi_ptr, 0, 1.0, 0, 0, True, HAS_RBIAS, False, False, 0, BN_ROUTER,
                             BLOCK_K, XB, NS)
+                if ROUTE_ONCE:   # the layer's last router task (a ticket) picks the top-k for every expert task
+                    tl.debug_barrier()   # all of this task's logit stores precede the release below
+                    tk = tl.atomic_add(rtk_ptr + layer, 1, sem="acq_rel", scope="gpu")
+                    if tk % N_ROUTER == N_ROUTER - 1:
+                        ids, wts = route(rlog_ptr + layer * E, wa_ptr + tl.load(lrow + P.LF_SCORE_B), route_scale, E,
+                                         TOPK, SCORING, NORM_TOPK, HAS_SBIAS, BLOCK_E, BLOCK_TOPK, NG, TG, GSCORE,
+                                         BLOCK_G)
+                        offs_j = tl.arange(0, BLOCK_TOPK)
+                        tl.store(rids_ptr + layer * TOPK + offs_j, ids, mask=offs_j < TOPK)
+                        tl.store(rwts_ptr + layer * TOPK + offs_j, wts, mask=offs_j < TOPK)
         elif op == _OP_SH_UP:
             wg = _wp(FMT_EXP, wa_ptr, qw8_ptr, qw32_ptr, woff)
             wu = wg + I_SH * RU_D_EXP
@@ -637,18 +650,20 @@ def monokernel(
             t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
             st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE, tr, trace_on)
             if st == 0:
-                # every expert task recomputes the (tiny) top-k from the router logits: no extra phase
-                ids, wts = route(rlog_ptr + layer * E, wa_ptr + tl.load(lrow + P.LF_SCORE_B), route_scale, E, TOPK,
-                                 SCORING, NORM_TOPK, HAS_SBIAS, BLOCK_E, BLOCK_TOPK, NG, TG, GSCORE, BLOCK_G,
-                                 ROUTE_RANK)
-                if MODE == 3:   # the trace's `mid` event: the top-k is done
+                if ROUTE_ONCE:   # the router's last task published the ids (before its signal, which we waited on)
+                    e = tl.load(rids_ptr + layer * TOPK + aux, cache_modifier=".cg").to(tl.int64)
+                else:   # every expert task recomputes the (tiny) top-k from the router logits: no extra phase
+                    ids, wts = route(rlog_ptr + layer * E, wa_ptr + tl.load(lrow + P.LF_SCORE_B), route_scale, E,
+                                     TOPK, SCORING, NORM_TOPK, HAS_SBIAS, BLOCK_E, BLOCK_TOPK, NG, TG, GSCORE,
+                                     BLOCK_G)
+                    offs_j = tl.arange(0, BLOCK_TOPK)
+                    if (aux == 0) & (r0 == 0):  # publish ids / weights for expert_down (and the host)
+                        tl.store(rids_ptr + layer * TOPK + offs_j, ids, mask=offs_j < TOPK)
+                        tl.store(rwts_ptr + layer * TOPK + offs_j, wts, mask=offs_j < TOPK)
+                    e = tl.sum(tl.where(offs_j == aux, ids, 0), axis=0).to(tl.int64)
+                if MODE == 3:   # the trace's `mid` event: this task knows its expert
                     if trace_on:
-                        tl.store(tr + 8, clock64() + tl.sum(ids, axis=0) * 0)
-                offs_j = tl.arange(0, BLOCK_TOPK)
-                if (aux == 0) & (r0 == 0):  # publish ids / weights for expert_down (and the host)
-                    tl.store(rids_ptr + layer * TOPK + offs_j, ids, mask=offs_j < TOPK)
-                    tl.store(rwts_ptr + layer * TOPK + offs_j, wts, mask=offs_j < TOPK)
-                e = tl.sum(tl.where(offs_j == aux, ids, 0), axis=0).to(tl.int64)
+                        tl.store(tr + 8, clock64() + e * 0)
                 re_ = r_end
                 nr_ = nr
                 if E_LOC > 0:   # expert parallel: a slot routed to another rank's expert streams no rows here

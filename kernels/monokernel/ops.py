@@ -21,17 +21,11 @@ from .stream import rstd, x_chunk
 @triton.jit
 def route(rlog_ptr, sbias_ptr, route_scale, E: tl.constexpr, TOPK: tl.constexpr, SCORING: tl.constexpr,
           NORM_TOPK: tl.constexpr, HAS_SBIAS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_TOPK: tl.constexpr,
-          NG: tl.constexpr = 1, TG: tl.constexpr = 1, GSCORE: tl.constexpr = 0, BLOCK_G: tl.constexpr = 1,
-          RANK: tl.constexpr = False):
+          NG: tl.constexpr = 1, TG: tl.constexpr = 1, GSCORE: tl.constexpr = 0, BLOCK_G: tl.constexpr = 1):
     """Router logits [E] -> (expert ids [BLOCK_TOPK] int32, weights [BLOCK_TOPK] fp32), as models.reference.route:
     softmax / sigmoid scores (+ correction bias for the choice only), group-limited choice (DeepSeek: NG groups
     scored by their max, GSCORE 1: by their top-2 sum; only the TG best groups compete), top-k (first index
-    wins ties), optional renormalisation, routed scaling; SCORING 2 (gpt-oss): softmax over the top-k logits.
-    RANK: the top-k from every expert's rank (the experts ahead of it: a larger choice, or an equal one at a lower
-    index) in one [BLOCK_E, BLOCK_E] count, then slot j = the expert of rank j: three block-wide reductions where the
-    TOPK rounds take two each (argmax, then the pick's score); the same ids and weights bit for bit (finite
-    choices). Registers grow
-    with BLOCK_E^2 / threads (64 per thread at 128 experts and 8 warps): the caller keeps it to BLOCK_E <= 128."""
+    wins ties), optional renormalisation, routed scaling; SCORING 2 (gpt-oss): softmax over the top-k logits."""
     offs_e = tl.arange(0, BLOCK_E)
     e_mask = offs_e < E
     lg = tl.load(rlog_ptr + offs_e, mask=e_mask, other=-float("inf"), cache_modifier=".cg")
@@ -66,22 +60,14 @@ def route(rlog_ptr, sbias_ptr, route_scale, E: tl.constexpr, TOPK: tl.constexpr,
             ekeep = tl.where(gid == gi, tl.sum(tl.where(offs_g == gi, keep, 0), axis=0), ekeep)
         choice = tl.where(ekeep > 0, choice, -float("inf"))
     offs_j = tl.arange(0, BLOCK_TOPK)
-    if RANK:
-        ahead = (choice[None, :] > choice[:, None]) | ((choice[None, :] == choice[:, None])
-                                                      & (offs_e[None, :] < offs_e[:, None]))   # [e, e'] e' ahead of e
-        rank = tl.sum(ahead.to(tl.int32), axis=1)                                            # [BLOCK_E]
-        sel = (rank[None, :] == offs_j[:, None]) & (offs_j[:, None] < TOPK)                  # [BLOCK_TOPK, BLOCK_E]
-        ids = tl.sum(tl.where(sel, offs_e[None, :], 0), axis=1).to(tl.int32)
-        vals = tl.sum(tl.where(sel, scores[None, :], 0.0), axis=1)
-    else:
-        ids = tl.zeros((BLOCK_TOPK,), dtype=tl.int32)
-        vals = tl.zeros((BLOCK_TOPK,), dtype=tl.float32)
-        for j in tl.static_range(TOPK):
-            best = tl.argmax(choice, axis=0)
-            v = tl.sum(tl.where(offs_e == best, scores, 0.0), axis=0)
-            ids = tl.where(offs_j == j, best, ids)
-            vals = tl.where(offs_j == j, v, vals)
-            choice = tl.where(offs_e == best, -float("inf"), choice)
+    ids = tl.zeros((BLOCK_TOPK,), dtype=tl.int32)
+    vals = tl.zeros((BLOCK_TOPK,), dtype=tl.float32)
+    for j in tl.static_range(TOPK):
+        best = tl.argmax(choice, axis=0)
+        v = tl.sum(tl.where(offs_e == best, scores, 0.0), axis=0)
+        ids = tl.where(offs_j == j, best, ids)
+        vals = tl.where(offs_j == j, v, vals)
+        choice = tl.where(offs_e == best, -float("inf"), choice)
     j_mask = offs_j < TOPK
     if SCORING == 2:
         ex = tl.where(j_mask, tl.exp(vals - tl.max(tl.where(j_mask, vals, -float("inf")), axis=0)), 0.0)

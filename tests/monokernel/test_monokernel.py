@@ -145,19 +145,21 @@ def test_attention_dots_on_the_tensor_cores(case, tiny_model, monkeypatch):
         MonokernelBackend(m, "cpu")
 
 
-@pytest.mark.parametrize("case", ["qwen3_moe_norm", "deepseek_v3"])
-def test_expert_top_k_from_one_rank_count(case, tiny_model, monkeypatch):
-    """KIE_ROUTE_RANK=1: the expert tasks pick their top-k from one rank count (ops.route RANK) and decode the
-    reference's tokens (renormalised softmax; sigmoid with a correction bias and top-2-sum groups); a value other
-    than 0 / 1 is refused with the variable's name."""
+@pytest.mark.parametrize("case,n_sms", [("qwen3_moe_mixed", 3), ("deepseek_v3", 2)])
+def test_top_k_picked_once_by_the_last_router_task(case, n_sms, tiny_model, monkeypatch):
+    """KIE_ROUTE_ONCE=1: the layer's last router task (a ticket over several router tiles) picks the top-k and the
+    expert tasks read their ids: the reference's tokens over 5 steps and two launches (the tickets restart with
+    each launch), dense and MoE layers mixed, DeepSeek's groups; a value other than 0 / 1 is refused naming the
+    variable."""
     m = tiny_model(case)
-    monkeypatch.setenv("KIE_ROUTE_RANK", "1")
-    be = MonokernelBackend(m, "cpu")
-    assert be.route_rank
-    got = list(be.generate(PROMPT, SamplingParams(max_new_tokens=5, ignore_eos=True), set()))
-    check_against_reference(be, m, PROMPT, got)
-    monkeypatch.setenv("KIE_ROUTE_RANK", "yes")
-    with pytest.raises(ValueError, match="KIE_ROUTE_RANK"):
+    monkeypatch.setenv("KIE_ROUTE_ONCE", "1")
+    be = MonokernelBackend(m, "cpu", n_sms=n_sms, min_task_bytes=64)
+    assert be.route_once and len(be.plan.op_rows["router"]) > 1
+    for _ in range(2):
+        got = list(be.generate(PROMPT, SamplingParams(max_new_tokens=5, ignore_eos=True), set()))
+        check_against_reference(be, m, PROMPT, got)
+    monkeypatch.setenv("KIE_ROUTE_ONCE", "yes")
+    with pytest.raises(ValueError, match="KIE_ROUTE_ONCE"):
         MonokernelBackend(m, "cpu")
 
 
