@@ -228,8 +228,8 @@ def monokernel(
     vocab,
     # control
     cnt_ptr, cursor_ptr, ctrl_ptr, ring_ptr, hostflag_ptr, eos_ptr, forced_ptr,
-    # MODE 3: int64 [trace_cap, 8] per task (claim order): globaltimer at start / input ready / done, the same in
-    # clock64, the program id
+    # MODE 3: int64 [trace_cap, TRACE_W] per task (claim order): globaltimer at start / input ready / done, the same
+    # in clock64, the program id, then clock64 stamps inside some tasks (kernels/monokernel/trace.py)
     trace_ptr, trace_cap,
     # tensor parallel (TP > 0): this rank's symmetric region as f32 / i32 (one allocation), the distances to every
     # rank's copy (kccl.sync.peer), and the region's layout (plan.sym_layout)

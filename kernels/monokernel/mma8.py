@@ -30,10 +30,10 @@ import os
 import triton
 import triton.language as tl
 
-from ..fp4_mma import _lane_warp, _mine, _quad_sum
-from ..fp8_mma import fp8_rows_dot, fp8_rows_first
 from kie_moe.kccl.sync import clock64
 
+from ..fp4_mma import _lane_warp, _mine, _quad_sum
+from ..fp8_mma import fp8_rows_dot, fp8_rows_first
 from .stream import glu
 
 # 16-byte pieces per row and step (2: 128 contiguous bytes of a row; 4: 256, twice the bytes in flight per warp and
