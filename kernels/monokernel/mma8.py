@@ -357,8 +357,10 @@ def mma8_down_task(wq, ed_w, sd_w, f_ptr, ed_f, sd_f, b_ptr, r0, r_end, h_ptr, i
             wn, swn_n, kw_n, fo_n = _down_seg(tl.minimum(g + 1, g_lo + spw - 1), ed_w, sd_w, ids_ptr, ed_f, sd_f,
                                               D, I_MOE, I_SH, TOPK, NSEG, W16)
             nxt = fp8_rows_first(wq + wn, ra, rb, wq + wn, ra, rb, swn_n, q, kw_n, 0, 1, PIECES)
-            ya, yb, _, _ = fp8_rows_dot(xq + g * _xw(I_MOE, W16), wq + w0, ra, rb, wq + w0, ra, rb, swn, q, kw,
-                                        mine, 0, n_st, 1, PIECES, first, 0, W16)
+            # (a warp past the last segment, g >= NSEG when NSEG < KS: its sums are dropped below; its x is the
+            # last segment's, not words past the staged h -- another program's scratch, or past the buffer)
+            ya, yb, _, _ = fp8_rows_dot(xq + tl.minimum(g, NSEG - 1) * _xw(I_MOE, W16), wq + w0, ra, rb, wq + w0, ra,
+                                        rb, swn, q, kw, mine, 0, n_st, 1, PIECES, first, 0, W16)
             ok = g < NSEG
             if HAS_F:
                 ya = ya * tl.load(f_ptr + fo + ra)
