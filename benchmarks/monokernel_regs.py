@@ -28,7 +28,7 @@ import tempfile
 from pathlib import Path
 
 _CHILD = r"""
-import json, sys, torch
+import json, sys
 sys.path.insert(0, {bench!r})
 from monokernel_regs import measure
 print("RESULT " + json.dumps(measure({arch!r}, {formats!r}, {splits!r})))

@@ -62,11 +62,11 @@ _OP_EXP_UP = tl.constexpr(P.OP_EXP_UP)
 _OP_SH_UP = tl.constexpr(P.OP_SH_UP)
 _OP_EXP_DOWN = tl.constexpr(P.OP_EXP_DOWN)
 _OP_LM = tl.constexpr(P.OP_LM)
-TRACE_W = tl.constexpr(P.TRACE_W)
 _OP_SAMPLE = tl.constexpr(P.OP_SAMPLE)
 _OP_LANE_O = tl.constexpr(P.OP_LANE_O)
 _OP_LANE_DOWN = tl.constexpr(P.OP_LANE_DOWN)
 _OP_LANE_AGG = tl.constexpr(P.OP_LANE_AGG)
+TRACE_W = tl.constexpr(P.TRACE_W)   # int64 fields of a traced task's row (trace.py)
 _OP_QB = tl.constexpr(P.OP_QB)
 _OP_ABSORB = tl.constexpr(P.OP_ABSORB)
 _OP_MLA_ATTN = tl.constexpr(P.OP_MLA_ATTN)
@@ -148,6 +148,15 @@ def _sp(FMT: tl.constexpr, qf32_ptr, qs8f_ptr, qs8u_ptr, off):
     else:
         p = qf32_ptr + off
     return p
+
+
+@triton.jit
+def _publish_route(ids, wts, ids_ptr, wts_ptr, on, TOPK: tl.constexpr, BLOCK_TOPK: tl.constexpr):
+    """A layer's picked experts (ops.route: ids, weights [BLOCK_TOPK]) into its rids / rwts rows when `on`."""
+    if on:
+        offs_j = tl.arange(0, BLOCK_TOPK)
+        tl.store(ids_ptr + offs_j, ids, mask=offs_j < TOPK)
+        tl.store(wts_ptr + offs_j, wts, mask=offs_j < TOPK)
 
 
 @triton.jit
@@ -621,9 +630,8 @@ def monokernel(
                         ids, wts = route(rlog_ptr + layer * E, wa_ptr + tl.load(lrow + P.LF_SCORE_B), route_scale, E,
                                          TOPK, SCORING, NORM_TOPK, HAS_SBIAS, BLOCK_E, BLOCK_TOPK, NG, TG, GSCORE,
                                          BLOCK_G)
-                        offs_j = tl.arange(0, BLOCK_TOPK)
-                        tl.store(rids_ptr + layer * TOPK + offs_j, ids, mask=offs_j < TOPK)
-                        tl.store(rwts_ptr + layer * TOPK + offs_j, wts, mask=offs_j < TOPK)
+                        _publish_route(ids, wts, rids_ptr + layer * TOPK, rwts_ptr + layer * TOPK, True, TOPK,
+                                       BLOCK_TOPK)
         elif op == _OP_SH_UP:
             wg = _wp(FMT_EXP, wa_ptr, qw8_ptr, qw32_ptr, woff)
             wu = wg + I_SH * RU_D_EXP
@@ -656,11 +664,10 @@ def monokernel(
                     ids, wts = route(rlog_ptr + layer * E, wa_ptr + tl.load(lrow + P.LF_SCORE_B), route_scale, E,
                                      TOPK, SCORING, NORM_TOPK, HAS_SBIAS, BLOCK_E, BLOCK_TOPK, NG, TG, GSCORE,
                                      BLOCK_G)
-                    offs_j = tl.arange(0, BLOCK_TOPK)
-                    if (aux == 0) & (r0 == 0):  # publish ids / weights for expert_down (and the host)
-                        tl.store(rids_ptr + layer * TOPK + offs_j, ids, mask=offs_j < TOPK)
-                        tl.store(rwts_ptr + layer * TOPK + offs_j, wts, mask=offs_j < TOPK)
-                    e = tl.sum(tl.where(offs_j == aux, ids, 0), axis=0).to(tl.int64)
+                    # (one task publishes ids / weights for expert_down and the host)
+                    _publish_route(ids, wts, rids_ptr + layer * TOPK, rwts_ptr + layer * TOPK, (aux == 0) & (r0 == 0),
+                                   TOPK, BLOCK_TOPK)
+                    e = tl.sum(tl.where(tl.arange(0, BLOCK_TOPK) == aux, ids, 0), axis=0).to(tl.int64)
                 if MODE == 3:   # the trace's `mid` event: this task knows its expert
                     if trace_on:
                         tl.store(tr + 8, clock64() + e * 0)

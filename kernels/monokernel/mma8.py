@@ -25,8 +25,6 @@ kernels/fp8_mma.py's rounding of x; the monokernel tests compare whole decode st
 """
 from __future__ import annotations
 
-import os
-
 import triton
 import triton.language as tl
 
@@ -34,15 +32,13 @@ from kie_moe.kccl.sync import clock64
 
 from ..fp4_mma import _lane_warp, _mine, _quad_sum
 from ..fp8_mma import fp8_rows_dot, fp8_rows_first
+from .plan import env_choice
 from .stream import glu
 
 # 16-byte pieces per row and step (2: 128 contiguous bytes of a row; 4: 256, twice the bytes in flight per warp and
 # half the steps). KIE_MMA8_PIECES, read when this module is imported (one value per process: Triton keys its cache on
 # it); anything but 2 or 4 is refused.
-_pieces = os.environ.get("KIE_MMA8_PIECES", "2")
-if _pieces not in ("2", "4"):
-    raise ValueError(f"KIE_MMA8_PIECES={_pieces!r}: expected 2 or 4 (16-byte pieces per row and step)")
-PIECES = tl.constexpr(int(_pieces))
+PIECES = tl.constexpr(int(env_choice("KIE_MMA8_PIECES", "2", ("2", "4"))))
 
 
 def scratch_words(k_max: int, num_warps: int, w16: bool = False) -> int:

@@ -452,6 +452,14 @@ def detect_formats(spec: ModelSpec, names, quantized) -> dict:
 
 # ---- tiling ----------------------------------------------------------------------------------------------------
 
+def env_choice(name: str, default: str, choices: tuple[str, ...]) -> str:
+    """The environment variable `name` (else `default`), one of `choices`; anything else is refused naming it."""
+    v = os.environ.get(name, default)
+    if v not in choices:
+        raise ValueError(f"{name}={v!r}: expected {', '.join(choices[:-1])} or {choices[-1]}")
+    return v
+
+
 TASK_KB_OPS = ("qkv", "o", "lm", "gateup", "down", "router", "exp_up", "exp_down", "sh_up")
 
 

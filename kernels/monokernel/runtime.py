@@ -176,24 +176,18 @@ class MonokernelBackend:
         self.mma_any = self.mma8 or self.mma16 > 0
         # attention's score and p.V dots (ops.attention_task PREC): "ieee" fp32 FMAs, "tf32x3" tensor cores at
         # ~fp32 accuracy, "tf32" one tf32 product (timing only)
-        self.attn_prec = os.environ.get("KIE_ATTN_DOT", "ieee")
-        if self.attn_prec not in ("ieee", "tf32x3", "tf32"):
-            raise ValueError(f"KIE_ATTN_DOT={self.attn_prec!r}: expected ieee, tf32x3 or tf32")
+        self.attn_prec = P.env_choice("KIE_ATTN_DOT", "ieee", ("ieee", "tf32x3", "tf32"))
         k_max = max(d.D, d.HQ * d.DH, d.I_DENSE, d.TOPK * d.I_MOE + d.I_SH)
         # The tensor-core tasks stage their input (mma8._stage_x / _stage_h) in blocks of BLOCK_XS values: all of it
         # in one block ("once": every load out at once, one round trip, the RMSNorm from registers), or the kernel's
         # BLOCK_X ("loop": a round trip per block and pass, 4-6 per task at qwen3's sizes; KIE_MMA8_STAGE=loop).
-        stage = os.environ.get("KIE_MMA8_STAGE", "once")
-        if stage not in ("once", "loop"):
-            raise ValueError(f"KIE_MMA8_STAGE={stage!r}: expected once or loop")
+        stage = P.env_choice("KIE_MMA8_STAGE", "once", ("once", "loop"))
         self.stage_block = min(_pow2(k_max), 16384) if stage == "once" else 0   # 0: the kernel's BLOCK_X
         # KIE_ROUTE_ONCE=1 (off): the top-k is picked once per layer and step, by the router task that finishes
         # last (a ticket), instead of by every expert gate / up task (~3.7 us each of qwen3's, H100 trace); they
         # read their expert id. One GPU only (tensor / expert parallel ranks keep the recomputation).
-        once = os.environ.get("KIE_ROUTE_ONCE", "0")
-        if once not in ("0", "1"):
-            raise ValueError(f"KIE_ROUTE_ONCE={once!r}: expected 0 or 1")
-        self.route_once = once == "1" and d.E > 0 and not d.TP and not d.E_LOC
+        self.route_once = (P.env_choice("KIE_ROUTE_ONCE", "0", ("0", "1")) == "1" and d.E > 0 and not d.TP
+                           and not d.E_LOC)
         self.rticket = z(max(d.L, 1), dt=i32)
         self.mscr_words = scratch_words(k_max, self.num_warps, self.mma16 > 0) if self.mma_any else 4
         self.mscr = z(self.grid * self.mscr_words)
