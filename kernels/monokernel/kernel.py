@@ -274,7 +274,7 @@ def monokernel(
     BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr,
     BLOCK_TOPK: tl.constexpr, BLOCK_EOS: tl.constexpr, BLOCK_X: tl.constexpr, BLOCK_XS: tl.constexpr,
-    ROUTE_ONCE: tl.constexpr, N_ROUTER: tl.constexpr, BLOCK_QG: tl.constexpr,
+    ROUTE_ONCE: tl.constexpr, N_ROUTER: tl.constexpr, DOWN_L2: tl.constexpr, BLOCK_QG: tl.constexpr,
     XB: tl.constexpr, NS: tl.constexpr, USE_ASM: tl.constexpr, NT: tl.constexpr, MODE: tl.constexpr = 0,
     TP: tl.constexpr = 0, E_LO: tl.constexpr = 0, E_LOC: tl.constexpr = 0,
     SFILTER: tl.constexpr = False, K_CAND: tl.constexpr = 1, SBLOCK_V: tl.constexpr = 1, SBLOCK_T: tl.constexpr = 1,
@@ -711,6 +711,13 @@ def monokernel(
                                wa_ptr + tl.load(lrow + P.LF_EUP_B) + e * I_MOE,
                                h_ptr + aux * I_MOE, glu_limit, glu_alpha, HAS_EBIAS, EXP_ACT, FMT_EXP, BN_EUP,
                                BLOCK_K, XB, NS)
+                if DOWN_L2:   # this tile's share of expert e's down rows ([D, I_MOE]: rows r0 D / I_MOE ..
+                    # r_end D / I_MOE; a slot's tiles cover all D) into L2 while the gate / up phase finishes, so
+                    # the down tasks' loads hit L2 instead of queueing for HBM after their wait (KIE_DOWN_L2)
+                    d0 = r0 * D // I_MOE
+                    prefetch_rows(_wbase(FMT_EXP, wa_ptr, qw8_ptr, qw32_ptr)
+                                  + _wu(FMT_EXP, tl.load(lrow + P.LF_EDOWN)) + e * (D * RU_I_EXP), d0,
+                                  re_ * D // I_MOE - d0, I_MOE, FMT_EXP, USE_ASM)
         elif op == _OP_EXP_DOWN:
             t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
             st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE, tr, trace_on)
@@ -721,7 +728,7 @@ def monokernel(
             if TP > 0:
                 ye = symf_ptr + TP * D + tp_rank * D
             if st == 0:
-                if USE_ASM:   # the routed experts' rows of this task, all slots at once, into L2
+                if USE_ASM and not DOWN_L2:   # the routed experts' rows of this task, all slots at once, into L2
                     eb = _wbase(FMT_EXP, wa_ptr, qw8_ptr, qw32_ptr) + _wu(FMT_EXP, tl.load(lrow + P.LF_EDOWN))
                     for j in tl.static_range(TOPK):
                         e = tl.load(rids_ptr + layer * TOPK + j).to(tl.int64)

@@ -189,6 +189,9 @@ class MonokernelBackend:
         self.route_once = (P.env_choice("KIE_ROUTE_ONCE", "0", ("0", "1")) == "1" and d.E > 0 and not d.TP
                            and not d.E_LOC)
         self.rticket = z(max(d.L, 1), dt=i32)
+        # KIE_DOWN_L2=1 (off): each expert gate / up task, once its stream is done, prefetches its share of its
+        # expert's down rows into L2; the down tasks then skip their own prefetch (issued only after their wait)
+        self.down_l2 = P.env_choice("KIE_DOWN_L2", "0", ("0", "1")) == "1" and d.E > 0 and d.I_MOE > 0
         self.mscr_words = scratch_words(k_max, self.num_warps, self.mma16 > 0) if self.mma_any else 4
         self.mscr = z(self.grid * self.mscr_words)
         self.pv, self.pi = z(self.plan.n_lm_tiles), z(self.plan.n_lm_tiles, dt=i32)
@@ -470,7 +473,7 @@ class MonokernelBackend:
             XB=t.xb, NS=t.ns, USE_ASM=not self.interpret, NT=32 * self.num_warps, TP=d.TP, E_LO=d.E_LO,
             E_LOC=d.E_LOC, MMA8=self.mma8, MMA16=self.mma16, MMA_DN=self.mma_down,
             MSCR=self.mscr_words, ATTN_PREC=self.attn_prec, BLOCK_XS=self.stage_block or bx,
-            ROUTE_ONCE=self.route_once, N_ROUTER=max(1, len(pl.op_rows.get("router", ()))))
+            ROUTE_ONCE=self.route_once, N_ROUTER=max(1, len(pl.op_rows.get("router", ()))), DOWN_L2=self.down_l2)
         if sampler is not None:
             meta.update(SFILTER=True, K_CAND=sampler.k_cand, SBLOCK_V=sampler.block_v, SBLOCK_T=sampler.block_t,
                         SBLOCK_C=sampler.block_c)
