@@ -93,6 +93,36 @@ def _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM: tl.constexp
 
 
 @triton.jit
+def _claim_if(now: tl.constexpr, cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM: tl.constexpr):
+    """_claim when `now`; else placeholders (CLAIM 2: the loop's bottom claims)."""
+    if now:
+        t, row = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
+    else:
+        t = n_total
+        row = offs_f
+    return t, row
+
+
+@triton.jit
+def _claim_wait(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, wctr, target, stop_ptr, timeout_ns,
+                USE_ASM: tl.constexpr, NT: tl.constexpr, MODE: tl.constexpr, tr, trace_on, CLAIM: tl.constexpr):
+    """A task's successor claim and its input wait, in the order KIE_CLAIM picks (runtime.py):
+    0 "ahead": claim, then wait. The claim's round trip hides behind the wait, but a program that reaches a phase
+      early (its previous task done) holds two of that phase's tasks, and the second starts only after the first:
+      session 32's H200 trace has the q/k/v tasks' ready times spread over 9.6 us, the expert down's over 8.5-12.
+    1 "wait": wait, then claim: a waiting program holds one task; the claim hides behind the task's work.
+    2 "late": wait only; the successor is claimed after this task's signal (the loop's bottom), by whichever
+      program frees first, at the price of one exposed claim per task."""
+    if CLAIM == 0:
+        t, row = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
+        st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE, tr, trace_on)
+    else:
+        st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE, tr, trace_on)
+        t, row = _claim_if(CLAIM == 1, cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
+    return t, row, st
+
+
+@triton.jit
 def _wp(FMT: tl.constexpr, wa_ptr, qw8_ptr, qw32_ptr, off):
     """Typed pointer to a Linear's weights: float elements (wa), e4m3 bytes or u32 words of packed e2m1 (qw;
     `off` in bytes, 128-byte aligned)."""
@@ -274,7 +304,8 @@ def monokernel(
     BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr,
     BLOCK_TOPK: tl.constexpr, BLOCK_EOS: tl.constexpr, BLOCK_X: tl.constexpr, BLOCK_XS: tl.constexpr,
-    ROUTE_ONCE: tl.constexpr, N_ROUTER: tl.constexpr, DOWN_L2: tl.constexpr, BLOCK_QG: tl.constexpr,
+    ROUTE_ONCE: tl.constexpr, N_ROUTER: tl.constexpr, DOWN_L2: tl.constexpr, CLAIM: tl.constexpr,
+    BLOCK_QG: tl.constexpr,
     XB: tl.constexpr, NS: tl.constexpr, USE_ASM: tl.constexpr, NT: tl.constexpr, MODE: tl.constexpr = 0,
     TP: tl.constexpr = 0, E_LO: tl.constexpr = 0, E_LOC: tl.constexpr = 0,
     SFILTER: tl.constexpr = False, K_CAND: tl.constexpr = 1, SBLOCK_V: tl.constexpr = 1, SBLOCK_T: tl.constexpr = 1,
@@ -384,8 +415,8 @@ def monokernel(
                 first = mma8_first(wq, D, r0, r_end, NT // 32, W_ATTN)
             else:
                 w0, s0 = tile(w, sq, D, r0, r_end, 0, 1, FMT_ATTN, BN_QKV, BLOCK_K)
-            t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
-            st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE, tr, trace_on)
+            t_next, row_next, st = _claim_wait(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, wctr, target,
+                                               stop_ptr, timeout_ns, USE_ASM, NT, MODE, tr, trace_on, CLAIM)
             if MM_ATTN:
                 if st == 0:
                     mma8_task(first, wq, qf32_ptr + tl.load(lrow + P.LF_QKV_F), D, r0, r_end, lx,
@@ -402,8 +433,8 @@ def monokernel(
             k_head = kv_ptr + (layer * 2 * HKV + r0).to(tl.int64) * kv_tmax * DH  # cache [L, 2, HKV, T_max, DH]
             v_head = k_head + HKV * kv_tmax * DH
             kv_lo, kv_hi = kv_split_range(pos, tl.load(lrow + P.LF_WINDOW).to(tl.int32), n_splits, nr)
-            t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
-            st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE, tr, trace_on)
+            t_next, row_next, st = _claim_wait(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, wctr, target,
+                                               stop_ptr, timeout_ns, USE_ASM, NT, MODE, tr, trace_on, CLAIM)
             if MLA == 0:   # (an MLA model never has these tasks: do not compile them)
                 if st == 0:
                     attention_task(r0, nr, n_splits, pos, kv_lo, kv_hi, qkv_ptr, k_head, v_head, cos_ptr, sin_ptr,
@@ -421,8 +452,8 @@ def monokernel(
                 first = mma8_first(wq, O_K, r0, r_end, NT // 32, W_ATTN)
             else:
                 w0, s0 = tile(w, sq, O_K, r0, r_end, 0, 1, FMT_ATTN, BN_O, BLOCK_K)
-            t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
-            st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE, tr, trace_on)
+            t_next, row_next, st = _claim_wait(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, wctr, target,
+                                               stop_ptr, timeout_ns, USE_ASM, NT, MODE, tr, trace_on, CLAIM)
             if MM_ATTN:
                 if st == 0:
                     mma8_task(first, wq, qf32_ptr + tl.load(lrow + P.LF_O_F), O_K, r0, r_end, ao_ptr, ao_ptr, eps,
@@ -449,8 +480,8 @@ def monokernel(
         elif op == _OP_QB:   # MLA: q = q_b(RMSNorm(q_a))
             w = wa_ptr + tl.multiple_of(woff, 64)
             w0, s0 = tile(w, qf32_ptr, R_Q, r0, r_end, 0, 1, 0, BN_QB, BLOCK_K)
-            t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
-            st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE, tr, trace_on)
+            t_next, row_next, st = _claim_wait(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, wctr, target,
+                                               stop_ptr, timeout_ns, USE_ASM, NT, MODE, tr, trace_on, CLAIM)
             if MLA:
                 if st == 0:
                     stream_gemv(w, qf32_ptr, qf32_ptr, w0, s0, R_Q, r0, r_end, qkv_ptr,
@@ -458,8 +489,8 @@ def monokernel(
                                 qkv_ptr, 0, pv_ptr, pi_ptr, 0, 1.0, 0, 0, True, False, False, False, 0, BN_QB,
                                 BLOCK_K, XB, NS)
         elif op == _OP_ABSORB:
-            t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
-            st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE, tr, trace_on)
+            t_next, row_next, st = _claim_wait(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, wctr, target,
+                                               stop_ptr, timeout_ns, USE_ASM, NT, MODE, tr, trace_on, CLAIM)
             if MLA:
                 if st == 0:
                     mla_absorb_task(r0, nr, pos, qkv_ptr + Q_OFF, wa_ptr + tl.multiple_of(woff, 64),
@@ -468,16 +499,16 @@ def monokernel(
                                     kv_ptr + layer.to(tl.int64) * kv_tmax * LAT_W, cos_ptr, sin_ptr, eps,
                                     DH, NOPE, VD, R_KV, ROT, ROPE_PAIR, BN_KVB, BLOCK_RKV, BLOCK_H)
         elif op == _OP_MLA_ATTN:
-            t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
-            st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE, tr, trace_on)
+            t_next, row_next, st = _claim_wait(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, wctr, target,
+                                               stop_ptr, timeout_ns, USE_ASM, NT, MODE, tr, trace_on, CLAIM)
             if MLA:
                 if st == 0:
                     mla_attention_task(r0, nr, aux, n_splits, pos, qkv_ptr + QLAT_OFF, qkv_ptr + QPE_OFF,
                                        kv_ptr + layer.to(tl.int64) * kv_tmax * LAT_W, ao_ptr, am_ptr, al_ptr,
                                        sm_scale, HQ, R_KV, ROT, BLOCK_HG, BLOCK_RKV, BLOCK_RD, BLOCK_T)
         elif op == _OP_VUP:
-            t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
-            st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE, tr, trace_on)
+            t_next, row_next, st = _claim_wait(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, wctr, target,
+                                               stop_ptr, timeout_ns, USE_ASM, NT, MODE, tr, trace_on, CLAIM)
             if MLA:
                 if st == 0:
                     mla_vup_task(r0, nr, n_splits, ao_ptr, am_ptr, al_ptr, wa_ptr + tl.multiple_of(woff, 64), h_ptr,
@@ -488,8 +519,8 @@ def monokernel(
                 for lane in tl.static_range(LANES):   # every lane's block of the task's rows into L2
                     prefetch_rows(w + lane * (D * (NQ // LANES)), r0, nr, NQ // LANES, 0, USE_ASM)
                 w0, s0 = lane_out_tile(w, qf32_ptr, NQ // LANES, D, r0, r_end, 0, 1, LANES, 0, BN_O, BK_O)
-            t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
-            st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE, tr, trace_on)
+            t_next, row_next, st = _claim_wait(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, wctr, target,
+                                               stop_ptr, timeout_ns, USE_ASM, NT, MODE, tr, trace_on, CLAIM)
             if TP > 0:   # DTP: a delayed layer also needs every rank's partials of layer i - DELAY (long there)
                 if st == 0:
                     if xw >= 0:
@@ -515,8 +546,8 @@ def monokernel(
                     prefetch_rows(w + lane * (D * (I_DENSE // LANES)), r0, nr, I_DENSE // LANES, 0, USE_ASM)
                 w0, s0 = lane_out_tile(w, qf32_ptr, I_DENSE // LANES, D, r0, r_end, 0, 1, LANES, 0, BN_DOWN,
                                        BK_DOWN)
-            t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
-            st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE, tr, trace_on)
+            t_next, row_next, st = _claim_wait(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, wctr, target,
+                                               stop_ptr, timeout_ns, USE_ASM, NT, MODE, tr, trace_on, CLAIM)
             if TP > 0:
                 if st == 0:
                     if xw >= 0:
@@ -536,8 +567,8 @@ def monokernel(
                             _tp_put(symf_ptr + (layer * 2 + 1) * (TP * D) + tp_rank * D, poff_ptr, r0, r_end, xctr,
                                     TP, USE_ASM, BLOCK_X)
         elif op == _OP_LANE_AGG:   # Laneformer without pre_norm_lane_agg: xf = mean of the lanes' final norms
-            t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
-            st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE, tr, trace_on)
+            t_next, row_next, st = _claim_wait(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, wctr, target,
+                                               stop_ptr, timeout_ns, USE_ASM, NT, MODE, tr, trace_on, CLAIM)
             if TP > 0:
                 if st == 0:
                     st = flag_is_set(stop_ptr, USE_ASM, NT).to(tl.int32)
@@ -565,8 +596,8 @@ def monokernel(
             prefetch_rows(wg, r0, nr, D, FMT_MLP, USE_ASM)
             prefetch_rows(wu, r0, nr, D, FMT_MLP, USE_ASM)
             if MM_MLP:   # on the tensor cores (mma8.py; its loads follow the wait, the rows are in L2 by then)
-                t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
-                st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE, tr, trace_on)
+                t_next, row_next, st = _claim_wait(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, wctr, target,
+                                                   stop_ptr, timeout_ns, USE_ASM, NT, MODE, tr, trace_on, CLAIM)
                 if st == 0:
                     mma8_glu_task(_wq(FMT_MLP, wa_ptr, qw32_ptr, woff),
                                   _wq(FMT_MLP, wa_ptr, qw32_ptr, woff + I_DENSE * D), qf32_ptr + f_off,
@@ -577,8 +608,8 @@ def monokernel(
             else:
                 g0, gs0 = tile(wg, sg_, D, r0, r_end, 0, 1, FMT_MLP, BN_GU, BLOCK_K)
                 u0, us0 = tile(wu, su_, D, r0, r_end, 0, 1, FMT_MLP, BN_GU, BLOCK_K)
-                t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
-                st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE, tr, trace_on)
+                t_next, row_next, st = _claim_wait(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, wctr, target,
+                                                   stop_ptr, timeout_ns, USE_ASM, NT, MODE, tr, trace_on, CLAIM)
                 if st == 0:
                     stream_glu(wg, wu, sg_, su_, qf32_ptr + f_off, qf32_ptr + f_off + I_DENSE, g0, u0, gs0, us0, D,
                                r0, r_end, lx, wa_ptr + tl.multiple_of(tl.load(lrow + P.LF_MLP_NORM), 64) + lnw, eps,
@@ -593,8 +624,8 @@ def monokernel(
                 first = mma8_first(wq, I_DENSE, r0, r_end, NT // 32, W_MLP)
             else:
                 w0, s0 = tile(w, sq, I_DENSE, r0, r_end, 0, 1, FMT_MLP, BN_DOWN, BLOCK_K)
-            t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
-            st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE, tr, trace_on)
+            t_next, row_next, st = _claim_wait(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, wctr, target,
+                                               stop_ptr, timeout_ns, USE_ASM, NT, MODE, tr, trace_on, CLAIM)
             if TP > 0:
                 if st == 0:
                     st = flag_is_set(stop_ptr, USE_ASM, NT).to(tl.int32)
@@ -615,8 +646,8 @@ def monokernel(
         elif op == _OP_ROUTER:
             w = wa_ptr + tl.multiple_of(woff, 64)
             w0, s0 = tile(w, qf32_ptr, D, r0, r_end, 0, 1, 0, BN_ROUTER, BLOCK_K)
-            t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
-            st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE, tr, trace_on)
+            t_next, row_next, st = _claim_wait(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, wctr, target,
+                                               stop_ptr, timeout_ns, USE_ASM, NT, MODE, tr, trace_on, CLAIM)
             if st == 0:
                 stream_gemv(w, qf32_ptr, qf32_ptr, w0, s0, D, r0, r_end, x_ptr,
                             wa_ptr + tl.multiple_of(tl.load(lrow + P.LF_MLP_NORM), 64), eps,
@@ -643,8 +674,8 @@ def monokernel(
             prefetch_rows(wu, r0, nr, D, FMT_EXP, USE_ASM)
             g0, gs0 = tile(wg, sg_, D, r0, r_end, 0, 1, FMT_EXP, BN_SUP, BLOCK_K)
             u0, us0 = tile(wu, su_, D, r0, r_end, 0, 1, FMT_EXP, BN_SUP, BLOCK_K)
-            t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
-            st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE, tr, trace_on)
+            t_next, row_next, st = _claim_wait(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, wctr, target,
+                                               stop_ptr, timeout_ns, USE_ASM, NT, MODE, tr, trace_on, CLAIM)
             if st == 0:
                 nw = wa_ptr + tl.multiple_of(tl.load(lrow + P.LF_MLP_NORM), 64)
                 stream_glu(wg, wu, sg_, su_, qf32_ptr + f_off, qf32_ptr + f_off + I_SH, g0, u0, gs0, us0, D, r0,
@@ -655,8 +686,8 @@ def monokernel(
                         s = vec_dot_norm(wa_ptr + tl.load(lrow + P.LF_SH_GATE), x_ptr, nw, D, eps, BLOCK_K)
                         tl.store(sg_ptr, tl.sigmoid(s))
         elif op == _OP_EXP_UP:
-            t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
-            st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE, tr, trace_on)
+            t_next, row_next, st = _claim_wait(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, wctr, target,
+                                               stop_ptr, timeout_ns, USE_ASM, NT, MODE, tr, trace_on, CLAIM)
             if st == 0:
                 if ROUTE_ONCE:   # the router's last task published the ids (before its signal, which we waited on)
                     e = tl.load(rids_ptr + layer * TOPK + aux, cache_modifier=".cg").to(tl.int64)
@@ -719,8 +750,8 @@ def monokernel(
                                   + _wu(FMT_EXP, tl.load(lrow + P.LF_EDOWN)) + e * (D * RU_I_EXP), d0,
                                   re_ * D // I_MOE - d0, I_MOE, FMT_EXP, USE_ASM)
         elif op == _OP_EXP_DOWN:
-            t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
-            st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE, tr, trace_on)
+            t_next, row_next, st = _claim_wait(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, wctr, target,
+                                               stop_ptr, timeout_ns, USE_ASM, NT, MODE, tr, trace_on, CLAIM)
             if TP > 0:
                 if st == 0:
                     st = flag_is_set(stop_ptr, USE_ASM, NT).to(tl.int32)
@@ -763,8 +794,8 @@ def monokernel(
             w = wa_ptr + tl.multiple_of(woff, 64)
             prefetch_rows(w, r0, nr, D, 0, USE_ASM)
             w0, s0 = tile(w, qf32_ptr, D, r0, r_end, 0, 1, 0, BN_LM, BLOCK_K)
-            t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
-            st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE, tr, trace_on)
+            t_next, row_next, st = _claim_wait(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, wctr, target,
+                                               stop_ptr, timeout_ns, USE_ASM, NT, MODE, tr, trace_on, CLAIM)
             if TP > 0:
                 if st == 0:
                     st = flag_is_set(stop_ptr, USE_ASM, NT).to(tl.int32)
@@ -791,7 +822,7 @@ def monokernel(
                         put_span(pio, poff_ptr, q, aux, aux + 1, 16)
                         signal_peer(xctr, poff_ptr, q, USE_ASM)
         elif op == _OP_SAMPLE:
-            t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
+            t_next, row_next = _claim_if(CLAIM != 2, cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
             pvs = pv_ptr
             pis = pi_ptr
             if TP > 0:   # every rank's tiles, in rank (= vocab) order
@@ -827,13 +858,13 @@ def monokernel(
                 for lane in tl.static_range(NLX):   # every lane's stream starts as the embedding
                     embed_row(wa_ptr + embed_off, tl.maximum(tok, 0), x_ptr + lane * D, D, BLOCK_X)
         elif SFILTER and op == _OP_SAMPLE_TILE:
-            t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
-            st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE, tr, trace_on)
+            t_next, row_next, st = _claim_wait(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, wctr, target,
+                                               stop_ptr, timeout_ns, USE_ASM, NT, MODE, tr, trace_on, CLAIM)
             if (st == 0) & (step >= n_forced):   # noise keyed by (seed, generated index): sampling.py's Philox
                 sample_tile_task(aux, 0, slg_ptr, vocab, sparams_ptr, srng_ptr, spf_ptr, spi_ptr, scand_ptr,
                                  sgf_ptr, sgi_ptr, n_stiles, 1, step - n_forced, True, K_CAND, 1, SBLOCK_V)
         elif op == _OP_REDUCE:
-            t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
+            t_next, row_next = _claim_if(CLAIM != 2, cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
             wctr = symi_ptr + sym_ctr_off + wc
             st = _kccl_wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE)
             if TP > 0:
@@ -848,8 +879,8 @@ def monokernel(
                     else:           # aux: 0 = recv_o, 1 = recv_d
                         _tp_reduce(symf_ptr + aux * (TP * D), x_ptr, r0, r_end, D, TP, BLOCK_X)
         else:  # MODE 1 (sync only), or an unknown opcode: claim, wait, signal
-            t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
-            st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE, tr, trace_on)
+            t_next, row_next, st = _claim_wait(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, wctr, target,
+                                               stop_ptr, timeout_ns, USE_ASM, NT, MODE, tr, trace_on, CLAIM)
         if st == 0:
             signal(cnt_ptr + sig, 1, USE_ASM)
         if MODE == 3:
@@ -869,6 +900,8 @@ def monokernel(
             tl.store(rec + 1, read_counter(wctr, USE_ASM))
             tl.store(rec + 2, target)
             tl.atomic_xchg(stop_ptr, 1)
+        if CLAIM == 2:   # "late": the successor, after this task's signal (_claim_wait)
+            t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
         t = t_next
         rowv = row_next
         if flag_is_set(stop_ptr, USE_ASM, NT):

@@ -157,15 +157,16 @@ class MonokernelBackend:
         self.rids = z(d.L, max(d.TOPK, 1), dt=i32)
         self.rwts = z(d.L, max(d.TOPK, 1))
         self.sg = z(1)
-        # Tensor-core tasks (mma8.py; off by default), each program with a scratch of MSCR fp32 words (the task's
-        # input as fp16 / hi + lo pairs, the K ranges' partial sums). KIE_MONO_FP8_MMA=1: the fp8 q|k|v, o_proj,
-        # dense MLP and routed-expert tasks; KIE_MONO_W16_MMA=1: those whose weights are the bf16 / fp16 arena's.
+        # Tensor-core tasks (mma8.py), each program with a scratch of MSCR fp32 words (the task's input as fp16 /
+        # hi + lo pairs, the K ranges' partial sums). KIE_MONO_FP8_MMA (default 1; 0: the CUDA-core tasks, its A/B:
+        # +13% qwen3-30b-a3b fp8, +18% llama-3.2-1b fp8 on an H200, session 32): the fp8 q|k|v, o_proj, dense MLP
+        # and routed-expert tasks; KIE_MONO_W16_MMA=1 (off): those whose weights are the bf16 / fp16 arena's.
         # Not for lanes, MLA, tensor or expert parallelism; every K a multiple of 16 (whole 16-byte row pieces).
         has_exp = d.E > 0 and d.I_MOE > 0
         plain = (not d.LANES and not d.MLA and not d.TP and not d.E_LOC and d.D % 16 == 0
                  and (d.HQ * d.DH) % 16 == 0 and d.I_DENSE % 16 == 0)
         fmts = (d.FMT_ATTN, d.FMT_MLP if d.I_DENSE else -1, d.FMT_EXP if has_exp else -1)
-        self.mma8 = (os.environ.get("KIE_MONO_FP8_MMA", "0") == "1" and plain and 1 in fmts
+        self.mma8 = (P.env_choice("KIE_MONO_FP8_MMA", "1", ("0", "1")) == "1" and plain and 1 in fmts
                      and (self.device.type != "cuda" or has_fp8e4nv(self.device)))   # e4m3 converts: sm_89+
         w16 = {torch.bfloat16: 1, torch.float16: 2}.get(self.plan.wdtype, 0)
         self.mma16 = w16 if (os.environ.get("KIE_MONO_W16_MMA", "0") == "1" and plain and 0 in fmts) else 0
@@ -189,9 +190,14 @@ class MonokernelBackend:
         self.route_once = (P.env_choice("KIE_ROUTE_ONCE", "0", ("0", "1")) == "1" and d.E > 0 and not d.TP
                            and not d.E_LOC)
         self.rticket = z(max(d.L, 1), dt=i32)
-        # KIE_DOWN_L2=1 (off): each expert gate / up task, once its stream is done, prefetches its share of its
-        # expert's down rows into L2; the down tasks then skip their own prefetch (issued only after their wait)
-        self.down_l2 = P.env_choice("KIE_DOWN_L2", "0", ("0", "1")) == "1" and d.E > 0 and d.I_MOE > 0
+        # KIE_DOWN_L2 (default 1; 0: its A/B): each expert gate / up task, once its stream is done, prefetches its
+        # share of its expert's down rows into L2; the down tasks then skip their own prefetch, which they could
+        # issue only after their wait (H200, qwen3 fp8: down task 9.4 -> 5.9 us, +4.1% tok/s; session 32)
+        # KIE_CLAIM: when a task claims its successor (kernel._claim_wait): "late" (default: after its signal, so
+        # the next task goes to the first program that is free), "wait" (after its wait), "ahead" (before its wait,
+        # the old default). H200, qwen3-30b-a3b fp8: ahead 206.0, wait 227.8, late 252.3 tok/s (session 32).
+        self.claim = ("ahead", "wait", "late").index(P.env_choice("KIE_CLAIM", "late", ("ahead", "wait", "late")))
+        self.down_l2 = P.env_choice("KIE_DOWN_L2", "1", ("0", "1")) == "1" and d.E > 0 and d.I_MOE > 0
         self.mscr_words = scratch_words(k_max, self.num_warps, self.mma16 > 0) if self.mma_any else 4
         self.mscr = z(self.grid * self.mscr_words)
         self.pv, self.pi = z(self.plan.n_lm_tiles), z(self.plan.n_lm_tiles, dt=i32)
@@ -439,6 +445,10 @@ class MonokernelBackend:
         # go in as their u8 bytes and qtile decodes the bits (tiles._as_f32; KIE_E4M3_BITS=1 forces it anywhere).
         native = has_fp8e4nv(self.device, arch) if arch is not None else e4m3_native(self.device)
         e4m3 = torch.float8_e4m3fn if native else torch.uint8
+        # the fp8 tensor-core tasks convert e4m3 pairs in hardware (sm_89+): an offline build for an older target
+        # gets the CUDA-core tasks, as a backend built on that GPU would (mma8's own check)
+        mma8 = self.mma8 and native
+        mma_dn = self.mma_down and (mma8 or d.FMT_EXP != 1)
         args = [
             tasks, pl.layers, pl.weights, qb["qw"].view(e4m3), qb["qw"].view(torch.uint32),
             qb["qf32"], qb["qs8"].view(e4m3), qb["qs8"], self.kv, self.cos, self.sin,
@@ -471,9 +481,10 @@ class MonokernelBackend:
             BLOCK_E=_pow2(max(d.E, 1)), BLOCK_TOPK=_pow2(max(d.TOPK, 1)), BLOCK_EOS=_MAX_EOS, BLOCK_X=bx,
             BLOCK_QG=_pow2(max(d.HQ // max(d.HKV, 1) * d.DH, 1)),
             XB=t.xb, NS=t.ns, USE_ASM=not self.interpret, NT=32 * self.num_warps, TP=d.TP, E_LO=d.E_LO,
-            E_LOC=d.E_LOC, MMA8=self.mma8, MMA16=self.mma16, MMA_DN=self.mma_down,
+            E_LOC=d.E_LOC, MMA8=mma8, MMA16=self.mma16, MMA_DN=mma_dn,
             MSCR=self.mscr_words, ATTN_PREC=self.attn_prec, BLOCK_XS=self.stage_block or bx,
-            ROUTE_ONCE=self.route_once, N_ROUTER=max(1, len(pl.op_rows.get("router", ()))), DOWN_L2=self.down_l2)
+            ROUTE_ONCE=self.route_once, N_ROUTER=max(1, len(pl.op_rows.get("router", ()))), DOWN_L2=self.down_l2,
+            CLAIM=self.claim)
         if sampler is not None:
             meta.update(SFILTER=True, K_CAND=sampler.k_cand, SBLOCK_V=sampler.block_v, SBLOCK_T=sampler.block_t,
                         SBLOCK_C=sampler.block_c)

@@ -49,21 +49,26 @@ for arg in sys.argv[1:]:
         assert compile_offline(be, mode=3).asm["ptx"].count("%clock64") > ptx.count("%clock64") + 4, path
         # KIE_ATTN_DOT=tf32x3: attention's dots on the tensor cores (m16n8k8 tf32 mma), none in the default build
         assert ".tf32" not in ptx, path
-        # (this build also picks the top-k once per layer, in the last router task: KIE_ROUTE_ONCE=1, and has the
-        # expert gate / up tasks prefetch the down rows: KIE_DOWN_L2=1)
+        # (this build also picks the top-k once per layer, in the last router task: KIE_ROUTE_ONCE=1; lets the down
+        # task prefetch its rows itself: KIE_DOWN_L2=0; claims each successor before the wait: KIE_CLAIM=ahead)
         os.environ["KIE_ATTN_DOT"] = "tf32x3"
         os.environ["KIE_ROUTE_ONCE"] = "1"
-        os.environ["KIE_DOWN_L2"] = "1"
+        os.environ["KIE_DOWN_L2"] = "0"
+        os.environ["KIE_CLAIM"] = "ahead"
         be_t = MonokernelBackend(m, "cpu", offline=True, wdtype=torch.bfloat16, block_k=512, block_t=32, n_sms=132,
                                  quantized=q.get)
         ptx_t = compile_offline(be_t).asm["ptx"]
         os.environ.pop("KIE_ATTN_DOT")
         os.environ.pop("KIE_ROUTE_ONCE")
         os.environ.pop("KIE_DOWN_L2")
-        assert be_t.route_once and be_t.down_l2 and not be.down_l2, path
-        # the down task's prefetch of its TOPK slots' rows (after its wait) gives way to one in the gate / up task
+        os.environ.pop("KIE_CLAIM")
+        assert be_t.route_once and be.down_l2 and not be_t.down_l2 and (be.claim, be_t.claim) == (2, 0), path
+        # by default one prefetch in the expert gate / up task stands for the down task's TOPK (after its wait)
         pf = "cp.async.bulk.prefetch.L2"
-        assert ptx_t.count(pf) == ptx.count(pf) - be.plan.dims.TOPK + 1, (path, ptx.count(pf), ptx_t.count(pf))
+        assert ptx.count(pf) == ptx_t.count(pf) - be.plan.dims.TOPK + 1, (path, ptx.count(pf), ptx_t.count(pf))
+        # the default claims in two places (before the loop, after each signal); "ahead" in every op's branch
+        cl = "atom.global.gpu.relaxed.add"
+        assert ptx.count(cl) + 10 < ptx_t.count(cl), (path, ptx.count(cl), ptx_t.count(cl))
         acq = "atom.global.gpu.acq_rel.add"   # (the router tasks' ticket: one more than the default build's)
         assert ptx_t.count(acq) == ptx.count(acq) + 1, path
         assert "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32" in ptx_t, path

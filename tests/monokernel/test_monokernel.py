@@ -163,6 +163,23 @@ def test_top_k_picked_once_by_the_last_router_task(case, n_sms, tiny_model, monk
         MonokernelBackend(m, "cpu")
 
 
+@pytest.mark.parametrize("claim,case,n_sms", [("wait", "qwen3_moe_mixed", 3), ("late", "gpt_oss", 2)])
+def test_successor_claimed_after_the_wait_or_after_the_signal(claim, case, n_sms, tiny_model, monkeypatch):
+    """KIE_CLAIM=wait / late (kernel._claim_wait): a task claims its successor after its input wait, or after its
+    own signal, instead of before the wait. The reference's tokens over two launches (a task claimed twice or
+    skipped leaves a counter short: the watchdog, or wrong tokens); another value is refused naming the variable."""
+    m = tiny_model(case)
+    monkeypatch.setenv("KIE_CLAIM", claim)
+    be = MonokernelBackend(m, "cpu", n_sms=n_sms)
+    assert be.claim == ("ahead", "wait", "late").index(claim)
+    for _ in range(2):
+        got = list(be.generate(PROMPT, SamplingParams(max_new_tokens=4, ignore_eos=True), set()))
+        check_against_reference(be, m, PROMPT, got)
+    monkeypatch.setenv("KIE_CLAIM", "early")
+    with pytest.raises(ValueError, match="KIE_CLAIM"):
+        MonokernelBackend(m, "cpu")
+
+
 def test_attention_combine_over_several_round_trips(tiny_model):
     """More non-empty splits than ops.head_combine takes per round trip (SC = 4 * threads // pow2(REP * Dh); one
     warp makes SC small enough for a context of 13..17): the last split of each kv head combines them all."""
