@@ -14,12 +14,12 @@ XA="--trace 4" mk q qwen3-30b-a3b fp8
 tail -14 $R/mk-q.log | grep -v '^{' | cut -c1-160
 mk l8late llama-3.2-1b fp8
 mk l8ahead llama-3.2-1b fp8 KIE_CLAIM=ahead
-mk l16late llama-3.2-1b bf16
-mk l16ahead llama-3.2-1b bf16 KIE_CLAIM=ahead
 mk lflate laneformer-2b fp16
 mk lfahead laneformer-2b fp16 KIE_CLAIM=ahead
+mk l16late llama-3.2-1b bf16
+mk l16ahead llama-3.2-1b bf16 KIE_CLAIM=ahead
+t=$(left); if [ $t -gt 40 ]; then [ $t -gt 170 ] && t=170
+  KIE_GPU_TESTS=1 timeout $t python3 -m pytest tests/monokernel/test_monokernel_gpu.py tests/monokernel/test_trace.py -v -p no:cacheprovider -o addopts="" -m gpu >$R/test-gpu.log 2>&1; echo "tests rc=$?"; grep -cE "PASSED" $R/test-gpu.log; grep -E "FAILED|ERROR" $R/test-gpu.log | head -8 | cut -c1-200; pk; fi
 t=$(left); if [ $t -gt 40 ]; then [ $t -gt 60 ] && t=60
   timeout $t python3 benchmarks/graph_bench.py --runs llama-3.2-1b:fp8,llama-3.2-1b:bf16 --backends graph --out $R/graph-l.json >$R/graph-l.log 2>&1; echo "graph rc=$?"; grep "tok/s" $R/graph-l.log | cut -c1-160; pk; fi
-t=$(left); if [ $t -gt 40 ]; then [ $t -gt 200 ] && t=200
-  KIE_GPU_TESTS=1 timeout $t python3 -m pytest tests/monokernel/test_monokernel_gpu.py tests/monokernel/test_trace.py -v -p no:cacheprovider -o addopts="" -m gpu >$R/test-gpu.log 2>&1; echo "tests rc=$?"; grep -cE "PASSED" $R/test-gpu.log; grep -E "FAILED|ERROR" $R/test-gpu.log | head -8 | cut -c1-200; pk; fi
 pk
