@@ -184,10 +184,11 @@ class MonokernelBackend:
         # BLOCK_X ("loop": a round trip per block and pass, 4-6 per task at qwen3's sizes; KIE_MMA8_STAGE=loop).
         stage = P.env_choice("KIE_MMA8_STAGE", "once", ("once", "loop"))
         self.stage_block = min(_pow2(k_max), 16384) if stage == "once" else 0   # 0: the kernel's BLOCK_X
-        # KIE_ROUTE_ONCE=1 (off): the top-k is picked once per layer and step, by the router task that finishes
-        # last (a ticket), instead of by every expert gate / up task (~3.7 us each of qwen3's, H100 trace); they
-        # read their expert id. One GPU only (tensor / expert parallel ranks keep the recomputation).
-        self.route_once = (P.env_choice("KIE_ROUTE_ONCE", "0", ("0", "1")) == "1" and d.E > 0 and not d.TP
+        # KIE_ROUTE_ONCE (default 1; 0: its A/B): the top-k is picked once per layer and step, by the router task
+        # that finishes last (a ticket), instead of by every expert gate / up task (~3.7 us each of qwen3's, H100
+        # trace); they read their expert id. With the late claim +3.0% (qwen3-30b-a3b fp8, H100, session 32;
+        # neutral with the old claim-ahead). One GPU only (tensor / expert parallel ranks keep the recomputation).
+        self.route_once = (P.env_choice("KIE_ROUTE_ONCE", "1", ("0", "1")) == "1" and d.E > 0 and not d.TP
                            and not d.E_LOC)
         self.rticket = z(max(d.L, 1), dt=i32)
         # KIE_DOWN_L2 (default 1; 0: its A/B): each expert gate / up task, once its stream is done, prefetches its

@@ -49,10 +49,10 @@ for arg in sys.argv[1:]:
         assert compile_offline(be, mode=3).asm["ptx"].count("%clock64") > ptx.count("%clock64") + 4, path
         # KIE_ATTN_DOT=tf32x3: attention's dots on the tensor cores (m16n8k8 tf32 mma), none in the default build
         assert ".tf32" not in ptx, path
-        # (this build also picks the top-k once per layer, in the last router task: KIE_ROUTE_ONCE=1; lets the down
+        # (this build also picks the top-k in every expert gate / up task: KIE_ROUTE_ONCE=0; lets the down
         # task prefetch its rows itself: KIE_DOWN_L2=0; claims each successor before the wait: KIE_CLAIM=ahead)
         os.environ["KIE_ATTN_DOT"] = "tf32x3"
-        os.environ["KIE_ROUTE_ONCE"] = "1"
+        os.environ["KIE_ROUTE_ONCE"] = "0"
         os.environ["KIE_DOWN_L2"] = "0"
         os.environ["KIE_CLAIM"] = "ahead"
         be_t = MonokernelBackend(m, "cpu", offline=True, wdtype=torch.bfloat16, block_k=512, block_t=32, n_sms=132,
@@ -62,15 +62,15 @@ for arg in sys.argv[1:]:
         os.environ.pop("KIE_ROUTE_ONCE")
         os.environ.pop("KIE_DOWN_L2")
         os.environ.pop("KIE_CLAIM")
-        assert be_t.route_once and be.down_l2 and not be_t.down_l2 and (be.claim, be_t.claim) == (2, 0), path
+        assert be.route_once and not be_t.route_once and be.down_l2 and not be_t.down_l2 and (be.claim, be_t.claim) == (2, 0), path
         # by default one prefetch in the expert gate / up task stands for the down task's TOPK (after its wait)
         pf = "cp.async.bulk.prefetch.L2"
         assert ptx.count(pf) == ptx_t.count(pf) - be.plan.dims.TOPK + 1, (path, ptx.count(pf), ptx_t.count(pf))
         # the default claims in two places (before the loop, after each signal); "ahead" in every op's branch
         cl = "atom.global.gpu.relaxed.add"
         assert ptx.count(cl) + 10 < ptx_t.count(cl), (path, ptx.count(cl), ptx_t.count(cl))
-        acq = "atom.global.gpu.acq_rel.add"   # (the router tasks' ticket: one more than the default build's)
-        assert ptx_t.count(acq) == ptx.count(acq) + 1, path
+        acq = "atom.global.gpu.acq_rel.add"   # (the default build's router tasks take a ticket: one more)
+        assert ptx.count(acq) == ptx_t.count(acq) + 1, path
         assert "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32" in ptx_t, path
     print("ok", arg, len(ptx))
 """

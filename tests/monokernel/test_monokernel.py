@@ -145,16 +145,17 @@ def test_attention_dots_on_the_tensor_cores(case, tiny_model, monkeypatch):
         MonokernelBackend(m, "cpu")
 
 
-@pytest.mark.parametrize("case,n_sms", [("qwen3_moe_mixed", 3), ("deepseek_v3", 2)])
-def test_top_k_picked_once_by_the_last_router_task(case, n_sms, tiny_model, monkeypatch):
-    """KIE_ROUTE_ONCE=1: the layer's last router task (a ticket over several router tiles) picks the top-k and the
-    expert tasks read their ids: the reference's tokens over 5 steps and two launches (the tickets restart with
-    each launch), dense and MoE layers mixed, DeepSeek's groups; a value other than 0 / 1 is refused naming the
-    variable."""
+@pytest.mark.parametrize("case,n_sms,once", [("qwen3_moe_mixed", 3, "1"), ("deepseek_v3", 2, "1"),
+                                             ("qwen3_moe_mixed", 3, "0")])
+def test_top_k_picked_once_by_the_last_router_task(case, n_sms, once, tiny_model, monkeypatch):
+    """KIE_ROUTE_ONCE=1 (the default): the layer's last router task (a ticket over several router tiles) picks the
+    top-k and the expert tasks read their ids: the reference's tokens over 5 steps and two launches (the tickets
+    restart with each launch), dense and MoE layers mixed, DeepSeek's groups; =0 (every expert task picks the top-k
+    itself) the same; a value other than 0 / 1 is refused naming the variable."""
     m = tiny_model(case)
-    monkeypatch.setenv("KIE_ROUTE_ONCE", "1")
+    monkeypatch.setenv("KIE_ROUTE_ONCE", once)
     be = MonokernelBackend(m, "cpu", n_sms=n_sms, min_task_bytes=64)
-    assert be.route_once and len(be.plan.op_rows["router"]) > 1
+    assert be.route_once == (once == "1") and len(be.plan.op_rows["router"]) > 1
     for _ in range(2):
         got = list(be.generate(PROMPT, SamplingParams(max_new_tokens=5, ignore_eos=True), set()))
         check_against_reference(be, m, PROMPT, got)
