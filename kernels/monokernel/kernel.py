@@ -304,7 +304,8 @@ def monokernel(
     BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr,
     BLOCK_TOPK: tl.constexpr, BLOCK_EOS: tl.constexpr, BLOCK_X: tl.constexpr, BLOCK_XS: tl.constexpr,
-    ROUTE_ONCE: tl.constexpr, N_ROUTER: tl.constexpr, DOWN_L2: tl.constexpr, CLAIM: tl.constexpr,
+    ROUTE_ONCE: tl.constexpr, N_ROUTER: tl.constexpr, DOWN_L2: tl.constexpr, UP_L2: tl.constexpr,
+    CLAIM: tl.constexpr,
     BLOCK_QG: tl.constexpr,
     XB: tl.constexpr, NS: tl.constexpr, USE_ASM: tl.constexpr, NT: tl.constexpr, MODE: tl.constexpr = 0,
     TP: tl.constexpr = 0, E_LO: tl.constexpr = 0, E_LOC: tl.constexpr = 0,
@@ -721,6 +722,26 @@ def monokernel(
                 su_ = _sp(FMT_EXP, qf32_ptr, qs8f_ptr, qs8u_ptr, tl.load(lrow + P.LF_EUP_S) + e * (I_MOE * SC_D_EXP))
                 prefetch_rows(wg, r0, nr_, D, FMT_EXP, USE_ASM)   # experts are known only now
                 prefetch_rows(wu, r0, nr_, D, FMT_EXP, USE_ASM)
+                if UP_L2:   # and the rows of the task n_sms places later (plan F_PSLOT..: the next wave's, which
+                    # this program or a neighbour runs next), so HBM streams the second wave during the first
+                    if USE_ASM:
+                        pslot = tl.sum(tl.where(offs_f == P.F_PSLOT, rowv, 0), axis=0)
+                        pr0 = tl.sum(tl.where(offs_f == P.F_PROW0, rowv, 0), axis=0)
+                        pnr = tl.sum(tl.where(offs_f == P.F_PNROWS, rowv, 0), axis=0)
+                    else:
+                        pslot = tl.load(row + P.F_PSLOT)
+                        pr0 = tl.load(row + P.F_PROW0)
+                        pnr = tl.load(row + P.F_PNROWS)
+                    if ROUTE_ONCE:
+                        pe = tl.load(rids_ptr + layer * TOPK + tl.maximum(pslot, 0), cache_modifier=".cg")
+                    else:
+                        pe = tl.sum(tl.where(tl.arange(0, BLOCK_TOPK) == pslot, ids, 0), axis=0)
+                    pe = pe.to(tl.int64) * (I_MOE * RU_D_EXP)
+                    pn = tl.where(pslot >= 0, pnr, 0)
+                    prefetch_rows(_wp(FMT_EXP, wa_ptr, qw8_ptr, qw32_ptr, tl.load(lrow + P.LF_EGATE)) + pe, pr0, pn,
+                                  D, FMT_EXP, USE_ASM)
+                    prefetch_rows(_wp(FMT_EXP, wa_ptr, qw8_ptr, qw32_ptr, tl.load(lrow + P.LF_EUP)) + pe, pr0, pn,
+                                  D, FMT_EXP, USE_ASM)
                 if MM_EXP:   # on the tensor cores (mma8.py; no expert parallelism)
                     eoff = e * (I_MOE * RU_D_EXP)
                     mma8_glu_task(_wq(FMT_EXP, wa_ptr, qw32_ptr, tl.load(lrow + P.LF_EGATE) + eoff),

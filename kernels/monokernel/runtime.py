@@ -198,6 +198,10 @@ class MonokernelBackend:
         # the next task goes to the first program that is free), "wait" (after its wait), "ahead" (before its wait,
         # the old default). H200, qwen3-30b-a3b fp8: ahead 206.0, wait 227.8, late 252.3 tok/s (session 32).
         self.claim = ("ahead", "wait", "late").index(P.env_choice("KIE_CLAIM", "late", ("ahead", "wait", "late")))
+        # KIE_UP_L2=1 (off, not yet measured): each expert gate / up task also prefetches the rows of the task
+        # n_sms places later (plan F_PSLOT..), so the second wave's weights stream during the first (one GPU)
+        self.up_l2 = (P.env_choice("KIE_UP_L2", "0", ("0", "1")) == "1" and d.E > 0 and d.I_MOE > 0 and not d.TP
+                      and not d.E_LOC)
         self.down_l2 = P.env_choice("KIE_DOWN_L2", "1", ("0", "1")) == "1" and d.E > 0 and d.I_MOE > 0
         self.mscr_words = scratch_words(k_max, self.num_warps, self.mma16 > 0) if self.mma_any else 4
         self.mscr = z(self.grid * self.mscr_words)
@@ -485,7 +489,7 @@ class MonokernelBackend:
             E_LOC=d.E_LOC, MMA8=mma8, MMA16=self.mma16, MMA_DN=mma_dn,
             MSCR=self.mscr_words, ATTN_PREC=self.attn_prec, BLOCK_XS=self.stage_block or bx,
             ROUTE_ONCE=self.route_once, N_ROUTER=max(1, len(pl.op_rows.get("router", ()))), DOWN_L2=self.down_l2,
-            CLAIM=self.claim)
+            UP_L2=self.up_l2, CLAIM=self.claim)
         if sampler is not None:
             meta.update(SFILTER=True, K_CAND=sampler.k_cand, SBLOCK_V=sampler.block_v, SBLOCK_T=sampler.block_t,
                         SBLOCK_C=sampler.block_c)

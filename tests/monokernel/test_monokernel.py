@@ -181,6 +181,23 @@ def test_successor_claimed_after_the_wait_or_after_the_signal(claim, case, n_sms
         MonokernelBackend(m, "cpu")
 
 
+@pytest.mark.parametrize("once", ["1", "0"])
+def test_next_waves_expert_rows_prefetched(once, tiny_model, monkeypatch):
+    """KIE_UP_L2=1: each expert gate / up task also prefetches the rows of the task n_sms places later (its slot's
+    expert read from the published ids, or picked from its own top-k with KIE_ROUTE_ONCE=0). Under the interpreter
+    the prefetch itself is a no-op; the fields' decoding and the partner's id lookup run, and the tokens stay the
+    reference's."""
+    m = tiny_model("qwen3_moe_mixed")
+    monkeypatch.setenv("KIE_UP_L2", "1")
+    monkeypatch.setenv("KIE_ROUTE_ONCE", once)
+    be = MonokernelBackend(m, "cpu", n_sms=2, min_task_bytes=64)
+    t = be.tasks(1)
+    ups = t[t[:, P.F_OP] == P.OP_EXP_UP]
+    assert be.up_l2 and int((ups[:, P.F_PSLOT] >= 0).sum()) > 0
+    got = list(be.generate(PROMPT, SamplingParams(max_new_tokens=4, ignore_eos=True), set()))
+    check_against_reference(be, m, PROMPT, got)
+
+
 def test_attention_combine_over_several_round_trips(tiny_model):
     """More non-empty splits than ops.head_combine takes per round trip (SC = 4 * threads // pow2(REP * Dh); one
     warp makes SC small enough for a context of 13..17): the last split of each kv head combines them all."""
