@@ -202,6 +202,10 @@ class MonokernelBackend:
         # n_sms places later (plan F_PSLOT..), so the second wave's weights stream during the first (one GPU)
         self.up_l2 = (P.env_choice("KIE_UP_L2", "0", ("0", "1")) == "1" and d.E > 0 and d.I_MOE > 0 and not d.TP
                       and not d.E_LOC)
+        # KIE_NEXT_L2=1 (off, not yet measured): each (expert or dense) down task prefetches its share of the next
+        # layer's q|k|v rows before its wait (kernel._next_qkv_l2; one GPU, no MLA / lanes)
+        self.next_l2 = (P.env_choice("KIE_NEXT_L2", "0", ("0", "1")) == "1" and not d.TP and not d.MLA
+                        and not d.LANES)
         self.down_l2 = P.env_choice("KIE_DOWN_L2", "1", ("0", "1")) == "1" and d.E > 0 and d.I_MOE > 0
         self.mscr_words = scratch_words(k_max, self.num_warps, self.mma16 > 0) if self.mma_any else 4
         self.mscr = z(self.grid * self.mscr_words)
@@ -489,7 +493,7 @@ class MonokernelBackend:
             E_LOC=d.E_LOC, MMA8=mma8, MMA16=self.mma16, MMA_DN=mma_dn,
             MSCR=self.mscr_words, ATTN_PREC=self.attn_prec, BLOCK_XS=self.stage_block or bx,
             ROUTE_ONCE=self.route_once, N_ROUTER=max(1, len(pl.op_rows.get("router", ()))), DOWN_L2=self.down_l2,
-            UP_L2=self.up_l2, CLAIM=self.claim)
+            UP_L2=self.up_l2, NEXT_L2=self.next_l2, N_LAYERS=self.spec.num_layers, CLAIM=self.claim)
         if sampler is not None:
             meta.update(SFILTER=True, K_CAND=sampler.k_cand, SBLOCK_V=sampler.block_v, SBLOCK_T=sampler.block_t,
                         SBLOCK_C=sampler.block_c)

@@ -198,6 +198,19 @@ def test_next_waves_expert_rows_prefetched(once, tiny_model, monkeypatch):
     check_against_reference(be, m, PROMPT, got)
 
 
+@pytest.mark.parametrize("case,n_sms", [("llama", 3), ("qwen3_moe_mixed", 2)])
+def test_next_layers_qkv_rows_prefetched_by_the_down_tasks(case, n_sms, tiny_model, monkeypatch):
+    """KIE_NEXT_L2=1: every dense or expert down task prefetches its share of the next layer's q|k|v rows before
+    its wait (none after the last layer). The interpreter's prefetch is a no-op: the layer-table lookups and the
+    last-layer guard run, and the tokens stay the reference's."""
+    m = tiny_model(case)
+    monkeypatch.setenv("KIE_NEXT_L2", "1")
+    be = MonokernelBackend(m, "cpu", n_sms=n_sms)
+    assert be.next_l2
+    got = list(be.generate(PROMPT, SamplingParams(max_new_tokens=4, ignore_eos=True), set()))
+    check_against_reference(be, m, PROMPT, got)
+
+
 def test_attention_combine_over_several_round_trips(tiny_model):
     """More non-empty splits than ops.head_combine takes per round trip (SC = 4 * threads // pow2(REP * Dh); one
     warp makes SC small enough for a context of 13..17): the last split of each kv head combines them all."""
