@@ -6,12 +6,13 @@ next task from an atomic cursor in topological order (plan.build_tasks), and for
   1. issues the task's first weight tile loads (weights never depend on activations: HBM keeps streaming across
      the dependency below),
   2. waits for its input counter (kccl.sync.wait: bounded, aborts on the stop flag),
-  3. computes and stores, then 4. signals its output counter (bar.sync + one release-add).
-Claim-ahead: each task claims its successor right after issuing its weight loads, so the claim's atomic round
-trip hides behind the weight stream instead of sitting between tasks. A program then holds two claims; still no
-deadlock: the lowest unfinished claimed task is always some program's *current* task, and all its inputs are
-earlier tasks, hence finished. Triton has no break/continue: `t = t_next` at the bottom of the `while t <
-n_total` loop, and the stop flag (EOS, host stop, watchdog) turns it into n_total.
+  3. computes and stores, then 4. signals its output counter (bar.sync + one release-add),
+  5. claims its successor (KIE_CLAIM=late, the default: the next task goes to whichever program frees first; see
+     _claim_wait for "ahead", which claims right after step 1 and hides the claim's round trip but lets a program
+     that waits hold two tasks of one phase, and "wait").
+No deadlock either way: the lowest unfinished claimed task is always some program's *current* task, and all its
+inputs are earlier tasks, hence finished. Triton has no break/continue: `t = t_next` at the bottom of the
+`while t < n_total` loop, and the stop flag (EOS, host stop, watchdog) turns it into n_total.
 
 Ops: GEMV tiles (stream.py), GQA attention per kv head and split (ops.py; the last split of a head to finish
 combines them for the o_proj), MLA absorb / attention / v_up (mla.py), the router's top-k recomputed by each
@@ -112,7 +113,8 @@ def _claim_wait(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, wctr, target, s
       session 32's H200 trace has the q/k/v tasks' ready times spread over 9.6 us, the expert down's over 8.5-12.
     1 "wait": wait, then claim: a waiting program holds one task; the claim hides behind the task's work.
     2 "late": wait only; the successor is claimed after this task's signal (the loop's bottom), by whichever
-      program frees first, at the price of one exposed claim per task."""
+      program frees first, at the price of one exposed claim per task.
+    (The sampler and the tensor-parallel REDUCE tasks, whose waits differ, claim before their wait unless "late".)"""
     if CLAIM == 0:
         t, row = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
         st = _wait(wctr, target, stop_ptr, timeout_ns, USE_ASM, NT, MODE, tr, trace_on)
