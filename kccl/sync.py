@@ -118,11 +118,18 @@ def cta_max(x, NT: tl.constexpr):
 @triton.jit
 def flag_is_set(ptr, USE_ASM: tl.constexpr, NT: tl.constexpr = 256):
     """A stop / abort word read by every thread, agreed across the program (uniform bool)."""
+    return flag_agreed(ld_volatile(ptr, USE_ASM), USE_ASM, NT)
+
+
+@triton.jit
+def flag_agreed(v, USE_ASM: tl.constexpr, NT: tl.constexpr = 256):
+    """flag_is_set's second half: a flag word each thread read (ld_volatile) -> one uniform bool. Split so the
+    read can go out early and its round trip overlap other work (the monokernel's claim)."""
     if USE_ASM:
-        v = cta_max((ld_volatile(ptr, USE_ASM) != 0).to(tl.int32), NT)
+        a = cta_max((v != 0).to(tl.int32), NT)
     else:
-        v = (tl.load(ptr) != 0).to(tl.int32)
-    return v != 0
+        a = (v != 0).to(tl.int32)
+    return a != 0
 
 
 @triton.jit

@@ -35,7 +35,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kie_moe.kccl.sync import (clock64, flag_is_set, globaltimer, put_span, read_counter, signal, signal_peer,
+from kie_moe.kccl.sync import (clock64, flag_agreed, flag_is_set, globaltimer, ld_volatile, put_span, read_counter,
+                               signal, signal_peer,
                                st_release_sys, wait)
 
 from . import plan as P
@@ -319,7 +320,7 @@ def monokernel(
     BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr,
     BLOCK_TOPK: tl.constexpr, BLOCK_EOS: tl.constexpr, BLOCK_X: tl.constexpr, BLOCK_XS: tl.constexpr,
     ROUTE_ONCE: tl.constexpr, N_ROUTER: tl.constexpr, DOWN_L2: tl.constexpr, UP_L2: tl.constexpr,
-    NEXT_L2: tl.constexpr, N_LAYERS: tl.constexpr, CLAIM: tl.constexpr,
+    NEXT_L2: tl.constexpr, N_LAYERS: tl.constexpr, CLAIM: tl.constexpr, STOP_EARLY: tl.constexpr,
     BLOCK_QG: tl.constexpr,
     XB: tl.constexpr, NS: tl.constexpr, USE_ASM: tl.constexpr, NT: tl.constexpr, MODE: tl.constexpr = 0,
     TP: tl.constexpr = 0, E_LO: tl.constexpr = 0, E_LOC: tl.constexpr = 0,
@@ -941,9 +942,15 @@ def monokernel(
             tl.store(rec + 1, read_counter(wctr, USE_ASM))
             tl.store(rec + 2, target)
             tl.atomic_xchg(stop_ptr, 1)
+        if STOP_EARLY:   # the stop word's read goes out before the claim: the two round trips overlap
+            stop_w = ld_volatile(stop_ptr, USE_ASM)
         if CLAIM == 2:   # "late": the successor, after this task's signal (_claim_wait)
             t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
+        if STOP_EARLY:
+            stopping = flag_agreed(stop_w, USE_ASM, NT)
+        else:
+            stopping = flag_is_set(stop_ptr, USE_ASM, NT)
         t = t_next
         rowv = row_next
-        if flag_is_set(stop_ptr, USE_ASM, NT):
+        if stopping:
             t = n_total

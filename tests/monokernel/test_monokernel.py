@@ -259,9 +259,14 @@ def test_gumbel_noise_is_standard():
     assert abs(g.mean() - 0.5772) < 0.02 and abs(g.std() - np.pi / np.sqrt(6)) < 0.02
 
 
-def test_eos_ends_the_launch(tiny_model):
+@pytest.mark.parametrize("stop_early", ["0", "1"])
+def test_eos_ends_the_launch(stop_early, tiny_model, monkeypatch):
+    """EOS stops the kernel itself at that token; KIE_STOP_EARLY=1 (the stop word read before the late claim) the
+    same."""
+    monkeypatch.setenv("KIE_STOP_EARLY", stop_early)
     m = tiny_model("llama")
     be = MonokernelBackend(m, "cpu")
+    assert be.stop_early == (stop_early == "1")
     want = reference_greedy(m, PROMPT, N)
     eos = want[3]
     first = want.index(eos)
@@ -279,7 +284,9 @@ def test_engine_runs_the_monokernel_backend(tiny_model):
     check_against_reference(be, m, PROMPT, got)
 
 
-def test_watchdog_names_the_stuck_task_and_next_launch_works(tiny_model):
+@pytest.mark.parametrize("stop_early", ["0", "1"])
+def test_watchdog_names_the_stuck_task_and_next_launch_works(stop_early, tiny_model, monkeypatch):
+    monkeypatch.setenv("KIE_STOP_EARLY", stop_early)
     m = tiny_model("qwen3_moe_mixed")
     be = MonokernelBackend(m, "cpu", n_sms=2)
     tasks = be.tasks(1)
