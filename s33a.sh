@@ -16,6 +16,8 @@ mk lnext llama-3.2-1b fp8 KIE_NEXT_L2=1
 mk lstop llama-3.2-1b fp8 KIE_STOP_EARLY=1
 XA="--prompt-len 8192" mk q8k qwen3-30b-a3b fp8
 XA="--prompt-len 8192" mk l8k llama-3.2-1b bf16
+XA="--trace 4" mk t3 qwen3-30b-a3b fp8 KIE_ATTN_DOT=tf32x3   # (128 B of spills offline on the late-claim base)
+tail -14 $R/mk-t3.log | grep -v '^{' | cut -c1-160
 t=$(left); if [ $t -gt 40 ]; then [ $t -gt 200 ] && t=200
   KIE_GPU_TESTS=1 timeout $t python3 -m pytest tests/monokernel/test_monokernel_gpu.py tests/monokernel/test_trace.py -v -p no:cacheprovider -o addopts="" -m gpu -k "not tiny_families and not real_size_parity and not default_prefill and not (quantized_parity and fp8)" >$R/test-gpu.log 2>&1; echo "tests rc=$?"; grep -cE "PASSED" $R/test-gpu.log; grep -E "FAILED|ERROR" $R/test-gpu.log | head -8 | cut -c1-200; pk; fi
 pk
