@@ -1,5 +1,6 @@
 """The monokernel's fp8 q|k|v, o_proj and routed-expert gate / up and down tasks on the tensor cores
-(kernels/fp8_mma.py's loop); opt-in, off: KIE_MONO_FP8_MMA=1 (NOTES.md sessions 28-29). The down task needs
+(kernels/fp8_mma.py's loop); on by default since session 32, KIE_MONO_FP8_MMA=0 for the CUDA-core tasks (NOTES.md
+sessions 28-29, 32). The down task needs
 I_MOE and the shared expert's width to be multiples of 16 (else it stays on the CUDA cores, stream.py).
 
 Why: at one 8-warp program per SM the CUDA-core fp8 stream loops run 37-65% of the read probe, fp8_mma's loop

@@ -191,9 +191,6 @@ class MonokernelBackend:
         self.route_once = (P.env_choice("KIE_ROUTE_ONCE", "1", ("0", "1")) == "1" and d.E > 0 and not d.TP
                            and not d.E_LOC)
         self.rticket = z(max(d.L, 1), dt=i32)
-        # KIE_DOWN_L2 (default 1; 0: its A/B): each expert gate / up task, once its stream is done, prefetches its
-        # share of its expert's down rows into L2; the down tasks then skip their own prefetch, which they could
-        # issue only after their wait (H200, qwen3 fp8: down task 9.4 -> 5.9 us, +4.1% tok/s; session 32)
         # KIE_CLAIM: when a task claims its successor (kernel._claim_wait): "late" (default: after its signal, so
         # the next task goes to the first program that is free), "wait" (after its wait), "ahead" (before its wait,
         # the old default). H200, qwen3-30b-a3b fp8: ahead 206.0, wait 227.8, late 252.3 tok/s (session 32).
@@ -209,6 +206,9 @@ class MonokernelBackend:
         # KIE_STOP_EARLY=1 (off, not yet measured): at a task's end the stop word's read goes out before the late
         # claim's atomic instead of after the row load, one round trip fewer between tasks
         self.stop_early = P.env_choice("KIE_STOP_EARLY", "0", ("0", "1")) == "1"
+        # KIE_DOWN_L2 (default 1; 0: its A/B): each expert gate / up task, once its stream is done, prefetches its
+        # share of its expert's down rows into L2; the down tasks then skip their own prefetch, which they could
+        # issue only after their wait (H200, qwen3 fp8: down task 9.4 -> 5.9 us, +4.1% tok/s; session 32)
         self.down_l2 = P.env_choice("KIE_DOWN_L2", "1", ("0", "1")) == "1" and d.E > 0 and d.I_MOE > 0
         self.mscr_words = scratch_words(k_max, self.num_warps, self.mma16 > 0) if self.mma_any else 4
         self.mscr = z(self.grid * self.mscr_words)
