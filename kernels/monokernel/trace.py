@@ -18,7 +18,9 @@ summarize() turns that into
 - per phase kind: the lag from the previous phase's end to this phase's first ready task (wake-up latency) and the
   spread of its tasks' ready times (a task is ready when its input is there AND its program is free: a wide spread
   means programs arrive late, still busy with earlier tasks);
-- busy share: sum of work over (programs x span).
+- busy share: sum of work over (programs x span); between share: the time a program spends from one task's done
+  stamp to its next task's start stamp (the claim, the claimed row's load, the stop-word check), summed over
+  (programs x span), and its mean per task (`between_us`; clock64 of the same SM).
 """
 from __future__ import annotations
 
@@ -92,14 +94,22 @@ def summarize(tasks: np.ndarray, trace: np.ndarray, n_programs: int, skip_steps:
             d["mb_per_step"] = op_bytes[nm] / 1e6
             d["gbps_on_critical_path"] = op_bytes[nm] / max(1e-9, d["critical_us_per_step"]) / 1e3
     busy = float(work_us.sum() * 1e3 / (n_programs * max(1, span_ns)))
+    # between tasks: each program's consecutive tasks (by start), done -> next start, on its own SM's clock
+    prog = tr[:, 6]
+    o2 = np.lexsort((tr[:, 3], prog))
+    same = prog[o2][1:] == prog[o2][:-1]
+    gaps = (tr[o2, 3][1:] - tr[o2, 5][:-1])[same] / ghz      # ns
     return dict(steps=int(steps), tasks_per_step=int(T), ms_per_step=span_ns / 1e6 / steps, sm_ghz=ghz, busy_share=busy,
-                wait_share=float(wait_us.sum() * 1e3 / (n_programs * max(1, span_ns))), ops=per_op)
+                wait_share=float(wait_us.sum() * 1e3 / (n_programs * max(1, span_ns))),
+                between_share=float(gaps.sum() / (n_programs * max(1, span_ns))),
+                between_us=float(gaps.mean() / 1e3) if gaps.size else None, ops=per_op)
 
 
 def format_table(s: dict) -> str:
     lines = [f"{s['steps']} steps x {s['tasks_per_step']} tasks, {s['ms_per_step']:.3f} ms/step, SM clock "
              f"{s['sm_ghz']:.2f} GHz, programs busy {100 * s['busy_share']:.0f}% / waiting "
-             f"{100 * s['wait_share']:.0f}%",
+             f"{100 * s['wait_share']:.0f}% / between tasks {100 * s.get('between_share', 0):.0f}%"
+             + (f" ({s['between_us']:.2f} us per task)" if s.get("between_us") is not None else ""),
              f"{'op':<16}{'tasks':>7}{'wait us':>9}{'work us':>9}{'max':>8}{'crit us/step':>13}{'lag us':>8}"
              f"{'spread us':>10}{'MB':>8}{'GB/s crit':>10}{'pre us':>8}{'mid us':>8}"]
     ops = sorted(s["ops"].items(), key=lambda kv: -kv[1]["critical_us_per_step"])

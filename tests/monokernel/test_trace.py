@@ -65,6 +65,12 @@ def test_summarize_charges_the_critical_path_to_the_phase_that_ends_it():
     assert o["wake_lag_us"] == pytest.approx(0.1) and q["ready_spread_us"] == 0 and o["ready_spread_us"] == 0
     assert o["mb_per_step"] == 0.4 and o["gbps_on_critical_path"] == pytest.approx(1000.0)   # 400 KB in 0.4 us
     assert "o_proj" in format_table(s)
+    # between tasks: each program runs one task a step; steps 1 and 2 start 1,000 ns apart, so program 0 waits
+    # 1000 - 300 = 700 ns from its done to its next start, program 1 500, program 2 100: mean 433 ns, and those
+    # 1,300 ns over 3 programs x the 1,900 ns span
+    assert s["between_us"] == pytest.approx((0.7 + 0.5 + 0.1) / 3)
+    assert s["between_share"] == pytest.approx(1300 / (3 * 1900))
+    assert "between tasks 23%" in format_table(s)
 
 
 def test_summarize_splits_attention_work_at_its_loop_stamp():
