@@ -1,15 +1,19 @@
 #!/bin/bash
 # Next session's first call (prepared in session 32): qwen3-30b-a3b fp8 with the defaults (late claim, route once,
 # fp8 tasks, down rows into L2), then KIE_UP_L2=1, KIE_NEXT_L2=1, both, KIE_STOP_EARLY=1 (tokens must equal the
-# base's), the GPU tests not yet run with the new defaults, a trace of UP_L2 + NEXT_L2.
+# base's), every monokernel GPU test with the defaults (right after the base), a trace of UP_L2 + NEXT_L2.
+# Carry .whl with pytest-xdist and execnet beside compressed-tensors' wheels.
 R=/tmp/s33a LIMIT=560; . scripts/device-steps.sh
 mk base qwen3-30b-a3b fp8
+# every GPU test of the monokernel with the defaults (none has run with KIE_ROUTE_ONCE=1 yet); 4 pytest-xdist workers
+# when the carried wheel imports (the cold compiles are CPU work: 16 cores), else one
+XD=$(python3 -c "import xdist" 2>/dev/null && echo "-n 4")
+t=$(left); if [ $t -gt 40 ]; then [ $t -gt 200 ] && t=200
+  KIE_GPU_TESTS=1 timeout $t python3 -m pytest tests/monokernel/test_monokernel_gpu.py tests/monokernel/test_trace.py -v $XD -p no:cacheprovider -o addopts="" -m gpu >$R/test-gpu.log 2>&1; echo "tests rc=$? ($XD)"; grep -cE "PASSED" $R/test-gpu.log; grep -E "FAILED|ERROR" $R/test-gpu.log | head -8 | cut -c1-200; pk; fi
 mk up qwen3-30b-a3b fp8 KIE_UP_L2=1
 mk next qwen3-30b-a3b fp8 KIE_NEXT_L2=1
 mk both qwen3-30b-a3b fp8 KIE_UP_L2=1 KIE_NEXT_L2=1
 mk stop qwen3-30b-a3b fp8 KIE_STOP_EARLY=1
-t=$(left); if [ $t -gt 40 ]; then [ $t -gt 180 ] && t=180
-  KIE_GPU_TESTS=1 timeout $t python3 -m pytest tests/monokernel/test_monokernel_gpu.py tests/monokernel/test_trace.py -v -p no:cacheprovider -o addopts="" -m gpu -k "not tiny_families and not real_size_parity and not default_prefill and not (quantized_parity and fp8)" >$R/test-gpu.log 2>&1; echo "tests rc=$?"; grep -cE "PASSED" $R/test-gpu.log; grep -E "FAILED|ERROR" $R/test-gpu.log | head -8 | cut -c1-200; pk; fi
 XA="--trace 4" mk tboth qwen3-30b-a3b fp8 KIE_UP_L2=1 KIE_NEXT_L2=1
 tail -14 $R/mk-tboth.log | grep -v '^{' | cut -c1-160
 pk
