@@ -10,8 +10,8 @@ XA="--max-task-kb 64" mk kb64 qwen3-30b-a3b fp8   # smaller tasks: finer balance
 mk lbase llama-3.2-1b fp8
 mk lnext llama-3.2-1b fp8 KIE_NEXT_L2=1
 mk lstop llama-3.2-1b fp8 KIE_STOP_EARLY=1
-XA="--prompt-len 8192" mk q8k qwen3-30b-a3b fp8
-XA="--prompt-len 8192" mk l8k llama-3.2-1b bf16
+MKT=150 XA="--prompt-len 8192" mk q8k qwen3-30b-a3b fp8
+MKT=120 XA="--prompt-len 8192" mk l8k llama-3.2-1b bf16
 XA="--trace 4" mk t3 qwen3-30b-a3b fp8 KIE_ATTN_DOT=tf32x3   # (128 B of spills offline on the late-claim base)
 tail -14 $R/mk-t3.log | grep -v '^{' | cut -c1-160
 t=$(left); if [ $t -gt 50 ]; then [ $t -gt 80 ] && t=80

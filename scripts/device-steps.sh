@@ -2,14 +2,15 @@
 # Set before sourcing: R (results dir under /tmp), LIMIT (seconds the stages may use). Gives:
 #   pk            pack R into $OUT/<name of R>.tgz (after every stage: what ran comes back if the call is cut off)
 #   left          seconds left of LIMIT
-#   mk NAME ARCH FMT [ENV=V ...]   monokernel_bench (median of 3) with the env vars; $XA adds bench arguments;
+#   mk NAME ARCH FMT [ENV=V ...]   monokernel_bench (median of 3) with the env vars; $XA adds bench arguments,
+#                 $MKT caps its seconds (default 75);
 #                 prints tok/s, % of the probe and the first tokens (A/Bs that keep the math must match)
 # and runs scripts/gpu-check's env stage (versions, read probe, the carried wheels into /tmp/site).
 mkdir -p "$R"; T0=$(date +%s)
 pk() { tar czf "$OUT/$(basename "$R").tgz" -C "$(dirname "$R")" "$(basename "$R")"; echo "[t=$(( $(date +%s) - T0 ))s] packed"; }
 left() { echo $(( LIMIT - ($(date +%s) - T0) )); }
 mk() {
-  local n=$1 a=$2 f=$3 t; shift 3; t=$(left); [ "$t" -gt 35 ] || { echo "skip $n"; return; }; [ "$t" -gt 75 ] && t=75
+  local n=$1 a=$2 f=$3 t; shift 3; t=$(left); [ "$t" -gt 35 ] || { echo "skip $n"; return; }; [ "$t" -gt "${MKT:-75}" ] && t=${MKT:-75}
   env "$@" timeout "$t" python3 benchmarks/monokernel_bench.py --archs "$a" --formats "$f" --no-breakdown --reps 3 $XA \
     --out "$R/mk-$n.json" >"$R/mk-$n.log" 2>&1; echo "$n rc=$?"
   grep -o '"tok_per_s": [0-9.]*\|"pct_of_probe": [0-9.]*\|"tokens_sample": [^]]*' "$R/mk-$n.log" | tr '\n' ' '; echo; pk; }
