@@ -95,6 +95,17 @@ def _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM: tl.constexp
 
 
 @triton.jit
+def _field(rowv, row, offs_f, k: tl.constexpr, USE_ASM: tl.constexpr):
+    """Field k of the claimed task's row: from the row vector _claim loaded (GPU), or one plain load of the table
+    row (the interpreter, where that is cheaper than extracting from the vector)."""
+    if USE_ASM:
+        v = tl.sum(tl.where(offs_f == k, rowv, 0), axis=0)
+    else:
+        v = tl.load(row + k)
+    return v
+
+
+@triton.jit
 def _claim_if(now: tl.constexpr, cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM: tl.constexpr):
     """_claim when `now`; else placeholders (CLAIM 2: the loop's bottom claims)."""
     if now:
@@ -337,6 +348,7 @@ def monokernel(
     stop_ptr = ctrl_ptr + 0  # CT_STOP
     n_total = n_tasks * n_steps
     NQ: tl.constexpr = HQ * DH
+    NQKV: tl.constexpr = NQ + 2 * HKV * DH              # q|k|v rows (not MLA)
     O_K: tl.constexpr = HQ * VD if MLA else NQ          # o_proj's input: v of every head (MLA) / attention out
     # MLA offsets in the qkv buffer: [q_a | kv_a] (or [q | kv_a]) from qkv_proj, then q (from q_b), q_lat, q_pe
     KVA_OFF: tl.constexpr = R_Q if R_Q > 0 else NQ
@@ -369,39 +381,23 @@ def monokernel(
     t, rowv = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
     while t < n_total:
         step = t // n_tasks
-        if USE_ASM:   # fields of the prefetched row vector
-            op = tl.sum(tl.where(offs_f == 0, rowv, 0), axis=0)
-            layer = tl.sum(tl.where(offs_f == 1, rowv, 0), axis=0)
-            r0 = tl.sum(tl.where(offs_f == 2, rowv, 0), axis=0)
-            nr = tl.sum(tl.where(offs_f == 3, rowv, 0), axis=0)
-            aux = tl.sum(tl.where(offs_f == 4, rowv, 0), axis=0)
-            wc = tl.sum(tl.where(offs_f == 5, rowv, 0), axis=0)
-            target = (tl.sum(tl.where(offs_f == 6, rowv, 0), axis=0) * step
-                      + tl.sum(tl.where(offs_f == 7, rowv, 0), axis=0))
-            sig = tl.sum(tl.where(offs_f == 8, rowv, 0), axis=0)
-            woff = tl.sum(tl.where(offs_f == 10, rowv, 0), axis=0).to(tl.int64) * 2147483648 \
-                + tl.sum(tl.where(offs_f == 9, rowv, 0), axis=0)
-        else:         # the interpreter: plain loads are cheaper there
-            row = tasks_ptr + (t - step * n_tasks) * _NF
-            op = tl.load(row + 0)
-            layer = tl.load(row + 1)
-            r0 = tl.load(row + 2)
-            nr = tl.load(row + 3)
-            aux = tl.load(row + 4)
-            wc = tl.load(row + 5)
-            target = tl.load(row + 6) * step + tl.load(row + 7)
-            sig = tl.load(row + 8)
-            woff = tl.load(row + 10).to(tl.int64) * 2147483648 + tl.load(row + 9)
+        row = tasks_ptr + (t - step * n_tasks) * _NF   # (the interpreter's fields; unused on the GPU)
+        op = _field(rowv, row, offs_f, P.F_OP, USE_ASM)
+        layer = _field(rowv, row, offs_f, P.F_LAYER, USE_ASM)
+        r0 = _field(rowv, row, offs_f, P.F_ROW0, USE_ASM)
+        nr = _field(rowv, row, offs_f, P.F_NROWS, USE_ASM)
+        aux = _field(rowv, row, offs_f, P.F_AUX, USE_ASM)
+        wc = _field(rowv, row, offs_f, P.F_WAIT, USE_ASM)
+        target = _field(rowv, row, offs_f, P.F_WCNT, USE_ASM) * step + _field(rowv, row, offs_f, P.F_WBASE, USE_ASM)
+        sig = _field(rowv, row, offs_f, P.F_SIG, USE_ASM)
+        woff = (_field(rowv, row, offs_f, P.F_WHI, USE_ASM).to(tl.int64) * 2147483648
+                + _field(rowv, row, offs_f, P.F_WLO, USE_ASM))
         xctr = symi_ptr + sym_ctr_off
         xc = 0    # the KCCL counter a put task signals on every rank (lane plans: -1 = no put)
         xw = -1   # lane output tasks of a delayed layer: the KCCL counter of layer i - DELAY's tile (-1: none)
         if TP > 0:
-            if USE_ASM:
-                xc = tl.sum(tl.where(offs_f == 11, rowv, 0), axis=0)
-                xw = tl.sum(tl.where(offs_f == 12, rowv, 0), axis=0)
-            else:
-                xc = tl.load(row + 11)
-                xw = tl.load(row + 12)
+            xc = _field(rowv, row, offs_f, P.F_XCTR, USE_ASM)
+            xw = _field(rowv, row, offs_f, P.F_XWAIT, USE_ASM)
             xctr += xc
         if MODE == 1:
             op = tl.where(op == _OP_SAMPLE, op, 0)
@@ -636,8 +632,8 @@ def monokernel(
             sq = _sp(FMT_MLP, qf32_ptr, qs8f_ptr, qs8u_ptr, tl.load(lrow + P.LF_DOWN_S))
             prefetch_rows(w, r0, nr, I_DENSE, FMT_MLP, USE_ASM)
             if NEXT_L2:
-                _next_qkv_l2(layers_ptr, layer, r0, r_end, wa_ptr, qw8_ptr, qw32_ptr, D, (HQ + 2 * HKV) * DH,
-                             N_LAYERS, FMT_ATTN, USE_ASM)
+                _next_qkv_l2(layers_ptr, layer, r0, r_end, wa_ptr, qw8_ptr, qw32_ptr, D, NQKV, N_LAYERS, FMT_ATTN,
+                             USE_ASM)
             if MM_MLP:
                 wq = tl.multiple_of(_wq(FMT_MLP, wa_ptr, qw32_ptr, woff), 32)
                 first = mma8_first(wq, I_DENSE, r0, r_end, NT // 32, W_MLP)
@@ -742,14 +738,9 @@ def monokernel(
                 prefetch_rows(wu, r0, nr_, D, FMT_EXP, USE_ASM)
                 if UP_L2:   # and the rows of the task n_sms places later (plan F_PSLOT..: the next wave's, which
                     # this program or a neighbour runs next), so HBM streams the second wave during the first
-                    if USE_ASM:
-                        pslot = tl.sum(tl.where(offs_f == P.F_PSLOT, rowv, 0), axis=0)
-                        pr0 = tl.sum(tl.where(offs_f == P.F_PROW0, rowv, 0), axis=0)
-                        pnr = tl.sum(tl.where(offs_f == P.F_PNROWS, rowv, 0), axis=0)
-                    else:
-                        pslot = tl.load(row + P.F_PSLOT)
-                        pr0 = tl.load(row + P.F_PROW0)
-                        pnr = tl.load(row + P.F_PNROWS)
+                    pslot = _field(rowv, row, offs_f, P.F_PSLOT, USE_ASM)
+                    pr0 = _field(rowv, row, offs_f, P.F_PROW0, USE_ASM)
+                    pnr = _field(rowv, row, offs_f, P.F_PNROWS, USE_ASM)
                     if ROUTE_ONCE:
                         pe = tl.load(rids_ptr + layer * TOPK + tl.maximum(pslot, 0), cache_modifier=".cg")
                     else:
@@ -790,8 +781,8 @@ def monokernel(
                                   re_ * D // I_MOE - d0, I_MOE, FMT_EXP, USE_ASM)
         elif op == _OP_EXP_DOWN:
             if NEXT_L2:
-                _next_qkv_l2(layers_ptr, layer, r0, r_end, wa_ptr, qw8_ptr, qw32_ptr, D, (HQ + 2 * HKV) * DH,
-                             N_LAYERS, FMT_ATTN, USE_ASM)
+                _next_qkv_l2(layers_ptr, layer, r0, r_end, wa_ptr, qw8_ptr, qw32_ptr, D, NQKV, N_LAYERS, FMT_ATTN,
+                             USE_ASM)
             t_next, row_next, st = _claim_wait(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, wctr, target,
                                                stop_ptr, timeout_ns, USE_ASM, NT, MODE, tr, trace_on, CLAIM)
             if TP > 0:

@@ -464,6 +464,11 @@ def env_choice(name: str, default: str, choices: tuple[str, ...]) -> str:
     return v
 
 
+def env_flag(name: str, default: bool) -> bool:
+    """A 0 / 1 switch from the environment (env_choice: anything else is refused naming it)."""
+    return env_choice(name, "1" if default else "0", ("0", "1")) == "1"
+
+
 TASK_KB_OPS = ("qkv", "o", "lm", "gateup", "down", "router", "exp_up", "exp_down", "sh_up")
 
 

@@ -166,7 +166,7 @@ class MonokernelBackend:
         plain = (not d.LANES and not d.MLA and not d.TP and not d.E_LOC and d.D % 16 == 0
                  and (d.HQ * d.DH) % 16 == 0 and d.I_DENSE % 16 == 0)
         fmts = (d.FMT_ATTN, d.FMT_MLP if d.I_DENSE else -1, d.FMT_EXP if has_exp else -1)
-        self.mma8 = (P.env_choice("KIE_MONO_FP8_MMA", "1", ("0", "1")) == "1" and plain and 1 in fmts
+        self.mma8 = (P.env_flag("KIE_MONO_FP8_MMA", True) and plain and 1 in fmts
                      and (self.device.type != "cuda" or has_fp8e4nv(self.device)))   # e4m3 converts: sm_89+
         w16 = {torch.bfloat16: 1, torch.float16: 2}.get(self.plan.wdtype, 0)
         self.mma16 = w16 if (os.environ.get("KIE_MONO_W16_MMA", "0") == "1" and plain and 0 in fmts) else 0
@@ -188,7 +188,7 @@ class MonokernelBackend:
         # that finishes last (a ticket), instead of by every expert gate / up task (~3.7 us each of qwen3's, H100
         # trace); they read their expert id. With the late claim +3.0% (qwen3-30b-a3b fp8, H100, session 32;
         # neutral with the old claim-ahead). One GPU only (tensor / expert parallel ranks keep the recomputation).
-        self.route_once = (P.env_choice("KIE_ROUTE_ONCE", "1", ("0", "1")) == "1" and d.E > 0 and not d.TP
+        self.route_once = (P.env_flag("KIE_ROUTE_ONCE", True) and d.E > 0 and not d.TP
                            and not d.E_LOC)
         self.rticket = z(max(d.L, 1), dt=i32)
         # KIE_CLAIM: when a task claims its successor (kernel._claim_wait): "late" (default: after its signal, so
@@ -197,19 +197,19 @@ class MonokernelBackend:
         self.claim = ("ahead", "wait", "late").index(P.env_choice("KIE_CLAIM", "late", ("ahead", "wait", "late")))
         # KIE_UP_L2=1 (off, not yet measured): each expert gate / up task also prefetches the rows of the task
         # n_sms places later (plan F_PSLOT..), so the second wave's weights stream during the first (one GPU)
-        self.up_l2 = (P.env_choice("KIE_UP_L2", "0", ("0", "1")) == "1" and d.E > 0 and d.I_MOE > 0 and not d.TP
+        self.up_l2 = (P.env_flag("KIE_UP_L2", False) and d.E > 0 and d.I_MOE > 0 and not d.TP
                       and not d.E_LOC)
         # KIE_NEXT_L2=1 (off, not yet measured): each (expert or dense) down task prefetches its share of the next
         # layer's q|k|v rows before its wait (kernel._next_qkv_l2; one GPU, no MLA / lanes)
-        self.next_l2 = (P.env_choice("KIE_NEXT_L2", "0", ("0", "1")) == "1" and not d.TP and not d.MLA
+        self.next_l2 = (P.env_flag("KIE_NEXT_L2", False) and not d.TP and not d.MLA
                         and not d.LANES)
         # KIE_STOP_EARLY=1 (off, not yet measured): at a task's end the stop word's read goes out before the late
         # claim's atomic instead of after the row load, one round trip fewer between tasks
-        self.stop_early = P.env_choice("KIE_STOP_EARLY", "0", ("0", "1")) == "1"
+        self.stop_early = P.env_flag("KIE_STOP_EARLY", False)
         # KIE_DOWN_L2 (default 1; 0: its A/B): each expert gate / up task, once its stream is done, prefetches its
         # share of its expert's down rows into L2; the down tasks then skip their own prefetch, which they could
         # issue only after their wait (H200, qwen3 fp8: down task 9.4 -> 5.9 us, +4.1% tok/s; session 32)
-        self.down_l2 = P.env_choice("KIE_DOWN_L2", "1", ("0", "1")) == "1" and d.E > 0 and d.I_MOE > 0
+        self.down_l2 = P.env_flag("KIE_DOWN_L2", True) and d.E > 0 and d.I_MOE > 0
         self.mscr_words = scratch_words(k_max, self.num_warps, self.mma16 > 0) if self.mma_any else 4
         self.mscr = z(self.grid * self.mscr_words)
         self.pv, self.pi = z(self.plan.n_lm_tiles), z(self.plan.n_lm_tiles, dt=i32)

@@ -66,6 +66,17 @@ def check_against_reference(be, m, prompt, got, tol=None):
         close(be.kv[i, 1, :, p0:p1], v[p0:p1].transpose(0, 1))
 
 
+def reference_over_two_launches_then_refused(be, m, n, monkeypatch, var, bad):
+    """An env-switched variant's checks: the reference's tokens for n steps in each of two launches (per-launch
+    state, such as tickets and cursors, restarts), then `var`=`bad` refused by a new backend, naming `var`."""
+    for _ in range(2):
+        got = list(be.generate(PROMPT, SamplingParams(max_new_tokens=n, ignore_eos=True), set()))
+        check_against_reference(be, m, PROMPT, got)
+    monkeypatch.setenv(var, bad)
+    with pytest.raises(ValueError, match=var):
+        MonokernelBackend(m, "cpu")
+
+
 GREEDY = [  # (case, n_sms: programs the tiles are sized for -> several tiles per op)
     ("llama", 3),               # llama3 rope scaling, tied embeddings
     ("qwen3", 1),               # per-head q/k norm, head_dim 24 (not a power of 2), sliding window 7
@@ -156,12 +167,7 @@ def test_top_k_picked_once_by_the_last_router_task(case, n_sms, once, tiny_model
     monkeypatch.setenv("KIE_ROUTE_ONCE", once)
     be = MonokernelBackend(m, "cpu", n_sms=n_sms, min_task_bytes=64)
     assert be.route_once == (once == "1") and len(be.plan.op_rows["router"]) > 1
-    for _ in range(2):
-        got = list(be.generate(PROMPT, SamplingParams(max_new_tokens=5, ignore_eos=True), set()))
-        check_against_reference(be, m, PROMPT, got)
-    monkeypatch.setenv("KIE_ROUTE_ONCE", "yes")
-    with pytest.raises(ValueError, match="KIE_ROUTE_ONCE"):
-        MonokernelBackend(m, "cpu")
+    reference_over_two_launches_then_refused(be, m, 5, monkeypatch, "KIE_ROUTE_ONCE", "yes")
 
 
 @pytest.mark.parametrize("claim,case,n_sms", [("wait", "qwen3_moe_mixed", 3), ("late", "gpt_oss", 2)])
@@ -173,12 +179,7 @@ def test_successor_claimed_after_the_wait_or_after_the_signal(claim, case, n_sms
     monkeypatch.setenv("KIE_CLAIM", claim)
     be = MonokernelBackend(m, "cpu", n_sms=n_sms)
     assert be.claim == ("ahead", "wait", "late").index(claim)
-    for _ in range(2):
-        got = list(be.generate(PROMPT, SamplingParams(max_new_tokens=4, ignore_eos=True), set()))
-        check_against_reference(be, m, PROMPT, got)
-    monkeypatch.setenv("KIE_CLAIM", "early")
-    with pytest.raises(ValueError, match="KIE_CLAIM"):
-        MonokernelBackend(m, "cpu")
+    reference_over_two_launches_then_refused(be, m, 4, monkeypatch, "KIE_CLAIM", "early")
 
 
 @pytest.mark.parametrize("once", ["1", "0"])
