@@ -13,7 +13,8 @@ kernel, REPS times back to back per kv head (4 programs), under three surroundin
 - prefetch+spin: the same, each first bulk-prefetching its share (64 KB) of an 8 MB weight range into L2, as the
   o_proj tasks do while attention runs (a fresh range per rep);
 and with the task's dots in fp32 FMAs ("ieee", the monokernel's default) or on the tensor cores ("tf32x3", ~fp32
-accuracy; "tf32", one product, for timing), at several K/V block sizes, splits and warps. (Session 30, H100: the
+accuracy; "tf32", one product, for timing; "bf16x2": q / p as two bf16 halves against the bf16 cache, 2 products;
+"bf16": one product, the graph backend's precision), at several K/V block sizes, splits and warps. (Session 30, H100: the
 task alone is as slow as beside the spinners, ~10,000 cycles per ieee block of 16 positions.)
 
 us per task = the attention program's globaltimer span / REPS (the median over the kv heads); the last rep is also
@@ -132,7 +133,7 @@ def main(argv=None) -> int:
     rows = []
     # (others, dot precision, block_t, warps, splits): the monokernel's qwen3 task is ieee, block_t 16 at 8 warps
     cases = [(0, "ieee", 16, 8, 1), (0, "tf32x3", 16, 8, 1), (0, "tf32", 16, 8, 1), (0, "tf32x3", 64, 8, 1),
-             (0, "tf32x3", 16, 8, 3)]
+             (0, "tf32x3", 16, 8, 3), (0, "bf16x2", 16, 8, 1), (0, "bf16", 16, 8, 1), (0, "bf16x2", 64, 8, 1)]
     if a.more:
         cases += [(0, "tf32x3", 32, 8, 1), (2, "tf32x3", 16, 8, 1), (0, "tf32x3", 16, 4, 1), (1, "ieee", 16, 8, 1),
                   (2, "ieee", 16, 8, 1), (0, "ieee", 64, 8, 1), (0, "ieee", 16, 8, 3), (0, "ieee", 32, 8, 1),

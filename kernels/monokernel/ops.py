@@ -8,6 +8,8 @@ line of models/reference.py; the tests compare whole decode steps against Refere
 """
 from __future__ import annotations
 
+import os
+
 import triton
 import triton.language as tl
 
@@ -161,6 +163,53 @@ def kv_split_range(pos, window, n_splits, sp):
     return lo, hi
 
 
+# Triton's interpreter multiplies bf16 tl.dot operands as their raw bits (triton 3.6; fp16 works): under it _dot
+# runs the same split's products as fp32 dots of the rounded halves (each product exact in fp32 either way).
+_EMU16 = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
+
+
+@triton.jit
+def _dot16(a, b):
+    if _EMU16:
+        y = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        y = tl.dot(a, b)
+    return y
+
+
+@triton.jit
+def _split16(a, W: tl.constexpr):
+    """fp32 a -> (hi, lo) in the 16-bit dtype W, hi + lo = a to ~2 x W's mantissa bits."""
+    hi = a.to(W)
+    return hi, (a - hi.to(tl.float32)).to(W)
+
+
+@triton.jit
+def _dot(a, b, TRANS_B: tl.constexpr, PREC: tl.constexpr):
+    """a [M, K] fp32 @ b [K, N] (TRANS_B: b given as [N, K]; fp32 or the KV cache's bf16 / fp16) -> fp32 [M, N].
+    PREC "ieee" / "tf32x3" / "tf32": tl.dot of the fp32 operands at that input precision. "bf16x2": 16-bit tensor
+    core products of a split into hi + lo of b's dtype (2 mma, b exact: a 16-bit cache loses nothing; ~16 bits of a
+    for bf16, ~22 for fp16), or for an fp32 b both split into bf16 pairs (3 mma: hi.hi + hi.lo + lo.hi)."""
+    if TRANS_B:
+        b = tl.trans(b)
+    if PREC == "bf16x2":
+        if b.dtype == tl.float32:
+            ah, al = _split16(a, tl.bfloat16)
+            bh, bl = _split16(b, tl.bfloat16)
+            y = _dot16(ah, bh) + _dot16(ah, bl) + _dot16(al, bh)
+        else:
+            ah, al = _split16(a, b.dtype)
+            y = _dot16(ah, b) + _dot16(al, b)
+    elif PREC == "bf16":
+        if b.dtype == tl.float32:
+            y = _dot16(a.to(tl.bfloat16), b.to(tl.bfloat16))
+        else:
+            y = _dot16(a.to(b.dtype), b)
+    else:
+        y = tl.dot(a, b.to(tl.float32), input_precision=PREC)
+    return y
+
+
 @triton.jit
 def attention_task(g, sp, n_splits, pos, lo, hi, qkv_ptr, k_cache, v_cache, cos_ptr, sin_ptr,
                    qn_ptr, kn_ptr, ao_ptr, am_ptr, al_ptr, acnt_ptr, sink_ptr, eps, sm_scale, clip, tr, trace_on,
@@ -180,7 +229,8 @@ def attention_task(g, sp, n_splits, pos, lo, hi, qkv_ptr, k_cache, v_cache, cos_
     split the task's work into what comes before the loop and the loop + combine (trace.py, `pre us`).
     PREC: the tl.dot precision of the scores and p.V: "ieee" (fp32 FMAs), "tf32x3" (tensor cores, three tf32
     products per fp32 one: ~fp32 accuracy; K / V, stored in bf16 / fp16 / fp32, lose nothing to their split) or
-    "tf32" (one product: 10-bit operands, for timing only). On an H100 an ieee block of 16 positions costs ~10,000
+    "tf32" (one product: 10-bit operands, for timing only) or "bf16x2" (_dot: q and p split into two 16-bit halves
+    against the 16-bit cache as stored, 2 products). On an H100 an ieee block of 16 positions costs ~10,000
     cycles for its ~490 instructions (benchmarks/attention_task_micro.py; the FMA dots' dependent chains)."""
     REP: tl.constexpr = HQ // HKV
     offs_r = tl.arange(0, BLOCK_R)
@@ -238,16 +288,15 @@ def attention_task(g, sp, n_splits, pos, lo, hi, qkv_ptr, k_cache, v_cache, cos_
         na, nb, nc, nv = _kv_block(k_cache, v_cache, t0 + BLOCK_T, hi, ia, ib, ic, h_mask, c_mask, offs_d, d_mask,
                                    DH, ROT, BLOCK_T)
         t_mask = t0 + tl.arange(0, BLOCK_T) < hi
-        s = (tl.dot(qa, tl.trans(ta.to(tl.float32)), input_precision=PREC)
-             + tl.dot(qb, tl.trans(tb.to(tl.float32)), input_precision=PREC))                # [R, T]
+        s = _dot(qa, ta, True, PREC) + _dot(qb, tb, True, PREC)                                 # [R, T]
         if ROT < DH:   # the heads' unrotated columns
-            s += tl.dot(qc, tl.trans(tc.to(tl.float32)), input_precision=PREC)
+            s += _dot(qc, tc, True, PREC)
         s = tl.where(t_mask[None, :], s * sm_scale, -1e30)
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[:, None]) * t_mask[None, :].to(tl.float32)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p, vt.to(tl.float32), input_precision=PREC)
+        acc = acc * alpha[:, None] + _dot(p, vt, False, PREC)
         m_i = m_new
         ta, tb, tc, vt = na, nb, nc, nv
     tl.store(am_ptr + sp * HQ + heads, m_i, mask=r_mask)

@@ -137,23 +137,44 @@ def test_attention_split_size_from_the_environment(tiny_model, monkeypatch):
     assert MonokernelBackend(tiny_model("deepseek_v3"), "cpu").split_kb == 32
 
 
-@pytest.mark.parametrize("case", ["qwen3_moe_norm", "gpt_oss"])
-def test_attention_dots_on_the_tensor_cores(case, tiny_model, monkeypatch):
-    """KIE_ATTN_DOT=tf32x3 (attention's score and p.V dots as three tf32 products each: ~fp32 accuracy) gives the
-    reference's tokens and logits within the exact path's bound (per-head q/k norms; sinks and a window); a value
-    that is not a precision is refused with the variable's name."""
+@pytest.mark.parametrize("case,prec", [("qwen3_moe_norm", "tf32x3"), ("gpt_oss", "tf32x3"),
+                                       ("qwen3_moe_norm", "bf16x2"), ("gpt_oss", "bf16x2")])
+def test_attention_dots_on_the_tensor_cores(case, prec, tiny_model, monkeypatch):
+    """KIE_ATTN_DOT=tf32x3 (attention's score and p.V dots as three tf32 products each: ~fp32 accuracy) and bf16x2
+    (on this fp32 cache: both operands as bf16 hi + lo, three products) give the reference's tokens and logits
+    within the exact path's bound (per-head q/k norms; sinks and a window); a value that is not a precision is
+    refused with the variable's name."""
     m = tiny_model(case)
-    monkeypatch.setenv("KIE_ATTN_DOT", "tf32x3")
+    monkeypatch.setenv("KIE_ATTN_DOT", prec)
     be = MonokernelBackend(m, "cpu", max_splits=4)
     be.n_splits_override = 2
     be._ensure_kv(8)
     _, meta = be.kernel_args(be.tasks(2), 2, 4, 2, 1)
-    assert meta["ATTN_PREC"] == "tf32x3"
+    assert meta["ATTN_PREC"] == prec
     got = list(be.generate(PROMPT, SamplingParams(max_new_tokens=5, ignore_eos=True), set()))
     check_against_reference(be, m, PROMPT, got)
     monkeypatch.setenv("KIE_ATTN_DOT", "fp16")
     with pytest.raises(ValueError, match="KIE_ATTN_DOT"):
         MonokernelBackend(m, "cpu")
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float16])
+def test_attention_bf16x2_on_a_16_bit_cache(kv_dtype, tiny_model, monkeypatch):
+    """KIE_ATTN_DOT=bf16x2 on a bf16 / fp16 KV cache (the GPU's: K and V used as stored, q and p split into two
+    halves of the cache's dtype, two products) gives the exact (ieee) path's tokens on the same cache, its last
+    step's LM-head maxima within 1e-3 and its K/V rows within the cache's rounding, over three attention splits."""
+    m = tiny_model("qwen3_moe_norm")
+    runs = {}
+    for prec in ("ieee", "bf16x2"):
+        monkeypatch.setenv("KIE_ATTN_DOT", prec)
+        be = MonokernelBackend(m, "cpu", max_splits=4, kv_dtype=kv_dtype)
+        be.n_splits_override = 3
+        toks = list(be.generate(PROMPT, SamplingParams(max_new_tokens=5, ignore_eos=True), set()))
+        runs[prec] = (toks, be.pv.clone(), be.kv.float().clone())   # last step's per-tile max logits; K/V
+    assert runs["bf16x2"][0] == runs["ieee"][0]
+    torch.testing.assert_close(runs["bf16x2"][1], runs["ieee"][1], rtol=1e-3, atol=1e-3)
+    # later layers' K/V come from earlier layers' attention: equal up to the cache's own rounding
+    torch.testing.assert_close(runs["bf16x2"][2], runs["ieee"][2], rtol=1e-2, atol=1e-2)
 
 
 @pytest.mark.parametrize("case,n_sms,once", [("qwen3_moe_mixed", 3, "1"), ("deepseek_v3", 2, "1"),
