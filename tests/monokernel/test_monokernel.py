@@ -162,10 +162,11 @@ def test_attention_dots_on_the_tensor_cores(case, prec, tiny_model, monkeypatch)
 def test_attention_bf16x2_on_a_16_bit_cache(kv_dtype, tiny_model, monkeypatch):
     """KIE_ATTN_DOT=bf16x2 on a bf16 / fp16 KV cache (the GPU's: K and V used as stored, q and p split into two
     halves of the cache's dtype, two products) gives the exact (ieee) path's tokens on the same cache, its last
-    step's LM-head maxima within 1e-3 and its K/V rows within the cache's rounding, over three attention splits."""
+    step's LM-head maxima within 1e-3 and its K/V rows within the cache's rounding, over three attention splits;
+    "bf16" LM-head maxima within 3e-2."""
     m = tiny_model("qwen3_moe_norm")
     runs = {}
-    for prec in ("ieee", "bf16x2"):
+    for prec in ("ieee", "bf16x2", "bf16"):
         monkeypatch.setenv("KIE_ATTN_DOT", prec)
         be = MonokernelBackend(m, "cpu", max_splits=4, kv_dtype=kv_dtype)
         be.n_splits_override = 3
@@ -175,6 +176,8 @@ def test_attention_bf16x2_on_a_16_bit_cache(kv_dtype, tiny_model, monkeypatch):
     torch.testing.assert_close(runs["bf16x2"][1], runs["ieee"][1], rtol=1e-3, atol=1e-3)
     # later layers' K/V come from earlier layers' attention: equal up to the cache's own rounding
     torch.testing.assert_close(runs["bf16x2"][2], runs["ieee"][2], rtol=1e-2, atol=1e-2)
+    # "bf16" (q and p rounded to the cache's dtype, one product: the graph backend's precision): close, not exact
+    torch.testing.assert_close(runs["bf16"][1], runs["ieee"][1], rtol=3e-2, atol=3e-2)
 
 
 @pytest.mark.parametrize("case,n_sms,once", [("qwen3_moe_mixed", 3, "1"), ("deepseek_v3", 2, "1"),
