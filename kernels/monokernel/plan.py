@@ -625,7 +625,10 @@ def build_plan(spec: ModelSpec, weights=None, device: str | torch.device = "cpu"
         # qwen3-30b-a3b fp8 (+12%), but cost qwen3 nvfp4 2.5% (fp4 tiles are ALU-bound: more tasks, more per-task
         # decode set-up) and the Laneformer 17% (its lane ops read every lane's rows per task)
         max_task_bytes = (512 if d.LANES or max(d.FMT_ATTN, d.FMT_MLP, d.FMT_EXP) >= 3 else 128) << 10
-    op_kb = task_kb_overrides()
+    # The LM head's tasks are at least 512 KB (session 33, H100, qwen3-30b-a3b fp8: 128 -> 512 KB +3.0%, tokens
+    # equal): with the late claim every task pays one exposed claim, and its 4,748 tasks of 131 KB per step paid
+    # it most (KIE_TASK_KB=lm:N still sets it).
+    op_kb = {"lm": max(512, max_task_bytes >> 10), **task_kb_overrides()}
     # (an op's own max task size, KIE_TASK_KB, else the plan's)
     sp = lambda n, rb, g=1, op=None: split_rows(n, int(rb), n_sms, min_task_bytes,  # noqa: E731
                                                 op_kb[op] << 10 if op in op_kb else max_task_bytes, g)
