@@ -229,8 +229,9 @@ def attention_task(g, sp, n_splits, pos, lo, hi, qkv_ptr, k_cache, v_cache, cos_
     split the task's work into what comes before the loop and the loop + combine (trace.py, `pre us`).
     PREC: the tl.dot precision of the scores and p.V: "ieee" (fp32 FMAs), "tf32x3" (tensor cores, three tf32
     products per fp32 one: ~fp32 accuracy; K / V, stored in bf16 / fp16 / fp32, lose nothing to their split) or
-    "tf32" (one product: 10-bit operands, for timing only) or "bf16x2" (_dot: q and p split into two 16-bit halves
-    against the 16-bit cache as stored, 2 products). On an H100 an ieee block of 16 positions costs ~10,000
+    "tf32" (one product: 10-bit operands, for timing only), "bf16x2" (_dot: q and p split into two 16-bit halves
+    against the 16-bit cache as stored, 2 products) or "bf16" (one product: q and p rounded to the cache's dtype,
+    the graph backend's attention precision). On an H100 an ieee block of 16 positions costs ~10,000
     cycles for its ~490 instructions (benchmarks/attention_task_micro.py; the FMA dots' dependent chains)."""
     REP: tl.constexpr = HQ // HKV
     offs_r = tl.arange(0, BLOCK_R)

@@ -176,7 +176,8 @@ class MonokernelBackend:
                          and os.environ.get("KIE_MONO_FP8_MMA_DOWN", "1") == "1")
         self.mma_any = self.mma8 or self.mma16 > 0
         # attention's score and p.V dots (ops.attention_task PREC): "ieee" fp32 FMAs, "tf32x3" tensor cores at
-        # ~fp32 accuracy, "tf32" one tf32 product (timing only), "bf16x2" q / p as 16-bit hi + lo against the cache
+        # ~fp32 accuracy, "tf32" one tf32 product (timing only), "bf16x2" q / p as 16-bit hi + lo against the cache,
+        # "bf16" q / p rounded to it (ops._dot)
         self.attn_prec = P.env_choice("KIE_ATTN_DOT", "ieee", ("ieee", "tf32x3", "tf32", "bf16x2", "bf16"))
         k_max = max(d.D, d.HQ * d.DH, d.I_DENSE, d.TOPK * d.I_MOE + d.I_SH)
         # The tensor-core tasks stage their input (mma8._stage_x / _stage_h) in blocks of BLOCK_XS values: all of it

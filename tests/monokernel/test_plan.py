@@ -103,7 +103,8 @@ def test_split_tasks_equals_the_builder_tensor_parallel(tiny_model):
 def test_task_size_of_one_op_from_the_environment(monkeypatch):
     """KIE_TASK_KB sizes one op's tasks without moving the others': qwen3-30b-a3b's expert gate / up at 256 KB is one
     wave of 48-row tasks (16 per slot on 132 programs) where the plan's 128 KB makes two of 24; q|k|v, o_proj, the
-    experts' down and the LM head keep their tiles. Malformed entries are refused naming the variable."""
+    experts' down and the LM head keep their tiles. The LM head's tasks default to 512 KB (session 33); lm:128 gives
+    the plan's size. Malformed entries are refused naming the variable."""
     spec = P.preset_spec("qwen3-30b-a3b", 2)
     base = P.build_plan(spec, None, "meta", n_sms=132, formats={"attn": "fp8", "exp": "fp8"})
     monkeypatch.setenv("KIE_TASK_KB", "exp_up:256")
@@ -112,6 +113,13 @@ def test_task_size_of_one_op_from_the_environment(monkeypatch):
     assert {n for _, n in big.op_rows["exp_up"]} == {48} and len(big.op_rows["exp_up"]) == 16
     for op in ("qkv", "o", "exp_down", "lm", "router"):
         assert big.op_rows[op] == base.op_rows[op], op
+    # the LM head's own default: tasks of at most 512 KB (bf16 rows of D = 2048: 4 KB each), not the plan's 128;
+    # KIE_TASK_KB=lm:128 gives the plan's size back
+    lm = base.op_rows["lm"]
+    assert max(n for _, n in lm) * 4096 == 512 << 10 and len(lm) == -(-spec.vocab_size // 128)   # 1,187 tasks
+    monkeypatch.setenv("KIE_TASK_KB", "lm:128")
+    small = P.build_plan(spec, None, "meta", n_sms=132, formats={"attn": "fp8", "exp": "fp8"})
+    assert max(n for _, n in small.op_rows["lm"]) * 4096 == 128 << 10 and len(small.op_rows["lm"]) == 4748
     for bad in ("exp_up", "experts:256", "lm:0", "lm:1.5"):
         monkeypatch.setenv("KIE_TASK_KB", bad)
         with pytest.raises(ValueError, match="KIE_TASK_KB"):
