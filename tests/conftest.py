@@ -23,7 +23,7 @@ def pytest_collection_modifyitems(config, items):
 def _release_gpu_memory(request):
     """After each GPU test: drop its tensors and the caching allocator's reserve, so a worker (pytest-xdist runs
     several per GPU) does not keep a finished real-size test's ~10-20 GB while the next one allocates (session 33:
-    three real-size tests failed within seconds on 4 workers of an 80 GB H100)."""
+    three real-size tests failed on 4 workers of an 80 GB H100, cause not known: memory is one suspect)."""
     yield
     if "gpu" in request.keywords:
         import gc
