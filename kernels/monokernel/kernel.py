@@ -35,8 +35,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kie_moe.kccl.sync import (clock64, flag_agreed, flag_is_set, globaltimer, ld_volatile, put_span, read_counter,
-                               signal, signal_peer,
+from kie_moe.kccl.sync import (clock64, flag_is_set, globaltimer, put_span, read_counter, signal, signal_peer,
                                st_release_sys, wait)
 
 from . import plan as P
@@ -330,8 +329,8 @@ def monokernel(
     BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr,
     BLOCK_TOPK: tl.constexpr, BLOCK_EOS: tl.constexpr, BLOCK_X: tl.constexpr, BLOCK_XS: tl.constexpr,
-    ROUTE_ONCE: tl.constexpr, N_ROUTER: tl.constexpr, DOWN_L2: tl.constexpr, UP_L2: tl.constexpr,
-    NEXT_L2: tl.constexpr, N_LAYERS: tl.constexpr, CLAIM: tl.constexpr, STOP_EARLY: tl.constexpr,
+    ROUTE_ONCE: tl.constexpr, N_ROUTER: tl.constexpr, DOWN_L2: tl.constexpr,
+    NEXT_L2: tl.constexpr, N_LAYERS: tl.constexpr, CLAIM: tl.constexpr,
     BLOCK_QG: tl.constexpr,
     XB: tl.constexpr, NS: tl.constexpr, USE_ASM: tl.constexpr, NT: tl.constexpr, MODE: tl.constexpr = 0,
     TP: tl.constexpr = 0, E_LO: tl.constexpr = 0, E_LOC: tl.constexpr = 0,
@@ -736,21 +735,6 @@ def monokernel(
                 su_ = _sp(FMT_EXP, qf32_ptr, qs8f_ptr, qs8u_ptr, tl.load(lrow + P.LF_EUP_S) + e * (I_MOE * SC_D_EXP))
                 prefetch_rows(wg, r0, nr_, D, FMT_EXP, USE_ASM)   # experts are known only now
                 prefetch_rows(wu, r0, nr_, D, FMT_EXP, USE_ASM)
-                if UP_L2:   # and the rows of the task n_sms places later (plan F_PSLOT..: the next wave's, which
-                    # this program or a neighbour runs next), so HBM streams the second wave during the first
-                    pslot = _field(rowv, row, offs_f, P.F_PSLOT, USE_ASM)
-                    pr0 = _field(rowv, row, offs_f, P.F_PROW0, USE_ASM)
-                    pnr = _field(rowv, row, offs_f, P.F_PNROWS, USE_ASM)
-                    if ROUTE_ONCE:
-                        pe = tl.load(rids_ptr + layer * TOPK + tl.maximum(pslot, 0), cache_modifier=".cg")
-                    else:
-                        pe = tl.sum(tl.where(tl.arange(0, BLOCK_TOPK) == pslot, ids, 0), axis=0)
-                    pe = pe.to(tl.int64) * (I_MOE * RU_D_EXP)
-                    pn = tl.where(pslot >= 0, pnr, 0)
-                    prefetch_rows(_wp(FMT_EXP, wa_ptr, qw8_ptr, qw32_ptr, tl.load(lrow + P.LF_EGATE)) + pe, pr0, pn,
-                                  D, FMT_EXP, USE_ASM)
-                    prefetch_rows(_wp(FMT_EXP, wa_ptr, qw8_ptr, qw32_ptr, tl.load(lrow + P.LF_EUP)) + pe, pr0, pn,
-                                  D, FMT_EXP, USE_ASM)
                 if MM_EXP:   # on the tensor cores (mma8.py; no expert parallelism)
                     eoff = e * (I_MOE * RU_D_EXP)
                     mma8_glu_task(_wq(FMT_EXP, wa_ptr, qw32_ptr, tl.load(lrow + P.LF_EGATE) + eoff),
@@ -933,14 +917,9 @@ def monokernel(
             tl.store(rec + 1, read_counter(wctr, USE_ASM))
             tl.store(rec + 2, target)
             tl.atomic_xchg(stop_ptr, 1)
-        if STOP_EARLY:   # the stop word's read goes out before the claim: the two round trips overlap
-            stop_w = ld_volatile(stop_ptr, USE_ASM)
         if CLAIM == 2:   # "late": the successor, after this task's signal (_claim_wait)
             t_next, row_next = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
-        if STOP_EARLY:
-            stopping = flag_agreed(stop_w, USE_ASM, NT)
-        else:
-            stopping = flag_is_set(stop_ptr, USE_ASM, NT)
+        stopping = flag_is_set(stop_ptr, USE_ASM, NT)
         t = t_next
         rowv = row_next
         if stopping:

@@ -198,7 +198,7 @@ def build_lane_tasks(plan, n_splits: int = 1, sample_tiles: int = 0) -> torch.Te
 
     def emit(op, layer, r0, n, aux, wait, wcnt, wbase, sig, xctr=-1, xwait=-1):
         w = plan.lm_off if op == P.OP_LM else int(lt[layer, wcol[op]]) if op in wcol else 0
-        rows.append([op, layer, r0, n, aux, wait, wcnt, wbase, sig, w & 0x7FFFFFFF, w >> 31, xctr, xwait, -1, 0, 0])
+        rows.append([op, layer, r0, n, aux, wait, wcnt, wbase, sig, w & 0x7FFFFFFF, w >> 31, xctr, xwait, 0, 0, 0])
         count[sig] = count.get(sig, 0) + 1
 
     def after(ctr):

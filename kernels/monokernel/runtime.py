@@ -196,20 +196,11 @@ class MonokernelBackend:
         # the next task goes to the first program that is free), "wait" (after its wait), "ahead" (before its wait,
         # the old default). H200, qwen3-30b-a3b fp8: ahead 206.0, wait 227.8, late 252.3 tok/s (session 32).
         self.claim = ("ahead", "wait", "late").index(P.env_choice("KIE_CLAIM", "late", ("ahead", "wait", "late")))
-        # KIE_UP_L2=1 (off: -1.6% on qwen3-30b-a3b fp8, H100, session 33; the extra prefetches delay the router and
-        # the down phase): each expert gate / up task also prefetches the rows of the task n_sms places later (plan
-        # F_PSLOT..), so the second wave's weights stream during the first (one GPU)
-        self.up_l2 = (P.env_flag("KIE_UP_L2", False) and d.E > 0 and d.I_MOE > 0 and not d.TP
-                      and not d.E_LOC)
         # KIE_NEXT_L2=1 (off: +1.2% on qwen3-30b-a3b fp8, H100, session 33; one model so far): each (expert or
         # dense) down task prefetches its share of the next layer's q|k|v rows before its wait
         # (kernel._next_qkv_l2; one GPU, no MLA / lanes)
         self.next_l2 = (P.env_flag("KIE_NEXT_L2", False) and not d.TP and not d.MLA
                         and not d.LANES)
-        # KIE_STOP_EARLY=1 (off: -0.4% on qwen3-30b-a3b fp8, H100, session 33): at a task's end the stop word's
-        # read goes out before the late claim's atomic instead of after the row load, one round trip fewer between
-        # tasks
-        self.stop_early = P.env_flag("KIE_STOP_EARLY", False)
         # KIE_DOWN_L2 (default 1; 0: its A/B): each expert gate / up task, once its stream is done, prefetches its
         # share of its expert's down rows into L2; the down tasks then skip their own prefetch, which they could
         # issue only after their wait (H200, qwen3 fp8: down task 9.4 -> 5.9 us, +4.1% tok/s; session 32)
@@ -500,8 +491,7 @@ class MonokernelBackend:
             E_LOC=d.E_LOC, MMA8=mma8, MMA16=self.mma16, MMA_DN=mma_dn,
             MSCR=self.mscr_words, ATTN_PREC=self.attn_prec, BLOCK_XS=self.stage_block or bx,
             ROUTE_ONCE=self.route_once, N_ROUTER=max(1, len(pl.op_rows.get("router", ()))), DOWN_L2=self.down_l2,
-            UP_L2=self.up_l2, NEXT_L2=self.next_l2, N_LAYERS=self.spec.num_layers, CLAIM=self.claim,
-            STOP_EARLY=self.stop_early)
+            NEXT_L2=self.next_l2, N_LAYERS=self.spec.num_layers, CLAIM=self.claim)
         if sampler is not None:
             meta.update(SFILTER=True, K_CAND=sampler.k_cand, SBLOCK_V=sampler.block_v, SBLOCK_T=sampler.block_t,
                         SBLOCK_C=sampler.block_c)
