@@ -1,4 +1,4 @@
-# Helpers for one batched device command (source it from a call script at the repo root; see s34a.sh).
+# Helpers for one batched device command (source it from a call script at the repo root; see s35a.sh).
 # Set before sourcing: R (results dir under /tmp), LIMIT (seconds the stages may use). Gives:
 #   pk            pack R into $OUT/<name of R>.tgz (after every stage: what ran comes back if the call is cut off)
 #   left          seconds left of LIMIT

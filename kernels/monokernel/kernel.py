@@ -136,18 +136,6 @@ def _claim_wait(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, wctr, target, s
 
 
 @triton.jit
-def _next_qkv_l2(layers_ptr, layer, r0, r_end, wa_ptr, qw8_ptr, qw32_ptr, D: tl.constexpr, NQKV: tl.constexpr,
-                 N_LAYERS: tl.constexpr, FMT_ATTN: tl.constexpr, USE_ASM: tl.constexpr):
-    """KIE_NEXT_L2: a down task's share of the next layer's q|k|v rows into L2 (its rows r0..r_end of D scaled to the
-    NQKV rows: the layer's down tasks cover them all), issued before the task's wait, while the gate / up phase runs,
-    so the next q|k|v tasks read L2 instead of queueing for HBM when they are claimed. Nothing after the last layer."""
-    if layer + 1 < N_LAYERS:
-        q0 = r0 * NQKV // D
-        w = _wp(FMT_ATTN, wa_ptr, qw8_ptr, qw32_ptr, tl.load(layers_ptr + (layer + 1) * _NLF + P.LF_QKV))
-        prefetch_rows(w, q0, r_end * NQKV // D - q0, D, FMT_ATTN, USE_ASM)
-
-
-@triton.jit
 def _wp(FMT: tl.constexpr, wa_ptr, qw8_ptr, qw32_ptr, off):
     """Typed pointer to a Linear's weights: float elements (wa), e4m3 bytes or u32 words of packed e2m1 (qw;
     `off` in bytes, 128-byte aligned)."""
@@ -330,7 +318,7 @@ def monokernel(
     BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr,
     BLOCK_TOPK: tl.constexpr, BLOCK_EOS: tl.constexpr, BLOCK_X: tl.constexpr, BLOCK_XS: tl.constexpr,
     ROUTE_ONCE: tl.constexpr, N_ROUTER: tl.constexpr, DOWN_L2: tl.constexpr,
-    NEXT_L2: tl.constexpr, N_LAYERS: tl.constexpr, CLAIM: tl.constexpr,
+    CLAIM: tl.constexpr,
     BLOCK_QG: tl.constexpr,
     XB: tl.constexpr, NS: tl.constexpr, USE_ASM: tl.constexpr, NT: tl.constexpr, MODE: tl.constexpr = 0,
     TP: tl.constexpr = 0, E_LO: tl.constexpr = 0, E_LOC: tl.constexpr = 0,
@@ -347,7 +335,6 @@ def monokernel(
     stop_ptr = ctrl_ptr + 0  # CT_STOP
     n_total = n_tasks * n_steps
     NQ: tl.constexpr = HQ * DH
-    NQKV: tl.constexpr = NQ + 2 * HKV * DH              # q|k|v rows (not MLA)
     O_K: tl.constexpr = HQ * VD if MLA else NQ          # o_proj's input: v of every head (MLA) / attention out
     # MLA offsets in the qkv buffer: [q_a | kv_a] (or [q | kv_a]) from qkv_proj, then q (from q_b), q_lat, q_pe
     KVA_OFF: tl.constexpr = R_Q if R_Q > 0 else NQ
@@ -630,9 +617,6 @@ def monokernel(
             w = _wp(FMT_MLP, wa_ptr, qw8_ptr, qw32_ptr, woff)
             sq = _sp(FMT_MLP, qf32_ptr, qs8f_ptr, qs8u_ptr, tl.load(lrow + P.LF_DOWN_S))
             prefetch_rows(w, r0, nr, I_DENSE, FMT_MLP, USE_ASM)
-            if NEXT_L2:
-                _next_qkv_l2(layers_ptr, layer, r0, r_end, wa_ptr, qw8_ptr, qw32_ptr, D, NQKV, N_LAYERS, FMT_ATTN,
-                             USE_ASM)
             if MM_MLP:
                 wq = tl.multiple_of(_wq(FMT_MLP, wa_ptr, qw32_ptr, woff), 32)
                 first = mma8_first(wq, I_DENSE, r0, r_end, NT // 32, W_MLP)
@@ -764,9 +748,6 @@ def monokernel(
                                   + _wu(FMT_EXP, tl.load(lrow + P.LF_EDOWN)) + e * (D * RU_I_EXP), d0,
                                   re_ * D // I_MOE - d0, I_MOE, FMT_EXP, USE_ASM)
         elif op == _OP_EXP_DOWN:
-            if NEXT_L2:
-                _next_qkv_l2(layers_ptr, layer, r0, r_end, wa_ptr, qw8_ptr, qw32_ptr, D, NQKV, N_LAYERS, FMT_ATTN,
-                             USE_ASM)
             t_next, row_next, st = _claim_wait(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, wctr, target,
                                                stop_ptr, timeout_ns, USE_ASM, NT, MODE, tr, trace_on, CLAIM)
             if TP > 0:

@@ -623,8 +623,12 @@ def build_plan(spec: ModelSpec, weights=None, device: str | torch.device = "cpu"
         max_task_bytes = (512 if d.LANES or max(d.FMT_ATTN, d.FMT_MLP, d.FMT_EXP) >= 3 else 128) << 10
     # The LM head's tasks are at least 512 KB (session 33, H100, qwen3-30b-a3b fp8: 128 -> 512 KB +3.0%, tokens
     # equal): with the late claim every task pays one exposed claim, and its 4,748 tasks of 131 KB per step paid
-    # it most (KIE_TASK_KB=lm:N still sets it).
-    op_kb = {"lm": max(512, max_task_bytes >> 10), **task_kb_overrides()}
+    # it most (KIE_TASK_KB=lm:N still sets it). The routed experts' gate / up tasks are at least 256 KB (session 34,
+    # H100, qwen3-30b-a3b: 128 -> 256 KB fp8 256.2 -> 270.9 tok/s, bf16 180.9 -> 192.0; nvfp4 already 512): one
+    # wave of 48-row tasks (128 of them for 132 programs) instead of two of 24 rows, so each task's fixed start (its
+    # expert id, x's staging, the first loads: ~4.7 us) is paid once per layer and program (KIE_TASK_KB=exp_up:128
+    # the old size).
+    op_kb = {"lm": max(512, max_task_bytes >> 10), "exp_up": max(256, max_task_bytes >> 10), **task_kb_overrides()}
     # (an op's own max task size, KIE_TASK_KB, else the plan's)
     sp = lambda n, rb, g=1, op=None: split_rows(n, int(rb), n_sms, min_task_bytes,  # noqa: E731
                                                 op_kb[op] << 10 if op in op_kb else max_task_bytes, g)

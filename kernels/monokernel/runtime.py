@@ -177,8 +177,12 @@ class MonokernelBackend:
         self.mma_any = self.mma8 or self.mma16 > 0
         # attention's score and p.V dots (ops.attention_task PREC): "ieee" fp32 FMAs, "tf32x3" tensor cores at
         # ~fp32 accuracy, "tf32" one tf32 product (timing only), "bf16x2" q / p as 16-bit hi + lo against the cache,
-        # "bf16" q / p rounded to it (ops._dot)
-        self.attn_prec = P.env_choice("KIE_ATTN_DOT", "ieee", ("ieee", "tf32x3", "tf32", "bf16x2", "bf16"))
+        # "bf16" q / p rounded to it (ops._dot). Default bf16x2 (session 34, H100: qwen3-30b-a3b fp8 at 8K context
+        # 120.5 -> 188.6 tok/s, llama-3.2-1b bf16 439.9 -> 572.5, at 32 positions +0.4% / +4.1%; the attention task
+        # alone 18.9 -> 7.2 us at 36 positions); the Laneformer keeps ieee (laneformer-2b fp16 435.9 -> 425.4 with
+        # bf16x2: -2.4%)
+        self.attn_prec = P.env_choice("KIE_ATTN_DOT", "ieee" if d.LANES else "bf16x2",
+                                      ("ieee", "tf32x3", "tf32", "bf16x2", "bf16"))
         k_max = max(d.D, d.HQ * d.DH, d.I_DENSE, d.TOPK * d.I_MOE + d.I_SH)
         # The tensor-core tasks stage their input (mma8._stage_x / _stage_h) in blocks of BLOCK_XS values: all of it
         # in one block ("once": every load out at once, one round trip, the RMSNorm from registers), or the kernel's
@@ -196,11 +200,6 @@ class MonokernelBackend:
         # the next task goes to the first program that is free), "wait" (after its wait), "ahead" (before its wait,
         # the old default). H200, qwen3-30b-a3b fp8: ahead 206.0, wait 227.8, late 252.3 tok/s (session 32).
         self.claim = ("ahead", "wait", "late").index(P.env_choice("KIE_CLAIM", "late", ("ahead", "wait", "late")))
-        # KIE_NEXT_L2=1 (off: +1.2% on qwen3-30b-a3b fp8, H100, session 33; one model so far): each (expert or
-        # dense) down task prefetches its share of the next layer's q|k|v rows before its wait
-        # (kernel._next_qkv_l2; one GPU, no MLA / lanes)
-        self.next_l2 = (P.env_flag("KIE_NEXT_L2", False) and not d.TP and not d.MLA
-                        and not d.LANES)
         # KIE_DOWN_L2 (default 1; 0: its A/B): each expert gate / up task, once its stream is done, prefetches its
         # share of its expert's down rows into L2; the down tasks then skip their own prefetch, which they could
         # issue only after their wait (H200, qwen3 fp8: down task 9.4 -> 5.9 us, +4.1% tok/s; session 32)
@@ -491,7 +490,7 @@ class MonokernelBackend:
             E_LOC=d.E_LOC, MMA8=mma8, MMA16=self.mma16, MMA_DN=mma_dn,
             MSCR=self.mscr_words, ATTN_PREC=self.attn_prec, BLOCK_XS=self.stage_block or bx,
             ROUTE_ONCE=self.route_once, N_ROUTER=max(1, len(pl.op_rows.get("router", ()))), DOWN_L2=self.down_l2,
-            NEXT_L2=self.next_l2, N_LAYERS=self.spec.num_layers, CLAIM=self.claim)
+            CLAIM=self.claim)
         if sampler is not None:
             meta.update(SFILTER=True, K_CAND=sampler.k_cand, SBLOCK_V=sampler.block_v, SBLOCK_T=sampler.block_t,
                         SBLOCK_C=sampler.block_c)

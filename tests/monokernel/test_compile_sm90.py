@@ -55,7 +55,6 @@ for arg in sys.argv[1:]:
         os.environ["KIE_ROUTE_ONCE"] = "0"
         os.environ["KIE_DOWN_L2"] = "0"
         os.environ["KIE_CLAIM"] = "ahead"
-        os.environ["KIE_NEXT_L2"] = "1"
         be_t = MonokernelBackend(m, "cpu", offline=True, wdtype=torch.bfloat16, block_k=512, block_t=32, n_sms=132,
                                  quantized=q.get)
         ptx_t = compile_offline(be_t).asm["ptx"]
@@ -63,13 +62,10 @@ for arg in sys.argv[1:]:
         os.environ.pop("KIE_ROUTE_ONCE")
         os.environ.pop("KIE_DOWN_L2")
         os.environ.pop("KIE_CLAIM")
-        os.environ.pop("KIE_NEXT_L2")
         assert be.route_once and not be_t.route_once and be.down_l2 and not be_t.down_l2 and (be.claim, be_t.claim) == (2, 0), path
-        # by default one prefetch in the expert gate / up task stands for the down task's TOPK (after its wait);
-        # KIE_NEXT_L2 adds one in each down task (dense and expert: the next layer's q|k|v rows)
+        # by default one prefetch in the expert gate / up task stands for the down task's TOPK (after its wait)
         pf = "cp.async.bulk.prefetch.L2"
-        assert be_t.next_l2 and not be.next_l2, path
-        assert ptx.count(pf) == ptx_t.count(pf) - be.plan.dims.TOPK + 1 - 2, (path, ptx.count(pf), ptx_t.count(pf))
+        assert ptx.count(pf) == ptx_t.count(pf) - be.plan.dims.TOPK + 1, (path, ptx.count(pf), ptx_t.count(pf))
         # the default claims in two places (before the loop, after each signal); "ahead" in every op's branch
         cl = "atom.global.gpu.relaxed.add"
         assert ptx.count(cl) + 10 < ptx_t.count(cl), (path, ptx.count(cl), ptx_t.count(cl))

@@ -138,14 +138,18 @@ def test_attention_split_size_from_the_environment(tiny_model, monkeypatch):
 
 
 @pytest.mark.parametrize("case,prec", [("qwen3_moe_norm", "tf32x3"), ("gpt_oss", "tf32x3"),
-                                       ("qwen3_moe_norm", "bf16x2"), ("gpt_oss", "bf16x2")])
+                                       ("qwen3_moe_norm", None), ("gpt_oss", None), ("gpt_oss", "ieee")])
 def test_attention_dots_on_the_tensor_cores(case, prec, tiny_model, monkeypatch):
-    """KIE_ATTN_DOT=tf32x3 (attention's score and p.V dots as three tf32 products each: ~fp32 accuracy) and bf16x2
-    (on this fp32 cache: both operands as bf16 hi + lo, three products) give the reference's tokens and logits
-    within the exact path's bound (per-head q/k norms; sinks and a window); a value that is not a precision is
-    refused with the variable's name."""
+    """KIE_ATTN_DOT=tf32x3 (attention's score and p.V dots as three tf32 products each: ~fp32 accuracy), the
+    default bf16x2 (on this fp32 cache: both operands as bf16 hi + lo, three products) and ieee (fp32 FMAs) give
+    the reference's tokens and logits within the exact path's bound (per-head q/k norms; sinks and a window); a
+    value that is not a precision is refused with the variable's name."""
     m = tiny_model(case)
-    monkeypatch.setenv("KIE_ATTN_DOT", prec)
+    if prec is None:
+        monkeypatch.delenv("KIE_ATTN_DOT", raising=False)
+    else:
+        monkeypatch.setenv("KIE_ATTN_DOT", prec)
+    prec = prec or "bf16x2"
     be = MonokernelBackend(m, "cpu", max_splits=4)
     be.n_splits_override = 2
     be._ensure_kv(8)
@@ -204,19 +208,6 @@ def test_successor_claimed_after_the_wait_or_after_the_signal(claim, case, n_sms
     be = MonokernelBackend(m, "cpu", n_sms=n_sms)
     assert be.claim == ("ahead", "wait", "late").index(claim)
     reference_over_two_launches_then_refused(be, m, 4, monkeypatch, "KIE_CLAIM", "early")
-
-
-@pytest.mark.parametrize("case,n_sms", [("llama", 3), ("qwen3_moe_mixed", 2)])
-def test_next_layers_qkv_rows_prefetched_by_the_down_tasks(case, n_sms, tiny_model, monkeypatch):
-    """KIE_NEXT_L2=1: every dense or expert down task prefetches its share of the next layer's q|k|v rows before
-    its wait (none after the last layer). The interpreter's prefetch is a no-op: the layer-table lookups and the
-    last-layer guard run, and the tokens stay the reference's."""
-    m = tiny_model(case)
-    monkeypatch.setenv("KIE_NEXT_L2", "1")
-    be = MonokernelBackend(m, "cpu", n_sms=n_sms)
-    assert be.next_l2
-    got = list(be.generate(PROMPT, SamplingParams(max_new_tokens=4, ignore_eos=True), set()))
-    check_against_reference(be, m, PROMPT, got)
 
 
 def test_attention_combine_over_several_round_trips(tiny_model):

@@ -101,18 +101,26 @@ def test_split_tasks_equals_the_builder_tensor_parallel(tiny_model):
 
 
 def test_task_size_of_one_op_from_the_environment(monkeypatch):
-    """KIE_TASK_KB sizes one op's tasks without moving the others': qwen3-30b-a3b's expert gate / up at 256 KB is one
-    wave of 48-row tasks (16 per slot on 132 programs) where the plan's 128 KB makes two of 24; q|k|v, o_proj, the
-    experts' down and the LM head keep their tiles. The LM head's tasks default to 512 KB (session 33); lm:128 gives
-    the plan's size. Malformed entries are refused naming the variable."""
+    """KIE_TASK_KB sizes one op's tasks without moving the others'. qwen3-30b-a3b's expert gate / up defaults to
+    256 KB (session 34): one wave of 48-row tasks (16 per slot on 132 programs); exp_up:128 gives the plan's size,
+    two waves of 24 rows. q|k|v, o_proj, the experts' down and the LM head keep their tiles. The LM head's tasks
+    default to 512 KB (session 33); lm:128 gives the plan's size. Malformed entries are refused naming the
+    variable."""
     spec = P.preset_spec("qwen3-30b-a3b", 2)
+    monkeypatch.delenv("KIE_TASK_KB", raising=False)
     base = P.build_plan(spec, None, "meta", n_sms=132, formats={"attn": "fp8", "exp": "fp8"})
-    monkeypatch.setenv("KIE_TASK_KB", "exp_up:256")
-    big = P.build_plan(spec, None, "meta", n_sms=132, formats={"attn": "fp8", "exp": "fp8"})
-    assert {n for _, n in base.op_rows["exp_up"]} == {24} and len(base.op_rows["exp_up"]) == 32
-    assert {n for _, n in big.op_rows["exp_up"]} == {48} and len(big.op_rows["exp_up"]) == 16
+    monkeypatch.setenv("KIE_TASK_KB", "exp_up:128")
+    small_up = P.build_plan(spec, None, "meta", n_sms=132, formats={"attn": "fp8", "exp": "fp8"})
+    assert {n for _, n in base.op_rows["exp_up"]} == {48} and len(base.op_rows["exp_up"]) == 16
+    assert {n for _, n in small_up.op_rows["exp_up"]} == {24} and len(small_up.op_rows["exp_up"]) == 32
     for op in ("qkv", "o", "exp_down", "lm", "router"):
-        assert big.op_rows[op] == base.op_rows[op], op
+        assert small_up.op_rows[op] == base.op_rows[op], op
+    # fp4 experts: the plan's 512 KB already exceeds the 256 KB floor
+    fp4 = P.build_plan(spec, None, "meta", n_sms=132, formats={"attn": "nvfp4", "exp": "nvfp4"})
+    monkeypatch.setenv("KIE_TASK_KB", "exp_up:512")
+    assert fp4.op_rows["exp_up"] == P.build_plan(spec, None, "meta", n_sms=132,
+                                                 formats={"attn": "nvfp4", "exp": "nvfp4"}).op_rows["exp_up"]
+    monkeypatch.delenv("KIE_TASK_KB")
     # the LM head's own default: tasks of at most 512 KB (bf16 rows of D = 2048: 4 KB each), not the plan's 128;
     # KIE_TASK_KB=lm:128 gives the plan's size back
     lm = base.op_rows["lm"]
