@@ -124,6 +124,20 @@ class MonokernelBackend:
             raise ValueError(f"KIE_ATTN_SPLIT_KB={split_kb!r}: expected a positive number of KB of K+V per split")
         self.split_kb = int(split_kb)
         self.n_splits_override: int | None = None   # tests: force attention splits
+        # Long contexts walk the cache in larger blocks: a launch whose last position reaches KIE_ATTN_LONG_FROM
+        # (default 4096) runs attention with BLOCK_T = KIE_ATTN_LONG_BLOCK_T (default 64; 0: never), a second
+        # compiled variant. Past ~2K positions the splits are at max_splits and each split's block loop grows with
+        # the context (session 34, H100, bf16x2 dots at 8,192 positions: qwen3-30b-a3b fp8 188.6 -> 197.7 tok/s,
+        # llama-3.2-1b bf16 572.5 -> 611.4; at 32 positions the larger tiles cost qwen3 2.8%: registers). GQA only:
+        # MLA's loop and the Laneformer (-7.9% at 32 positions) keep the plan's block_t.
+        lbt = os.environ.get("KIE_ATTN_LONG_BLOCK_T", "64")
+        lfrom = os.environ.get("KIE_ATTN_LONG_FROM", "4096")
+        if not lbt.isdigit() or (int(lbt) and (int(lbt) < 16 or int(lbt) & (int(lbt) - 1))):
+            raise ValueError(f"KIE_ATTN_LONG_BLOCK_T={lbt!r}: expected 0 (off) or a power of two >= 16 (positions "
+                             "per attention block)")
+        if not lfrom.isdigit():
+            raise ValueError(f"KIE_ATTN_LONG_FROM={lfrom!r}: expected a context length in positions")
+        self.long_block_t, self.long_from = (0, 0) if (d.MLA or d.LANES) else (int(lbt), int(lfrom))
         self._plant: tuple[int, int] | None = None  # tests: (task row, extra count) for the next launch only
         self._tasks: dict[tuple[int, int], torch.Tensor] = {}   # (attention splits, sample tiles) -> table
         self._tasks1_host: dict[int, torch.Tensor] = {}  # one-split tables, host copies: split_tasks' templates
@@ -467,6 +481,9 @@ class MonokernelBackend:
             int(ignore_eos), n_forced, int(temperature > 0), 1.0 / temperature if temperature > 0 else 1.0,
             seed & 0x7FFFFFFF, self.timeout_ns, pl.embed_off, pl.lm_off, pl.final_norm_off,
             d.eps, d.sm_scale, d.clip, d.route_scale, d.glu_limit, d.glu_alpha, self.mscr, self.rticket]
+        block_t = t.block_t
+        if self.long_block_t > block_t and start_pos + n_steps >= self.long_from:
+            block_t = self.long_block_t
         meta = dict(
             D=d.D, HQ=d.HQ, HKV=d.HKV, DH=d.DH, ROT=d.ROT, ROPE_PAIR=d.ROPE_PAIR, QK_NORM=d.QK_NORM,
             HAS_QKV_BIAS=d.HAS_QKV_BIAS, HAS_O_BIAS=d.HAS_O_BIAS, HAS_SINKS=d.HAS_SINKS, HAS_CLIP=d.HAS_CLIP,
@@ -480,7 +497,7 @@ class MonokernelBackend:
             BN_SUP=t.bn.get("sh_up", 1), BN_LM=t.bn["lm"], BN_QB=t.bn.get("qb", 1), BN_KVB=t.bn.get("kvb", 1),
             BLOCK_RKV=max(16, _pow2(d.R_KV)), BLOCK_RD=max(16, _pow2(d.ROT)), BLOCK_HG=P.MLA_HEADS,
             BLOCK_G=_pow2(d.NG),
-            BLOCK_K=t.block_k, BLOCK_T=t.block_t, BLOCK_P=t.block_p,
+            BLOCK_K=t.block_k, BLOCK_T=block_t, BLOCK_P=t.block_p,
             # attention's tl.dot dimensions are >= 16 (ops.attention_task masks the padding)
             BLOCK_R=max(16, _pow2(d.HQ // d.HKV)), BLOCK_H=max(16, _pow2(d.ROT // 2)),
             BLOCK_C=max(16, _pow2(max(d.DH - d.ROT, 1))), BLOCK_D=max(16, _pow2(d.DH)),

@@ -162,6 +162,35 @@ def test_attention_dots_on_the_tensor_cores(case, prec, tiny_model, monkeypatch)
         MonokernelBackend(m, "cpu")
 
 
+@pytest.mark.parametrize("case", ["llama", "gpt_oss"])
+def test_long_launches_walk_the_cache_in_larger_blocks(case, tiny_model, monkeypatch):
+    """A launch whose last position reaches KIE_ATTN_LONG_FROM runs attention with BLOCK_T = KIE_ATTN_LONG_BLOCK_T
+    (another compiled variant) and gives the reference's tokens (GQA; gpt-oss with sinks and a window); a shorter
+    launch keeps the plan's block_t; 0 turns it off; MLA and bad values: as documented."""
+    m = tiny_model(case)
+    monkeypatch.setenv("KIE_ATTN_LONG_FROM", "18")
+    monkeypatch.setenv("KIE_ATTN_LONG_BLOCK_T", "32")
+    be = MonokernelBackend(m, "cpu", max_splits=2)
+    assert be.plan.tiles.block_t == 16
+    got = list(be.generate(PROMPT, SamplingParams(max_new_tokens=6, ignore_eos=True), set()))   # positions 13..18
+    assert be._launch_args[1]["BLOCK_T"] == 32
+    check_against_reference(be, m, PROMPT, got)
+    list(be.generate(PROMPT, SamplingParams(max_new_tokens=4, ignore_eos=True), set()))        # ends at 16
+    assert be._launch_args[1]["BLOCK_T"] == 16
+    monkeypatch.setenv("KIE_ATTN_LONG_BLOCK_T", "0")
+    be = MonokernelBackend(m, "cpu", max_splits=2)
+    list(be.generate(PROMPT, SamplingParams(max_new_tokens=6, ignore_eos=True), set()))
+    assert be._launch_args[1]["BLOCK_T"] == 16
+    if case == "llama":
+        assert MonokernelBackend(tiny_model("deepseek_v2"), "cpu").long_block_t == 0   # MLA: its own loop
+        for var, bad in (("KIE_ATTN_LONG_BLOCK_T", "48"), ("KIE_ATTN_LONG_BLOCK_T", "8"),
+                         ("KIE_ATTN_LONG_FROM", "4k")):
+            monkeypatch.setenv(var, bad)
+            with pytest.raises(ValueError, match=var):
+                MonokernelBackend(m, "cpu")
+            monkeypatch.delenv(var)
+
+
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float16])
 def test_attention_bf16x2_on_a_16_bit_cache(kv_dtype, tiny_model, monkeypatch):
     """KIE_ATTN_DOT=bf16x2 on a bf16 / fp16 KV cache (the GPU's: K and V used as stored, q and p split into two
