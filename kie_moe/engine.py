@@ -226,16 +226,26 @@ class Engine:
                 raise logits_not_finite(self.model_dir, n)
             yield tid
 
-    def warmup(self) -> list[str]:
+    def warmup(self, long_context: bool | None = None) -> list[str]:
         """Compile and capture what a first request would otherwise wait for: a short greedy generation, then one
         with top-k (the GPU samplers' filtered variant: the monokernel's compiles for ~30 s, its first use would
-        stall a request that long). A backend that refuses top-k (tensor parallel) skips it. -> what ran."""
+        stall a request that long). A backend that refuses top-k (tensor parallel) skips it. long_context (default:
+        on a GPU): also a greedy generation from the monokernel's long-context threshold (its 64-position attention
+        blocks are another compiled variant, backend.long_from), where the model's context reaches it. -> what
+        ran."""
+        greedy = SamplingParams(max_new_tokens=2, ignore_eos=True)
+        runs = [("greedy", [0, 0], greedy),
+                ("top-k", [0, 0], SamplingParams(max_new_tokens=2, temperature=1.0, top_k=1, seed=0,
+                                                 ignore_eos=True))]
+        if long_context is None:
+            long_context = self.device.type == "cuda"
+        long_from = getattr(self.backend, "long_from", 0) if getattr(self.backend, "long_block_t", 0) else 0
+        if long_context and 0 < long_from and long_from + 2 < self.spec.max_position:
+            runs.append(("long-context", [0] * long_from, greedy))
         ran = []
-        for what, p in (("greedy", SamplingParams(max_new_tokens=2, ignore_eos=True)),
-                        ("top-k", SamplingParams(max_new_tokens=2, temperature=1.0, top_k=1, seed=0,
-                                                 ignore_eos=True))):
+        for what, ids, p in runs:
             try:
-                for _ in self.stream([0, 0], p):
+                for _ in self.stream(ids, p):
                     pass
             except InputError:
                 continue

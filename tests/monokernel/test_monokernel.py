@@ -478,3 +478,20 @@ def test_engine_warmup_runs_both_kernel_variants(tiny_model, monkeypatch):
         return gen(ids, p, eos)
     monkeypatch.setattr(eng.backend, "generate", refuses_top_k)
     assert eng.warmup() == ["greedy"]
+
+
+def test_engine_warmup_compiles_the_long_context_variant(tiny_model, monkeypatch):
+    """With long_context (the default on a GPU), Engine.warmup also generates from the monokernel's long-context
+    threshold, so that launch variant (BLOCK_T 32 here, KIE_ATTN_LONG_*) compiles before the first request needs
+    it; the next short request is the reference decoder's again. Off by default on the CPU."""
+    from kie_moe.engine import Engine
+    m = tiny_model("llama")
+    monkeypatch.setenv("KIE_ATTN_LONG_FROM", "20")
+    monkeypatch.setenv("KIE_ATTN_LONG_BLOCK_T", "32")
+    eng = Engine(m.path, device="cpu", model=m, backend_impl=MonokernelBackend(m, "cpu"))
+    assert eng.warmup(long_context=True) == ["greedy", "top-k", "long-context"]
+    # (the launch starts at the prompt's last token, position 19, and ends past 20)
+    assert eng.backend.last_launch["start_pos"] == 19 and eng.backend._launch_args[1]["BLOCK_T"] == 32
+    got = eng.generate(PROMPT, SamplingParams(max_new_tokens=3, ignore_eos=True)).token_ids
+    assert got == reference_greedy(m, PROMPT, 3) and eng.backend._launch_args[1]["BLOCK_T"] == 16
+    assert eng.warmup() == ["greedy", "top-k"]
