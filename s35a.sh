@@ -13,6 +13,7 @@ KIE_GPU_TESTS=1 timeout -s INT 170 python3 -m pytest $T -q --tb=short -rA -p no:
 grep -cE "^PASSED" $R/test-real.log; grep -E "^(FAILED|ERROR)" $R/test-real.log | head -8 | cut -c1-200; pk
 mk q qwen3-30b-a3b fp8
 MKT=60 XA="--trace 4" mk tq qwen3-30b-a3b fp8   # bf16x2 gained qwen3 only 0.4% at 32 positions though the task alone is 2.6x faster
+MKT=60 XA="--trace 4" mk tqi qwen3-30b-a3b fp8 KIE_ATTN_DOT=ieee   # the same trace with ieee dots
 mk l llama-3.2-1b bf16
 t=$(left); if [ $t -gt 50 ]; then [ $t -gt 80 ] && t=80
   timeout $t python3 benchmarks/graph_bench.py --runs qwen3-30b-a3b:fp8,llama-3.2-1b:bf16 --backends graph --out $R/graph.json >$R/graph.log 2>&1; echo "graph rc=$?"; grep "tok/s" $R/graph.log | cut -c1-160; pk; fi
