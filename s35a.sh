@@ -7,10 +7,8 @@
 R=/tmp/s35a LIMIT=${LIMIT:-560}; . scripts/device-steps.sh
 XD=$(python3 -c "import xdist" 2>/dev/null && echo "-n 4")
 T="tests/monokernel/test_monokernel_gpu.py tests/monokernel/test_trace.py tests/monokernel/test_laneformer_gpu.py"
-KIE_GPU_TESTS=1 timeout -s INT 120 python3 -m pytest $T -q --tb=short -rA $XD -p no:cacheprovider -o addopts="" -m gpu -k "not real_size" >$R/test-tiny.log 2>&1; echo "tiny tests rc=$? ($XD)"
-grep -cE "^PASSED" $R/test-tiny.log; grep -E "^(FAILED|ERROR)" $R/test-tiny.log | head -8 | cut -c1-200; pk
-KIE_GPU_TESTS=1 timeout -s INT 170 python3 -m pytest $T -q --tb=short -rA -p no:cacheprovider -o addopts="" -m gpu -k "real_size" >$R/test-real.log 2>&1; echo "real-size tests rc=$?"
-grep -cE "^PASSED" $R/test-real.log; grep -E "^(FAILED|ERROR)" $R/test-real.log | head -8 | cut -c1-200; pk
+gt tiny 120 -k "not real_size" $XD
+gt real 170 -k "real_size"
 mk q qwen3-30b-a3b fp8
 MKT=60 XA="--trace 4" mk tq qwen3-30b-a3b fp8   # bf16x2 gained qwen3 only 0.4% at 32 positions though the task alone is 2.6x faster
 MKT=60 XA="--trace 4" mk tqi qwen3-30b-a3b fp8 KIE_ATTN_DOT=ieee   # the same trace with ieee dots

@@ -104,7 +104,7 @@ def bench_one(arch: str, probe: float, *, new_tokens: int, prompt_len: int, reps
                  bytes_per_token=bpt, gbps=bpt * new_tokens / t / 1e9,
                  pct_of_probe=100 * bpt * new_tokens / t / 1e9 / probe,
                  n_tasks_per_step=mk.last_launch["n_tasks"], n_splits=mk.last_launch["n_splits"],
-                 attn_block_t=mk._launch_args[1]["BLOCK_T"], attn_prec=mk.attn_prec,   # the timed launches'
+                 attn_block_t=mk.last_launch["block_t"], attn_prec=mk.attn_prec,   # the timed launches'
                  tokens_sample=mk.ring[1:9].tolist())
         if breakdown:
             for mode, name in ((1, "sync_only"), (2, "no_wait")):

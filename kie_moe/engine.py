@@ -239,7 +239,7 @@ class Engine:
                                                  ignore_eos=True))]
         if long_context is None:
             long_context = self.device.type == "cuda"
-        long_from = getattr(self.backend, "long_from", 0) if getattr(self.backend, "long_block_t", 0) else 0
+        long_from = getattr(self.backend, "long_from", 0)   # 0: no long-context variant
         if long_context and 0 < long_from and long_from + 2 < self.spec.max_position:
             runs.append(("long-context", [0] * long_from, greedy))
         ran = []

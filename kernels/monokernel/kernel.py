@@ -439,7 +439,7 @@ def monokernel(
                                    ao_ptr, am_ptr, al_ptr, acnt_ptr + layer * HKV + r0,
                                    wa_ptr + tl.load(lrow + P.LF_SINKS), eps, sm_scale, clip, tr, trace_on, HQ, HKV,
                                    DH, ROT, ROPE_PAIR, QK_NORM, HAS_CLIP, HAS_SINKS, BLOCK_R, BLOCK_H, BLOCK_C,
-                                   BLOCK_D, BLOCK_T, BLOCK_X, BLOCK_QG, NT, MODE == 3, ATTN_PREC)
+                                   BLOCK_D, BLOCK_T, BLOCK_X, BLOCK_QG, NT, MODE == 3, ATTN_PREC, USE_ASM)
         elif op == _OP_O:
             w = _wp(FMT_ATTN, wa_ptr, qw8_ptr, qw32_ptr, woff)
             sq = _sp(FMT_ATTN, qf32_ptr, qs8f_ptr, qs8u_ptr, tl.load(lrow + P.LF_O_S))

@@ -8,8 +8,6 @@ line of models/reference.py; the tests compare whole decode steps against Refere
 """
 from __future__ import annotations
 
-import os
-
 import triton
 import triton.language as tl
 
@@ -163,14 +161,12 @@ def kv_split_range(pos, window, n_splits, sp):
     return lo, hi
 
 
-# Triton's interpreter multiplies bf16 tl.dot operands as their raw bits (triton 3.6; fp16 works): under it _dot
-# runs the same split's products as fp32 dots of the rounded halves (each product exact in fp32 either way).
-_EMU16 = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
-
-
 @triton.jit
-def _dot16(a, b):
-    if _EMU16:
+def _dot16(a, b, EMU: tl.constexpr):
+    """a @ b of 16-bit operands on the tensor cores. EMU (under the interpreter: not USE_ASM): Triton 3.6's
+    interpreter multiplies bf16 tl.dot operands as their raw bits (fp16 works), so the same products run as fp32
+    dots of the rounded values there (each product exact in fp32 either way)."""
+    if EMU:
         y = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
     else:
         y = tl.dot(a, b)
@@ -185,7 +181,7 @@ def _split16(a, W: tl.constexpr):
 
 
 @triton.jit
-def _dot(a, b, TRANS_B: tl.constexpr, PREC: tl.constexpr):
+def _dot(a, b, TRANS_B: tl.constexpr, PREC: tl.constexpr, EMU: tl.constexpr):
     """a [M, K] fp32 @ b [K, N] (TRANS_B: b given as [N, K]; fp32 or the KV cache's bf16 / fp16) -> fp32 [M, N].
     PREC "ieee" / "tf32x3" / "tf32": tl.dot of the fp32 operands at that input precision. "bf16x2": 16-bit tensor
     core products of a split into hi + lo of b's dtype (2 mma, b exact: a 16-bit cache loses nothing; ~16 bits of a
@@ -196,15 +192,15 @@ def _dot(a, b, TRANS_B: tl.constexpr, PREC: tl.constexpr):
         if b.dtype == tl.float32:
             ah, al = _split16(a, tl.bfloat16)
             bh, bl = _split16(b, tl.bfloat16)
-            y = _dot16(ah, bh) + _dot16(ah, bl) + _dot16(al, bh)
+            y = _dot16(ah, bh, EMU) + _dot16(ah, bl, EMU) + _dot16(al, bh, EMU)
         else:
             ah, al = _split16(a, b.dtype)
-            y = _dot16(ah, b) + _dot16(al, b)
+            y = _dot16(ah, b, EMU) + _dot16(al, b, EMU)
     elif PREC == "bf16":
         if b.dtype == tl.float32:
-            y = _dot16(a.to(tl.bfloat16), b.to(tl.bfloat16))
+            y = _dot16(a.to(tl.bfloat16), b.to(tl.bfloat16), EMU)
         else:
-            y = _dot16(a.to(b.dtype), b)
+            y = _dot16(a.to(b.dtype), b, EMU)
     else:
         y = tl.dot(a, b.to(tl.float32), input_precision=PREC)
     return y
@@ -217,7 +213,7 @@ def attention_task(g, sp, n_splits, pos, lo, hi, qkv_ptr, k_cache, v_cache, cos_
                    ROPE_PAIR: tl.constexpr, QK_NORM: tl.constexpr, HAS_CLIP: tl.constexpr, HAS_SINKS: tl.constexpr,
                    BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_T: tl.constexpr, BLOCK_X: tl.constexpr, BLOCK_QG: tl.constexpr, NT: tl.constexpr,
-                   STAMP: tl.constexpr = False, PREC: tl.constexpr = "ieee"):
+                   STAMP: tl.constexpr = False, PREC: tl.constexpr = "ieee", USE_ASM: tl.constexpr = True):
     """One kv head `g`, split `sp` of `n_splits`: its REP query heads against cached keys [lo, hi), this split's
     share of the visible window (kv_split_range, computed once by the caller);
     split 0 also takes the current token (and appends its k, v to the cache at
@@ -231,7 +227,8 @@ def attention_task(g, sp, n_splits, pos, lo, hi, qkv_ptr, k_cache, v_cache, cos_
     products per fp32 one: ~fp32 accuracy; K / V, stored in bf16 / fp16 / fp32, lose nothing to their split) or
     "tf32" (one product: 10-bit operands, for timing only), "bf16x2" (_dot: q and p split into two 16-bit halves
     against the 16-bit cache as stored, 2 products) or "bf16" (one product: q and p rounded to the cache's dtype,
-    the graph backend's attention precision). On an H100 an ieee block of 16 positions costs ~10,000
+    the graph backend's attention precision; USE_ASM False, the interpreter: the 16-bit products emulated in fp32,
+    _dot16). On an H100 an ieee block of 16 positions costs ~10,000
     cycles for its ~490 instructions (benchmarks/attention_task_micro.py; the FMA dots' dependent chains)."""
     REP: tl.constexpr = HQ // HKV
     offs_r = tl.arange(0, BLOCK_R)
@@ -289,15 +286,15 @@ def attention_task(g, sp, n_splits, pos, lo, hi, qkv_ptr, k_cache, v_cache, cos_
         na, nb, nc, nv = _kv_block(k_cache, v_cache, t0 + BLOCK_T, hi, ia, ib, ic, h_mask, c_mask, offs_d, d_mask,
                                    DH, ROT, BLOCK_T)
         t_mask = t0 + tl.arange(0, BLOCK_T) < hi
-        s = _dot(qa, ta, True, PREC) + _dot(qb, tb, True, PREC)                                 # [R, T]
+        s = _dot(qa, ta, True, PREC, not USE_ASM) + _dot(qb, tb, True, PREC, not USE_ASM)       # [R, T]
         if ROT < DH:   # the heads' unrotated columns
-            s += _dot(qc, tc, True, PREC)
+            s += _dot(qc, tc, True, PREC, not USE_ASM)
         s = tl.where(t_mask[None, :], s * sm_scale, -1e30)
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[:, None]) * t_mask[None, :].to(tl.float32)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + _dot(p, vt, False, PREC)
+        acc = acc * alpha[:, None] + _dot(p, vt, False, PREC, not USE_ASM)
         m_i = m_new
         ta, tb, tc, vt = na, nb, nc, nv
     tl.store(am_ptr + sp * HQ + heads, m_i, mask=r_mask)

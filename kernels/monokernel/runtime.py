@@ -130,14 +130,13 @@ class MonokernelBackend:
         # the context (session 34, H100, bf16x2 dots at 8,192 positions: qwen3-30b-a3b fp8 188.6 -> 197.7 tok/s,
         # llama-3.2-1b bf16 572.5 -> 611.4; at 32 positions the larger tiles cost qwen3 2.8%: registers). GQA only:
         # MLA's loop and the Laneformer (-7.9% at 32 positions) keep the plan's block_t.
-        lbt = os.environ.get("KIE_ATTN_LONG_BLOCK_T", "64")
+        lbt = int(P.env_choice("KIE_ATTN_LONG_BLOCK_T", "64", ("0", "16", "32", "64", "128")))
         lfrom = os.environ.get("KIE_ATTN_LONG_FROM", "4096")
-        if not lbt.isdigit() or (int(lbt) and (int(lbt) < 16 or int(lbt) & (int(lbt) - 1))):
-            raise ValueError(f"KIE_ATTN_LONG_BLOCK_T={lbt!r}: expected 0 (off) or a power of two >= 16 (positions "
-                             "per attention block)")
         if not lfrom.isdigit():
             raise ValueError(f"KIE_ATTN_LONG_FROM={lfrom!r}: expected a context length in positions")
-        self.long_block_t, self.long_from = (0, 0) if (d.MLA or d.LANES) else (int(lbt), int(lfrom))
+        # long_block_t 0: launches never switch (MLA, lanes, or blocks no larger than the plan's)
+        switch = lbt > self.plan.tiles.block_t and not (d.MLA or d.LANES)
+        self.long_block_t, self.long_from = (lbt, int(lfrom)) if switch else (0, 0)
         self._plant: tuple[int, int] | None = None  # tests: (task row, extra count) for the next launch only
         self._tasks: dict[tuple[int, int], torch.Tensor] = {}   # (attention splits, sample tiles) -> table
         self._tasks1_host: dict[int, torch.Tensor] = {}  # one-split tables, host copies: split_tasks' templates
@@ -425,6 +424,7 @@ class MonokernelBackend:
         args, meta = self.kernel_args(tasks, n_steps, start_pos, n_splits, len(eos), ignore_eos, temperature, seed,
                                       n_forced, trace_tasks, sampler=sampler)
         meta["MODE"] = mode
+        self.last_launch["block_t"] = meta["BLOCK_T"]   # attention's positions per block (the long switch's pick)
         self._launch_args = (args, meta)
         self._run()
 
@@ -481,9 +481,7 @@ class MonokernelBackend:
             int(ignore_eos), n_forced, int(temperature > 0), 1.0 / temperature if temperature > 0 else 1.0,
             seed & 0x7FFFFFFF, self.timeout_ns, pl.embed_off, pl.lm_off, pl.final_norm_off,
             d.eps, d.sm_scale, d.clip, d.route_scale, d.glu_limit, d.glu_alpha, self.mscr, self.rticket]
-        block_t = t.block_t
-        if self.long_block_t > block_t and start_pos + n_steps >= self.long_from:
-            block_t = self.long_block_t
+        block_t = self.long_block_t if self.long_block_t and start_pos + n_steps >= self.long_from else t.block_t
         meta = dict(
             D=d.D, HQ=d.HQ, HKV=d.HKV, DH=d.DH, ROT=d.ROT, ROPE_PAIR=d.ROPE_PAIR, QK_NORM=d.QK_NORM,
             HAS_QKV_BIAS=d.HAS_QKV_BIAS, HAS_O_BIAS=d.HAS_O_BIAS, HAS_SINKS=d.HAS_SINKS, HAS_CLIP=d.HAS_CLIP,
