@@ -9,7 +9,7 @@ from kie_moe.kernels.monokernel.trace import format_table, summarize
 
 def _streamed_bytes(m, plan) -> float:
     """Independent count of a float plan's weight bytes per step: every 2-D weight of the store but the embedding
-    table, routed experts scaled by top_k / E (the active ones)."""
+    table, routed experts scaled by top_k / E (the active ones), and the folded router's W_f."""
     eb = plan.weights.element_size()
     moe = {i: lay.moe for i, lay in enumerate(m.spec.layers) if lay.moe is not None}
     total = 0.0
@@ -22,6 +22,9 @@ def _streamed_bytes(m, plan) -> float:
             lay = moe[int(n.split(".")[1])]
             frac = lay.top_k / lay.num_experts
         total += t.numel() * eb * frac
+    if plan.dims.RFOLD:   # the folded router also streams W_f [E, HQ * DH] (W_r' [E, D] stands for the router)
+        a = m.spec.layers[0].attn
+        total += sum(lay.num_experts * a.num_heads * a.head_dim * eb for lay in moe.values())
     return total
 
 
