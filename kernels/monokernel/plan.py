@@ -626,7 +626,7 @@ def build_plan(spec: ModelSpec, weights=None, device: str | torch.device = "cpu"
     if d.LANES and qfmt:
         raise NotImplementedError("monokernel laneformer: float weights only (quantized Linears are not planned yet)")
     if router_fold is None:
-        router_fold = env_choice("KIE_ROUTER_FOLD", "1", ("0", "1", "fp32")) != "0"
+        router_fold = env_choice("KIE_ROUTER_FOLD", "0", ("0", "1", "fp32")) != "0"
     d = dataclasses.replace(d, RFOLD=int(router_fold and router_fold_ok(d)))
     if d.LANES and tp:   # `spec` is rank tp[0]'s shard (lanes.shard_lanes): LANES of its own, of LANES * world
         d = dataclasses.replace(d, LANES_ALL=d.LANES * tp[1])
@@ -715,6 +715,9 @@ def build_plan(spec: ModelSpec, weights=None, device: str | torch.device = "cpu"
             kb = op_kb.get("router", math.ceil(max(n for _, n in rows["o"]) * o_in * qb["attn"] / 1024))
             per = max(1, (kb << 10) // (o_in * eb))
             rows["router"] = [(r, min(per, d.E - r)) for r in range(0, d.E, per)]
+            if len(rows["router"]) < n_sms // 2:   # o_proj's rows over the programs the W_f tasks leave: one wave
+                rows["o"] = split_rows(d.D, int(o_in * qb["attn"]), n_sms - len(rows["router"]), min_task_bytes,
+                                       op_kb.get("o", max_task_bytes >> 10) << 10)
         else:
             rows["router"] = sp(d.E, d.D * eb, op="router")
         rows["exp_up"] = sp(d.I_MOE, 2 * d.D * qb["exp"], d.TOPK, op="exp_up")
