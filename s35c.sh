@@ -6,7 +6,7 @@
 R=/tmp/s35c LIMIT=${LIMIT:-380}; . scripts/device-steps.sh
 mk q0 qwen3-30b-a3b fp8
 mk qf qwen3-30b-a3b fp8 KIE_ROUTER_FOLD=1
-mk qf0 qwen3-30b-a3b fp8 KIE_ROUTER_FOLD=1 KIE_TASK_KB=router:32   # 32 W_f tasks of 4 experts
 MKT=60 XA="--trace 4" mk tq0 qwen3-30b-a3b fp8
+mk qf0 qwen3-30b-a3b fp8 KIE_ROUTER_FOLD=1 KIE_TASK_KB=router:32   # 32 W_f tasks of 4 experts
 MKT=60 XA="--trace 4" mk tqf qwen3-30b-a3b fp8 KIE_ROUTER_FOLD=1
 pk

@@ -71,8 +71,7 @@ def test_task_table_has_kccl_tasks(tiny_model):
 
 def test_one_rank_is_the_unsharded_plan_bit_for_bit(tiny_model):
     m = tiny_model("qwen2_moe")               # shared expert with its sigmoid gate, q/k/v biases
-    # (sharded plans keep the router's own phase: the unsharded one too, for the same sums)
-    base = MonokernelBackend(m, "cpu", prefill="kernel", n_sms=2, router_fold=False)
+    base = MonokernelBackend(m, "cpu", prefill="kernel", n_sms=2)
     want = list(base.generate(PROMPT, GREEDY, set()))
     sm = ShardedMonokernel(m, 1, "cpu", n_sms=2)
     assert list(sm.generate(PROMPT, GREEDY, set())) == want
