@@ -317,7 +317,8 @@ def monokernel(
     BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr,
     BLOCK_TOPK: tl.constexpr, BLOCK_EOS: tl.constexpr, BLOCK_X: tl.constexpr, BLOCK_XS: tl.constexpr,
-    ROUTE_ONCE: tl.constexpr, N_ROUTER: tl.constexpr, ROUTER_FOLD: tl.constexpr, DOWN_L2: tl.constexpr, CLAIM: tl.constexpr,
+    ROUTE_ONCE: tl.constexpr, N_ROUTER: tl.constexpr, ROUTER_FOLD: tl.constexpr, DOWN_L2: tl.constexpr,
+    CLAIM: tl.constexpr,
     BLOCK_QG: tl.constexpr,
     XB: tl.constexpr, NS: tl.constexpr, USE_ASM: tl.constexpr, NT: tl.constexpr, MODE: tl.constexpr = 0,
     TP: tl.constexpr = 0, E_LO: tl.constexpr = 0, E_LOC: tl.constexpr = 0,
@@ -686,7 +687,9 @@ def monokernel(
                                 rlog_ptr, 0, pv_ptr, pi_ptr, 0, 1.0, 0, 0, True, HAS_RBIAS, False, False, 0,
                                 BN_ROUTER, BLOCK_K, XB, NS)
             if st == 0:
-                if ROUTE_ONCE and aux * ROUTER_FOLD == 0:   # (the folded router: its W_f tasks)   # the layer's last router task (a ticket) picks the top-k for every expert task
+                # the layer's last router task (a ticket) picks the top-k for every expert task (the folded
+                # router: its last W_f task)
+                if ROUTE_ONCE and aux * ROUTER_FOLD == 0:
                     tl.debug_barrier()   # all of this task's logit stores precede the release below
                     tk = tl.atomic_add(rtk_ptr + layer, 1, sem="acq_rel", scope="gpu")
                     if tk % N_ROUTER == N_ROUTER - 1:

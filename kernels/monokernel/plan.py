@@ -914,7 +914,8 @@ def split_tasks(base: torch.Tensor, n_splits: int) -> torch.Tensor:
     longer context paid it in its latency). Every attention task (OP_ATTN: split in F_NROWS; OP_MLA_ATTN: split in
     F_AUX) becomes n_splits copies, splits 0..n_splits-1 in place, and the tasks that wait on a layer's attention
     counter (o_proj; MLA's v-up; the folded router) need its signals counted again. Dense, MoE, MLA and
-    tensor-parallel tables; the Laneformer's (lanes.py) are built by its own builder. tests/monokernel/test_plan.py: equal to build_tasks."""
+    tensor-parallel tables; the Laneformer's (lanes.py) are built by its own builder. tests/monokernel/test_plan.py:
+    equal to build_tasks."""
     if n_splits == 1:
         return base
     op = base[:, F_OP]

@@ -13,8 +13,9 @@ summarize() turns that into
   and for ops with a loop stamp the part of the work before it (`pre`: attention's q / k / RoPE / cache-append,
   a tensor-core task's input staging), and with a mid stamp the part before that (`mid`: the expert's top-k);
 - the critical path: a phase is every task of one step that signals the same counter (one layer's o_proj tiles,
-  ...); phases ordered by when their last task finished, each is charged the time since the previous phase ended.
-  Summed per op kind, that says which ops the step's wall time goes to (their sum is the traced span);
+  ...), named by the op most of its tasks run; phases ordered by when their last task finished, each is charged
+  the time since the previous phase ended. Summed per op kind, that says which ops the step's wall time goes to
+  (their sum is the traced span);
 - per phase kind: the lag from the previous phase's end to this phase's first ready task (wake-up latency) and the
   spread of its tasks' ready times (a task is ready when its input is there AND its program is free: a wide spread
   means programs arrive late, still busy with earlier tasks);
@@ -46,6 +47,9 @@ def summarize(tasks: np.ndarray, trace: np.ndarray, n_programs: int, skip_steps:
     step = np.repeat(np.arange(steps), T)
     op = tasks[rows, P.F_OP]
     sig = tasks[rows, P.F_SIG]
+    # the folded router's (plan.Dims.RFOLD) three kinds of tasks under their own names: W_r' x beside attention
+    # (aux 1), the picked experts' weights after o_proj (aux 2); its W_f tasks (aux 0) keep "router"
+    op = np.where((op == P.OP_ROUTER) & (tasks[rows, P.F_AUX] > 0), -tasks[rows, P.F_AUX], op)
     gt0, gt1, gt2 = tr[:, 0], tr[:, 1], tr[:, 2]
     clk = tr[:, 5] - tr[:, 3]
     ns = gt2 - gt0
@@ -53,7 +57,8 @@ def summarize(tasks: np.ndarray, trace: np.ndarray, n_programs: int, skip_steps:
     wait_us = (tr[:, 4] - tr[:, 3]) / ghz / 1e3
     work_us = (tr[:, 5] - tr[:, 4]) / ghz / 1e3
     span_ns = int(gt2.max() - gt0.min())
-    name = lambda o: P.OP_NAMES.get(int(o), f"op{int(o)}")  # noqa: E731
+    names = {**P.OP_NAMES, -1: "router_x", -2: "route_weights"}
+    name = lambda o: names.get(int(o), f"op{int(o)}")  # noqa: E731
 
     per_op = {}
     for o in np.unique(op):
@@ -75,7 +80,9 @@ def summarize(tasks: np.ndarray, trace: np.ndarray, n_programs: int, skip_steps:
     phases = []
     for a, b in zip(bounds[:-1], bounds[1:]):
         sel = order[a:b]
-        phases.append((int(gt2[sel].max()), int(gt1[sel].min()), int(gt1[sel].max()), name(op[sel[0]])))
+        kinds, counts = np.unique(op[sel], return_counts=True)   # a phase is named by most of its tasks (o_proj's
+        # phase also holds the folded router's W_f tasks, the expert gate / up phase its weights task)
+        phases.append((int(gt2[sel].max()), int(gt1[sel].min()), int(gt1[sel].max()), name(kinds[counts.argmax()])))
     phases.sort()
     crit: dict[str, float] = {}
     lag: dict[str, list] = {}

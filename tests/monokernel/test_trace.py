@@ -76,6 +76,29 @@ def test_summarize_charges_the_critical_path_to_the_phase_that_ends_it():
     assert "between tasks 23%" in format_table(s)
 
 
+def test_phases_are_named_by_most_of_their_tasks_and_the_folded_router_by_kind():
+    # one step: a W_r' x task (router aux 1) and 2 attention tiles signal counter 0, a W_f task (router aux 0) and
+    # 2 o_proj tiles counter 1, the weights task (router aux 2) and 2 expert tiles counter 2; the first task of each
+    # phase is the router's, but the phases are attention's, o_proj's and the experts'
+    ops = [P.OP_ROUTER, P.OP_ATTN, P.OP_ATTN, P.OP_ROUTER, P.OP_O, P.OP_O, P.OP_ROUTER, P.OP_EXP_UP, P.OP_EXP_UP]
+    tasks = _tasks([(o, i // 3) for i, o in enumerate(ops)])
+    tasks[[0, 3, 6], P.F_AUX] = [1, 0, 2]
+    tr = np.zeros((18, 8), dtype=np.int64)
+    for st in range(2):
+        b = 10_000 + st * 10_000
+        for i in range(9):
+            ph = i // 3
+            end = b + 1000 * (ph + 1) + (300 if i == 3 else 0)   # the W_f task ends the o_proj phase, 300 ns late
+            _stamp(tr, 9 * st + i, b + 1000 * ph, b + 1000 * ph + 100, end, prog=i)
+    s = summarize(tasks, tr, n_programs=9, skip_steps=1)["ops"]
+    assert set(s) == {"router_x", "attention", "router", "o_proj", "route_weights", "expert_gate_up"}
+    assert all(s[k]["tasks_per_step"] == 1 for k in ("router_x", "router", "route_weights"))
+    assert s["router"]["work_us"] == pytest.approx(1.2) and s["o_proj"]["work_us"] == pytest.approx(0.9)
+    # the o_proj phase (ending at +2,300 with its W_f task) is charged to o_proj, 1.3 us after attention's end
+    assert s["o_proj"]["critical_us_per_step"] == pytest.approx(1.3)
+    assert s["router"]["critical_us_per_step"] == 0 and s["router_x"]["critical_us_per_step"] == 0
+
+
 def test_summarize_splits_attention_work_at_its_loop_stamp():
     # 2 steps of one attention task (step 0 skipped): ready at +100 ns, K/V loop at +400 / +600, done at +900
     tasks = _tasks([(P.OP_ATTN, 0)])
