@@ -1,8 +1,9 @@
 #!/bin/bash
-# Next session's first call (prepared in session 35; no device time was left for it): the folded router (now off: s35a no gain, two GPU parity tests over their tolerance)
-# with o_proj's tasks sized so o_proj + the 16 W_f tasks fit one wave (114 + 16 <= 132 programs), beside
-# the same o tasks without the fold and the default; a trace of the defaults (bf16x2 attention, no fold) and of the
-# fold in one wave.
+# Next session's first call (prepared in session 35, which had no device time left for it). The folded router
+# (KIE_ROUTER_FOLD=1, off: in s35a 269.7 vs 270.8 tok/s, two GPU parity tests over their tolerance) now sizes o_proj's
+# tasks over the programs its W_f tasks leave (114 + 16 <= 132: one wave; s35a had 128 + 16): A/B against the
+# defaults, and with 32 W_f tasks; traces of the defaults (bf16x2 attention, no fold) and of the fold (trace.py now
+# names its three kinds of tasks); then the tiny GPU tests s35a's 110 s stage did not reach. Carry .whl.
 R=/tmp/s36a LIMIT=${LIMIT:-420}; . scripts/device-steps.sh
 mk q0 qwen3-30b-a3b fp8
 mk qf qwen3-30b-a3b fp8 KIE_ROUTER_FOLD=1
