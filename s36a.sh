@@ -3,13 +3,13 @@
 # (KIE_ROUTER_FOLD=1, off: in s35a 269.7 vs 270.8 tok/s, two GPU parity tests over their tolerance) now sizes o_proj's
 # tasks over the programs its W_f tasks leave (114 + 16 <= 132: one wave; s35a had 128 + 16): A/B against the
 # defaults, and with 32 W_f tasks; traces of the defaults (bf16x2 attention, no fold) and of the fold (trace.py now
-# names its three kinds of tasks); then the tiny GPU tests s35a's 110 s stage did not reach. Carry .whl.
+# names its three kinds of tasks); then the one tiny GPU test s35a's stage did not reach. Carry .whl.
 R=/tmp/s36a LIMIT=${LIMIT:-420}; . scripts/device-steps.sh
 mk q0 qwen3-30b-a3b fp8
 mk qf qwen3-30b-a3b fp8 KIE_ROUTER_FOLD=1
 MKT=60 XA="--trace 4" mk tq0 qwen3-30b-a3b fp8
 mk qf0 qwen3-30b-a3b fp8 KIE_ROUTER_FOLD=1 KIE_TASK_KB=router:32   # 32 W_f tasks of 4 experts
 MKT=60 XA="--trace 4" mk tqf qwen3-30b-a3b fp8 KIE_ROUTER_FOLD=1   # (trace.py names its three kinds of tasks)
-T="tests/monokernel/test_monokernel_gpu.py"   # the tiny tests the 110 s stage of s35a did not reach
-gt tiny $(( $(left) - 5 )) -k "not real_size and not test_tiny_families_match_reference and not laneformer"
+T="tests/monokernel/test_laneformer_gpu.py"   # the one tiny GPU test s35a's 110 s stage did not reach
+gt lane $(( $(left) - 5 )) -k "test_laneformer_2b_width_parity"
 pk
