@@ -167,8 +167,8 @@ class Dims:
     # a routed slot whose expert lives elsewhere streams nothing here (its rank adds it through the all-reduce)
     E_LO: int = 0
     E_LOC: int = 0          # 0: all E (no expert parallelism)
-    # the router folded into o_proj's phase (router_fold_ok; KIE_ROUTER_FOLD): the arena's router rows are
-    # W_r diag(nw), and W_f = W_r diag(nw) W_o [E, HQ * DH] beside them
+    # the router folded into o_proj's phase (router_fold_ok; KIE_ROUTER_FOLD=1): the arena holds W_r' = W_r diag(nw)
+    # and W_f = W_r' W_o [E, HQ * DH] beside the router's rows (fold_routers)
     RFOLD: int = 0
 
     @property
@@ -595,8 +595,9 @@ def build_plan(spec: ModelSpec, weights=None, device: str | torch.device = "cpu"
     tp: (rank, world): `spec` / `weights` are rank `rank`'s shard (shard.py: its heads, MLP and expert columns,
     the whole LM head, of which it streams only its vocab piece) and the task table gets the KCCL tasks.
     experts: (first, count): expert parallelism, `weights` hold only these experts (whole; global names).
-    router_fold: fold the router into o_proj's phase where router_fold_ok allows (default: KIE_ROUTER_FOLD, on;
-    its "fp32" is the graph backend's: the plan keeps W_f in the arena's dtype either way)."""
+    router_fold: fold the router into o_proj's phase where router_fold_ok allows (default: KIE_ROUTER_FOLD, off:
+    no gain measured on an H100, session 35; its "fp32" is the graph backend's: the plan keeps W_f in the arena's
+    dtype either way)."""
     device = torch.device(device)
     d = model_dims(spec)
     gpu = device.type in ("cuda", "meta")  # meta: an offline compile for the GPU
