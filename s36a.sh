@@ -1,17 +1,24 @@
 #!/bin/bash
-# Next session's first call (prepared in session 35, which had no device time left for it). The folded router
-# (KIE_ROUTER_FOLD=1, off: in s35a 269.7 vs 270.8 tok/s, two GPU parity tests over their tolerance) now sizes o_proj's
-# tasks over the programs its W_f tasks leave (114 + 16 <= 132: one wave; s35a had 128 + 16): A/B against the
-# defaults, and with 32 W_f tasks; traces of the defaults (bf16x2 attention, no fold), of ieee attention (same
-# machine: s35a's trace had qkv / expert-down work 1.4-1.6 us per task above session 34's ieee trace) and of the
-# fold (trace.py now names its three kinds of tasks); then the one tiny GPU test s35a did not reach. Carry .whl.
-R=/tmp/s36a LIMIT=${LIMIT:-420}; . scripts/device-steps.sh
+# Next session's first call (prepared in session 35, which had no device time left for it), qwen3-30b-a3b fp8, all
+# A/Bs against the default in the same call:
+# - KIE_ATTN_NOINLINE=1 (off): the attention task compiled as a called function; offline sm_90 the default build's
+#   96 B of stack / 48 spill instructions go to 0 (s35a's trace had qkv / expert-down work 1.4-1.6 us per task
+#   above session 34's ieee trace, whose build had no spills);
+# - KIE_ROUTER_FOLD=1 (off: s35a 269.7 vs 270.8 tok/s): o_proj now sized over the programs its W_f tasks leave
+#   (114 + 16 <= 132: one wave); with the noinline attention (120 B of stack -> 8);
+# - traces of the defaults, of noinline, of ieee attention and of the fold (trace.py names its three kinds of
+#   tasks); then the one tiny GPU test s35a did not reach. Carry .whl.
+R=/tmp/s36a LIMIT=${LIMIT:-540}; . scripts/device-steps.sh
 mk q0 qwen3-30b-a3b fp8
+mk qn qwen3-30b-a3b fp8 KIE_ATTN_NOINLINE=1
 mk qf qwen3-30b-a3b fp8 KIE_ROUTER_FOLD=1
+mk qfn qwen3-30b-a3b fp8 KIE_ROUTER_FOLD=1 KIE_ATTN_NOINLINE=1
 MKT=60 XA="--trace 4" mk tq0 qwen3-30b-a3b fp8
-MKT=60 XA="--trace 4" mk tqi qwen3-30b-a3b fp8 KIE_ATTN_DOT=ieee   # do bf16x2's registers slow qkv / down?
-mk qf0 qwen3-30b-a3b fp8 KIE_ROUTER_FOLD=1 KIE_TASK_KB=router:32   # 32 W_f tasks of 4 experts
-MKT=60 XA="--trace 4" mk tqf qwen3-30b-a3b fp8 KIE_ROUTER_FOLD=1   # (trace.py names its three kinds of tasks)
+MKT=60 XA="--trace 4" mk tqn qwen3-30b-a3b fp8 KIE_ATTN_NOINLINE=1
+mk l0 llama-3.2-1b bf16
+mk ln llama-3.2-1b bf16 KIE_ATTN_NOINLINE=1
+MKT=60 XA="--trace 4" mk tqi qwen3-30b-a3b fp8 KIE_ATTN_DOT=ieee
+MKT=60 XA="--trace 4" mk tqf qwen3-30b-a3b fp8 KIE_ROUTER_FOLD=1
 T="tests/monokernel/test_laneformer_gpu.py"   # the one tiny GPU test s35a's 110 s stage did not reach
 gt lane $(( $(left) - 5 )) -k "test_laneformer_2b_width_parity"
 pk
