@@ -227,8 +227,7 @@ def test_top_k_picked_once_by_the_last_router_task(case, n_sms, once, tiny_model
     reference_over_two_launches_then_refused(be, m, 5, monkeypatch, "KIE_ROUTE_ONCE", "yes")
 
 
-FOLD = [("qwen3_moe_norm", 1), ("qwen2_moe", 1), ("olmoe", 2), ("mixtral_window", 1), ("gpt_oss", 2),
-        ("deepseek_v2", 2)]
+FOLD = [("qwen3_moe_norm", 1), ("qwen2_moe", 1), ("olmoe", 2), ("gpt_oss", 2), ("deepseek_v2", 2)]
 
 
 @pytest.mark.parametrize("case,n_sms", FOLD, ids=[c for c, _ in FOLD])
@@ -237,7 +236,7 @@ def test_router_folded_into_the_o_proj_phase(case, n_sms, tiny_model, monkeypatc
     attention, W_f a + W_r' x beside o_proj (the last of those tasks picks the experts from logits without y's
     RMSNorm scale), one task after o_proj their weights; the
     reference's tokens, logits and cache over two launches (renormalised top-k, a gated shared expert, the whole-
-    projection q/k norm without renormalisation, a sliding window), with the fold's tasks in the table and its
+    projection q/k norm without renormalisation), with the fold's tasks in the table and its
     derived rows equal to W_r diag(nw) W_o; models whose experts the unscaled logits could order differently
     (gpt-oss's router and o_proj biases) or with MLA keep the router's own phase; =0 the same tokens; a bad value
     is refused."""
@@ -262,8 +261,9 @@ def test_router_folded_into_the_o_proj_phase(case, n_sms, tiny_model, monkeypatc
         torch.testing.assert_close(be.plan.view(c("moe.router_fold")), wr_n @ m.weights.get(c("attn.o")).float(),
                                    rtol=1e-5, atol=1e-5)
         assert c("moe.router_fold") not in be.plan.names()   # derived: not a checkpoint tensor
-    else:
+    else:   # (their decoding is the default's: test_greedy_matches_reference)
         assert (router[:, P.F_AUX] == 0).all()
+        return
     reference_over_two_launches_then_refused(be, m, 5, monkeypatch, "KIE_ROUTER_FOLD", "on")
     monkeypatch.setenv("KIE_ROUTER_FOLD", "0")
     be = MonokernelBackend(m, "cpu", n_sms=n_sms, min_task_bytes=64)
