@@ -94,6 +94,12 @@ _C_QKV, _C_ATTN, _C_O, _C_ROUTE, _C_UP, _C_OUT, _C_QB, _C_ABS, _C_VUP, _C_OSENT,
 NC = 11   # counters per layer (the last two: tensor-parallel put tasks, which nobody waits on locally)
 # the arena entries of W_f and W_r' (Dims.RFOLD), derived from the router, the norm and o_proj at load
 FOLD_NAMES = ("moe.router_fold", "moe.router_nw")
+
+
+def is_derived(name: str) -> bool:
+    """An arena entry the plan computes at load (FOLD_NAMES), not a checkpoint tensor."""
+    return name.endswith(FOLD_NAMES)
+
 _ALIGN = 64  # elements: every tensor starts on a 128-byte boundary (bf16) for vector loads
 MLA_HEADS = 16  # heads per MLA attention task: its tl.dot tiles need >= 16 rows
 
@@ -294,7 +300,7 @@ class Plan:
 
     def names(self) -> list[str]:
         """The checkpoint tensors the plan holds (not what it derives from them: FOLD_NAMES)."""
-        own = [n for n in self.arena.entries if not n.endswith(FOLD_NAMES)]
+        own = [n for n in self.arena.entries if not is_derived(n)]
         return own + (list(self.qarena.entries) if self.qarena else [])
 
     def view(self, name: str) -> torch.Tensor:
@@ -367,22 +373,18 @@ def router_fold_ok(d: Dims) -> bool:
                 and env_flag("KIE_ROUTE_ONCE", True))
 
 
-def fold_routers(plan_buf: torch.Tensor, arena: "Arena", spec: ModelSpec, d: Dims, qa, qbufs) -> None:
+def fold_routers(plan: "Plan") -> None:
     """Every MoE layer's W_f = W_r' W_o (o_proj as the kernel reads it: dequantized) and W_r' = W_r diag(nw) into
     its FOLD_NAMES entries (the router's own rows stay: the prefill reads them); products in fp32, each stored once
     in the arena's dtype (bf16 on the GPU: ~2^-9 relative per weight, the size of the reference rounding RMSNorm(y)
     to bf16)."""
-    def view(name):
-        off, shape = arena.entries[name]
-        return plan_buf[off:off + math.prod(shape)].view(shape)
-    for i, lay in enumerate(spec.layers):
+    for i, lay in enumerate(plan.spec.layers):
         if lay.moe is None:
             continue
         c = lambda n: canonical(i, n)  # noqa: E731
-        wr_n = view(c("moe.router")).float() * view(c("mlp_norm")).float()
-        wo = qa.dequant(qbufs, c("attn.o")) if d.FMT_ATTN else view(c("attn.o")).float()
-        view(c(FOLD_NAMES[0])).copy_(wr_n @ wo)
-        view(c(FOLD_NAMES[1])).copy_(wr_n)
+        wr_n = plan.view(c("moe.router")).float() * plan.view(c("mlp_norm")).float()
+        plan.view(c(FOLD_NAMES[0])).copy_(wr_n @ plan.view(c("attn.o")).float())   # (o_proj dequantized)
+        plan.view(c(FOLD_NAMES[1])).copy_(wr_n)
 
 
 # ---- arena layout ----------------------------------------------------------------------------------------------
@@ -637,12 +639,11 @@ def build_plan(spec: ModelSpec, weights=None, device: str | torch.device = "cpu"
     buf = torch.empty(arena.size, dtype=wdtype, device=device)
     qbufs = qa.allocate(device) if qa is not None else None
     if weights is not None:
-        derived = {canonical(i, n) for i in range(spec.num_layers) for n in FOLD_NAMES} if d.RFOLD else set()
-        missing = [n for n in arena.entries if n not in names and n not in derived]
+        missing = [n for n in arena.entries if n not in names and not is_derived(n)]
         if missing:
             raise KeyError(f"monokernel: weights lack {missing[:3]} (expected by the {spec.family} layout)")
         for name, (off, shape) in arena.entries.items():
-            if name in derived:
+            if is_derived(name):   # (fold_routers, below)
                 continue
             t = weights.get(name)
             if tuple(t.shape) != shape:
@@ -654,8 +655,6 @@ def build_plan(spec: ModelSpec, weights=None, device: str | torch.device = "cpu"
         random_fill(buf, arena, random_seed or 0)
         if qa is not None:
             random_qfill(qa, qbufs, random_seed or 0)
-    if d.RFOLD and device.type != "meta":
-        fold_routers(buf, arena, spec, d, qa, qbufs)
     table = torch.full((spec.num_layers, NLF), -1, dtype=torch.int64)
     for i, o in enumerate(lay_offs):
         for k, v in o.items():
@@ -753,9 +752,12 @@ def build_plan(spec: ModelSpec, weights=None, device: str | torch.device = "cpu"
     tiles = TileConfig(block_k=block_k, bn=bn, block_t=block_t, block_p=_pow2(len(rows["lm"]) * max(1, d.TP)),
                        xb=int(x_bcast), ns=num_stages)
     tp_tiles = max(len(rows[k]) for k in ("o", "down", "exp_down") if k in rows) if tp else 0
-    return Plan(spec, d, device, wdtype, arena, buf, table.to(device), top["embed"], top["lm_head"],
+    plan = Plan(spec, d, device, wdtype, arena, buf, table.to(device), top["embed"], top["lm_head"],
                 top["final_norm"], n_sms, tiles, rows, table, qa, qbufs, tp[0] if tp else 0, tp_tiles,
                 programs_per_sm)
+    if d.RFOLD and device.type != "meta":
+        fold_routers(plan)
+    return plan
 
 
 @dataclass
