@@ -14,6 +14,7 @@ mk q0 qwen3-30b-a3b fp8
 mk qn qwen3-30b-a3b fp8 KIE_ATTN_NOINLINE=1
 mk qf qwen3-30b-a3b fp8 KIE_ROUTER_FOLD=1
 mk qfn qwen3-30b-a3b fp8 KIE_ROUTER_FOLD=1 KIE_ATTN_NOINLINE=1
+mk qnm qwen3-30b-a3b fp8 KIE_NOINLINE=attention,mma8_glu,mma8_down   # (session 36) the expert tasks called too
 MKT=60 XA="--trace 4" mk tq0 qwen3-30b-a3b fp8
 MKT=60 XA="--trace 4" mk tqn qwen3-30b-a3b fp8 KIE_ATTN_NOINLINE=1
 mk qn64 qwen3-30b-a3b fp8 KIE_ATTN_NOINLINE=1 KIE_ATTN_LONG_FROM=0   # 64-position blocks from the start: 0 spills too

@@ -92,7 +92,8 @@ def main(argv=None):
     rows = []
     for spec in filter(None, a.variants.split(";")):
         name, _, sets = spec.partition(":")
-        env = dict(env0, **dict(kv.split("=", 1) for kv in sets.split(",") if kv))
+        # VAR=V pairs split at a comma that starts the next VAR= (a value may be a comma list: KIE_NOINLINE)
+        env = dict(env0, **dict(kv.split("=", 1) for kv in re.split(r",(?=[A-Z_][A-Z0-9_]*=)", sets) if kv))
         env["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="kie-regs-")   # target_info guards are not in the key
         code = _CHILD.format(bench=str(Path(__file__).parent), arch=a.arch, formats=formats, splits=a.splits)
         r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)

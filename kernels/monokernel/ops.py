@@ -8,13 +8,12 @@ line of models/reference.py; the tests compare whole decode steps against Refere
 """
 from __future__ import annotations
 
-import os
-
 import triton
 import triton.language as tl
 
 from kie_moe.kccl.sync import clock64
 
+from .plan import noinline
 from .stream import rstd, x_chunk
 
 
@@ -238,10 +237,7 @@ def _dot(a, b, TRANS_B: tl.constexpr, PREC: tl.constexpr, EMU: tl.constexpr):
     return y
 
 
-# KIE_ATTN_NOINLINE=1 (an experiment, off): the attention task compiled as a called function (Triton's noinline)
-# instead of inlined into the monokernel's one body, so its registers stay its own (read at import: a process's
-# kernels are built one way)
-@triton.jit(noinline=os.environ.get("KIE_ATTN_NOINLINE", "0") == "1")
+@triton.jit(noinline=noinline("attention"))   # (plan.noinline: KIE_NOINLINE, off)
 def attention_task(g, sp, n_splits, pos, lo, hi, qkv_ptr, k_cache, v_cache, cos_ptr, sin_ptr,
                    qn_ptr, kn_ptr, ao_ptr, am_ptr, al_ptr, acnt_ptr, sink_ptr, eps, sm_scale, clip, tr, trace_on,
                    HQ: tl.constexpr, HKV: tl.constexpr, DH: tl.constexpr, ROT: tl.constexpr,
