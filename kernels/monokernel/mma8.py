@@ -33,13 +33,12 @@ from kie_moe.kccl.sync import clock64
 
 from ..fp4_mma import _lane_warp, _mine, _quad_sum
 from ..fp8_mma import fp8_rows_dot, fp8_rows_first
-from .plan import env_choice, noinline
+from .plan import noinline
 from .stream import glu
 
-# 16-byte pieces per row and step (2: 128 contiguous bytes of a row; 4: 256, twice the bytes in flight per warp and
-# half the steps). KIE_MMA8_PIECES, read when this module is imported (one value per process: Triton keys its cache on
-# it); anything but 2 or 4 is refused.
-PIECES = tl.constexpr(int(env_choice("KIE_MMA8_PIECES", "2", ("2", "4"))))
+# 16-byte pieces per row and step: 2 = 128 contiguous bytes of a row (4, the graph backend's fp8_mma choice, was
+# KIE_MMA8_PIECES=4 here: -7.8% on qwen3-30b-a3b fp8, NOTES.md session 31; the flag was removed in session 36)
+PIECES = tl.constexpr(2)
 
 
 def scratch_words(k_max: int, num_warps: int, w16: bool = False) -> int:

@@ -272,20 +272,3 @@ def test_mma8_down_task_matches_torch(D, I, ISH, TOPK, rpt, nw, bias, gate, fmt)
     _down_tasks[(tasks,)](*dev, xd, scr, ed_w, sd_w, ed_f, sd_f, rpt, D, I, ISH, TOPK, scr_words, bias, gate, nw,
                           min(128, triton.next_power_of_2(TOPK * I + ISH)), W16[fmt], num_warps=nw)
     assert_close(xd, want, REL[fmt], what=f"mma8 down {fmt} D {D} I {I}+{ISH} top-{TOPK} rows/task {rpt} warps {nw}")
-
-
-def test_mma8_tasks_at_four_pieces_per_step():
-    """KIE_MMA8_PIECES=4 (256-byte steps: twice the bytes in flight per warp) gives the same tasks: this file's
-    task tests rerun in a process that imports mma8 with it (its loop reads the value at import); a value other
-    than 2 or 4 is refused naming the variable."""
-    import os
-    import subprocess
-    import sys
-    env = {**os.environ, "KIE_MMA8_PIECES": "4"}
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", __file__,
-                        "-k", "matches_torch and (fp8 or bf16) and not fp16"], env=env, capture_output=True,
-                       text=True, timeout=900)
-    assert r.returncode == 0 and " passed" in r.stdout and " failed" not in r.stdout, r.stdout[-3000:]
-    bad = subprocess.run([sys.executable, "-c", "import kie_moe.kernels.monokernel.mma8"],
-                         env={**os.environ, "KIE_MMA8_PIECES": "3"}, capture_output=True, text=True, timeout=300)
-    assert bad.returncode != 0 and "KIE_MMA8_PIECES='3'" in bad.stderr
