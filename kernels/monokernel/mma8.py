@@ -33,7 +33,6 @@ from kie_moe.kccl.sync import clock64
 
 from ..fp4_mma import _lane_warp, _mine, _quad_sum
 from ..fp8_mma import fp8_rows_dot, fp8_rows_first
-from .plan import noinline
 from .stream import glu
 
 # 16-byte pieces per row and step: 2 = 128 contiguous bytes of a row (4, the graph backend's fp8_mma choice, was
@@ -235,7 +234,7 @@ def mma8_task(first, wq, f_ptr, K: tl.constexpr, r0, r_end, x_ptr, nw_ptr, eps, 
                   HAS_RES, HAS_F)
 
 
-@triton.jit(noinline=noinline("mma8_glu"))
+@triton.jit
 def mma8_glu_task(wg, wu, fg_ptr, fu_ptr, K: tl.constexpr, r0, r_end, x_ptr, nw_ptr, eps, bg_ptr, bu_ptr, h_ptr,
                   limit, alpha, scr_ptr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, NW: tl.constexpr,
                   BLOCK_X: tl.constexpr, HAS_F: tl.constexpr = True, W16: tl.constexpr = 0, tr=0, trace_on=False,
@@ -308,7 +307,7 @@ def _down_seg(g, ed_w, sd_w, ids_ptr, ed_f, sd_f, D: tl.constexpr, I_MOE: tl.con
     return w0, swn, kw, tl.where(is_exp, ed_f + e * D, sd_f)
 
 
-@triton.jit(noinline=noinline("mma8_down"))
+@triton.jit
 def mma8_down_task(wq, ed_w, sd_w, f_ptr, ed_f, sd_f, b_ptr, r0, r_end, h_ptr, ids_ptr, wts_ptr, sg_ptr, x_ptr,
                    scr_ptr, D: tl.constexpr, I_MOE: tl.constexpr, I_SH: tl.constexpr, TOPK: tl.constexpr,
                    HAS_EBIAS: tl.constexpr, HAS_SH_GATE: tl.constexpr, NW: tl.constexpr, BLOCK_X: tl.constexpr,

@@ -13,7 +13,7 @@ import triton.language as tl
 
 from kie_moe.kccl.sync import clock64
 
-from .plan import noinline
+from .plan import env_flag
 from .stream import rstd, x_chunk
 
 
@@ -237,7 +237,11 @@ def _dot(a, b, TRANS_B: tl.constexpr, PREC: tl.constexpr, EMU: tl.constexpr):
     return y
 
 
-@triton.jit(noinline=noinline("attention"))   # (plan.noinline: KIE_NOINLINE, off)
+# The attention task is a called function (Triton's noinline), not inlined into the monokernel's one body: ptxas gives
+# that body the registers of its hungriest path, and inlined, attention's bf16x2 code made every other op's code
+# spill (qwen3-30b-a3b fp8 sm_90: 96 B of stack, 48 spill instructions -> none); qwen3 fp8 +9.5% at 32 positions,
+# +12% at 8K, H100 (NOTES.md session 36). KIE_ATTN_NOINLINE=0 inlines it (read at import: one build per process).
+@triton.jit(noinline=env_flag("KIE_ATTN_NOINLINE", True))
 def attention_task(g, sp, n_splits, pos, lo, hi, qkv_ptr, k_cache, v_cache, cos_ptr, sin_ptr,
                    qn_ptr, kn_ptr, ao_ptr, am_ptr, al_ptr, acnt_ptr, sink_ptr, eps, sm_scale, clip, tr, trace_on,
                    HQ: tl.constexpr, HKV: tl.constexpr, DH: tl.constexpr, ROT: tl.constexpr,

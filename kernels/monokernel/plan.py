@@ -511,29 +511,6 @@ def env_flag(name: str, default: bool) -> bool:
     return env_choice(name, "1" if default else "0", ("0", "1")) == "1"
 
 
-# task functions KIE_NOINLINE may compile as called functions (see noinline): Triton 3.6 calls only functions of
-# scalar arguments and no tensor results (stream_gemv / stream_glu / mma8_task take their first tile, ops.route
-# returns the top-k: those stay inlined)
-NOINLINE_TASKS = ("attention", "expert_down", "mma8_glu", "mma8_down")
-
-
-def noinline(name: str) -> bool:
-    """Whether task function `name` (NOINLINE_TASKS) is compiled as a called function (Triton's noinline) instead of
-    inlined into the monokernel's one body: KIE_NOINLINE, a comma list of NOINLINE_TASKS or "all" (default none);
-    KIE_ATTN_NOINLINE=1 (session 35's name) adds "attention". Why: ptxas gives the one body the registers of its
-    hungriest path, so one op's live values move spills and schedules into every other op's code (NOTES.md
-    sessions 31, 35); a called function is allocated on its own. Read at import (decorators): one build per process."""
-    text = os.environ.get("KIE_NOINLINE", "").strip()
-    names = set(NOINLINE_TASKS) if text == "all" else {n.strip() for n in text.split(",") if n.strip()}
-    bad = sorted(names - set(NOINLINE_TASKS))
-    if bad:
-        raise ValueError(f"KIE_NOINLINE={text!r}: unknown {', '.join(bad)}; expected all or a comma list of "
-                         f"{', '.join(NOINLINE_TASKS)}")
-    if env_flag("KIE_ATTN_NOINLINE", False):
-        names.add("attention")
-    return name in names
-
-
 TASK_KB_OPS = ("qkv", "o", "lm", "gateup", "down", "router", "exp_up", "exp_down", "sh_up")
 
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .plan import noinline
 from .qtile import acc_total, mac, qdot, qload, qstep, qzeros, ss_total, sszeros, x_load
 
 
@@ -258,7 +257,7 @@ def _down_tile(w_ptr, s_ptr, ed_w, ed_s, sd_w, sd_s, ids, loc, offs_j, row0, r_e
     return qload(w_ptr + w_off, s_ptr + s_off, rows, (rows < r_end) & (q < n), k0, K, FMT, BLOCK_K)
 
 
-@triton.jit(noinline=noinline("expert_down"))
+@triton.jit
 def stream_expert_down(w_ptr, s_ptr, f_ptr, ed_w, ed_s, ed_f, sd_w, sd_s, sd_f, b_ptr, row0, r_end, h_ptr,
                        ids_ptr, wts_ptr, sg_ptr, x_ptr, y_ptr,
                        D: tl.constexpr, I_MOE: tl.constexpr, I_SH: tl.constexpr, TOPK: tl.constexpr,

@@ -13,7 +13,7 @@ import triton
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 
 SCRIPT = r"""
-import sys, torch
+import re, sys, torch
 from kie_moe.models.registry import load_model
 from kie_moe.kernels.monokernel.runtime import MonokernelBackend, compile_offline
 from kie_moe.kernels.monokernel import plan as P
@@ -29,6 +29,8 @@ for arg in sys.argv[1:]:
     for needle in ("ld.global.acquire.gpu", "red.release.gpu.global.add", "st.release.sys.global", "%globaltimer",
                    "ld.volatile.global", "atom.global.gpu.relaxed.add", "cp.async.bulk.prefetch.L2"):
         assert needle in ptx, (path, needle)
+    # the attention task is a called function by default (KIE_ATTN_NOINLINE: its own registers)
+    assert re.search(r"\.func .*_attention_task_", ptx) and "call.uni" in ptx, path
     # an A100 (sm_80) takes the same plan: e4m3 buffers as bytes (no fp8e4nv pointer), no sm_90 bulk prefetch
     ptx80 = compile_offline(be, arch=80).asm["ptx"]
     assert "cp.async.bulk" not in ptx80 and "ld.global.acquire.gpu" in ptx80, path

@@ -153,19 +153,3 @@ def test_task_rows_are_one_padded_vector():
     assert t.shape[1] == P.NF and P.NF & (P.NF - 1) == 0 and P.F_XWAIT + 1 <= P.NF
     assert int(t[:, P.F_XWAIT + 1:].abs().sum()) == 0
 
-
-def test_noinline_set_from_the_environment(monkeypatch):
-    """KIE_NOINLINE names the task functions compiled as called functions; "all" names every one, session 35's
-    KIE_ATTN_NOINLINE=1 adds the attention task; unknown names are refused naming the variable and the name."""
-    monkeypatch.delenv("KIE_ATTN_NOINLINE", raising=False)
-    monkeypatch.delenv("KIE_NOINLINE", raising=False)
-    assert not any(P.noinline(n) for n in P.NOINLINE_TASKS)
-    monkeypatch.setenv("KIE_NOINLINE", "expert_down, mma8_glu")
-    assert {n for n in P.NOINLINE_TASKS if P.noinline(n)} == {"expert_down", "mma8_glu"}
-    monkeypatch.setenv("KIE_ATTN_NOINLINE", "1")
-    assert {n for n in P.NOINLINE_TASKS if P.noinline(n)} == {"expert_down", "mma8_glu", "attention"}
-    monkeypatch.setenv("KIE_NOINLINE", "all")
-    assert all(P.noinline(n) for n in P.NOINLINE_TASKS)
-    monkeypatch.setenv("KIE_NOINLINE", "mma8_down,route")   # route returns tensors: not a called function
-    with pytest.raises(ValueError, match="KIE_NOINLINE.*route"):
-        P.noinline("mma8_down")
