@@ -43,8 +43,8 @@ from .lane_ops import lane_final_mean, lane_final_reduce, lane_out_tile, lane_re
 from .mma8 import mma8_down_task, mma8_first, mma8_glu_task, mma8_task
 from .mla import mla_absorb_task, mla_attention_task, mla_vup_task
 from .prefetch import prefetch_rows
-from .ops import attention_task, embed_row, kv_split_range, pick_token, route, route_weights, vec_dot_norm
-from .stream import rstd, stream_expert_down, stream_gemv, stream_glu, tile
+from .ops import attention_task, embed_row, kv_split_range, pick_token, route, vec_dot_norm
+from .stream import stream_expert_down, stream_gemv, stream_glu, tile
 from ..sampling import sample_final_task, sample_tile_task
 
 # ctrl words (int32, device): written by the kernel, read by the host after the launch
@@ -271,8 +271,8 @@ _DYNAMIC = ["trace_cap", "n_tasks", "n_steps", "start_pos", "kv_tmax", "n_splits
 def monokernel(
     # plan: tasks, layer table, float arena, quantized buffers (qarena.py), KV cache, RoPE tables
     tasks_ptr, layers_ptr, wa_ptr, qw8_ptr, qw32_ptr, qf32_ptr, qs8f_ptr, qs8u_ptr, kv_ptr, cos_ptr, sin_ptr,
-    # activations (fp32) and per-layer routing (rlx: the folded router's W_r' x, [L, E])
-    x_ptr, qkv_ptr, ao_ptr, am_ptr, al_ptr, acnt_ptr, h_ptr, rlog_ptr, rids_ptr, rwts_ptr, rlx_ptr, sg_ptr,
+    # activations (fp32) and per-layer routing
+    x_ptr, qkv_ptr, ao_ptr, am_ptr, al_ptr, acnt_ptr, h_ptr, rlog_ptr, rids_ptr, rwts_ptr, sg_ptr,
     pv_ptr, pi_ptr,
     # SFILTER (top-k / top-p): the LM head's logits [vocab] fp32, then a kernels/sampling.DeviceSampler's buffers
     # (params, rng, part_f, part_i, cand, gum_f, gum_i, status, out) over n_stiles vocab tiles
@@ -317,8 +317,7 @@ def monokernel(
     BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr,
     BLOCK_TOPK: tl.constexpr, BLOCK_EOS: tl.constexpr, BLOCK_X: tl.constexpr, BLOCK_XS: tl.constexpr,
-    ROUTE_ONCE: tl.constexpr, N_ROUTER: tl.constexpr, ROUTER_FOLD: tl.constexpr, DOWN_L2: tl.constexpr,
-    CLAIM: tl.constexpr,
+    ROUTE_ONCE: tl.constexpr, N_ROUTER: tl.constexpr, DOWN_L2: tl.constexpr, CLAIM: tl.constexpr,
     BLOCK_QG: tl.constexpr,
     XB: tl.constexpr, NS: tl.constexpr, USE_ASM: tl.constexpr, NT: tl.constexpr, MODE: tl.constexpr = 0,
     TP: tl.constexpr = 0, E_LO: tl.constexpr = 0, E_LOC: tl.constexpr = 0,
@@ -643,53 +642,16 @@ def monokernel(
                     _tp_put(yd, poff_ptr, r0, r_end, xctr, TP, USE_ASM, BLOCK_X)
         elif op == _OP_ROUTER:
             w = wa_ptr + tl.multiple_of(woff, 64)
-            if ROUTER_FOLD:   # (plan.router_fold_ok) aux 1: W_r' x beside attention; 0: + W_f a beside o_proj, the
-                # last of those picks the experts from the logits without y's RMSNorm scale; 2: their weights
-                if aux == 2:
-                    t_next, row_next, st = _claim_wait(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, wctr,
-                                                       target, stop_ptr, timeout_ns, USE_ASM, NT, MODE, tr, trace_on,
-                                                       CLAIM)
-                    if st == 0:
-                        offs_j = tl.arange(0, BLOCK_TOPK)
-                        ids = tl.load(rids_ptr + layer * TOPK + offs_j, mask=offs_j < TOPK, other=0,
-                                      cache_modifier=".cg")
-                        wts = route_weights(rlog_ptr + layer * E, ids, rstd(x_ptr, D, eps, BLOCK_X), route_scale,
-                                            E, TOPK, SCORING, NORM_TOPK, BLOCK_E, BLOCK_TOPK)
-                        tl.store(rwts_ptr + layer * TOPK + offs_j, wts, mask=offs_j < TOPK)
-                elif aux == 1:
-                    prefetch_rows(w, r0, nr, D, 0, USE_ASM)
-                    w0, s0 = tile(w, qf32_ptr, D, r0, r_end, 0, 1, 0, BN_ROUTER, BLOCK_K)
-                    t_next, row_next, st = _claim_wait(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, wctr,
-                                                       target, stop_ptr, timeout_ns, USE_ASM, NT, MODE, tr, trace_on,
-                                                       CLAIM)
-                    if st == 0:
-                        stream_gemv(w, qf32_ptr, qf32_ptr, w0, s0, D, r0, r_end, x_ptr, x_ptr, eps, x_ptr,
-                                    rlx_ptr + layer * E, rlx_ptr, 0, pv_ptr, pi_ptr, 0, 1.0, 0, 0, False, False,
-                                    False, False, 0, BN_ROUTER, BLOCK_K, XB, NS)
-                else:
-                    prefetch_rows(w, r0, nr, O_K, 0, USE_ASM)
-                    w0, s0 = tile(w, qf32_ptr, O_K, r0, r_end, 0, 1, 0, BN_ROUTER, BLOCK_K)
-                    t_next, row_next, st = _claim_wait(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, wctr,
-                                                       target, stop_ptr, timeout_ns, USE_ASM, NT, MODE, tr, trace_on,
-                                                       CLAIM)
-                    if st == 0:
-                        stream_gemv(w, qf32_ptr, qf32_ptr, w0, s0, O_K, r0, r_end, ao_ptr, ao_ptr, eps, ao_ptr,
-                                    rlog_ptr + layer * E, rlx_ptr + layer * E, 0, pv_ptr, pi_ptr, 0, 1.0, 0, 0,
-                                    False, False, True, False, 0, BN_ROUTER, BLOCK_K, XB, NS)
-            else:
-                w0, s0 = tile(w, qf32_ptr, D, r0, r_end, 0, 1, 0, BN_ROUTER, BLOCK_K)
-                t_next, row_next, st = _claim_wait(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, wctr, target,
-                                                   stop_ptr, timeout_ns, USE_ASM, NT, MODE, tr, trace_on, CLAIM)
-                if st == 0:
-                    stream_gemv(w, qf32_ptr, qf32_ptr, w0, s0, D, r0, r_end, x_ptr,
-                                wa_ptr + tl.multiple_of(tl.load(lrow + P.LF_MLP_NORM), 64), eps,
-                                wa_ptr + tl.multiple_of(tl.load(lrow + P.LF_ROUTER_B), 64), rlog_ptr + layer * E,
-                                rlog_ptr, 0, pv_ptr, pi_ptr, 0, 1.0, 0, 0, True, HAS_RBIAS, False, False, 0,
-                                BN_ROUTER, BLOCK_K, XB, NS)
+            w0, s0 = tile(w, qf32_ptr, D, r0, r_end, 0, 1, 0, BN_ROUTER, BLOCK_K)
+            t_next, row_next, st = _claim_wait(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, wctr, target,
+                                               stop_ptr, timeout_ns, USE_ASM, NT, MODE, tr, trace_on, CLAIM)
             if st == 0:
-                # the layer's last router task (a ticket) picks the top-k for every expert task (the folded
-                # router: its last W_f task)
-                if ROUTE_ONCE and aux * ROUTER_FOLD == 0:
+                stream_gemv(w, qf32_ptr, qf32_ptr, w0, s0, D, r0, r_end, x_ptr,
+                            wa_ptr + tl.multiple_of(tl.load(lrow + P.LF_MLP_NORM), 64), eps,
+                            wa_ptr + tl.multiple_of(tl.load(lrow + P.LF_ROUTER_B), 64), rlog_ptr + layer * E,
+                            rlog_ptr, 0, pv_ptr, pi_ptr, 0, 1.0, 0, 0, True, HAS_RBIAS, False, False, 0, BN_ROUTER,
+                            BLOCK_K, XB, NS)
+                if ROUTE_ONCE:   # the layer's last router task (a ticket) picks the top-k for every expert task
                     tl.debug_barrier()   # all of this task's logit stores precede the release below
                     tk = tl.atomic_add(rtk_ptr + layer, 1, sem="acq_rel", scope="gpu")
                     if tk % N_ROUTER == N_ROUTER - 1:

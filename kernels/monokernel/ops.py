@@ -30,7 +30,13 @@ def route(rlog_ptr, sbias_ptr, route_scale, E: tl.constexpr, TOPK: tl.constexpr,
     offs_e = tl.arange(0, BLOCK_E)
     e_mask = offs_e < E
     lg = tl.load(rlog_ptr + offs_e, mask=e_mask, other=-float("inf"), cache_modifier=".cg")
-    scores = _route_scores(lg, e_mask, SCORING)
+    if SCORING == 0:
+        ex = tl.where(e_mask, tl.exp(lg - tl.max(lg, axis=0)), 0.0)
+        scores = ex / tl.sum(ex, axis=0)
+    elif SCORING == 1:
+        scores = tl.sigmoid(lg)
+    else:
+        scores = lg
     choice = scores
     if HAS_SBIAS:
         choice = choice + tl.load(sbias_ptr + offs_e, mask=e_mask, other=0.0).to(tl.float32)
@@ -63,26 +69,7 @@ def route(rlog_ptr, sbias_ptr, route_scale, E: tl.constexpr, TOPK: tl.constexpr,
         ids = tl.where(offs_j == j, best, ids)
         vals = tl.where(offs_j == j, v, vals)
         choice = tl.where(offs_e == best, -float("inf"), choice)
-    return ids, _topk_weights(vals, offs_j < TOPK, route_scale, SCORING, NORM_TOPK)
-
-
-@triton.jit
-def _route_scores(lg, e_mask, SCORING: tl.constexpr):
-    """Router logits [BLOCK_E] -> scores: softmax over the E experts (0), sigmoid (1), the logits (2, gpt-oss)."""
-    if SCORING == 0:
-        ex = tl.where(e_mask, tl.exp(lg - tl.max(lg, axis=0)), 0.0)
-        scores = ex / tl.sum(ex, axis=0)
-    elif SCORING == 1:
-        scores = tl.sigmoid(lg)
-    else:
-        scores = lg
-    return scores
-
-
-@triton.jit
-def _topk_weights(vals, j_mask, route_scale, SCORING: tl.constexpr, NORM_TOPK: tl.constexpr):
-    """The picked experts' scores [BLOCK_TOPK] -> their weights (softmax over them for SCORING 2, else optional
-    renormalisation and the routed scaling factor)."""
+    j_mask = offs_j < TOPK
     if SCORING == 2:
         ex = tl.where(j_mask, tl.exp(vals - tl.max(tl.where(j_mask, vals, -float("inf")), axis=0)), 0.0)
         w = ex / tl.sum(ex, axis=0)
@@ -92,24 +79,7 @@ def _topk_weights(vals, j_mask, route_scale, SCORING: tl.constexpr, NORM_TOPK: t
             tiny = 1e-20 if SCORING == 1 else 0.0
             w = w / (tl.sum(tl.where(j_mask, w, 0.0), axis=0) + tiny)
         w = w * route_scale
-    return w
-
-
-@triton.jit
-def route_weights(rlog_ptr, ids, lscale, route_scale, E: tl.constexpr, TOPK: tl.constexpr,
-                  SCORING: tl.constexpr, NORM_TOPK: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_TOPK: tl.constexpr):
-    """The weights [BLOCK_TOPK] of experts `ids` already picked, as route() gives them for the logits
-    lscale * rlog[E]. The folded router (kernel ROUTER_FOLD) picks ids from logits without y's RMSNorm scale,
-    which orders the experts as the scaled ones do (lscale > 0; no score bias / router bias there); the weights
-    need the scale, known only once o_proj has finished."""
-    offs_e = tl.arange(0, BLOCK_E)
-    e_mask = offs_e < E
-    lg = tl.load(rlog_ptr + offs_e, mask=e_mask, other=0.0, cache_modifier=".cg") * lscale
-    scores = _route_scores(tl.where(e_mask, lg, -float("inf")), e_mask, SCORING)
-    offs_j = tl.arange(0, BLOCK_TOPK)
-    hit = ids[:, None] == offs_e[None, :]                                     # [BLOCK_TOPK, BLOCK_E]
-    vals = tl.sum(tl.where(hit, scores[None, :], 0.0), axis=1)
-    return _topk_weights(vals, offs_j < TOPK, route_scale, SCORING, NORM_TOPK)
+    return ids, w
 
 
 # ---- attention -----------------------------------------------------------------------------------------------------

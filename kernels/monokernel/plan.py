@@ -72,7 +72,6 @@ NF = 16   # one 64-byte row (13 fields + 3 zero pads): the kernel's claim loads 
  LF_EUP_S, LF_EUP_F, LF_EDOWN_S, LF_EDOWN_F, LF_SGATE_S, LF_SGATE_F, LF_SDOWN_S, LF_SDOWN_F) = range(26, 44)
 # MLA: LF_QKV = [q_a | kv_a] (or [q | kv_a]) rows, LF_Q_NORM = q_a_norm, LF_K_NORM = kv_a_norm, and
 LF_QB, LF_KVB = 44, 45
-LF_RFOLD, LF_RNW = 46, 47   # Dims.RFOLD: W_f [E, HQ * DH] (the router folded through o_proj), W_r' [E, D]
 NLF = 48
 # Linears by quantization kind (one format per kind: the FMT_ATTN / FMT_MLP / FMT_EXP constexprs)
 QKINDS = {"attn": ("attn.q", "attn.k", "attn.v", "attn.o"), "mlp": ("mlp.gate", "mlp.up", "mlp.down"),
@@ -92,14 +91,6 @@ def qkind(name: str) -> str | None:
 # counters per layer: inputs of q/k/v ready -> ... ; see `_counter`
 _C_QKV, _C_ATTN, _C_O, _C_ROUTE, _C_UP, _C_OUT, _C_QB, _C_ABS, _C_VUP, _C_OSENT, _C_DSENT = range(11)
 NC = 11   # counters per layer (the last two: tensor-parallel put tasks, which nobody waits on locally)
-# the arena entries of W_f and W_r' (Dims.RFOLD), derived from the router, the norm and o_proj at load
-FOLD_NAMES = ("moe.router_fold", "moe.router_nw")
-
-
-def is_derived(name: str) -> bool:
-    """An arena entry the plan computes at load (FOLD_NAMES), not a checkpoint tensor."""
-    return name.endswith(FOLD_NAMES)
-
 _ALIGN = 64  # elements: every tensor starts on a 128-byte boundary (bf16) for vector loads
 MLA_HEADS = 16  # heads per MLA attention task: its tl.dot tiles need >= 16 rows
 
@@ -173,9 +164,6 @@ class Dims:
     # a routed slot whose expert lives elsewhere streams nothing here (its rank adds it through the all-reduce)
     E_LO: int = 0
     E_LOC: int = 0          # 0: all E (no expert parallelism)
-    # the router folded into o_proj's phase (router_fold_ok; KIE_ROUTER_FOLD=1): the arena holds W_r' = W_r diag(nw)
-    # and W_f = W_r' W_o [E, HQ * DH] beside the router's rows (fold_routers)
-    RFOLD: int = 0
 
     @property
     def NQKV(self) -> int:
@@ -299,9 +287,7 @@ class Plan:
                     n_ctr=2 * L * self.tp_tiles + 1, words=ctr + 2 * L * self.tp_tiles + 1)
 
     def names(self) -> list[str]:
-        """The checkpoint tensors the plan holds (not what it derives from them: FOLD_NAMES)."""
-        own = [n for n in self.arena.entries if not is_derived(n)]
-        return own + (list(self.qarena.entries) if self.qarena else [])
+        return list(self.arena.entries) + (list(self.qarena.entries) if self.qarena else [])
 
     def view(self, name: str) -> torch.Tensor:
         """A float tensor of the plan: an arena view, or a dequantized copy of a quantized Linear."""
@@ -345,7 +331,7 @@ class Plan:
                 add("mlp_gate_up", 2 * d.I_DENSE * d.D * (eb if d.LANES else mb))
                 add("lane_down" if d.LANES else "mlp_down", d.I_DENSE * d.D * (eb if d.LANES else mb))
             else:
-                add("router", d.E * (d.D + (d.HQ * d.DH if d.RFOLD else 0)) * eb)
+                add("router", d.E * d.D * eb)
                 add("expert_gate_up", d.TOPK * 2 * d.I_MOE * d.D * xb)
                 if d.I_SH:
                     add("shared_gate_up", 2 * d.I_SH * d.D * xb)
@@ -356,35 +342,6 @@ class Plan:
     def weight_bytes_per_token(self) -> int:
         """Bytes one decode step streams (active experts only; codes + scales), for bandwidth numbers."""
         return int(sum(self.op_bytes_per_step().values()))
-
-
-# ---- the router folded through o_proj -------------------------------------------------------------------------
-
-def router_fold_ok(d: Dims) -> bool:
-    """Whether a plan of these dims can fold its router into o_proj's phase (Dims.RFOLD). The router's logits of
-    y = x + W_o a are then rstd(y) (W_f a + W_r' x) with W_r' = W_r diag(nw) and W_f = W_r' W_o: W_r' x runs beside
-    attention, W_f a beside o_proj, and the router's own phase between o_proj and the experts is gone. The experts
-    are picked from the logits without rstd(y) (not known before o_proj ends): the same order as the scaled ones
-    only when nothing unscaled joins them, so no router bias, no score-correction bias, no o_proj bias and no
-    top-2-sum group scores; the weights (which need rstd) come after o_proj. One GPU (no tensor / expert
-    parallelism), GQA attention, the top-k picked once (KIE_ROUTE_ONCE)."""
-    return bool(d.E and not d.MLA and not d.LANES and not d.TP and not d.E_LOC and not d.HAS_RBIAS
-                and not d.HAS_SBIAS and not d.HAS_O_BIAS and not (d.NG > 1 and d.GSCORE)
-                and env_flag("KIE_ROUTE_ONCE", True))
-
-
-def fold_routers(plan: "Plan") -> None:
-    """Every MoE layer's W_f = W_r' W_o (o_proj as the kernel reads it: dequantized) and W_r' = W_r diag(nw) into
-    its FOLD_NAMES entries (the router's own rows stay: the prefill reads them); products in fp32, each stored once
-    in the arena's dtype (bf16 on the GPU: ~2^-9 relative per weight, the size of the reference rounding RMSNorm(y)
-    to bf16)."""
-    for i, lay in enumerate(plan.spec.layers):
-        if lay.moe is None:
-            continue
-        c = lambda n: canonical(i, n)  # noqa: E731
-        wr_n = plan.view(c("moe.router")).float() * plan.view(c("mlp_norm")).float()
-        plan.view(c(FOLD_NAMES[0])).copy_(wr_n @ plan.view(c("attn.o")).float())   # (o_proj dequantized)
-        plan.view(c(FOLD_NAMES[1])).copy_(wr_n)
 
 
 # ---- arena layout ----------------------------------------------------------------------------------------------
@@ -446,9 +403,6 @@ def layout_arena(spec: ModelSpec, d: Dims, has, qa: QArena | None = None) -> tup
         else:
             E, I = d.E, d.I_MOE
             o[LF_ROUTER] = ar.add([(c("moe.router"), (E, D))])
-            if d.RFOLD:   # derived at load (fold_routers), not read from the checkpoint
-                o[LF_RFOLD] = ar.add([(c(FOLD_NAMES[0]), (E, d.HQ * d.DH))])
-                o[LF_RNW] = ar.add([(c(FOLD_NAMES[1]), (E, D))])
             if d.HAS_RBIAS:
                 o[LF_ROUTER_B] = ar.add([(c("moe.router_bias"), (E,))])
             if d.HAS_SBIAS:
@@ -580,7 +534,7 @@ def build_plan(spec: ModelSpec, weights=None, device: str | torch.device = "cpu"
                x_bcast: bool = False, max_task_bytes: int | None = None, random_seed: int | None = None,
                quantized=None, formats: dict | None = None, programs_per_sm: int | None = None,
                num_stages: int | None = None, tp: tuple[int, int] | None = None,
-               experts: tuple[int, int] | None = None, router_fold: bool | None = None) -> Plan:
+               experts: tuple[int, int] | None = None) -> Plan:
     """Pack `weights` (WeightStore-like: names(), get(canonical), `in`) into device buffers and tile every op.
 
     quantized: callable(canonical name) -> quant.schemes.QuantizedTensor | None, the codes of Linears stored
@@ -596,10 +550,7 @@ def build_plan(spec: ModelSpec, weights=None, device: str | torch.device = "cpu"
     buffer. Default 3 on the GPU.
     tp: (rank, world): `spec` / `weights` are rank `rank`'s shard (shard.py: its heads, MLP and expert columns,
     the whole LM head, of which it streams only its vocab piece) and the task table gets the KCCL tasks.
-    experts: (first, count): expert parallelism, `weights` hold only these experts (whole; global names).
-    router_fold: fold the router into o_proj's phase where router_fold_ok allows (default: KIE_ROUTER_FOLD, off:
-    no gain measured on an H100, session 35; its "fp32" is the graph backend's: the plan keeps W_f in the arena's
-    dtype either way)."""
+    experts: (first, count): expert parallelism, `weights` hold only these experts (whole; global names)."""
     device = torch.device(device)
     d = model_dims(spec)
     gpu = device.type in ("cuda", "meta")  # meta: an offline compile for the GPU
@@ -628,9 +579,6 @@ def build_plan(spec: ModelSpec, weights=None, device: str | torch.device = "cpu"
     qfmt = max(fm.values(), default=0)
     if d.LANES and qfmt:
         raise NotImplementedError("monokernel laneformer: float weights only (quantized Linears are not planned yet)")
-    if router_fold is None:
-        router_fold = env_choice("KIE_ROUTER_FOLD", "0", ("0", "1", "fp32")) != "0"
-    d = dataclasses.replace(d, RFOLD=int(router_fold and router_fold_ok(d)))
     if d.LANES and tp:   # `spec` is rank tp[0]'s shard (lanes.shard_lanes): LANES of its own, of LANES * world
         d = dataclasses.replace(d, LANES_ALL=d.LANES * tp[1])
     qa = QArena(qfmt) if qfmt else None
@@ -639,12 +587,10 @@ def build_plan(spec: ModelSpec, weights=None, device: str | torch.device = "cpu"
     buf = torch.empty(arena.size, dtype=wdtype, device=device)
     qbufs = qa.allocate(device) if qa is not None else None
     if weights is not None:
-        missing = [n for n in arena.entries if n not in names and not is_derived(n)]
+        missing = [n for n in arena.entries if n not in names]
         if missing:
             raise KeyError(f"monokernel: weights lack {missing[:3]} (expected by the {spec.family} layout)")
         for name, (off, shape) in arena.entries.items():
-            if is_derived(name):   # (fold_routers, below)
-                continue
             t = weights.get(name)
             if tuple(t.shape) != shape:
                 raise ValueError(f"monokernel: {name} has shape {tuple(t.shape)}, the plan expects {shape}")
@@ -708,18 +654,7 @@ def build_plan(spec: ModelSpec, weights=None, device: str | torch.device = "cpu"
         lane_rows(d, rows, {"qkv": d.D * eb, "gateup": 2 * d.D * eb}, n_sms, min_task_bytes, max_task_bytes)
         rows["lane_agg"] = agg_rows(d, n_sms)
     if d.E:
-        if d.RFOLD:
-            # the folded router's W_f tasks run beside o_proj's: as many experts per task as make an o_proj task's
-            # bytes (qwen3-30b-a3b fp8: 16 tasks of 8 x 4096 bf16 = 64 KB beside 128 of 16 x 4096 e4m3), so the
-            # phase gets few extra tasks; each also streams those experts' W_r' x rows beside attention
-            kb = op_kb.get("router", math.ceil(max(n for _, n in rows["o"]) * o_in * qb["attn"] / 1024))
-            per = max(1, (kb << 10) // (o_in * eb))
-            rows["router"] = [(r, min(per, d.E - r)) for r in range(0, d.E, per)]
-            if len(rows["router"]) < n_sms // 2:   # o_proj's rows over the programs the W_f tasks leave: one wave
-                rows["o"] = split_rows(d.D, int(o_in * qb["attn"]), n_sms - len(rows["router"]), min_task_bytes,
-                                       op_kb.get("o", max_task_bytes >> 10) << 10)
-        else:
-            rows["router"] = sp(d.E, d.D * eb, op="router")
+        rows["router"] = sp(d.E, d.D * eb, op="router")
         rows["exp_up"] = sp(d.I_MOE, 2 * d.D * qb["exp"], d.TOPK, op="exp_up")
         rows["exp_down"] = sp(d.D, (d.TOPK * d.I_MOE + d.I_SH) * qb["exp"], op="exp_down")
         if d.I_SH:
@@ -752,12 +687,9 @@ def build_plan(spec: ModelSpec, weights=None, device: str | torch.device = "cpu"
     tiles = TileConfig(block_k=block_k, bn=bn, block_t=block_t, block_p=_pow2(len(rows["lm"]) * max(1, d.TP)),
                        xb=int(x_bcast), ns=num_stages)
     tp_tiles = max(len(rows[k]) for k in ("o", "down", "exp_down") if k in rows) if tp else 0
-    plan = Plan(spec, d, device, wdtype, arena, buf, table.to(device), top["embed"], top["lm_head"],
+    return Plan(spec, d, device, wdtype, arena, buf, table.to(device), top["embed"], top["lm_head"],
                 top["final_norm"], n_sms, tiles, rows, table, qa, qbufs, tp[0] if tp else 0, tp_tiles,
                 programs_per_sm)
-    if d.RFOLD and device.type != "meta":
-        fold_routers(plan)
-    return plan
 
 
 @dataclass
@@ -816,10 +748,8 @@ def build_tasks(plan: Plan, n_splits: int = 1, sample_tiles: int = 0) -> torch.T
     wcol = {OP_QKV: LF_QKV, OP_O: LF_O, OP_GATEUP: LF_GATE, OP_DOWN: LF_DOWN, OP_ROUTER: LF_ROUTER,
             OP_SH_UP: LF_SGATE, OP_QB: LF_QB, OP_ABSORB: LF_KVB, OP_VUP: LF_KVB}
 
-    def emit(op, layer, r0, n, aux, wait, wcnt, wbase, sig, xctr=0, wc=None):
-        """wc: the layer-table column of the task's weights, where not its op's."""
-        wc = wcol.get(op) if wc is None else wc
-        w = plan.lm_off if op == OP_LM else int(lt[layer, wc]) if wc is not None else 0
+    def emit(op, layer, r0, n, aux, wait, wcnt, wbase, sig, xctr=0):
+        w = plan.lm_off if op == OP_LM else int(lt[layer, wcol[op]]) if op in wcol else 0
         rows.append([op, layer, r0, n, aux, wait, wcnt, wbase, sig, w & 0x7FFFFFFF, w >> 31, xctr, -1, 0, 0, 0])
         count[sig] = count.get(sig, 0) + 1
 
@@ -846,9 +776,6 @@ def build_tasks(plan: Plan, n_splits: int = 1, sample_tiles: int = 0) -> torch.T
     def after(ctr):  # wait for every signal `ctr` gets in this step
         return ctr, count[ctr], count[ctr]
 
-    def fold(lay):
-        return d.RFOLD and lay.moe is not None
-
     prev = (c_sample, 1, 0)  # layer 0 waits for the previous step's sample (step 0: already satisfied)
     for i, lay in enumerate(spec.layers):
         C = lambda k: counter_index(i, k)  # noqa: E731
@@ -871,34 +798,23 @@ def build_tasks(plan: Plan, n_splits: int = 1, sample_tiles: int = 0) -> torch.T
                 emit(OP_VUP, i, h0, nh, 0, *after(C(_C_ATTN)), C(_C_VUP))
             o_wait = after(C(_C_VUP))
         else:
-            if fold(lay):   # the router's W_r' x (x stays as it is until o_proj, which waits for these)
-                for r0, n in plan.op_rows["router"]:
-                    emit(OP_ROUTER, i, r0, n, 1, *prev, C(_C_ATTN), wc=LF_RNW)
             for g in range(d.HKV):
                 for s in range(n_splits):
                     emit(OP_ATTN, i, g, s, 0, *after(C(_C_QKV)), C(_C_ATTN))
             o_wait = after(C(_C_ATTN))
-        if fold(lay):   # its W_f a + W_r' x (the last one picks the experts), beside o_proj
-            for r0, n in plan.op_rows["router"]:
-                emit(OP_ROUTER, i, r0, n, 0, *o_wait, C(_C_O), wc=LF_RFOLD)
         put_and_reduce(OP_O, i, plan.op_rows["o"], o_wait, 0, C(_C_O))
         if lay.moe is None:
             for r0, n in plan.op_rows["gateup"]:
                 emit(OP_GATEUP, i, r0, n, 0, *after(C(_C_O)), C(_C_UP))
             put_and_reduce(OP_DOWN, i, plan.op_rows["down"], after(C(_C_UP)), 1, C(_C_OUT))
         else:
-            if fold(lay):   # the picked experts' weights, which need y's RMSNorm scale (the expert down reads them)
-                emit(OP_ROUTER, i, 0, 0, 2, *after(C(_C_O)), C(_C_UP))
-                up_wait = after(C(_C_O))
-            else:
-                for r0, n in plan.op_rows["router"]:
-                    emit(OP_ROUTER, i, r0, n, 0, *after(C(_C_O)), C(_C_ROUTE))
-                up_wait = after(C(_C_ROUTE))
+            for r0, n in plan.op_rows["router"]:
+                emit(OP_ROUTER, i, r0, n, 0, *after(C(_C_O)), C(_C_ROUTE))
             for r0, n in plan.op_rows.get("sh_up", []) if d.I_SH else []:
                 emit(OP_SH_UP, i, r0, n, 0, *after(C(_C_O)), C(_C_UP))
             for j in range(d.TOPK):
                 for r0, n in plan.op_rows["exp_up"]:
-                    emit(OP_EXP_UP, i, r0, n, j, *up_wait, C(_C_UP))
+                    emit(OP_EXP_UP, i, r0, n, j, *after(C(_C_ROUTE)), C(_C_UP))
             put_and_reduce(OP_EXP_DOWN, i, plan.op_rows["exp_down"], after(C(_C_UP)), 1, C(_C_OUT))
         prev = after(C(_C_OUT))
     for t, (r0, n) in enumerate(plan.op_rows["lm"]):
@@ -916,9 +832,8 @@ def split_tasks(base: torch.Tensor, n_splits: int) -> torch.Tensor:
     qwen3's 37 K tasks and ran at the first launch of every new attention split count (a request that reaches a
     longer context paid it in its latency). Every attention task (OP_ATTN: split in F_NROWS; OP_MLA_ATTN: split in
     F_AUX) becomes n_splits copies, splits 0..n_splits-1 in place, and the tasks that wait on a layer's attention
-    counter (o_proj; MLA's v-up; the folded router) need its signals counted again. Dense, MoE, MLA and
-    tensor-parallel tables; the Laneformer's (lanes.py) are built by its own builder. tests/monokernel/test_plan.py:
-    equal to build_tasks."""
+    counter (o_proj; MLA's v-up) need n_splits times its signals. Dense, MoE, MLA and tensor-parallel tables; the
+    Laneformer's (lanes.py) are built by its own builder. tests/monokernel/test_plan.py: equal to build_tasks."""
     if n_splits == 1:
         return base
     op = base[:, F_OP]
@@ -929,16 +844,9 @@ def split_tasks(base: torch.Tensor, n_splits: int) -> torch.Tensor:
     op = t[:, F_OP]
     t[:, F_NROWS] = torch.where(op == OP_ATTN, k, t[:, F_NROWS])
     t[:, F_AUX] = torch.where(op == OP_MLA_ATTN, k, t[:, F_AUX])
-    # the tasks that wait on their layer's attention counter (o_proj, MLA's v-up, the folded router's W_f tasks)
-    # need its signals in the split table: n_splits per attention task, one from anything else that signals it
-    # (the folded router's W_r' x tasks)
-    w = t[:, F_WAIT].long()
-    waits_attn = (op == OP_O) | (op == OP_VUP) | (op == OP_ROUTER)   # (REDUCE's waits are KCCL counters)
-    on_attn = waits_attn & (w % NC == _C_ATTN) & (w // NC == t[:, F_LAYER].long())
-    sigs = torch.bincount(t[:, F_SIG].long(), minlength=int(w.max()) + 1)
-    n = sigs[w].to(t.dtype)
+    on_attn = ((op == OP_O) | (op == OP_VUP)) & (t[:, F_WAIT] % NC == _C_ATTN)
     for f in (F_WCNT, F_WBASE):
-        t[:, f] = torch.where(on_attn, n, t[:, f])
+        t[:, f] = torch.where(on_attn, t[:, f] * n_splits, t[:, f])
     return t
 
 

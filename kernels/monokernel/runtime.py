@@ -169,7 +169,6 @@ class MonokernelBackend:
         self.rlog = z(d.L, max(d.E, 1))
         self.rids = z(d.L, max(d.TOPK, 1), dt=i32)
         self.rwts = z(d.L, max(d.TOPK, 1))
-        self.rlx = z(d.L, max(d.E, 1)) if d.RFOLD else self.rlog   # the folded router's W_r' x (plan.Dims.RFOLD)
         self.sg = z(1)
         # Tensor-core tasks (mma8.py), each program with a scratch of MSCR fp32 words (the task's input as fp16 /
         # hi + lo pairs, the K ranges' partial sums). KIE_MONO_FP8_MMA (default 1; 0: the CUDA-core tasks, its A/B:
@@ -209,8 +208,6 @@ class MonokernelBackend:
         # neutral with the old claim-ahead). One GPU only (tensor / expert parallel ranks keep the recomputation).
         self.route_once = (P.env_flag("KIE_ROUTE_ONCE", True) and d.E > 0 and not d.TP
                            and not d.E_LOC)
-        if d.RFOLD and not self.route_once:   # (plan.router_fold_ok read the same flag when the plan was built)
-            raise ValueError("monokernel: this plan folds its router (KIE_ROUTER_FOLD), which needs KIE_ROUTE_ONCE=1")
         self.rticket = z(max(d.L, 1), dt=i32)
         # KIE_CLAIM: when a task claims its successor (kernel._claim_wait): "late" (default: after its signal, so
         # the next task goes to the first program that is free), "wait" (after its wait), "ahead" (before its wait,
@@ -476,7 +473,7 @@ class MonokernelBackend:
             tasks, pl.layers, pl.weights, qb["qw"].view(e4m3), qb["qw"].view(torch.uint32),
             qb["qf32"], qb["qs8"].view(e4m3), qb["qs8"], self.kv, self.cos, self.sin,
             self.x, self.qkv, self.ao, self.am, self.al, self.acnt, self.h, self.rlog, self.rids, self.rwts,
-            self.rlx, self.sg, self.pv, self.pi, *self._sampler_args(sampler),
+            self.sg, self.pv, self.pi, *self._sampler_args(sampler),
             self.counters, self.cursor, self.ctrl, self.ring, self.hostflag, self.eos, self.forced,
             self.trace, trace_tasks,
             self.sym.view(torch.float32), self.sym, self.poff, pl.tp_rank, *self._sym_offs(),
@@ -507,8 +504,7 @@ class MonokernelBackend:
             XB=t.xb, NS=t.ns, USE_ASM=not self.interpret, NT=32 * self.num_warps, TP=d.TP, E_LO=d.E_LO,
             E_LOC=d.E_LOC, MMA8=mma8, MMA16=self.mma16, MMA_DN=mma_dn,
             MSCR=self.mscr_words, ATTN_PREC=self.attn_prec, BLOCK_XS=self.stage_block or bx,
-            ROUTE_ONCE=self.route_once, ROUTER_FOLD=d.RFOLD, N_ROUTER=max(1, len(pl.op_rows.get("router", ()))),
-            DOWN_L2=self.down_l2,
+            ROUTE_ONCE=self.route_once, N_ROUTER=max(1, len(pl.op_rows.get("router", ()))), DOWN_L2=self.down_l2,
             CLAIM=self.claim)
         if sampler is not None:
             meta.update(SFILTER=True, K_CAND=sampler.k_cand, SBLOCK_V=sampler.block_v, SBLOCK_T=sampler.block_t,

@@ -47,9 +47,6 @@ def summarize(tasks: np.ndarray, trace: np.ndarray, n_programs: int, skip_steps:
     step = np.repeat(np.arange(steps), T)
     op = tasks[rows, P.F_OP]
     sig = tasks[rows, P.F_SIG]
-    # the folded router's (plan.Dims.RFOLD) three kinds of tasks under their own names: W_r' x beside attention
-    # (aux 1), the picked experts' weights after o_proj (aux 2); its W_f tasks (aux 0) keep "router"
-    op = np.where((op == P.OP_ROUTER) & (tasks[rows, P.F_AUX] > 0), -tasks[rows, P.F_AUX], op)
     gt0, gt1, gt2 = tr[:, 0], tr[:, 1], tr[:, 2]
     clk = tr[:, 5] - tr[:, 3]
     ns = gt2 - gt0
@@ -57,8 +54,7 @@ def summarize(tasks: np.ndarray, trace: np.ndarray, n_programs: int, skip_steps:
     wait_us = (tr[:, 4] - tr[:, 3]) / ghz / 1e3
     work_us = (tr[:, 5] - tr[:, 4]) / ghz / 1e3
     span_ns = int(gt2.max() - gt0.min())
-    names = {**P.OP_NAMES, -1: "router_x", -2: "route_weights"}
-    name = lambda o: names.get(int(o), f"op{int(o)}")  # noqa: E731
+    name = lambda o: P.OP_NAMES.get(int(o), f"op{int(o)}")  # noqa: E731
 
     per_op = {}
     for o in np.unique(op):
@@ -80,8 +76,8 @@ def summarize(tasks: np.ndarray, trace: np.ndarray, n_programs: int, skip_steps:
     phases = []
     for a, b in zip(bounds[:-1], bounds[1:]):
         sel = order[a:b]
-        kinds, counts = np.unique(op[sel], return_counts=True)   # a phase is named by most of its tasks (o_proj's
-        # phase also holds the folded router's W_f tasks, the expert gate / up phase its weights task)
+        kinds, counts = np.unique(op[sel], return_counts=True)   # a phase is named by most of its tasks (the
+        # experts' gate / up phase also holds the shared expert's tasks, first in row order)
         phases.append((int(gt2[sel].max()), int(gt1[sel].min()), int(gt1[sel].max()), name(kinds[counts.argmax()])))
     phases.sort()
     crit: dict[str, float] = {}

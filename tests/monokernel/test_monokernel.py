@@ -227,51 +227,6 @@ def test_top_k_picked_once_by_the_last_router_task(case, n_sms, once, tiny_model
     reference_over_two_launches_then_refused(be, m, 5, monkeypatch, "KIE_ROUTE_ONCE", "yes")
 
 
-FOLD = [("qwen3_moe_norm", 1), ("qwen2_moe", 1), ("olmoe", 2), ("gpt_oss", 2), ("deepseek_v2", 2)]
-
-
-@pytest.mark.parametrize("case,n_sms", FOLD, ids=[c for c, _ in FOLD])
-def test_router_folded_into_the_o_proj_phase(case, n_sms, tiny_model, monkeypatch):
-    """KIE_ROUTER_FOLD=1 (off by default: no gain on an H100, GPU parity over its tolerance): W_r' x runs beside
-    attention, W_f a + W_r' x beside o_proj (the last of those tasks picks the experts from logits without y's
-    RMSNorm scale), one task after o_proj their weights; the
-    reference's tokens, logits and cache over two launches (renormalised top-k, a gated shared expert, the whole-
-    projection q/k norm without renormalisation), with the fold's tasks in the table and its
-    derived rows equal to W_r diag(nw) W_o; models whose experts the unscaled logits could order differently
-    (gpt-oss's router and o_proj biases) or with MLA keep the router's own phase; =0 the same tokens; a bad value
-    is refused."""
-    m = tiny_model(case)
-    assert not MonokernelBackend(m, "cpu", n_sms=n_sms).plan.dims.RFOLD   # off by default
-    monkeypatch.setenv("KIE_ROUTER_FOLD", "1")
-    monkeypatch.setenv("KIE_TASK_KB", "router:1")   # several W_f tiles (qwen3: 1 KB ~ 4 experts)
-    be = MonokernelBackend(m, "cpu", n_sms=n_sms, min_task_bytes=64)
-    folds = case not in ("gpt_oss", "deepseek_v2")
-    assert be.plan.dims.RFOLD == folds
-    tasks = P.build_tasks(be.plan, 1)
-    router = tasks[tasks[:, P.F_OP] == P.OP_ROUTER]
-    n_moe = sum(lay.moe is not None for lay in m.spec.layers)
-    n_tiles = len(be.plan.op_rows["router"])
-    if folds:
-        assert n_tiles > 1
-        assert sorted(router[:, P.F_AUX].tolist()) == sorted([0, 1] * n_tiles * n_moe + [2] * n_moe)
-        i = next(i for i, lay in enumerate(m.spec.layers) if lay.moe is not None)
-        c = lambda n: P.canonical(i, n)  # noqa: E731
-        wr_n = m.weights.get(c("moe.router")).float() * m.weights.get(c("mlp_norm")).float()
-        torch.testing.assert_close(be.plan.view(c("moe.router_nw")), wr_n)
-        torch.testing.assert_close(be.plan.view(c("moe.router_fold")), wr_n @ m.weights.get(c("attn.o")).float(),
-                                   rtol=1e-5, atol=1e-5)
-        assert c("moe.router_fold") not in be.plan.names()   # derived: not a checkpoint tensor
-    else:   # (their decoding is the default's: test_greedy_matches_reference)
-        assert (router[:, P.F_AUX] == 0).all()
-        return
-    reference_over_two_launches_then_refused(be, m, 5, monkeypatch, "KIE_ROUTER_FOLD", "on")
-    monkeypatch.setenv("KIE_ROUTER_FOLD", "0")
-    be = MonokernelBackend(m, "cpu", n_sms=n_sms, min_task_bytes=64)
-    assert not be.plan.dims.RFOLD
-    got = list(be.generate(PROMPT, SamplingParams(max_new_tokens=5, ignore_eos=True), set()))
-    check_against_reference(be, m, PROMPT, got)
-
-
 @pytest.mark.parametrize("claim,case,n_sms", [("wait", "qwen3_moe_mixed", 3), ("late", "gpt_oss", 2)])
 def test_successor_claimed_after_the_wait_or_after_the_signal(claim, case, n_sms, tiny_model, monkeypatch):
     """KIE_CLAIM=wait / late (kernel._claim_wait): a task claims its successor after its input wait, or after its

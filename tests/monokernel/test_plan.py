@@ -90,16 +90,6 @@ def test_split_tasks_equals_the_builder(case):
         assert torch.equal(P.split_tasks(base, n), P.build_tasks(plan, n)), n
 
 
-def test_split_tasks_equals_the_builder_with_the_folded_router():
-    # the folded router's W_r' x tasks also signal the attention counter, once each: o_proj's and the W_f tasks'
-    # waits count them beside n_splits signals per attention task
-    plan = P.build_plan(tiny_spec("qwen3_moe_mixed"), None, "cpu", n_sms=5, random_seed=0, router_fold=True)
-    assert plan.dims.RFOLD
-    base = P.build_tasks(plan, 1)
-    for n in (2, 3, 7):
-        assert torch.equal(P.split_tasks(base, n), P.build_tasks(plan, n)), n
-
-
 def test_split_tasks_equals_the_builder_tensor_parallel(tiny_model):
     from kie_moe.kernels.monokernel.shard import shard
     m = tiny_model("qwen3_moe_mixed")
@@ -152,4 +142,3 @@ def test_task_rows_are_one_padded_vector():
     t = P.build_tasks(plan, 1)
     assert t.shape[1] == P.NF and P.NF & (P.NF - 1) == 0 and P.F_XWAIT + 1 <= P.NF
     assert int(t[:, P.F_XWAIT + 1:].abs().sum()) == 0
-

@@ -9,7 +9,7 @@ from kie_moe.kernels.monokernel.trace import format_table, summarize
 
 def _streamed_bytes(m, plan) -> float:
     """Independent count of a float plan's weight bytes per step: every 2-D weight of the store but the embedding
-    table, routed experts scaled by top_k / E (the active ones), and the folded router's W_f."""
+    table, routed experts scaled by top_k / E (the active ones)."""
     eb = plan.weights.element_size()
     moe = {i: lay.moe for i, lay in enumerate(m.spec.layers) if lay.moe is not None}
     total = 0.0
@@ -22,9 +22,6 @@ def _streamed_bytes(m, plan) -> float:
             lay = moe[int(n.split(".")[1])]
             frac = lay.top_k / lay.num_experts
         total += t.numel() * eb * frac
-    if plan.dims.RFOLD:   # the folded router also streams W_f [E, HQ * DH] (W_r' [E, D] stands for the router)
-        a = m.spec.layers[0].attn
-        total += sum(lay.num_experts * a.num_heads * a.head_dim * eb for lay in moe.values())
     return total
 
 
@@ -76,27 +73,26 @@ def test_summarize_charges_the_critical_path_to_the_phase_that_ends_it():
     assert "between tasks 23%" in format_table(s)
 
 
-def test_phases_are_named_by_most_of_their_tasks_and_the_folded_router_by_kind():
-    # one step: a W_r' x task (router aux 1) and 2 attention tiles signal counter 0, a W_f task (router aux 0) and
-    # 2 o_proj tiles counter 1, the weights task (router aux 2) and 2 expert tiles counter 2; the first task of each
-    # phase is the router's, but the phases are attention's, o_proj's and the experts'
-    ops = [P.OP_ROUTER, P.OP_ATTN, P.OP_ATTN, P.OP_ROUTER, P.OP_O, P.OP_O, P.OP_ROUTER, P.OP_EXP_UP, P.OP_EXP_UP]
+def test_phases_are_named_by_most_of_their_tasks():
+    # one step: 3 attention tiles signal counter 0, 3 o_proj tiles counter 1, and counter 2 a shared expert's
+    # gate / up task (first in row order, as plan.build_tasks emits it) beside 2 routed expert tiles; the third
+    # phase is the routed experts' (it was named by its first task), though its last task is the shared one's
+    ops = [P.OP_ATTN, P.OP_ATTN, P.OP_ATTN, P.OP_O, P.OP_O, P.OP_O, P.OP_SH_UP, P.OP_EXP_UP, P.OP_EXP_UP]
     tasks = _tasks([(o, i // 3) for i, o in enumerate(ops)])
-    tasks[[0, 3, 6], P.F_AUX] = [1, 0, 2]
     tr = np.zeros((18, 8), dtype=np.int64)
     for st in range(2):
         b = 10_000 + st * 10_000
         for i in range(9):
             ph = i // 3
-            end = b + 1000 * (ph + 1) + (300 if i == 3 else 0)   # the W_f task ends the o_proj phase, 300 ns late
+            end = b + 1000 * (ph + 1) + (300 if i == 6 else 0)   # the shared expert ends its phase, 300 ns late
             _stamp(tr, 9 * st + i, b + 1000 * ph, b + 1000 * ph + 100, end, prog=i)
     s = summarize(tasks, tr, n_programs=9, skip_steps=1)["ops"]
-    assert set(s) == {"router_x", "attention", "router", "o_proj", "route_weights", "expert_gate_up"}
-    assert all(s[k]["tasks_per_step"] == 1 for k in ("router_x", "router", "route_weights"))
-    assert s["router"]["work_us"] == pytest.approx(1.2) and s["o_proj"]["work_us"] == pytest.approx(0.9)
-    # the o_proj phase (ending at +2,300 with its W_f task) is charged to o_proj, 1.3 us after attention's end
-    assert s["o_proj"]["critical_us_per_step"] == pytest.approx(1.3)
-    assert s["router"]["critical_us_per_step"] == 0 and s["router_x"]["critical_us_per_step"] == 0
+    assert set(s) == {"attention", "o_proj", "shared_gate_up", "expert_gate_up"}
+    assert s["shared_gate_up"]["tasks_per_step"] == 1 and s["shared_gate_up"]["work_us"] == pytest.approx(1.2)
+    # the experts' phase (ending at +3,300 with the shared task) is charged to the routed experts, 1.3 us after
+    # o_proj's end
+    assert s["expert_gate_up"]["critical_us_per_step"] == pytest.approx(1.3)
+    assert s["shared_gate_up"]["critical_us_per_step"] == 0
 
 
 def test_summarize_splits_attention_work_at_its_loop_stamp():
