@@ -92,7 +92,7 @@ def main(argv=None):
     rows = []
     for spec in filter(None, a.variants.split(";")):
         name, _, sets = spec.partition(":")
-        # VAR=V pairs split at a comma that starts the next VAR= (a value may be a comma list: KIE_NOINLINE)
+        # VAR=V pairs split at a comma that starts the next VAR= (a value may itself be a comma list)
         env = dict(env0, **dict(kv.split("=", 1) for kv in re.split(r",(?=[A-Z_][A-Z0-9_]*=)", sets) if kv))
         env["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="kie-regs-")   # target_info guards are not in the key
         code = _CHILD.format(bench=str(Path(__file__).parent), arch=a.arch, formats=formats, splits=a.splits)

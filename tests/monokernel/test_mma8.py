@@ -214,8 +214,8 @@ def test_mma8_glu_task_matches_torch(N, K, rpt, nw, act, fmt):
 
 
 # (rows, K, rows per task, warps) where the power-of-two split leaves warps idle: qwen3's 3-block tasks on 8 warps
-# (K = 512: 4 steps, 1 per warp), 3 blocks of which the last has 9 rows with a ragged K (208: 2 steps, so 6 of the 8
-# warps' K ranges are past K), 5 blocks on 8 warps (5 rounds)
+# (K = 512: 4 steps of 128 B in fp8, 8 in bf16, so fp8 leaves half the warps' K ranges past K), 3 blocks of which the
+# last has 9 rows with a ragged K (208: 2 fp8 steps, 6 of the 8 ranges past K), 5 blocks on 8 warps (5 rounds)
 KS_CASES = [(48, 512, 48, 8), (82, 208, 41, 8), (70, 1040, 70, 8)]
 
 
