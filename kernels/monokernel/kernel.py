@@ -323,7 +323,7 @@ def monokernel(
     TP: tl.constexpr = 0, E_LO: tl.constexpr = 0, E_LOC: tl.constexpr = 0,
     SFILTER: tl.constexpr = False, K_CAND: tl.constexpr = 1, SBLOCK_V: tl.constexpr = 1, SBLOCK_T: tl.constexpr = 1,
     SBLOCK_C: tl.constexpr = 1, MMA8: tl.constexpr = False, MMA16: tl.constexpr = 0, MMA_DN: tl.constexpr = False,
-    MSCR: tl.constexpr = 4, MMA8_KS_ALL: tl.constexpr = False,
+    MSCR: tl.constexpr = 4,
     # attention's tl.dot precision (ops.attention_task PREC; KIE_ATTN_DOT)
     ATTN_PREC: tl.constexpr = "ieee",
 ):
@@ -409,7 +409,7 @@ def monokernel(
             prefetch_rows(w, r0, nr, D, FMT_ATTN, USE_ASM)   # the whole task into L2 before the wait
             if MM_ATTN:   # on the tensor cores (mma8.py): the first step's loads before the wait
                 wq = tl.multiple_of(_wq(FMT_ATTN, wa_ptr, qw32_ptr, woff), 32)
-                first = mma8_first(wq, D, r0, r_end, NT // 32, W_ATTN, MMA8_KS_ALL)
+                first = mma8_first(wq, D, r0, r_end, NT // 32, W_ATTN)
             else:
                 w0, s0 = tile(w, sq, D, r0, r_end, 0, 1, FMT_ATTN, BN_QKV, BLOCK_K)
             t_next, row_next, st = _claim_wait(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, wctr, target,
@@ -420,7 +420,7 @@ def monokernel(
                               wa_ptr + tl.multiple_of(tl.load(lrow + P.LF_ATTN_NORM), 64) + lnw, eps,
                               wa_ptr + tl.multiple_of(tl.load(lrow + P.LF_QKV_B), 64), qkv_ptr, qkv_ptr,
                               mscr_ptr + pid * MSCR, True, HAS_QKV_BIAS, False, NT // 32, BLOCK_XS, FMT_ATTN == 1,
-                              W_ATTN, tr, trace_on, MODE == 3, MMA8_KS_ALL)
+                              W_ATTN, tr, trace_on, MODE == 3)
             elif st == 0:
                 stream_gemv(w, sq, qf32_ptr + tl.load(lrow + P.LF_QKV_F), w0, s0, D, r0, r_end, lx,
                             wa_ptr + tl.multiple_of(tl.load(lrow + P.LF_ATTN_NORM), 64) + lnw, eps,
@@ -446,7 +446,7 @@ def monokernel(
             prefetch_rows(w, r0, nr, O_K, FMT_ATTN, USE_ASM)
             if MM_ATTN:   # (the tensor-core tasks exclude TP and MLA: x += W_o ao in place)
                 wq = tl.multiple_of(_wq(FMT_ATTN, wa_ptr, qw32_ptr, woff), 32)
-                first = mma8_first(wq, O_K, r0, r_end, NT // 32, W_ATTN, MMA8_KS_ALL)
+                first = mma8_first(wq, O_K, r0, r_end, NT // 32, W_ATTN)
             else:
                 w0, s0 = tile(w, sq, O_K, r0, r_end, 0, 1, FMT_ATTN, BN_O, BLOCK_K)
             t_next, row_next, st = _claim_wait(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, wctr, target,
@@ -456,7 +456,7 @@ def monokernel(
                     mma8_task(first, wq, qf32_ptr + tl.load(lrow + P.LF_O_F), O_K, r0, r_end, ao_ptr, ao_ptr, eps,
                               wa_ptr + tl.multiple_of(tl.load(lrow + P.LF_O_B), 64), x_ptr, x_ptr,
                               mscr_ptr + pid * MSCR, False, HAS_O_BIAS, True, NT // 32, BLOCK_XS, FMT_ATTN == 1,
-                              W_ATTN, tr, trace_on, MODE == 3, MMA8_KS_ALL)
+                              W_ATTN, tr, trace_on, MODE == 3)
             else:
                 if TP > 0:   # a launch that is ending puts nothing (peers may already be zeroing for the next one)
                     if st == 0:
@@ -601,7 +601,7 @@ def monokernel(
                                   qf32_ptr + f_off + I_DENSE, D, r0, r_end, lx,
                                   wa_ptr + tl.multiple_of(tl.load(lrow + P.LF_MLP_NORM), 64) + lnw, eps, wa_ptr,
                                   wa_ptr, h_ptr, glu_limit, glu_alpha, mscr_ptr + pid * MSCR, False, 0, NT // 32,
-                                  BLOCK_XS, FMT_MLP == 1, W_MLP, tr, trace_on, MODE == 3, MMA8_KS_ALL)
+                                  BLOCK_XS, FMT_MLP == 1, W_MLP, tr, trace_on, MODE == 3)
             else:
                 g0, gs0 = tile(wg, sg_, D, r0, r_end, 0, 1, FMT_MLP, BN_GU, BLOCK_K)
                 u0, us0 = tile(wu, su_, D, r0, r_end, 0, 1, FMT_MLP, BN_GU, BLOCK_K)
@@ -618,7 +618,7 @@ def monokernel(
             prefetch_rows(w, r0, nr, I_DENSE, FMT_MLP, USE_ASM)
             if MM_MLP:
                 wq = tl.multiple_of(_wq(FMT_MLP, wa_ptr, qw32_ptr, woff), 32)
-                first = mma8_first(wq, I_DENSE, r0, r_end, NT // 32, W_MLP, MMA8_KS_ALL)
+                first = mma8_first(wq, I_DENSE, r0, r_end, NT // 32, W_MLP)
             else:
                 w0, s0 = tile(w, sq, I_DENSE, r0, r_end, 0, 1, FMT_MLP, BN_DOWN, BLOCK_K)
             t_next, row_next, st = _claim_wait(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, wctr, target,
@@ -633,7 +633,7 @@ def monokernel(
                 if st == 0:
                     mma8_task(first, wq, qf32_ptr + tl.load(lrow + P.LF_DOWN_F), I_DENSE, r0, r_end, h_ptr, h_ptr,
                               eps, wa_ptr, x_ptr, x_ptr, mscr_ptr + pid * MSCR, False, False, True, NT // 32, BLOCK_XS,
-                              FMT_MLP == 1, W_MLP, tr, trace_on, MODE == 3, MMA8_KS_ALL)
+                              FMT_MLP == 1, W_MLP, tr, trace_on, MODE == 3)
             elif st == 0:
                 stream_gemv(w, sq, qf32_ptr + tl.load(lrow + P.LF_DOWN_F), w0, s0, I_DENSE, r0, r_end, h_ptr, h_ptr,
                             eps, wa_ptr, yd, yd, 0, pv_ptr, pi_ptr, 0, 1.0, 0, 0, False, False, TP == 0, False,
@@ -728,7 +728,7 @@ def monokernel(
                                   wa_ptr + tl.load(lrow + P.LF_EGATE_B) + e * I_MOE,
                                   wa_ptr + tl.load(lrow + P.LF_EUP_B) + e * I_MOE, h_ptr + aux * I_MOE, glu_limit,
                                   glu_alpha, mscr_ptr + pid * MSCR, HAS_EBIAS, EXP_ACT, NT // 32, BLOCK_XS,
-                                  FMT_EXP == 1, W_EXP, tr, trace_on, MODE == 3, MMA8_KS_ALL)
+                                  FMT_EXP == 1, W_EXP, tr, trace_on, MODE == 3)
                 else:
                     g0, gs0 = tile(wg, sg_, D, r0, re_, 0, 1, FMT_EXP, BN_EUP, BLOCK_K)
                     u0, us0 = tile(wu, su_, D, r0, re_, 0, 1, FMT_EXP, BN_EUP, BLOCK_K)

@@ -67,25 +67,19 @@ def _xw(K: tl.constexpr, W16: tl.constexpr):
 
 
 @triton.jit
-def _blocks_ks(r0, r_end, NW: tl.constexpr, KS_ALL: tl.constexpr = False):
-    """(16-row blocks of a task, warps per block KS): the largest power of two with KS * blocks <= NW. KS_ALL
-    (KIE_MMA8_KS=all): NW where that leaves warps idle, the blocks then one per round; e.g. qwen3-30b-a3b's 48-row
-    expert gate / up and ~39-row q|k|v tasks are 3 blocks, KS 2: 6 of 8 warps stream, 8 steps each over K = 2,048,
-    where all 8 on each block take 3 rounds of 2 steps (6 per warp) at the price of 2 more cross-warp sums."""
+def _blocks_ks(r0, r_end, NW: tl.constexpr):
+    """(16-row blocks of a task, warps per block KS): the largest power of two with KS * blocks <= NW."""
     nblk = (r_end - r0 + 15) // 16
     ks = nblk * 0 + 1
     for _ in tl.static_range(4):      # NW <= 16: doubled while 2 ks blocks' worth of warps fit
         ks = ks * (1 + (ks * 2 * nblk <= NW).to(tl.int32))
-    ks = tl.minimum(ks, NW)           # (an empty task: no block, ks stops at NW)
-    if KS_ALL:
-        ks = tl.where(ks * nblk < NW, NW, ks)
-    return nblk, ks
+    return nblk, tl.minimum(ks, NW)   # (an empty task: no block, ks stops at NW)
 
 
 @triton.jit
-def _geometry(r0, r_end, K: tl.constexpr, NW: tl.constexpr, W16: tl.constexpr, KS_ALL: tl.constexpr = False):
+def _geometry(r0, r_end, K: tl.constexpr, NW: tl.constexpr, W16: tl.constexpr):
     """(blocks, warps per block KS, steps per warp's K range) of a task."""
-    nblk, ks = _blocks_ks(r0, r_end, NW, KS_ALL)
+    nblk, ks = _blocks_ks(r0, r_end, NW)
     n_steps = nblk * 0 + (_kw(K, W16) + 16 * PIECES - 1) // (16 * PIECES)   # 128-byte steps over K
     return nblk, ks, (n_steps + ks - 1) // ks
 
@@ -97,10 +91,10 @@ def _rows(r0, r_end, blk, r):
 
 
 @triton.jit
-def mma8_first(wq, K: tl.constexpr, r0, r_end, NW: tl.constexpr, W16: tl.constexpr = 0, KS_ALL: tl.constexpr = False):
+def mma8_first(wq, K: tl.constexpr, r0, r_end, NW: tl.constexpr, W16: tl.constexpr = 0):
     """The task's first step of weight loads for this warp's first block and K range (before the wait)."""
     lane, warp = _lane_warp(NW)
-    nblk, ks, sks = _geometry(r0, r_end, K, NW, W16, KS_ALL)
+    nblk, ks, sks = _geometry(r0, r_end, K, NW, W16)
     ra, rb = _rows(r0, r_end, warp // ks, lane >> 2)
     return fp8_rows_first(wq, ra, rb, wq, ra, rb, _kw(K, W16), lane & 3, _kw(K, W16), (warp % ks) * sks, 1, PIECES)
 
@@ -200,8 +194,8 @@ def _warp_sums(y0, y1, y2, y3, ks, red, warp, r, q, RB: tl.constexpr, NW: tl.con
         s3 = _quad_sum(y3, NW)
     if ks > 1:    # the block's K ranges meet in the scratch (after x's K / 2 words), added in warp order
         # Two halves used in turn: a half is written again only after the next _ks_sum's barrier, which every lead
-        # reaches after its reads of it (also from one round to the next: KS_ALL's rounds), and the next task's
-        # writes to red come after _stage_x's barriers.
+        # reaches after its reads of it; with ks > 1 the task has one round, and the next task's writes to red
+        # come after _stage_x's barriers.
         lead = (q == 0) & (warp % ks == 0)
         s0 = _ks_sum(s0, red, warp, r, q, ks, lead, NW)
         s1 = _ks_sum(s1, red + 16 * NW, warp, r, q, ks, lead, NW)
@@ -215,16 +209,15 @@ def _warp_sums(y0, y1, y2, y3, ks, red, warp, r, q, RB: tl.constexpr, NW: tl.con
 def mma8_task(first, wq, f_ptr, K: tl.constexpr, r0, r_end, x_ptr, nw_ptr, eps, b_ptr, y_ptr, res_ptr, scr_ptr,
               NORM: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, NW: tl.constexpr,
               BLOCK_X: tl.constexpr, HAS_F: tl.constexpr = True, W16: tl.constexpr = 0, tr=0, trace_on=False,
-              STAMP: tl.constexpr = False, KS_ALL: tl.constexpr = False):
-    """y[r] for r in [r0, r_end) (module docstring), after the task's wait; first = mma8_first(...) (the same KS_ALL:
-    _blocks_ks). y may alias res (each task owns its rows). W16 1 / 2: bf16 / fp16 weights (no row factors: HAS_F
-    False). STAMP: _stamp_loop."""
+              STAMP: tl.constexpr = False):
+    """y[r] for r in [r0, r_end) (module docstring), after the task's wait; first = mma8_first(...). y may alias
+    res (each task owns its rows). W16 1 / 2: bf16 / fp16 weights (no row factors: HAS_F False). STAMP: _stamp_loop."""
     _stage_x(x_ptr, nw_ptr, eps, scr_ptr, K, NORM, BLOCK_X, W16)
     _stamp_loop(tr, trace_on, STAMP)
     lane, warp = _lane_warp(NW)
     r = lane >> 2
     q = lane & 3
-    nblk, ks, sks = _geometry(r0, r_end, K, NW, W16, KS_ALL)
+    nblk, ks, sks = _geometry(r0, r_end, K, NW, W16)
     G = NW // ks                       # blocks in flight per round
     lead = (q == 0) & (warp % ks == 0)
     st0 = (warp % ks) * sks
@@ -245,7 +238,7 @@ def mma8_task(first, wq, f_ptr, K: tl.constexpr, r0, r_end, x_ptr, nw_ptr, eps, 
 def mma8_glu_task(wg, wu, fg_ptr, fu_ptr, K: tl.constexpr, r0, r_end, x_ptr, nw_ptr, eps, bg_ptr, bu_ptr, h_ptr,
                   limit, alpha, scr_ptr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, NW: tl.constexpr,
                   BLOCK_X: tl.constexpr, HAS_F: tl.constexpr = True, W16: tl.constexpr = 0, tr=0, trace_on=False,
-                  STAMP: tl.constexpr = False, KS_ALL: tl.constexpr = False):
+                  STAMP: tl.constexpr = False):
     """h[r] = glu(fg[r] (Wg[r] . x') (+ bg[r]), fu[r] (Wu[r] . x') (+ bu[r])) for r in [r0, r_end), x' = fp16 of the
     RMS-normed x (stream_glu's task on the tensor cores: a routed expert's gate / up rows, known only after the
     wait, so no loads go before it; also the dense MLP's gate / up, W16 as mma8_task's). The first block's first
@@ -253,7 +246,7 @@ def mma8_glu_task(wg, wu, fg_ptr, fu_ptr, K: tl.constexpr, r0, r_end, x_ptr, nw_
     lane, warp = _lane_warp(NW)
     r = lane >> 2
     q = lane & 3
-    nblk, ks, sks = _geometry(r0, r_end, K, NW, W16, KS_ALL)
+    nblk, ks, sks = _geometry(r0, r_end, K, NW, W16)
     G = NW // ks
     lead = (q == 0) & (warp % ks == 0)
     st0 = (warp % ks) * sks

@@ -202,10 +202,6 @@ class MonokernelBackend:
         # BLOCK_X ("loop": a round trip per block and pass, 4-6 per task at qwen3's sizes; KIE_MMA8_STAGE=loop).
         stage = P.env_choice("KIE_MMA8_STAGE", "once", ("once", "loop"))
         self.stage_block = min(_pow2(k_max), 16384) if stage == "once" else 0   # 0: the kernel's BLOCK_X
-        # KIE_MMA8_KS=all (an experiment, off; "fit" the default): a tensor-core task whose 16-row blocks leave warps
-        # idle at the power-of-two split (3 blocks on 8 warps: 6 stream) puts all warps on each block in turn
-        # (mma8._blocks_ks; NOTES.md session 36)
-        self.mma8_ks_all = P.env_choice("KIE_MMA8_KS", "fit", ("fit", "all")) == "all"
         # KIE_ROUTE_ONCE (default 1; 0: its A/B): the top-k is picked once per layer and step, by the router task
         # that finishes last (a ticket), instead of by every expert gate / up task (~3.7 us each of qwen3's, H100
         # trace); they read their expert id. With the late claim +3.0% (qwen3-30b-a3b fp8, H100, session 32;
@@ -507,8 +503,7 @@ class MonokernelBackend:
             BLOCK_QG=_pow2(max(d.HQ // max(d.HKV, 1) * d.DH, 1)),
             XB=t.xb, NS=t.ns, USE_ASM=not self.interpret, NT=32 * self.num_warps, TP=d.TP, E_LO=d.E_LO,
             E_LOC=d.E_LOC, MMA8=mma8, MMA16=self.mma16, MMA_DN=mma_dn,
-            MSCR=self.mscr_words, MMA8_KS_ALL=self.mma8_ks_all, ATTN_PREC=self.attn_prec,
-            BLOCK_XS=self.stage_block or bx,
+            MSCR=self.mscr_words, ATTN_PREC=self.attn_prec, BLOCK_XS=self.stage_block or bx,
             ROUTE_ONCE=self.route_once, N_ROUTER=max(1, len(pl.op_rows.get("router", ()))), DOWN_L2=self.down_l2,
             CLAIM=self.claim)
         if sampler is not None:

@@ -19,14 +19,14 @@ pytestmark = needs_device
 @triton.jit
 def _tasks(w_ptr, f_ptr, x_ptr, nw_ptr, b_ptr, y_ptr, res_ptr, scr_ptr, rows_per_task, N, eps, K: tl.constexpr,
            SCR: tl.constexpr, NORM: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, NW: tl.constexpr,
-           BLOCK_X: tl.constexpr, W16: tl.constexpr, KS_ALL: tl.constexpr = False):
+           BLOCK_X: tl.constexpr, W16: tl.constexpr):
     pid = tl.program_id(0)
     r0 = pid * rows_per_task
     r_end = tl.minimum(r0 + rows_per_task, N)
     wq = w_ptr.to(tl.pointer_type(tl.uint32))
-    first = mma8_first(wq, K, r0, r_end, NW, W16, KS_ALL)
+    first = mma8_first(wq, K, r0, r_end, NW, W16)
     mma8_task(first, wq, f_ptr, K, r0, r_end, x_ptr, nw_ptr, eps, b_ptr, y_ptr, res_ptr, scr_ptr + pid * SCR, NORM,
-              HAS_BIAS, HAS_RES, NW, BLOCK_X, W16 == 0, W16, KS_ALL=KS_ALL)
+              HAS_BIAS, HAS_RES, NW, BLOCK_X, W16 == 0, W16)
 
 
 # weight formats: e4m3 codes with row factors, bf16 / fp16 pairs (W16 1 / 2: x as hi + lo, no factors)
@@ -121,16 +121,6 @@ def test_monokernel_fp8_tasks_on_the_tensor_cores(case, kinds, tiny_model, monke
         with pytest.raises(ValueError, match="KIE_MMA8_STAGE='twice'"):
             MonokernelBackend(m, DEV, quantized=q.get, num_stages=2)
         monkeypatch.delenv("KIE_MMA8_STAGE")
-        monkeypatch.setenv("KIE_MMA8_KS", "all")   # every warp on each block (its odd-shape tests: below)
-        ka = MonokernelBackend(m, DEV, quantized=q.get, num_stages=2, wdtype=torch.float32)
-        assert ka.mma8_ks_all and not be.mma8_ks_all
-        check_against_reference(ka, M, PROMPT, list(ka.generate(PROMPT, SamplingParams(max_new_tokens=4,
-                                                                                          ignore_eos=True), set())),
-                                tol=5e-3)
-        monkeypatch.setenv("KIE_MMA8_KS", "some")
-        with pytest.raises(ValueError, match="KIE_MMA8_KS='some'"):
-            MonokernelBackend(m, DEV, quantized=q.get, num_stages=2)
-        monkeypatch.delenv("KIE_MMA8_KS")
     monkeypatch.setenv("KIE_MONO_FP8_MMA_DOWN", "0")
     off = MonokernelBackend(m, DEV, quantized=q.get, num_stages=2)
     assert off.mma8 and not off.mma_down
@@ -180,13 +170,13 @@ def test_monokernel_bf16_tasks_on_the_tensor_cores(case, kinds, tiny_model, monk
 @triton.jit
 def _glu_tasks(wg_ptr, wu_ptr, fg_ptr, fu_ptr, x_ptr, nw_ptr, bg_ptr, bu_ptr, h_ptr, scr_ptr, rows_per_task, N, eps,
                limit, alpha, K: tl.constexpr, SCR: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
-               NW: tl.constexpr, BLOCK_X: tl.constexpr, W16: tl.constexpr, KS_ALL: tl.constexpr = False):
+               NW: tl.constexpr, BLOCK_X: tl.constexpr, W16: tl.constexpr):
     pid = tl.program_id(0)
     r0 = pid * rows_per_task
     r_end = tl.minimum(r0 + rows_per_task, N)
     mma8_glu_task(wg_ptr.to(tl.pointer_type(tl.uint32)), wu_ptr.to(tl.pointer_type(tl.uint32)), fg_ptr, fu_ptr, K,
                   r0, r_end, x_ptr, nw_ptr, eps, bg_ptr, bu_ptr, h_ptr, limit, alpha, scr_ptr + pid * SCR, HAS_BIAS,
-                  ACT, NW, BLOCK_X, W16 == 0, W16, KS_ALL=KS_ALL)
+                  ACT, NW, BLOCK_X, W16 == 0, W16)
 
 
 @pytest.mark.parametrize("fmt", list(W16))
@@ -211,35 +201,6 @@ def test_mma8_glu_task_matches_torch(N, K, rpt, nw, act, fmt):
         gc, uc = gv.clamp(max=0.7), uv.clamp(-0.7, 0.7)
         want = (uc + 1) * gc * torch.sigmoid(1.702 * gc)
     assert_close(h, want, REL[fmt], what=f"mma8 glu {fmt} {N}x{K} rows/task {rpt} warps {nw} act {act}")
-
-
-# (rows, K, rows per task, warps) where the power-of-two split leaves warps idle: qwen3's 3-block tasks on 8 warps
-# (K = 512: 4 steps of 128 B in fp8, 8 in bf16, so fp8 leaves half the warps' K ranges past K), 3 blocks of which the
-# last has 9 rows with a ragged K (208: 2 fp8 steps, 6 of the 8 ranges past K), 5 blocks on 8 warps (5 rounds)
-KS_CASES = [(48, 512, 48, 8), (82, 208, 41, 8), (70, 1040, 70, 8)]
-
-
-@pytest.mark.parametrize("fmt", ["fp8", "bf16"])
-@pytest.mark.parametrize("N,K,rpt,nw", KS_CASES, ids=[f"{c[0]}x{c[1]}-t{c[2]}-w{c[3]}" for c in KS_CASES])
-def test_mma8_tasks_with_every_warp_on_each_block(N, K, rpt, nw, fmt):
-    """KS_ALL (KIE_MMA8_KS=all): every warp on each 16-row block in turn, the K ranges summed across all warps, one
-    round per block: the GEMV task (normed x, bias, residual) and the GLU task equal torch's."""
-    w, wbuf, f = _weight(fmt, N, K, N + K)
-    tasks = triton.cdiv(N, rpt)
-    x, nw_, b, res, scr, scr_words = _inputs(N, K, K, fmt, nw, tasks)
-    bx = min(1024, triton.next_power_of_2(K))
-    y = torch.full((N,), float("nan"), device=DEV)
-    _tasks[(tasks,)](wbuf, f, x, nw_, b, y, res, scr, rpt, N, 1e-6, K, scr_words, True, True, True, nw, bx, W16[fmt],
-                     True, num_warps=nw)
-    xf = x.float()
-    xn = _xin(xf * torch.rsqrt(xf.square().mean() + 1e-6) * nw_.float(), fmt)
-    assert_close(y, (w.weight.float() @ xn) * f + b + res, REL[fmt], what=f"mma8 KS_ALL {fmt} {N}x{K} rows/task {rpt}")
-    wu, wub, fu = _weight(fmt, N, K, N + K + 1)
-    h = torch.full((N,), float("nan"), device=DEV)
-    _glu_tasks[(tasks,)](wbuf, wub, f, fu, x, nw_, b, res, h, scr, rpt, N, 1e-6, 0.7, 1.702, K, scr_words, True, 0,
-                         nw, bx, W16[fmt], True, num_warps=nw)
-    want = torch.nn.functional.silu((w.weight.float() @ xn) * f + b) * ((wu.weight.float() @ xn) * fu + res)
-    assert_close(h, want, REL[fmt], what=f"mma8 glu KS_ALL {fmt} {N}x{K} rows/task {rpt}")
 
 
 @triton.jit
