@@ -40,7 +40,7 @@ from kie_moe.kccl.sync import (clock64, flag_is_set, globaltimer, put_span, read
 
 from . import plan as P
 from .lane_ops import lane_final_mean, lane_final_reduce, lane_out_tile, lane_reduce, lane_sum, stream_lane_out
-from .mma8 import _stage_x, mma8_down_task, mma8_first, mma8_glu_task, mma8_task
+from .mma8 import mma8_down_task, mma8_first, mma8_glu_task, mma8_task
 from .mla import mla_absorb_task, mla_attention_task, mla_vup_task
 from .prefetch import prefetch_rows
 from .ops import attention_task, embed_row, kv_split_range, pick_token, route, vec_dot_norm
@@ -318,7 +318,7 @@ def monokernel(
     BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr,
     BLOCK_TOPK: tl.constexpr, BLOCK_EOS: tl.constexpr, BLOCK_X: tl.constexpr, BLOCK_XS: tl.constexpr,
     ROUTE_ONCE: tl.constexpr, N_ROUTER: tl.constexpr, DOWN_L2: tl.constexpr, CLAIM: tl.constexpr,
-    X_EARLY: tl.constexpr, EXP_L2: tl.constexpr,
+    EXP_CH: tl.constexpr,
     BLOCK_QG: tl.constexpr,
     XB: tl.constexpr, NS: tl.constexpr, USE_ASM: tl.constexpr, NT: tl.constexpr, MODE: tl.constexpr = 0,
     TP: tl.constexpr = 0, E_LO: tl.constexpr = 0, E_LOC: tl.constexpr = 0,
@@ -684,16 +684,6 @@ def monokernel(
                         s = vec_dot_norm(wa_ptr + tl.load(lrow + P.LF_SH_GATE), x_ptr, nw, D, eps, BLOCK_K)
                         tl.store(sg_ptr, tl.sigmoid(s))
         elif op == _OP_EXP_UP:
-            if X_EARLY and MM_EXP:   # KIE_EXP_X_EARLY: x is final once o_proj has signalled (F_PWAIT), before the
-                # router's signal this task waits for next: stage it now (normed, fp16, the program's scratch),
-                # under the router phase instead of after it
-                pst = _wait(cnt_ptr + _field(rowv, row, offs_f, P.F_PWAIT, USE_ASM),
-                            _field(rowv, row, offs_f, P.F_PWCNT, USE_ASM) * (step + 1), stop_ptr, timeout_ns, USE_ASM,
-                            NT, MODE, tr, False)
-                if pst == 0:
-                    _stage_x(x_ptr, wa_ptr + tl.multiple_of(tl.load(lrow + P.LF_MLP_NORM), 64), eps,
-                             mscr_ptr + pid * MSCR, D, True, BLOCK_XS, W_EXP)
-            # (a stop or timeout in that first wait returns the same from this one: the router waits on o_proj)
             t_next, row_next, st = _claim_wait(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, wctr, target,
                                                stop_ptr, timeout_ns, USE_ASM, NT, MODE, tr, trace_on, CLAIM)
             if st == 0:
@@ -727,9 +717,8 @@ def monokernel(
                     wu = tl.multiple_of(wu, 16)
                 sg_ = _sp(FMT_EXP, qf32_ptr, qs8f_ptr, qs8u_ptr, tl.load(lrow + P.LF_EGATE_S) + e * (I_MOE * SC_D_EXP))
                 su_ = _sp(FMT_EXP, qf32_ptr, qs8f_ptr, qs8u_ptr, tl.load(lrow + P.LF_EUP_S) + e * (I_MOE * SC_D_EXP))
-                if EXP_L2:   # experts are known only now (KIE_EXP_UP_L2=0: no prefetch, the loop's own loads)
-                    prefetch_rows(wg, r0, nr_, D, FMT_EXP, USE_ASM)
-                    prefetch_rows(wu, r0, nr_, D, FMT_EXP, USE_ASM)
+                prefetch_rows(wg, r0, nr_, D, FMT_EXP, USE_ASM, EXP_CH)   # experts are known only now
+                prefetch_rows(wu, r0, nr_, D, FMT_EXP, USE_ASM, EXP_CH)
                 if MM_EXP:   # on the tensor cores (mma8.py; no expert parallelism)
                     eoff = e * (I_MOE * RU_D_EXP)
                     mma8_glu_task(_wq(FMT_EXP, wa_ptr, qw32_ptr, tl.load(lrow + P.LF_EGATE) + eoff),
@@ -740,7 +729,7 @@ def monokernel(
                                   wa_ptr + tl.load(lrow + P.LF_EGATE_B) + e * I_MOE,
                                   wa_ptr + tl.load(lrow + P.LF_EUP_B) + e * I_MOE, h_ptr + aux * I_MOE, glu_limit,
                                   glu_alpha, mscr_ptr + pid * MSCR, HAS_EBIAS, EXP_ACT, NT // 32, BLOCK_XS,
-                                  FMT_EXP == 1, W_EXP, tr, trace_on, MODE == 3, STAGED=X_EARLY)
+                                  FMT_EXP == 1, W_EXP, tr, trace_on, MODE == 3)
                 else:
                     g0, gs0 = tile(wg, sg_, D, r0, re_, 0, 1, FMT_EXP, BN_EUP, BLOCK_K)
                     u0, us0 = tile(wu, su_, D, r0, re_, 0, 1, FMT_EXP, BN_EUP, BLOCK_K)
@@ -757,7 +746,7 @@ def monokernel(
                     d0 = r0 * D // I_MOE
                     prefetch_rows(_wbase(FMT_EXP, wa_ptr, qw8_ptr, qw32_ptr)
                                   + _wu(FMT_EXP, tl.load(lrow + P.LF_EDOWN)) + e * (D * RU_I_EXP), d0,
-                                  re_ * D // I_MOE - d0, I_MOE, FMT_EXP, USE_ASM)
+                                  re_ * D // I_MOE - d0, I_MOE, FMT_EXP, USE_ASM, EXP_CH)
         elif op == _OP_EXP_DOWN:
             t_next, row_next, st = _claim_wait(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, wctr, target,
                                                stop_ptr, timeout_ns, USE_ASM, NT, MODE, tr, trace_on, CLAIM)

@@ -238,13 +238,11 @@ def mma8_task(first, wq, f_ptr, K: tl.constexpr, r0, r_end, x_ptr, nw_ptr, eps, 
 def mma8_glu_task(wg, wu, fg_ptr, fu_ptr, K: tl.constexpr, r0, r_end, x_ptr, nw_ptr, eps, bg_ptr, bu_ptr, h_ptr,
                   limit, alpha, scr_ptr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, NW: tl.constexpr,
                   BLOCK_X: tl.constexpr, HAS_F: tl.constexpr = True, W16: tl.constexpr = 0, tr=0, trace_on=False,
-                  STAMP: tl.constexpr = False, STAGED: tl.constexpr = False):
+                  STAMP: tl.constexpr = False):
     """h[r] = glu(fg[r] (Wg[r] . x') (+ bg[r]), fu[r] (Wu[r] . x') (+ bu[r])) for r in [r0, r_end), x' = fp16 of the
     RMS-normed x (stream_glu's task on the tensor cores: a routed expert's gate / up rows, known only after the
     wait, so no loads go before it; also the dense MLP's gate / up, W16 as mma8_task's). The first block's first
-    step of loads goes out before the input staging, so the staging's round trip runs under the weights' latency.
-    STAGED: the caller staged x already (_stage_x with NORM into scr_ptr; the kernel's KIE_EXP_X_EARLY, before its
-    wait for the router)."""
+    step of loads goes out before the input staging, so the staging's round trip runs under the weights' latency."""
     lane, warp = _lane_warp(NW)
     r = lane >> 2
     q = lane & 3
@@ -254,8 +252,7 @@ def mma8_glu_task(wg, wu, fg_ptr, fu_ptr, K: tl.constexpr, r0, r_end, x_ptr, nw_
     st0 = (warp % ks) * sks
     ra, rb = _rows(r0, r_end, warp // ks, r)
     first = fp8_rows_first(wg, ra, rb, wu, ra, rb, _kw(K, W16), q, _kw(K, W16), st0, 2, PIECES)
-    if not STAGED:
-        _stage_x(x_ptr, nw_ptr, eps, scr_ptr, K, True, BLOCK_X, W16)
+    _stage_x(x_ptr, nw_ptr, eps, scr_ptr, K, True, BLOCK_X, W16)
     _stamp_loop(tr, trace_on, STAMP)
     for rd in range(0, (nblk + G - 1) // G):
         blk = rd * G + warp // ks

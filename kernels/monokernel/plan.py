@@ -52,17 +52,13 @@ OP_NAMES.update({OP_LANE_O: "lane_o_proj", OP_LANE_DOWN: "lane_down", OP_LANE_AG
 TRACE_W = 9   # int64 fields per traced task (MonokernelBackend.trace; kernels/monokernel/trace.py names them)
 
 # ---- task table columns ----------------------------------------------------------------------------------------
-(F_OP, F_LAYER, F_ROW0, F_NROWS, F_AUX, F_WAIT, F_WCNT, F_WBASE, F_SIG, F_WLO, F_WHI, F_XCTR, F_XWAIT, F_PWAIT,
- F_PWCNT) = range(15)
-NF = 16   # one 64-byte row (15 fields + 1 zero pad): the kernel's claim loads it as one power-of-two vector
+(F_OP, F_LAYER, F_ROW0, F_NROWS, F_AUX, F_WAIT, F_WCNT, F_WBASE, F_SIG, F_WLO, F_WHI, F_XCTR, F_XWAIT) = range(13)
+NF = 16   # one 64-byte row (13 fields + 3 zero pads): the kernel's claim loads it as one power-of-two vector
 # F_XCTR (tensor-parallel plans): the KCCL counter, in every rank's symmetric region, that a put task signals on
 # each rank (o_proj / down / expert_down tiles, LM-head tiles); REDUCE and the sampler wait on theirs (F_WAIT).
 # F_XWAIT (tensor-parallel Laneformer, lanes.py): a second wait of a lane output task, on the KCCL counter of the
 # same tile of layer i - d (the other ranks' delayed partials), TP signals per step; -1 none. Lane plans put only
 # where F_XCTR >= 0.
-# F_PWAIT / F_PWCNT (routed experts' gate / up tasks; 0 elsewhere): the counter after whose F_PWCNT signals per
-# step the task's input x is final (the layer's o_proj), an earlier wait than its own (the router's):
-# KIE_EXP_X_EARLY=1 stages x between the two (runtime.py)
 # F_WLO / F_WHI: the element offset of the task's (first) weight matrix, lo 31 bits + hi: the prefetch address
 # comes straight from the task row, not from a second (dependent) load of the layer table
 
@@ -752,9 +748,9 @@ def build_tasks(plan: Plan, n_splits: int = 1, sample_tiles: int = 0) -> torch.T
     wcol = {OP_QKV: LF_QKV, OP_O: LF_O, OP_GATEUP: LF_GATE, OP_DOWN: LF_DOWN, OP_ROUTER: LF_ROUTER,
             OP_SH_UP: LF_SGATE, OP_QB: LF_QB, OP_ABSORB: LF_KVB, OP_VUP: LF_KVB}
 
-    def emit(op, layer, r0, n, aux, wait, wcnt, wbase, sig, xctr=0, pre=(0, 0)):
+    def emit(op, layer, r0, n, aux, wait, wcnt, wbase, sig, xctr=0):
         w = plan.lm_off if op == OP_LM else int(lt[layer, wcol[op]]) if op in wcol else 0
-        rows.append([op, layer, r0, n, aux, wait, wcnt, wbase, sig, w & 0x7FFFFFFF, w >> 31, xctr, -1, *pre, 0])
+        rows.append([op, layer, r0, n, aux, wait, wcnt, wbase, sig, w & 0x7FFFFFFF, w >> 31, xctr, -1, 0, 0, 0])
         count[sig] = count.get(sig, 0) + 1
 
     tp, T = d.TP, plan.tp_tiles
@@ -818,7 +814,7 @@ def build_tasks(plan: Plan, n_splits: int = 1, sample_tiles: int = 0) -> torch.T
                 emit(OP_SH_UP, i, r0, n, 0, *after(C(_C_O)), C(_C_UP))
             for j in range(d.TOPK):
                 for r0, n in plan.op_rows["exp_up"]:
-                    emit(OP_EXP_UP, i, r0, n, j, *after(C(_C_ROUTE)), C(_C_UP), pre=after(C(_C_O))[:2])
+                    emit(OP_EXP_UP, i, r0, n, j, *after(C(_C_ROUTE)), C(_C_UP))
             put_and_reduce(OP_EXP_DOWN, i, plan.op_rows["exp_down"], after(C(_C_UP)), 1, C(_C_OUT))
         prev = after(C(_C_OUT))
     for t, (r0, n) in enumerate(plan.op_rows["lm"]):

@@ -217,14 +217,11 @@ class MonokernelBackend:
         # share of its expert's down rows into L2; the down tasks then skip their own prefetch, which they could
         # issue only after their wait (H200, qwen3 fp8: down task 9.4 -> 5.9 us, +4.1% tok/s; session 32)
         self.down_l2 = P.env_flag("KIE_DOWN_L2", True) and d.E > 0 and d.I_MOE > 0
-        # KIE_EXP_X_EARLY (experiment, default 0): a routed expert's gate / up task on the tensor cores first waits for
-        # its layer's o_proj (plan F_PWAIT), stages x (the RMSNorm, fp16, mma8._stage_x) and only then waits for the
-        # router: the staging leaves the critical path (session 37's H100 trace of qwen3-30b-a3b fp8: 4.72 us from
-        # the task's ready to its loop, a 48-row task's x staging and first loads, of its 17.29 us).
-        self.x_early = P.env_flag("KIE_EXP_X_EARLY", False)
-        # KIE_EXP_UP_L2 (default 1; 0: its A/B): the gate / up task's bulk L2 prefetch of its expert rows, issued
-        # once it knows its expert
-        self.exp_l2 = P.env_flag("KIE_EXP_UP_L2", True)
+        # KIE_EXP_L2_CHUNK (experiment; bytes, default 1024): the chunk of each bulk prefetch instruction the gate / up
+        # task issues after its wait (its expert rows, then KIE_DOWN_L2's down rows): 1 KB chunks are ~190 + ~100
+        # instructions per task, and session 37's traces keep ~4.3 us between the task's expert id and its loop
+        # whether or not it stages x there (the prefetch unit taking them one by one is the suspect)
+        self.exp_ch = int(P.env_choice("KIE_EXP_L2_CHUNK", "1024", ("1024", "4096", "16384", "65536")))
         self.mscr_words = scratch_words(k_max, self.num_warps, self.mma16 > 0) if self.mma_any else 4
         self.mscr = z(self.grid * self.mscr_words)
         self.pv, self.pi = z(self.plan.n_lm_tiles), z(self.plan.n_lm_tiles, dt=i32)
@@ -513,7 +510,7 @@ class MonokernelBackend:
             E_LOC=d.E_LOC, MMA8=mma8, MMA16=self.mma16, MMA_DN=mma_dn,
             MSCR=self.mscr_words, ATTN_PREC=self.attn_prec, BLOCK_XS=self.stage_block or bx,
             ROUTE_ONCE=self.route_once, N_ROUTER=max(1, len(pl.op_rows.get("router", ()))), DOWN_L2=self.down_l2,
-            CLAIM=self.claim, X_EARLY=self.x_early, EXP_L2=self.exp_l2)
+            CLAIM=self.claim, EXP_CH=self.exp_ch)
         if sampler is not None:
             meta.update(SFILTER=True, K_CAND=sampler.k_cand, SBLOCK_V=sampler.block_v, SBLOCK_T=sampler.block_t,
                         SBLOCK_C=sampler.block_c)
@@ -561,9 +558,6 @@ class MonokernelBackend:
         if self.dims.TP and op in (P.OP_LANE_O, P.OP_LANE_DOWN) and int(tasks[row, P.F_XWAIT]) >= 0 \
                 and ctrl[CT_ERR_NEED] == self.dims.TP * (step + 1):   # its second wait: layer i - d's KCCL counter
             kccl, wctr = True, int(tasks[row, P.F_XWAIT])
-        if self.x_early and op == P.OP_EXP_UP and ctrl[CT_ERR_NEED] == int(tasks[row, P.F_PWCNT]) * (step + 1) \
-                and ctrl[CT_ERR_NEED] != int(tasks[row, P.F_WCNT]) * (step + 1):   # its earlier wait: o_proj's
-            wctr = int(tasks[row, P.F_PWAIT])
         name = self.xctr_name(wctr) if kccl else f"counter {self.counter_name(wctr)}"
         raise RuntimeError(
             f"monokernel watchdog: task {row} ({P.describe_task(tasks, row)}) of decode step {step} waited for "

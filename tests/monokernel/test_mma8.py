@@ -121,18 +121,13 @@ def test_monokernel_fp8_tasks_on_the_tensor_cores(case, kinds, tiny_model, monke
         with pytest.raises(ValueError, match="KIE_MMA8_STAGE='twice'"):
             MonokernelBackend(m, DEV, quantized=q.get, num_stages=2)
         monkeypatch.delenv("KIE_MMA8_STAGE")
-    if "exp" in kinds and case != "qwen2_moe":   # KIE_EXP_X_EARLY: the expert gate / up tasks stage x after o_proj's
-        # signals, before their wait for the router (gpt-oss: biases and the clamped GLU; qwen3_moe_norm)
-        monkeypatch.setenv("KIE_EXP_X_EARLY", "1")
-        xe = MonokernelBackend(m, DEV, quantized=q.get, num_stages=2, wdtype=torch.float32)
-        assert xe.x_early and not be.x_early
-        xg = list(xe.generate(PROMPT, SamplingParams(max_new_tokens=4, ignore_eos=True), set()))
-        check_against_reference(xe, M, PROMPT, xg, tol=5e-3)
-        assert xg == got
-        monkeypatch.setenv("KIE_EXP_X_EARLY", "yes")
-        with pytest.raises(ValueError, match="KIE_EXP_X_EARLY"):
+        # the gate / up task's bulk L2 prefetch chunk (the interpreter's prefetch is a no-op: only the setting)
+        monkeypatch.setenv("KIE_EXP_L2_CHUNK", "16384")
+        assert MonokernelBackend(m, DEV, quantized=q.get, num_stages=2).exp_ch == 16384 and be.exp_ch == 1024
+        monkeypatch.setenv("KIE_EXP_L2_CHUNK", "3000")
+        with pytest.raises(ValueError, match="KIE_EXP_L2_CHUNK='3000'"):
             MonokernelBackend(m, DEV, quantized=q.get, num_stages=2)
-        monkeypatch.delenv("KIE_EXP_X_EARLY")
+        monkeypatch.delenv("KIE_EXP_L2_CHUNK")
     monkeypatch.setenv("KIE_MONO_FP8_MMA_DOWN", "0")
     off = MonokernelBackend(m, DEV, quantized=q.get, num_stages=2)
     assert off.mma8 and not off.mma_down
