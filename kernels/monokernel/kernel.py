@@ -318,7 +318,6 @@ def monokernel(
     BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr,
     BLOCK_TOPK: tl.constexpr, BLOCK_EOS: tl.constexpr, BLOCK_X: tl.constexpr, BLOCK_XS: tl.constexpr,
     ROUTE_ONCE: tl.constexpr, N_ROUTER: tl.constexpr, DOWN_L2: tl.constexpr, CLAIM: tl.constexpr,
-    EXP_CH: tl.constexpr,
     BLOCK_QG: tl.constexpr,
     XB: tl.constexpr, NS: tl.constexpr, USE_ASM: tl.constexpr, NT: tl.constexpr, MODE: tl.constexpr = 0,
     TP: tl.constexpr = 0, E_LO: tl.constexpr = 0, E_LOC: tl.constexpr = 0,
@@ -717,8 +716,8 @@ def monokernel(
                     wu = tl.multiple_of(wu, 16)
                 sg_ = _sp(FMT_EXP, qf32_ptr, qs8f_ptr, qs8u_ptr, tl.load(lrow + P.LF_EGATE_S) + e * (I_MOE * SC_D_EXP))
                 su_ = _sp(FMT_EXP, qf32_ptr, qs8f_ptr, qs8u_ptr, tl.load(lrow + P.LF_EUP_S) + e * (I_MOE * SC_D_EXP))
-                prefetch_rows(wg, r0, nr_, D, FMT_EXP, USE_ASM, EXP_CH)   # experts are known only now
-                prefetch_rows(wu, r0, nr_, D, FMT_EXP, USE_ASM, EXP_CH)
+                prefetch_rows(wg, r0, nr_, D, FMT_EXP, USE_ASM)   # experts are known only now
+                prefetch_rows(wu, r0, nr_, D, FMT_EXP, USE_ASM)
                 if MM_EXP:   # on the tensor cores (mma8.py; no expert parallelism)
                     eoff = e * (I_MOE * RU_D_EXP)
                     mma8_glu_task(_wq(FMT_EXP, wa_ptr, qw32_ptr, tl.load(lrow + P.LF_EGATE) + eoff),
@@ -746,7 +745,7 @@ def monokernel(
                     d0 = r0 * D // I_MOE
                     prefetch_rows(_wbase(FMT_EXP, wa_ptr, qw8_ptr, qw32_ptr)
                                   + _wu(FMT_EXP, tl.load(lrow + P.LF_EDOWN)) + e * (D * RU_I_EXP), d0,
-                                  re_ * D // I_MOE - d0, I_MOE, FMT_EXP, USE_ASM, EXP_CH)
+                                  re_ * D // I_MOE - d0, I_MOE, FMT_EXP, USE_ASM)
         elif op == _OP_EXP_DOWN:
             t_next, row_next, st = _claim_wait(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, wctr, target,
                                                stop_ptr, timeout_ns, USE_ASM, NT, MODE, tr, trace_on, CLAIM)

@@ -35,10 +35,9 @@ def l2_prefetch(ptr, n_units, unit_bytes, USE_ASM: tl.constexpr, CH: tl.constexp
 
 
 @triton.jit
-def prefetch_rows(w_ptr, r0, nr, K: tl.constexpr, FMT: tl.constexpr, USE_ASM: tl.constexpr, CH: tl.constexpr = 1024):
+def prefetch_rows(w_ptr, r0, nr, K: tl.constexpr, FMT: tl.constexpr, USE_ASM: tl.constexpr):
     """Prefetch rows [r0, r0 + nr) of a row-major [*, K] Linear in weight format FMT (kernels/tiles.py FMT_ID:
-    0 float elements, 1-2 e4m3 bytes, 3-4 u32 words of 8 e2m1 codes) whose row 0 is at w_ptr (_wp's pointer), in
-    chunks of CH bytes (one per thread: 256 of them cover 256 * CH bytes)."""
+    0 float elements, 1-2 e4m3 bytes, 3-4 u32 words of 8 e2m1 codes) whose row 0 is at w_ptr (_wp's pointer)."""
     RU: tl.constexpr = K // 8 if FMT >= 3 else K                        # row length in w_ptr's units
     UB: tl.constexpr = w_ptr.dtype.element_ty.primitive_bitwidth // 8
-    l2_prefetch(w_ptr + r0.to(tl.int64) * RU, nr * RU, UB, USE_ASM, CH, 256)
+    l2_prefetch(w_ptr + r0.to(tl.int64) * RU, nr * RU, UB, USE_ASM, 1024, 256)

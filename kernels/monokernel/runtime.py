@@ -217,11 +217,6 @@ class MonokernelBackend:
         # share of its expert's down rows into L2; the down tasks then skip their own prefetch, which they could
         # issue only after their wait (H200, qwen3 fp8: down task 9.4 -> 5.9 us, +4.1% tok/s; session 32)
         self.down_l2 = P.env_flag("KIE_DOWN_L2", True) and d.E > 0 and d.I_MOE > 0
-        # KIE_EXP_L2_CHUNK (experiment; bytes, default 1024): the chunk of each bulk prefetch instruction the gate / up
-        # task issues after its wait (its expert rows, then KIE_DOWN_L2's down rows): 1 KB chunks are ~190 + ~100
-        # instructions per task, and session 37's traces keep ~4.3 us between the task's expert id and its loop
-        # whether or not it stages x there (the prefetch unit taking them one by one is the suspect)
-        self.exp_ch = int(P.env_choice("KIE_EXP_L2_CHUNK", "1024", ("1024", "4096", "16384", "65536")))
         self.mscr_words = scratch_words(k_max, self.num_warps, self.mma16 > 0) if self.mma_any else 4
         self.mscr = z(self.grid * self.mscr_words)
         self.pv, self.pi = z(self.plan.n_lm_tiles), z(self.plan.n_lm_tiles, dt=i32)
@@ -510,7 +505,7 @@ class MonokernelBackend:
             E_LOC=d.E_LOC, MMA8=mma8, MMA16=self.mma16, MMA_DN=mma_dn,
             MSCR=self.mscr_words, ATTN_PREC=self.attn_prec, BLOCK_XS=self.stage_block or bx,
             ROUTE_ONCE=self.route_once, N_ROUTER=max(1, len(pl.op_rows.get("router", ()))), DOWN_L2=self.down_l2,
-            CLAIM=self.claim, EXP_CH=self.exp_ch)
+            CLAIM=self.claim)
         if sampler is not None:
             meta.update(SFILTER=True, K_CAND=sampler.k_cand, SBLOCK_V=sampler.block_v, SBLOCK_T=sampler.block_t,
                         SBLOCK_C=sampler.block_c)

@@ -121,13 +121,6 @@ def test_monokernel_fp8_tasks_on_the_tensor_cores(case, kinds, tiny_model, monke
         with pytest.raises(ValueError, match="KIE_MMA8_STAGE='twice'"):
             MonokernelBackend(m, DEV, quantized=q.get, num_stages=2)
         monkeypatch.delenv("KIE_MMA8_STAGE")
-        # the gate / up task's bulk L2 prefetch chunk (the interpreter's prefetch is a no-op: only the setting)
-        monkeypatch.setenv("KIE_EXP_L2_CHUNK", "16384")
-        assert MonokernelBackend(m, DEV, quantized=q.get, num_stages=2).exp_ch == 16384 and be.exp_ch == 1024
-        monkeypatch.setenv("KIE_EXP_L2_CHUNK", "3000")
-        with pytest.raises(ValueError, match="KIE_EXP_L2_CHUNK='3000'"):
-            MonokernelBackend(m, DEV, quantized=q.get, num_stages=2)
-        monkeypatch.delenv("KIE_EXP_L2_CHUNK")
     monkeypatch.setenv("KIE_MONO_FP8_MMA_DOWN", "0")
     off = MonokernelBackend(m, DEV, quantized=q.get, num_stages=2)
     assert off.mma8 and not off.mma_down
