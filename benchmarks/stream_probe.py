@@ -136,6 +136,51 @@ def _mma_probe(w_ptr, xh_ptr, y_ptr, n_iter, ctr_ptr, K: tl.constexpr, RB: tl.co
 
 
 @triton.jit
+def _tma_glu_probe(wg_ptr, wu_ptr, f_ptr, x_ptr, h_ptr, n_iter, R, ctr_ptr, ROWS: tl.constexpr, K: tl.constexpr,
+                   BN: tl.constexpr, BK: tl.constexpr, NS: tl.constexpr, PHASED: tl.constexpr,
+                   USE_ASM: tl.constexpr, NT: tl.constexpr, HOT: tl.constexpr = False):
+    """The expert gate / up task (rows [task * ROWS, +ROWS) of an fp8 gate / up pair, h = silu(g) * u with row
+    factors f) with its weight tiles brought in by the TMA: [BN, BK] tiles through tensor descriptors, in one flat
+    loop over (row chunk, K step) that Triton's pipeliner runs NS stages deep (shared-memory buffers and mbarriers,
+    no registers held by loads in flight: NS x 2 x BN x BK bytes per program), CUDA-core products. The question it
+    answers (NOTES session 37): can one 8-warp program per SM keep HBM busy once its loads stop living in registers
+    (kernels/fp8_mma.py's loop: ~17-19 GB/s per program free-running, 24 KB in flight)? PHASED / HOT as
+    _glu_probe's."""
+    pid = tl.program_id(0)
+    n_prog = tl.num_programs(0)
+    dg = tl.make_tensor_descriptor(wg_ptr, shape=[R, K], strides=[K, 1], block_shape=[BN, BK])
+    du = tl.make_tensor_descriptor(wu_ptr, shape=[R, K], strides=[K, 1], block_shape=[BN, BK])
+    NK: tl.constexpr = K // BK
+    NCH: tl.constexpr = ROWS // BN
+    offs_k = tl.arange(0, BK)
+    offs_n = tl.arange(0, BN)
+    for it in range(n_iter):
+        if HOT:
+            r0 = pid * ROWS
+        else:
+            r0 = (it * n_prog + pid) * ROWS
+        if PHASED:
+            wait(ctr_ptr, it * n_prog, ctr_ptr + 1, 2_000_000_000, USE_ASM, False, NT)
+        ag = tl.zeros((BN, BK), dtype=tl.float32)
+        au = tl.zeros((BN, BK), dtype=tl.float32)
+        for i in tl.range(0, NCH * NK, num_stages=NS):
+            c = i // NK
+            k = (i - c * NK) * BK
+            x = tl.load(x_ptr + k + offs_k)
+            ag += dg.load([r0 + c * BN, k]).to(tl.float32) * x[None, :]
+            au += du.load([r0 + c * BN, k]).to(tl.float32) * x[None, :]
+            if k == K - BK:   # the chunk's last K step: its BN rows' sums, the GLU, one store
+                rows = r0 + c * BN + offs_n
+                g = tl.sum(ag, axis=1) * tl.load(f_ptr + rows)
+                u = tl.sum(au, axis=1) * tl.load(f_ptr + rows)
+                tl.store(h_ptr + rows, g * tl.sigmoid(g) * u)
+                ag = tl.zeros((BN, BK), dtype=tl.float32)
+                au = tl.zeros((BN, BK), dtype=tl.float32)
+        if PHASED:
+            signal(ctr_ptr, 1, USE_ASM)
+
+
+@triton.jit
 def _copy_probe(w, out_ptr, n_iter, TASK: tl.constexpr, BLOCK: tl.constexpr, NS: tl.constexpr,
                 HOT: tl.constexpr = False):
     """Task (it, pid): TASK int32 words read in [BLOCK] steps through a pipelined loop, summed (kept alive)."""
@@ -162,8 +207,8 @@ def run_point(kind: str, fmt: int, rows: int, k: int, bn: int, bk: int, xb: int,
     import torch
     import triton.testing as tt
     dev = "cuda"
-    # "-hot": every iteration re-reads the program's first task (from L2); "-pf": the next task is bulk-prefetched
-    # into L2 before the current one runs (glu only). gbps then counts bytes the loop consumed, not HBM traffic.
+    # "-hot": every iteration re-reads the program's first task (from L2; glu, copy, tma); "-pf": the next task is
+    # bulk-prefetched into L2 before the current one runs (glu only). gbps then counts bytes the loop consumed, not HBM traffic.
     kind, _, mode = kind.partition("-")
     hot, pf = mode == "hot", mode == "pf"
     n_prog = n_sms * per_sm
@@ -182,6 +227,21 @@ def run_point(kind: str, fmt: int, rows: int, k: int, bn: int, bk: int, xb: int,
             ctr.zero_()
             _mma_probe[(n_prog,)](w, xh, y, n_iter, ctr, k, bn, warps, bk, phased, True, 32 * warps, **opts)
         nbytes = r_total * k
+    elif kind in ("tma", "tmaphased"):   # fp8 gate / up through TMA tiles: bn x bk tiles, ns pipeline stages
+        wg, wu = (torch.randn(r_total, k, device=dev).to(torch.float8_e4m3fn) for _ in range(2))
+        f = torch.ones(r_total, device=dev)
+        x = torch.randn(k, device=dev)
+        h = torch.empty(r_total, device=dev)
+        ctr = torch.zeros(2, dtype=torch.int32, device=dev)
+        # device-side tensor descriptors need a global scratch (128 bytes per program)
+        triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device=dev))
+        phased = kind == "tmaphased"
+
+        def fn():
+            ctr.zero_()
+            _tma_glu_probe[(n_prog,)](wg, wu, f, x, h, n_iter, r_total, ctr, rows, k, bn, bk, ns, phased, True,
+                                      32 * warps, hot, num_warps=warps, launch_cooperative_grid=phased)
+        nbytes = 2 * r_total * k
     elif kind == "copy":
         words = rows * k // 4   # rows x k bytes per task, as int32 words
         w = torch.randint(0, 100, (n_prog * n_iter * words,), dtype=torch.int32, device=dev)
@@ -289,6 +349,14 @@ POINTS = [
     ("mmaphased", 1, 128, 1024, 1, 2, 0, 0, 8, 1), ("mmaphased", 1, 128, 2048, 1, 2, 0, 0, 8, 1),
     ("mmaphased", 1, 128, 2048, 1, 4, 0, 0, 8, 1), ("mmaphased", 1, 64, 2048, 1, 2, 0, 0, 4, 2),
     ("mmaphased", 1, 256, 2048, 2, 2, 0, 0, 8, 1),
+    # session 37: the gate / up task's weight tiles through the TMA (tensor descriptors, Triton's pipeliner: ns
+    # stages of 2 x bn x bk bytes in shared memory, nothing in registers), qwen3's 48-row x 2048 tasks at 1 x 8:
+    # free-running, from L2 (-hot: the loop's own rate), phased (a 25 MB phase per iteration, as the monokernel's)
+    ("tma", 1, 48, 2048, 16, 256, 0, 4, 8, 1), ("tma", 1, 48, 2048, 16, 256, 0, 8, 8, 1),
+    ("tma", 1, 48, 2048, 16, 128, 0, 8, 8, 1), ("tma", 1, 48, 2048, 32, 256, 0, 4, 8, 1),
+    ("tma-hot", 1, 48, 2048, 16, 256, 0, 8, 8, 1),
+    ("tmaphased", 1, 48, 2048, 16, 256, 0, 4, 8, 1), ("tmaphased", 1, 48, 2048, 16, 256, 0, 8, 8, 1),
+    ("tmaphased", 1, 48, 2048, 16, 128, 0, 8, 8, 1),
 ]
 KEYS = ("kind", "fmt", "rows", "k", "bn", "bk", "xb", "ns", "warps", "per_sm")
 

@@ -318,7 +318,6 @@ def monokernel(
     BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr,
     BLOCK_TOPK: tl.constexpr, BLOCK_EOS: tl.constexpr, BLOCK_X: tl.constexpr, BLOCK_XS: tl.constexpr,
     ROUTE_ONCE: tl.constexpr, N_ROUTER: tl.constexpr, DOWN_L2: tl.constexpr, CLAIM: tl.constexpr,
-    GLU_PC: tl.constexpr,
     BLOCK_QG: tl.constexpr,
     XB: tl.constexpr, NS: tl.constexpr, USE_ASM: tl.constexpr, NT: tl.constexpr, MODE: tl.constexpr = 0,
     TP: tl.constexpr = 0, E_LO: tl.constexpr = 0, E_LOC: tl.constexpr = 0,
@@ -729,7 +728,7 @@ def monokernel(
                                   wa_ptr + tl.load(lrow + P.LF_EGATE_B) + e * I_MOE,
                                   wa_ptr + tl.load(lrow + P.LF_EUP_B) + e * I_MOE, h_ptr + aux * I_MOE, glu_limit,
                                   glu_alpha, mscr_ptr + pid * MSCR, HAS_EBIAS, EXP_ACT, NT // 32, BLOCK_XS,
-                                  FMT_EXP == 1, W_EXP, tr, trace_on, MODE == 3, GLU_PC)
+                                  FMT_EXP == 1, W_EXP, tr, trace_on, MODE == 3)
                 else:
                     g0, gs0 = tile(wg, sg_, D, r0, re_, 0, 1, FMT_EXP, BN_EUP, BLOCK_K)
                     u0, us0 = tile(wu, su_, D, r0, re_, 0, 1, FMT_EXP, BN_EUP, BLOCK_K)

@@ -77,10 +77,10 @@ def _blocks_ks(r0, r_end, NW: tl.constexpr):
 
 
 @triton.jit
-def _geometry(r0, r_end, K: tl.constexpr, NW: tl.constexpr, W16: tl.constexpr, PC: tl.constexpr = PIECES):
-    """(blocks, warps per block KS, steps per warp's K range) of a task (steps of PC 16-byte pieces per row)."""
+def _geometry(r0, r_end, K: tl.constexpr, NW: tl.constexpr, W16: tl.constexpr):
+    """(blocks, warps per block KS, steps per warp's K range) of a task."""
     nblk, ks = _blocks_ks(r0, r_end, NW)
-    n_steps = nblk * 0 + (_kw(K, W16) + 16 * PC - 1) // (16 * PC)   # 64 PC-byte steps over K
+    n_steps = nblk * 0 + (_kw(K, W16) + 16 * PIECES - 1) // (16 * PIECES)   # 128-byte steps over K
     return nblk, ks, (n_steps + ks - 1) // ks
 
 
@@ -172,12 +172,12 @@ def _ks_sum(s, red, warp, r, q, ks, lead, NW: tl.constexpr):
 
 @triton.jit
 def _block_sums(first, wq0, wq1, K: tl.constexpr, r0, r_end, blk, st0, sks, ks, scr_ptr, warp, r, q,
-                RB: tl.constexpr, NW: tl.constexpr, W16: tl.constexpr, PC: tl.constexpr = PIECES):
+                RB: tl.constexpr, NW: tl.constexpr, W16: tl.constexpr):
     """Rows r, r + 8 of block blk (of wq0, and of wq1 when RB == 2) over this warp's K range, summed over the quad
     and, when KS > 1, over the block's warps: (rows of wq0 a / b, rows of wq1 a / b), valid in lead lanes."""
     ra, rb = _rows(r0, r_end, blk, r)
     y0, y1, y2, y3 = fp8_rows_dot(scr_ptr.to(tl.pointer_type(tl.uint32)), wq0, ra, rb, wq1, ra, rb, _kw(K, W16), q,
-                                  _kw(K, W16), _mine(r, q), 0, sks, RB, PC, first, st0, W16)
+                                  _kw(K, W16), _mine(r, q), 0, sks, RB, PIECES, first, st0, W16)
     return _warp_sums(y0, y1, y2, y3, ks, scr_ptr + _xw(K, W16), warp, r, q, RB, NW)
 
 
@@ -238,30 +238,29 @@ def mma8_task(first, wq, f_ptr, K: tl.constexpr, r0, r_end, x_ptr, nw_ptr, eps, 
 def mma8_glu_task(wg, wu, fg_ptr, fu_ptr, K: tl.constexpr, r0, r_end, x_ptr, nw_ptr, eps, bg_ptr, bu_ptr, h_ptr,
                   limit, alpha, scr_ptr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, NW: tl.constexpr,
                   BLOCK_X: tl.constexpr, HAS_F: tl.constexpr = True, W16: tl.constexpr = 0, tr=0, trace_on=False,
-                  STAMP: tl.constexpr = False, PC: tl.constexpr = PIECES):
+                  STAMP: tl.constexpr = False):
     """h[r] = glu(fg[r] (Wg[r] . x') (+ bg[r]), fu[r] (Wu[r] . x') (+ bu[r])) for r in [r0, r_end), x' = fp16 of the
     RMS-normed x (stream_glu's task on the tensor cores: a routed expert's gate / up rows, known only after the
     wait, so no loads go before it; also the dense MLP's gate / up, W16 as mma8_task's). The first block's first
-    step of loads goes out before the input staging, so the staging's round trip runs under the weights' latency.
-    PC: 16-byte pieces per row and step (the kernel's KIE_MMA8_GLU_PIECES=4: twice the bytes in flight per warp)."""
+    step of loads goes out before the input staging, so the staging's round trip runs under the weights' latency."""
     lane, warp = _lane_warp(NW)
     r = lane >> 2
     q = lane & 3
-    nblk, ks, sks = _geometry(r0, r_end, K, NW, W16, PC)
+    nblk, ks, sks = _geometry(r0, r_end, K, NW, W16)
     G = NW // ks
     lead = (q == 0) & (warp % ks == 0)
     st0 = (warp % ks) * sks
     ra, rb = _rows(r0, r_end, warp // ks, r)
-    first = fp8_rows_first(wg, ra, rb, wu, ra, rb, _kw(K, W16), q, _kw(K, W16), st0, 2, PC)
+    first = fp8_rows_first(wg, ra, rb, wu, ra, rb, _kw(K, W16), q, _kw(K, W16), st0, 2, PIECES)
     _stage_x(x_ptr, nw_ptr, eps, scr_ptr, K, True, BLOCK_X, W16)
     _stamp_loop(tr, trace_on, STAMP)
     for rd in range(0, (nblk + G - 1) // G):
         blk = rd * G + warp // ks
         if rd > 0:
             ra, rb = _rows(r0, r_end, blk, r)
-            first = fp8_rows_first(wg, ra, rb, wu, ra, rb, _kw(K, W16), q, _kw(K, W16), st0, 2, PC)
+            first = fp8_rows_first(wg, ra, rb, wu, ra, rb, _kw(K, W16), q, _kw(K, W16), st0, 2, PIECES)
         g0, g1, u0, u1 = _block_sums(first, wg, wu, K, r0, r_end, blk, st0, sks, ks, scr_ptr, warp, r, q, 2, NW,
-                                     W16, PC)
+                                     W16)
         row = r0 + blk * 16 + r
         _glu_out(g0, u0, row, lead & (blk < nblk) & (row < r_end), fg_ptr, fu_ptr, bg_ptr, bu_ptr, h_ptr, limit,
                  alpha, HAS_BIAS, ACT, HAS_F)

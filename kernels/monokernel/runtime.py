@@ -217,11 +217,6 @@ class MonokernelBackend:
         # share of its expert's down rows into L2; the down tasks then skip their own prefetch, which they could
         # issue only after their wait (H200, qwen3 fp8: down task 9.4 -> 5.9 us, +4.1% tok/s; session 32)
         self.down_l2 = P.env_flag("KIE_DOWN_L2", True) and d.E > 0 and d.I_MOE > 0
-        # KIE_MMA8_GLU_PIECES (experiment; default 2): 16-byte pieces per row and step of the routed experts' gate / up
-        # task on the tensor cores; 4 puts twice the bytes in flight per warp (8 KB: gate and up rows). Session 37's
-        # breakdown: qwen3-30b-a3b fp8 streams at 47% of the probe with no dependency waits at all, and its gate /
-        # up loop holds 24 KB in flight per SM (6 warps x 4 KB)
-        self.glu_pc = int(P.env_choice("KIE_MMA8_GLU_PIECES", "2", ("2", "4")))
         self.mscr_words = scratch_words(k_max, self.num_warps, self.mma16 > 0) if self.mma_any else 4
         self.mscr = z(self.grid * self.mscr_words)
         self.pv, self.pi = z(self.plan.n_lm_tiles), z(self.plan.n_lm_tiles, dt=i32)
@@ -510,7 +505,7 @@ class MonokernelBackend:
             E_LOC=d.E_LOC, MMA8=mma8, MMA16=self.mma16, MMA_DN=mma_dn,
             MSCR=self.mscr_words, ATTN_PREC=self.attn_prec, BLOCK_XS=self.stage_block or bx,
             ROUTE_ONCE=self.route_once, N_ROUTER=max(1, len(pl.op_rows.get("router", ()))), DOWN_L2=self.down_l2,
-            CLAIM=self.claim, GLU_PC=self.glu_pc)
+            CLAIM=self.claim)
         if sampler is not None:
             meta.update(SFILTER=True, K_CAND=sampler.k_cand, SBLOCK_V=sampler.block_v, SBLOCK_T=sampler.block_t,
                         SBLOCK_C=sampler.block_c)

@@ -121,17 +121,6 @@ def test_monokernel_fp8_tasks_on_the_tensor_cores(case, kinds, tiny_model, monke
         with pytest.raises(ValueError, match="KIE_MMA8_STAGE='twice'"):
             MonokernelBackend(m, DEV, quantized=q.get, num_stages=2)
         monkeypatch.delenv("KIE_MMA8_STAGE")
-    if "exp" in kinds:   # KIE_MMA8_GLU_PIECES=4: the expert gate / up task in steps of 4 pieces per row
-        monkeypatch.setenv("KIE_MMA8_GLU_PIECES", "4")
-        g4 = MonokernelBackend(m, DEV, quantized=q.get, num_stages=2, wdtype=torch.float32)
-        assert g4.glu_pc == 4 and be.glu_pc == 2
-        g4t = list(g4.generate(PROMPT, SamplingParams(max_new_tokens=4, ignore_eos=True), set()))
-        check_against_reference(g4, M, PROMPT, g4t, tol=5e-3)
-        assert g4t == got
-        monkeypatch.setenv("KIE_MMA8_GLU_PIECES", "8")
-        with pytest.raises(ValueError, match="KIE_MMA8_GLU_PIECES='8'"):
-            MonokernelBackend(m, DEV, quantized=q.get, num_stages=2)
-        monkeypatch.delenv("KIE_MMA8_GLU_PIECES")
     monkeypatch.setenv("KIE_MONO_FP8_MMA_DOWN", "0")
     off = MonokernelBackend(m, DEV, quantized=q.get, num_stages=2)
     assert off.mma8 and not off.mma_down
@@ -181,27 +170,27 @@ def test_monokernel_bf16_tasks_on_the_tensor_cores(case, kinds, tiny_model, monk
 @triton.jit
 def _glu_tasks(wg_ptr, wu_ptr, fg_ptr, fu_ptr, x_ptr, nw_ptr, bg_ptr, bu_ptr, h_ptr, scr_ptr, rows_per_task, N, eps,
                limit, alpha, K: tl.constexpr, SCR: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
-               NW: tl.constexpr, BLOCK_X: tl.constexpr, W16: tl.constexpr, PC: tl.constexpr = 2):
+               NW: tl.constexpr, BLOCK_X: tl.constexpr, W16: tl.constexpr):
     pid = tl.program_id(0)
     r0 = pid * rows_per_task
     r_end = tl.minimum(r0 + rows_per_task, N)
     mma8_glu_task(wg_ptr.to(tl.pointer_type(tl.uint32)), wu_ptr.to(tl.pointer_type(tl.uint32)), fg_ptr, fu_ptr, K,
                   r0, r_end, x_ptr, nw_ptr, eps, bg_ptr, bu_ptr, h_ptr, limit, alpha, scr_ptr + pid * SCR, HAS_BIAS,
-                  ACT, NW, BLOCK_X, W16 == 0, W16, PC=PC)
+                  ACT, NW, BLOCK_X, W16 == 0, W16)
 
 
-@pytest.mark.parametrize("fmt,pc", [(f, 2) for f in W16] + [("fp8", 4)])
+@pytest.mark.parametrize("fmt", list(W16))
 @pytest.mark.parametrize("act", [0, 1])
 @pytest.mark.parametrize("N,K,rpt,nw", CASES, ids=[f"{c[0]}x{c[1]}-t{c[2]}-w{c[3]}" for c in CASES])
-def test_mma8_glu_task_matches_torch(N, K, rpt, nw, act, fmt, pc):
+def test_mma8_glu_task_matches_torch(N, K, rpt, nw, act, fmt):
     """The routed experts' gate / up task: glu(fg (Wg . x') + bg, fu (Wu . x') + bu), act 0 silu, 1 gpt-oss's
-    clamped GLU (limit 0.7: some values clamped); pc 4: steps of 4 pieces per row (KIE_MMA8_GLU_PIECES=4)."""
+    clamped GLU (limit 0.7: some values clamped)."""
     (wg, wgb, fg), (wu, wub, fu) = (_weight(fmt, N, K, N + K + i) for i in (0, 1))
     tasks = triton.cdiv(N, rpt)
     x, nw_, bg, bu, scr, scr_words = _inputs(N, K, K + 1, fmt, nw, tasks)
     h = torch.full((N,), float("nan"), device=DEV)
     _glu_tasks[(tasks,)](wgb, wub, fg, fu, x, nw_, bg, bu, h, scr, rpt, N, 1e-6, 0.7, 1.702, K, scr_words, True, act,
-                         nw, min(1024, triton.next_power_of_2(K)), W16[fmt], pc, num_warps=nw)
+                         nw, min(1024, triton.next_power_of_2(K)), W16[fmt], num_warps=nw)
     xf = x.float()
     xn = _xin(xf * torch.rsqrt(xf.square().mean() + 1e-6) * nw_.float(), fmt)
     gv = (wg.weight.float() @ xn) * fg + bg
@@ -211,7 +200,7 @@ def test_mma8_glu_task_matches_torch(N, K, rpt, nw, act, fmt, pc):
     else:
         gc, uc = gv.clamp(max=0.7), uv.clamp(-0.7, 0.7)
         want = (uc + 1) * gc * torch.sigmoid(1.702 * gc)
-    assert_close(h, want, REL[fmt], what=f"mma8 glu {fmt} {N}x{K} rows/task {rpt} warps {nw} act {act} pieces {pc}")
+    assert_close(h, want, REL[fmt], what=f"mma8 glu {fmt} {N}x{K} rows/task {rpt} warps {nw} act {act}")
 
 
 @triton.jit
