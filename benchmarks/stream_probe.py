@@ -136,22 +136,40 @@ def _mma_probe(w_ptr, xh_ptr, y_ptr, n_iter, ctr_ptr, K: tl.constexpr, RB: tl.co
 
 
 @triton.jit
+def _tma_consume(acc, w, x, CONSUME: tl.constexpr):
+    """One [BN, BK] weight tile into the chunk's accumulator: 0 fp32 products with x on the CUDA cores ([BN, BK]
+    partials), 1 the codes' integer sum (uint8 tiles: what streaming costs with next to no work), 2 the tensor cores
+    (the tile as fp16 against x in 16 equal columns: tl.dot, [BN, 16])."""
+    if CONSUME == 0:
+        acc += w.to(tl.float32) * x[None, :]
+    elif CONSUME == 1:
+        acc += w.to(tl.int32)
+    else:
+        xb = tl.broadcast_to(x.to(tl.float16)[:, None], (x.shape[0], 16))
+        acc = tl.dot(w.to(tl.float16), xb, acc)
+    return acc
+
+
+@triton.jit
 def _tma_glu_probe(wg_ptr, wu_ptr, f_ptr, x_ptr, h_ptr, n_iter, R, ctr_ptr, ROWS: tl.constexpr, K: tl.constexpr,
                    BN: tl.constexpr, BK: tl.constexpr, NS: tl.constexpr, PHASED: tl.constexpr,
-                   USE_ASM: tl.constexpr, NT: tl.constexpr, HOT: tl.constexpr = False):
+                   USE_ASM: tl.constexpr, NT: tl.constexpr, HOT: tl.constexpr = False, CONSUME: tl.constexpr = 0):
     """The expert gate / up task (rows [task * ROWS, +ROWS) of an fp8 gate / up pair, h = silu(g) * u with row
     factors f) with its weight tiles brought in by the TMA: [BN, BK] tiles through tensor descriptors, in one flat
     loop over (row chunk, K step) that Triton's pipeliner runs NS stages deep (shared-memory buffers and mbarriers,
-    no registers held by loads in flight: NS x 2 x BN x BK bytes per program), CUDA-core products. The question it
-    answers (NOTES session 37): can one 8-warp program per SM keep HBM busy once its loads stop living in registers
-    (kernels/fp8_mma.py's loop: ~17-19 GB/s per program free-running, 24 KB in flight)? PHASED / HOT as
-    _glu_probe's."""
+    no registers held by loads in flight: NS x 2 x BN x BK bytes per program). CONSUME (_tma_consume): 0 CUDA-core
+    products, 2 tensor cores (both h = the GLU), 1 the codes' sums only (uint8 weights; h = the row's gate + up code
+    sum): the TMA's own streaming rate. ROWS % BN == 0. The question it answers (NOTES session 37): can one 8-warp
+    program per SM keep HBM busy once its loads stop living in registers (kernels/fp8_mma.py's loop: ~17-20 GB/s
+    per program free-running, 24 KB in flight)? PHASED / HOT as _glu_probe's."""
     pid = tl.program_id(0)
     n_prog = tl.num_programs(0)
     dg = tl.make_tensor_descriptor(wg_ptr, shape=[R, K], strides=[K, 1], block_shape=[BN, BK])
     du = tl.make_tensor_descriptor(wu_ptr, shape=[R, K], strides=[K, 1], block_shape=[BN, BK])
     NK: tl.constexpr = K // BK
     NCH: tl.constexpr = ROWS // BN
+    AW: tl.constexpr = 16 if CONSUME == 2 else BK
+    ADT: tl.constexpr = tl.int32 if CONSUME == 1 else tl.float32
     offs_k = tl.arange(0, BK)
     offs_n = tl.arange(0, BN)
     for it in range(n_iter):
@@ -161,21 +179,24 @@ def _tma_glu_probe(wg_ptr, wu_ptr, f_ptr, x_ptr, h_ptr, n_iter, R, ctr_ptr, ROWS
             r0 = (it * n_prog + pid) * ROWS
         if PHASED:
             wait(ctr_ptr, it * n_prog, ctr_ptr + 1, 2_000_000_000, USE_ASM, False, NT)
-        ag = tl.zeros((BN, BK), dtype=tl.float32)
-        au = tl.zeros((BN, BK), dtype=tl.float32)
+        ag = tl.zeros((BN, AW), dtype=ADT)
+        au = tl.zeros((BN, AW), dtype=ADT)
         for i in tl.range(0, NCH * NK, num_stages=NS):
             c = i // NK
             k = (i - c * NK) * BK
             x = tl.load(x_ptr + k + offs_k)
-            ag += dg.load([r0 + c * BN, k]).to(tl.float32) * x[None, :]
-            au += du.load([r0 + c * BN, k]).to(tl.float32) * x[None, :]
+            ag = _tma_consume(ag, dg.load([r0 + c * BN, k]), x, CONSUME)
+            au = _tma_consume(au, du.load([r0 + c * BN, k]), x, CONSUME)
             if k == K - BK:   # the chunk's last K step: its BN rows' sums, the GLU, one store
                 rows = r0 + c * BN + offs_n
-                g = tl.sum(ag, axis=1) * tl.load(f_ptr + rows)
-                u = tl.sum(au, axis=1) * tl.load(f_ptr + rows)
-                tl.store(h_ptr + rows, g * tl.sigmoid(g) * u)
-                ag = tl.zeros((BN, BK), dtype=tl.float32)
-                au = tl.zeros((BN, BK), dtype=tl.float32)
+                if CONSUME == 1:
+                    tl.store(h_ptr + rows, (tl.sum(ag, axis=1) + tl.sum(au, axis=1)).to(tl.float32))
+                else:
+                    g = tl.sum(ag, axis=1) * (tl.load(f_ptr + rows) / (AW if CONSUME == 2 else 1))
+                    u = tl.sum(au, axis=1) * (tl.load(f_ptr + rows) / (AW if CONSUME == 2 else 1))
+                    tl.store(h_ptr + rows, g * tl.sigmoid(g) * u)
+                ag = tl.zeros((BN, AW), dtype=ADT)
+                au = tl.zeros((BN, AW), dtype=ADT)
         if PHASED:
             signal(ctr_ptr, 1, USE_ASM)
 
@@ -227,20 +248,26 @@ def run_point(kind: str, fmt: int, rows: int, k: int, bn: int, bk: int, xb: int,
             ctr.zero_()
             _mma_probe[(n_prog,)](w, xh, y, n_iter, ctr, k, bn, warps, bk, phased, True, 32 * warps, **opts)
         nbytes = r_total * k
-    elif kind in ("tma", "tmaphased"):   # fp8 gate / up through TMA tiles: bn x bk tiles, ns pipeline stages
+    elif kind.startswith("tma"):   # fp8 gate / up through TMA tiles: bn x bk tiles, ns pipeline stages; tma* free,
+        # tma*phased phased; "sum" / "dot": _tma_consume's codes-only / tensor-core consumers (else CUDA-core products)
+        if rows % bn:
+            raise ValueError(f"{kind}: rows per task ({rows}) must be a multiple of bn ({bn})")
+        consume = 1 if "sum" in kind else 2 if "dot" in kind else 0
         wg, wu = (torch.randn(r_total, k, device=dev).to(torch.float8_e4m3fn) for _ in range(2))
+        if consume == 1:
+            wg, wu = wg.view(torch.uint8), wu.view(torch.uint8)
         f = torch.ones(r_total, device=dev)
         x = torch.randn(k, device=dev)
         h = torch.empty(r_total, device=dev)
         ctr = torch.zeros(2, dtype=torch.int32, device=dev)
         # device-side tensor descriptors need a global scratch (128 bytes per program)
         triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device=dev))
-        phased = kind == "tmaphased"
+        phased = kind.endswith("phased")
 
         def fn():
             ctr.zero_()
             _tma_glu_probe[(n_prog,)](wg, wu, f, x, h, n_iter, r_total, ctr, rows, k, bn, bk, ns, phased, True,
-                                      32 * warps, hot, num_warps=warps, launch_cooperative_grid=phased)
+                                      32 * warps, hot, consume, num_warps=warps, launch_cooperative_grid=phased)
         nbytes = 2 * r_total * k
     elif kind == "copy":
         words = rows * k // 4   # rows x k bytes per task, as int32 words
@@ -353,10 +380,18 @@ POINTS = [
     # stages of 2 x bn x bk bytes in shared memory, nothing in registers), qwen3's 48-row x 2048 tasks at 1 x 8:
     # free-running, from L2 (-hot: the loop's own rate), phased (a 25 MB phase per iteration, as the monokernel's)
     ("tma", 1, 48, 2048, 16, 256, 0, 4, 8, 1), ("tma", 1, 48, 2048, 16, 256, 0, 8, 8, 1),
-    ("tma", 1, 48, 2048, 16, 128, 0, 8, 8, 1), ("tma", 1, 48, 2048, 32, 256, 0, 4, 8, 1),
+    ("tma", 1, 48, 2048, 16, 128, 0, 8, 8, 1),
     ("tma-hot", 1, 48, 2048, 16, 256, 0, 8, 8, 1),
     ("tmaphased", 1, 48, 2048, 16, 256, 0, 4, 8, 1), ("tmaphased", 1, 48, 2048, 16, 256, 0, 8, 8, 1),
     ("tmaphased", 1, 48, 2048, 16, 128, 0, 8, 8, 1),
+    # session 37 (after the first run: the CUDA-core consumer is the limit, tma-hot 12.7 GB/s per program): the TMA
+    # with next to no work (sum) and with the tensor cores (dot), free and phased
+    ("tmasum", 1, 48, 2048, 16, 256, 0, 4, 8, 1), ("tmasum", 1, 48, 2048, 16, 256, 0, 8, 8, 1),
+    ("tmasum-hot", 1, 48, 2048, 16, 256, 0, 8, 8, 1),
+    ("tmasumphased", 1, 48, 2048, 16, 256, 0, 4, 8, 1), ("tmasumphased", 1, 48, 2048, 16, 256, 0, 8, 8, 1),
+    ("tmadot", 1, 48, 2048, 16, 256, 0, 4, 8, 1), ("tmadot", 1, 48, 2048, 16, 256, 0, 8, 8, 1),
+    ("tmadot-hot", 1, 48, 2048, 16, 256, 0, 8, 8, 1),
+    ("tmadotphased", 1, 48, 2048, 16, 256, 0, 4, 8, 1), ("tmadotphased", 1, 48, 2048, 16, 256, 0, 8, 8, 1),
 ]
 KEYS = ("kind", "fmt", "rows", "k", "bn", "bk", "xb", "ns", "warps", "per_sm")
 

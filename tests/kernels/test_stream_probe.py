@@ -110,3 +110,14 @@ def test_tma_glu_probe_matches_torch():
     sp._tma_glu_probe[(1,)](wg, wu, f, x, h1, progs * iters, n, ctr, rows, k, 16, 128, 2, True, False, 32)
     torch.testing.assert_close(h1, want, rtol=2e-3, atol=2e-3 * want.abs().max().item())
     assert int(ctr[0]) == progs * iters
+    # the tensor-core consumer: x rounded to fp16 (the tile's codes are exact in fp16)
+    xh = x.half().float()
+    want_h = F.silu((g_ref @ xh) * f) * ((u_ref @ xh) * f)
+    h2 = torch.full((n,), float("nan"))
+    sp._tma_glu_probe[(progs,)](wg, wu, f, x, h2, iters, n, ctr, rows, k, 16, 128, 2, False, False, 32, False, 2)
+    torch.testing.assert_close(h2, want_h, rtol=2e-3, atol=2e-3 * want_h.abs().max().item())
+    # the codes-only consumer: each row's gate + up byte sum
+    h3 = torch.full((n,), float("nan"))
+    gb, ub = wg.view(torch.uint8), wu.view(torch.uint8)
+    sp._tma_glu_probe[(progs,)](gb, ub, f, x, h3, iters, n, ctr, rows, k, 16, 128, 2, False, False, 32, False, 1)
+    assert torch.equal(h3, (gb.long().sum(1) + ub.long().sum(1)).float())
