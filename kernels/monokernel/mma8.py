@@ -36,7 +36,8 @@ from ..fp8_mma import fp8_rows_dot, fp8_rows_first
 from .stream import glu
 
 # 16-byte pieces per row and step: 2 = 128 contiguous bytes of a row (4, the graph backend's fp8_mma choice, was
-# KIE_MMA8_PIECES=4 here: -7.8% on qwen3-30b-a3b fp8, NOTES.md session 31; the flag was removed in session 36)
+# KIE_MMA8_PIECES=4 here: -7.8% on qwen3-30b-a3b fp8, NOTES.md session 31; the flag was removed in session 36; on
+# the expert gate / up task alone -7.3% with its loop no faster, session 37)
 PIECES = tl.constexpr(2)
 
 
@@ -68,7 +69,8 @@ def _xw(K: tl.constexpr, W16: tl.constexpr):
 
 @triton.jit
 def _blocks_ks(r0, r_end, NW: tl.constexpr):
-    """(16-row blocks of a task, warps per block KS): the largest power of two with KS * blocks <= NW."""
+    """(16-row blocks of a task, warps per block KS): the largest power of two with KS * blocks <= NW. (All NW warps on
+    each block, one block per round, for qwen3's 3-block tasks where 2 of 8 warps idle: -7.3%, NOTES session 37.)"""
     nblk = (r_end - r0 + 15) // 16
     ks = nblk * 0 + 1
     for _ in tl.static_range(4):      # NW <= 16: doubled while 2 ks blocks' worth of warps fit
