@@ -7,8 +7,8 @@
 # (the attention called, session 36): the down rows prefetched by the gate / up tasks, the top-k once per layer, the
 # late claim. NOTES session 37 has the predictions. Carry .whl.
 R=/tmp/s38a LIMIT=${LIMIT:-330}; . scripts/device-steps.sh
-timeout 150 python3 benchmarks/stream_probe.py --only 81,82,83,84,85,86,87,88,89,90,67,71,77 --out $R/stream-probe.json \
-  >$R/stream-probe.log 2>&1; echo "probe rc=$?"; cut -c1-200 $R/stream-probe.log | tail -14; pk
+timeout 150 python3 benchmarks/stream_probe.py --only 81,82,83,84,85,86,87,88,89,90,91,92,93,67,71,77 --out $R/stream-probe.json \
+  >$R/stream-probe.log 2>&1; echo "probe rc=$?"; cut -c1-200 $R/stream-probe.log | tail -17; pk
 mk q qwen3-30b-a3b fp8
 mk nd qwen3-30b-a3b fp8 KIE_DOWN_L2=0
 mk nr qwen3-30b-a3b fp8 KIE_ROUTE_ONCE=0

@@ -28,6 +28,7 @@ from kie_moe.kernels.monokernel.stream import stream_gemv, stream_glu, tile
 from kie_moe.kernels.tiles import _glu, _rstd, _tile
 from kie_moe.kernels.fp4_mma import _lane_warp, _mine, _quad_sum
 from kie_moe.kernels.fp8_mma import fp8_rows_dot, fp8_rows_first
+from kie_moe.kernels.monokernel.mma8 import mma8_glu_task, scratch_words
 
 
 @triton.jit
@@ -134,6 +135,31 @@ def _mma_probe(w_ptr, xh_ptr, y_ptr, n_iter, ctr_ptr, K: tl.constexpr, RB: tl.co
         if PHASED:
             signal(ctr_ptr, 1, USE_ASM)
 
+
+
+@triton.jit
+def _mma_glu_probe(wg_ptr, wu_ptr, f_ptr, x_ptr, nw_ptr, h_ptr, scr_ptr, n_iter, ctr_ptr, ROWS: tl.constexpr,
+                   K: tl.constexpr, SCR: tl.constexpr, NW: tl.constexpr, BLOCK_X: tl.constexpr, PHASED: tl.constexpr,
+                   PF: tl.constexpr, USE_ASM: tl.constexpr, NT: tl.constexpr):
+    """The monokernel's own expert gate / up task (mma8.mma8_glu_task: x staged with its RMSNorm into the program's
+    scratch, NW warps on ROWS / 16 row blocks of gate and up, silu(g) u with row factors f) one task after another per
+    program: free-running, or PHASED as _glu_probe's (the task issues nothing before its wait: its expert is known
+    only after it). PF: the task's bulk L2 prefetch of its gate and up rows after the wait, as the kernel's."""
+    pid = tl.program_id(0)
+    n_prog = tl.num_programs(0)
+    wg = wg_ptr.to(tl.pointer_type(tl.uint32))
+    wu = wu_ptr.to(tl.pointer_type(tl.uint32))
+    for it in range(n_iter):
+        r0 = (it * n_prog + pid) * ROWS
+        if PHASED:
+            wait(ctr_ptr, it * n_prog, ctr_ptr + 1, 2_000_000_000, USE_ASM, False, NT)
+        if PF:
+            prefetch_rows(wg_ptr, r0, r0 * 0 + ROWS, K, 1, USE_ASM)
+            prefetch_rows(wu_ptr, r0, r0 * 0 + ROWS, K, 1, USE_ASM)
+        mma8_glu_task(wg, wu, f_ptr, f_ptr, K, r0, r0 + ROWS, x_ptr, nw_ptr, 1e-6, f_ptr, f_ptr, h_ptr, 0.0, 0.0,
+                      scr_ptr + pid * SCR, False, 0, NW, BLOCK_X)
+        if PHASED:
+            signal(ctr_ptr, 1, USE_ASM)
 
 @triton.jit
 def _tma_consume(acc, w, x, CONSUME: tl.constexpr):
@@ -248,6 +274,23 @@ def run_point(kind: str, fmt: int, rows: int, k: int, bn: int, bk: int, xb: int,
             ctr.zero_()
             _mma_probe[(n_prog,)](w, xh, y, n_iter, ctr, k, bn, warps, bk, phased, True, 32 * warps, **opts)
         nbytes = r_total * k
+    elif kind in ("mmaglu", "mmagluphased"):   # the monokernel's gate / up task; bk = 1: its L2 prefetch (PF)
+        wg, wu = (torch.randn(r_total, k, device=dev).to(torch.float8_e4m3fn) for _ in range(2))
+        f = torch.ones(r_total, device=dev)
+        x = torch.randn(k, device=dev)
+        nw = torch.ones(k, device=dev, dtype=torch.bfloat16)
+        h = torch.empty(r_total, device=dev)
+        scr_w = scratch_words(k, warps)
+        scr = torch.empty(n_prog * scr_w, device=dev)
+        ctr = torch.zeros(2, dtype=torch.int32, device=dev)
+        phased = kind == "mmagluphased"
+
+        def fn():
+            ctr.zero_()
+            _mma_glu_probe[(n_prog,)](wg, wu, f, x, nw, h, scr, n_iter, ctr, rows, k, scr_w, warps,
+                                      triton.next_power_of_2(k), phased, bool(bk), True, 32 * warps,
+                                      num_warps=warps, launch_cooperative_grid=phased)
+        nbytes = 2 * r_total * k
     elif kind.startswith("tma"):   # fp8 gate / up through TMA tiles: bn x bk tiles, ns pipeline stages; tma* free,
         # tma*phased phased; "sum" / "dot": _tma_consume's codes-only / tensor-core consumers (else CUDA-core products)
         if rows % bn:
@@ -392,6 +435,11 @@ POINTS = [
     ("tmadot", 1, 48, 2048, 16, 256, 0, 4, 8, 1), ("tmadot", 1, 48, 2048, 16, 256, 0, 8, 8, 1),
     ("tmadot-hot", 1, 48, 2048, 16, 256, 0, 8, 8, 1),
     ("tmadotphased", 1, 48, 2048, 16, 256, 0, 4, 8, 1), ("tmadotphased", 1, 48, 2048, 16, 256, 0, 8, 8, 1),
+    # session 37: the monokernel's own gate / up task (mma8_glu_task, 48 rows: 3 blocks on 6 of 8 warps) free and
+    # phased, with (bk 1) and without (bk 0) its bulk L2 prefetch: the phase as the monokernel runs it, without the
+    # rest of the monokernel (its trace: ~17.3 us of work per task)
+    ("mmaglu", 1, 48, 2048, 0, 1, 0, 0, 8, 1), ("mmagluphased", 1, 48, 2048, 0, 1, 0, 0, 8, 1),
+    ("mmagluphased", 1, 48, 2048, 0, 0, 0, 0, 8, 1),
 ]
 KEYS = ("kind", "fmt", "rows", "k", "bn", "bk", "xb", "ns", "warps", "per_sm")
 

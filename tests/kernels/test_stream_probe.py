@@ -121,3 +121,29 @@ def test_tma_glu_probe_matches_torch():
     gb, ub = wg.view(torch.uint8), wu.view(torch.uint8)
     sp._tma_glu_probe[(progs,)](gb, ub, f, x, h3, iters, n, ctr, rows, k, 16, 128, 2, False, False, 32, False, 1)
     assert torch.equal(h3, (gb.long().sum(1) + ub.long().sum(1)).float())
+
+
+def test_mma_glu_probe_matches_torch():
+    """The monokernel's gate / up task (mma8_glu_task) in the probe's loop: silu(f g) * (f u) against x RMS-normed and
+    rounded to fp16, free-running on 2 programs and phased on one (the counter reaches every phase)."""
+    from kie_moe.kernels.monokernel.mma8 import scratch_words
+    sp = load_script("benchmarks/stream_probe.py")
+    g = torch.Generator().manual_seed(30)
+    progs, iters, rows, k, nw = 2, 2, 48, 256, 4
+    n = progs * iters * rows
+    wg, _, g_ref = _weights(1, n, k, g)
+    wu, _, u_ref = _weights(1, n, k, g)
+    f = torch.rand(n, generator=g) + 0.5
+    x = torch.randn(k, generator=g)
+    nw_ = (torch.rand(k, generator=g) + 0.5).to(torch.bfloat16)
+    xn = (x * torch.rsqrt(x.square().mean() + 1e-6) * nw_.float()).half().float()
+    want = F.silu((g_ref @ xn) * f) * ((u_ref @ xn) * f)
+    sw = scratch_words(k, nw)
+    for grid, n_iter, phased in ((progs, iters, False), (1, progs * iters, True)):
+        h = torch.full((n,), float("nan"))
+        ctr = torch.zeros(2, dtype=torch.int32)
+        scr = torch.full((grid * sw,), float("nan"))
+        sp._mma_glu_probe[(grid,)](wg, wu, f, x, nw_, h, scr, n_iter, ctr, rows, k, sw, nw, 256, phased, True, False,
+                                   32 * nw, num_warps=nw)
+        torch.testing.assert_close(h, want, rtol=2e-3, atol=2e-3 * want.abs().max().item())
+        assert int(ctr[0]) == (progs * iters if phased else 0)
