@@ -136,7 +136,6 @@ def _mma_probe(w_ptr, xh_ptr, y_ptr, n_iter, ctr_ptr, K: tl.constexpr, RB: tl.co
             signal(ctr_ptr, 1, USE_ASM)
 
 
-
 @triton.jit
 def _mma_glu_probe(wg_ptr, wu_ptr, f_ptr, x_ptr, nw_ptr, h_ptr, scr_ptr, n_iter, ctr_ptr, ROWS: tl.constexpr,
                    K: tl.constexpr, SCR: tl.constexpr, NW: tl.constexpr, BLOCK_X: tl.constexpr, PHASED: tl.constexpr,
@@ -160,6 +159,7 @@ def _mma_glu_probe(wg_ptr, wu_ptr, f_ptr, x_ptr, nw_ptr, h_ptr, scr_ptr, n_iter,
                       scr_ptr + pid * SCR, False, 0, NW, BLOCK_X)
         if PHASED:
             signal(ctr_ptr, 1, USE_ASM)
+
 
 @triton.jit
 def _tma_consume(acc, w, x, CONSUME: tl.constexpr):
@@ -249,13 +249,22 @@ def read_probe_gbps() -> float:
     return probe()
 
 
+def _fp8_gate_up(rows: int, k: int, dev):
+    """An fp8 gate / up pair [rows, k] of random codes, unit row factors, x [k], the output h and a phase counter."""
+    import torch
+    wg, wu = (torch.randn(rows, k, device=dev).to(torch.float8_e4m3fn) for _ in range(2))
+    return (wg, wu, torch.ones(rows, device=dev), torch.randn(k, device=dev), torch.empty(rows, device=dev),
+            torch.zeros(2, dtype=torch.int32, device=dev))
+
+
 def run_point(kind: str, fmt: int, rows: int, k: int, bn: int, bk: int, xb: int, ns: int, warps: int,
               per_sm: int, n_sms: int, n_iter: int) -> dict:
     import torch
     import triton.testing as tt
     dev = "cuda"
     # "-hot": every iteration re-reads the program's first task (from L2; glu, copy, tma); "-pf": the next task is
-    # bulk-prefetched into L2 before the current one runs (glu only). gbps then counts bytes the loop consumed, not HBM traffic.
+    # bulk-prefetched into L2 before the current one runs (glu only). gbps then counts bytes the loop consumed, not
+    # HBM traffic.
     kind, _, mode = kind.partition("-")
     hot, pf = mode == "hot", mode == "pf"
     n_prog = n_sms * per_sm
@@ -275,14 +284,10 @@ def run_point(kind: str, fmt: int, rows: int, k: int, bn: int, bk: int, xb: int,
             _mma_probe[(n_prog,)](w, xh, y, n_iter, ctr, k, bn, warps, bk, phased, True, 32 * warps, **opts)
         nbytes = r_total * k
     elif kind in ("mmaglu", "mmagluphased"):   # the monokernel's gate / up task; bk = 1: its L2 prefetch (PF)
-        wg, wu = (torch.randn(r_total, k, device=dev).to(torch.float8_e4m3fn) for _ in range(2))
-        f = torch.ones(r_total, device=dev)
-        x = torch.randn(k, device=dev)
+        wg, wu, f, x, h, ctr = _fp8_gate_up(r_total, k, dev)
         nw = torch.ones(k, device=dev, dtype=torch.bfloat16)
-        h = torch.empty(r_total, device=dev)
         scr_w = scratch_words(k, warps)
         scr = torch.empty(n_prog * scr_w, device=dev)
-        ctr = torch.zeros(2, dtype=torch.int32, device=dev)
         phased = kind == "mmagluphased"
 
         def fn():
@@ -296,13 +301,9 @@ def run_point(kind: str, fmt: int, rows: int, k: int, bn: int, bk: int, xb: int,
         if rows % bn:
             raise ValueError(f"{kind}: rows per task ({rows}) must be a multiple of bn ({bn})")
         consume = 1 if "sum" in kind else 2 if "dot" in kind else 0
-        wg, wu = (torch.randn(r_total, k, device=dev).to(torch.float8_e4m3fn) for _ in range(2))
+        wg, wu, f, x, h, ctr = _fp8_gate_up(r_total, k, dev)
         if consume == 1:
             wg, wu = wg.view(torch.uint8), wu.view(torch.uint8)
-        f = torch.ones(r_total, device=dev)
-        x = torch.randn(k, device=dev)
-        h = torch.empty(r_total, device=dev)
-        ctr = torch.zeros(2, dtype=torch.int32, device=dev)
         # device-side tensor descriptors need a global scratch (128 bytes per program)
         triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device=dev))
         phased = kind.endswith("phased")
