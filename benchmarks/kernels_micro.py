@@ -561,9 +561,6 @@ def big_experts_section(formats, mb: float, probe: float, rep_ms: int, H: int = 
                 for ks in (2, 3):
                     rows.append(bench_experts(f"{label} mma glu-ks{ks}", fmt, mm, h, probe, rep_ms, mma=True,
                                               glu_k_split=ks))
-            # both launches as stream-K (fp4_mma_experts.MMA_STREAM_K, KIE_MMA_EXPERTS_SK; session 38's prediction)
-            rows.append(bench_experts(f"{label} mma sk", fmt, mm, h, probe, rep_ms, mma=True, stream_k=True,
-                                      glu_k_split=None))
         return rows
 
     return _each_format(formats, budget, "experts", run)

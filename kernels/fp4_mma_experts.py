@@ -57,11 +57,9 @@ _GLU_WAVE_WASTE = 1.3
 _PROGRAMS_PER_SM = 4
 # The shortest K chunk (256-code steps) down_launch_split cuts the down launch's rows into.
 _DOWN_MIN_STEPS = 8
-# Both launches as stream-K (persistent programs, each the same share of the 256-code steps: _mma_glu_sk_kernel,
-# _mma_down_sk_kernel); KIE_MMA_EXPERTS_SK=1 (default 0 until measured: NOTES.md session 38).
-MMA_STREAM_K = os.environ.get("KIE_MMA_EXPERTS_SK", "0") == "1"
-# Stream-K: the fewest steps a program streams (its first step waits a full load latency), as _DOWN_MIN_STEPS.
-_SK_MIN_STEPS = 8
+# Not here: both launches as stream-K (persistent programs, each an equal share of all units' 256-code steps; commit
+# f0e1718): slower at every shape on an H100 (4096 x 4096 nvfp4 77.2 -> 73.3%, DeepSeek-V3 74.5 -> 72.5%, Mixtral
+# decode -1.4% / -3.5%), NOTES.md session 38: balanced, fully resident programs do not stream these loops faster.
 
 
 @triton.jit
@@ -137,12 +135,11 @@ def _chunk_steps(KW, KS: tl.constexpr, chunk):
 
 @triton.jit
 def _reduce_partials(v0, v1, v2, v3, n, d1, d2, d3, m0, m1, m2, m3, part_ptr, stride, first, me, cnt,
-                     COUNT, FOUR: tl.constexpr):
+                     COUNT: tl.constexpr, FOUR: tl.constexpr):
     """COUNT programs share one piece of work, each holding lane sums v0, v1 (FOUR: v2, v3 too) for offsets n,
     n + d1 (n + d2, n + d3) of a part row (masks m*). This one stores them in part row first + me, bumps the counter
     cnt; the last to arrive adds rows first .. first + COUNT - 1 in that order (deterministic) and leaves cnt at
-    zero. -> (sums, last): the sums are meaningful where last. COUNT: a constexpr (K chunks, slot groups) or a
-    run-time count (the stream-K launches: how many programs' ranges meet in this piece)."""
+    zero. -> (sums, last): the sums are meaningful where last."""
     p = part_ptr + (first + me) * stride + n
     tl.store(p, v0, mask=m0)
     tl.store(p + d1, v1, mask=m1)
@@ -239,163 +236,6 @@ def _mma_down_kernel(h_ptr, ids_ptr, wts_ptr, w_ptr, stride_wn, stride_we, s_ptr
             _store_out(y3, n + 24, lead & (n + 24 < N), y_ptr, y_ptr, res_ptr, False, HAS_RES)
 
 
-@triton.jit
-def _sk_owner(w, P, W):
-    """Stream-K: the program whose range [p W // P, (p + 1) W // P) of the W work steps holds step w."""
-    return ((w + 1) * P + W - 1) // W - 1
-
-
-@triton.jit
-def _sk_piece(u, US, pid, P, W):
-    """Stream-K: unit u's steps [u US, (u + 1) US) as program pid sees them -> (its local step range [lo, hi),
-    the count of programs whose ranges meet in the unit, pid's index among them)."""
-    w_lo = pid * W // P
-    w_hi = (pid + 1) * W // P
-    lo = tl.maximum(w_lo, u * US) - u * US
-    hi = tl.minimum(w_hi, u * US + US) - u * US
-    first = _sk_owner(u * US, P, W)
-    return lo, hi, _sk_owner(u * US + US - 1, P, W) - first + 1, pid - first
-
-
-@triton.jit
-def _mma_glu_sk_kernel(xh_ptr, ids_ptr, wg_ptr, wu_ptr, stride_wn, stride_we, sg_ptr, su_ptr, stride_sn, stride_se,
-                       gsg_ptr, gsu_ptr, stride_ge, bg_ptr, stride_bge, stride_bgn, bu_ptr, stride_bue, stride_bun,
-                       h_ptr, I, K, limit, alpha, part_ptr, cnt_ptr, n_tiles, n_units, JMAX,
-                       MX: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, NW: tl.constexpr,
-                       RP: tl.constexpr = False, PDL: tl.constexpr = False, E4B: tl.constexpr = False):
-    """_mma_glu_kernel's work as stream-K: grid (P,) persistent programs; the work is n_units = top_k x n_tiles
-    (slot, row tile) units (slot-major) of S = cdiv(K / 8, 32) 256-code steps each, W = n_units S steps in all, and
-    program p streams steps [p W // P, (p + 1) W // P): every program the same bytes (+- one step), whatever the
-    top-k and shape. A unit cut between programs meets in part [top_k * JMAX, 2, I] (row slot * JMAX + the
-    program's index in the unit) and its last program (a counter per unit, left at zero) adds the partials in
-    program order (deterministic) and applies bias + GLU. Why: the (row tile, slot) grid leaves a part-empty last
-    wave (session 21: -17% at a wave boundary) or too few programs per SM for the shape (DeepSeek-V3 0.65 waves);
-    here every resident slot streams to the end."""
-    pdl_begin(PDL)
-    lane, warp = _lane_warp(NW)
-    r = lane >> 2
-    q = lane & 3
-    pid = tl.program_id(0)
-    P = tl.num_programs(0)
-    KW = K // 8
-    S = tl.cdiv(KW, 32)
-    W = n_units * S
-    lead = q == 0
-    for u in range(pid * W // P // S, tl.cdiv((pid + 1) * W // P, S)):
-        lo, hi, count, j = _sk_piece(u, S, pid, P, W)
-        slot = u // n_tiles
-        tile = u - slot * n_tiles
-        e = tl.load(ids_ptr + slot).to(tl.int64)
-        base = (tile * NW + warp) * 16
-        ra = tl.minimum(base + r, I - 1).to(tl.int64)
-        rb = tl.minimum(base + r + 8, I - 1).to(tl.int64)
-        wg = (wg_ptr + e * stride_we).to(tl.pointer_type(tl.uint32))
-        wu = (wu_ptr + e * stride_we).to(tl.pointer_type(tl.uint32))
-        sg = (sg_ptr + e * stride_se).to(tl.pointer_type(tl.uint8))
-        su = (su_ptr + e * stride_se).to(tl.pointer_type(tl.uint8))
-        ga, gb, ua, ub = _rows_dot(xh_ptr.to(tl.pointer_type(tl.uint32)), wg, sg, ra, rb, wu, su, ra, rb,
-                                   stride_wn // 4, stride_sn, q, KW, K // 32 if MX else K // 16, _mine(r, q), lo, hi,
-                                   2, MX, RP, E4B)
-        fg = _global_factor(gsg_ptr + e * stride_ge, MX)
-        fu = _global_factor(gsu_ptr + e * stride_ge, MX)
-        ga = _quad_sum(ga, NW) * fg
-        gb = _quad_sum(gb, NW) * fg
-        ua = _quad_sum(ua, NW) * fu
-        ub = _quad_sum(ub, NW) * fu
-        n = base + r
-        last = count == 1
-        if count > 1:   # part row slot * JMAX + j: gate rows at [0, I), up rows at [I, 2I)
-            ma, mb = lead & (n < I), lead & (n + 8 < I)
-            ga, gb, ua, ub, last = _reduce_partials(ga, gb, ua, ub, n, 8, I, I + 8, ma, mb, ma, mb, part_ptr,
-                                                    2 * I, slot * JMAX, j, cnt_ptr + u, count, True)
-        if HAS_BIAS:
-            ga += tl.load(bg_ptr + e * stride_bge + ra * stride_bgn).to(tl.float32)
-            gb += tl.load(bg_ptr + e * stride_bge + rb * stride_bgn).to(tl.float32)
-            ua += tl.load(bu_ptr + e * stride_bue + ra * stride_bun).to(tl.float32)
-            ub += tl.load(bu_ptr + e * stride_bue + rb * stride_bun).to(tl.float32)
-        h = h_ptr + slot * I
-        tl.store(h + _xh_pos(n), _glu(ga, ua, limit, alpha, ACT).to(tl.float16), mask=last & lead & (n < I))
-        tl.store(h + _xh_pos(n + 8), _glu(gb, ub, limit, alpha, ACT).to(tl.float16), mask=last & lead & (n + 8 < I))
-
-
-@triton.jit
-def _mma_down_sk_kernel(h_ptr, ids_ptr, wts_ptr, w_ptr, stride_wn, stride_we, s_ptr, stride_sn, stride_se, gs_ptr,
-                        stride_ge, bd_ptr, stride_bde, res_ptr, y_ptr, part_ptr, cnt_ptr, N, I, n_tiles,
-                        MX: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, TOP_K: tl.constexpr,
-                        RB: tl.constexpr, NW: tl.constexpr, RP: tl.constexpr = False, PDL: tl.constexpr = False,
-                        E4B: tl.constexpr = False):
-    """_mma_down_kernel's work as stream-K: grid (P,) persistent programs over n_tiles row-tile units (16 RB NW rows)
-    of TOP_K x S steps each (slot-major: all of slot 0's K, then slot 1's, ...), W = n_tiles TOP_K S steps; program
-    p streams [p W // P, (p + 1) W // P), summing weights[slot] x Wd[e] h[slot] over the slots its range covers
-    (the bias of a slot added by the program that holds the slot's step 0). A tile cut between programs meets in
-    part [P, N] (row = the program's index in the tile) and its last program adds them in program order and stores
-    y (+ residual). Why: as _mma_glu_sk_kernel's; the (row tile, slot group, K chunk) grid streamed 48-55% of the
-    probe on the H200 (session 19: too few programs, each slot's first step a cold load)."""
-    pdl_begin(PDL)
-    lane, warp = _lane_warp(NW)
-    r = lane >> 2
-    q = lane & 3
-    pid = tl.program_id(0)
-    P = tl.num_programs(0)
-    KW = I // 8
-    S = tl.cdiv(KW, 32)
-    US = TOP_K * S
-    W = n_tiles * US
-    mine = _mine(r, q)
-    lead = q == 0
-    for u in range(pid * W // P // US, tl.cdiv((pid + 1) * W // P, US)):
-        lo, hi, count, j = _sk_piece(u, US, pid, P, W)
-        base = (u * NW + warp) * (16 * RB)
-        ra0 = tl.minimum(base + r, N - 1).to(tl.int64)
-        rb0 = tl.minimum(base + r + 8, N - 1).to(tl.int64)
-        ra1 = tl.minimum(base + 16 + r, N - 1).to(tl.int64)
-        rb1 = tl.minimum(base + 24 + r, N - 1).to(tl.int64)
-        zero = tl.zeros(q.shape, tl.float32)
-        y0, y1, y2, y3 = zero, zero, zero, zero     # lane partials (rows r, r + 8 of block 0, of block 1)
-        b0, b1, b2, b3 = zero, zero, zero, zero     # weighted biases of the same rows
-        for slot in range(lo // S, tl.cdiv(hi, S)):
-            st_lo = tl.maximum(lo, slot * S) - slot * S
-            st_hi = tl.minimum(hi, slot * S + S) - slot * S
-            e = tl.load(ids_ptr + slot).to(tl.int64)
-            wq = (w_ptr + e * stride_we).to(tl.pointer_type(tl.uint32))
-            sq = (s_ptr + e * stride_se).to(tl.pointer_type(tl.uint8))
-            d0, d1, d2, d3 = _rows_dot((h_ptr + slot * I).to(tl.pointer_type(tl.uint32)), wq, sq, ra0, rb0, wq, sq,
-                                       ra1, rb1, stride_wn // 4, stride_sn, q, KW, I // 32 if MX else I // 16, mine,
-                                       st_lo, st_hi, RB, MX, RP, E4B)
-            wt = tl.load(wts_ptr + slot)
-            f = wt * _global_factor(gs_ptr + e * stride_ge, MX)
-            y0 += d0 * f
-            y1 += d1 * f
-            y2 += d2 * f
-            y3 += d3 * f
-            if HAS_BIAS:
-                if st_lo == 0:
-                    c0, c1 = _bias_rows(bd_ptr, e, stride_bde, ra0, rb0, wt)
-                    b0 += c0
-                    b1 += c1
-                    if RB == 2:
-                        c2, c3 = _bias_rows(bd_ptr, e, stride_bde, ra1, rb1, wt)
-                        b2 += c2
-                        b3 += c3
-        n = base + r
-        y0 = _quad_sum(y0, NW) + b0
-        y1 = _quad_sum(y1, NW) + b1
-        if RB == 2:
-            y2 = _quad_sum(y2, NW) + b2
-            y3 = _quad_sum(y3, NW) + b3
-        last = count == 1
-        if count > 1:   # part row j of [P, N]
-            y0, y1, y2, y3, last = _reduce_partials(y0, y1, y2, y3, n, 8, 16, 24, lead & (n < N),
-                                                    lead & (n + 8 < N), lead & (n + 16 < N), lead & (n + 24 < N),
-                                                    part_ptr, N, 0, j, cnt_ptr + u, count, RB == 2)
-        if last:
-            _store_out(y0, n, lead & (n < N), y_ptr, y_ptr, res_ptr, False, HAS_RES)
-            _store_out(y1, n + 8, lead & (n + 8 < N), y_ptr, y_ptr, res_ptr, False, HAS_RES)
-            if RB == 2:
-                _store_out(y2, n + 16, lead & (n + 16 < N), y_ptr, y_ptr, res_ptr, False, HAS_RES)
-                _store_out(y3, n + 24, lead & (n + 24 < N), y_ptr, y_ptr, res_ptr, False, HAS_RES)
-
-
 def mma_experts_unreadable(w: WeightHandle) -> str | None:
     """Why these kernels cannot read the expert stack w, or None (nvfp4 / mxfp4 [E, out, in], in % 32 == 0, each
     expert's rows 16-byte aligned)."""
@@ -413,14 +253,11 @@ def moe_experts_mma(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w
                     split: int | None = None, num_warps: int = MMA_EXPERT_WARPS,
                     down_row_blocks: int | None = MMA_DOWN_ROW_BLOCKS, maxnreg: int | None = MMA_MAXNREG,
                     glu_maxnreg: int | None | str = "auto", down_k_split: int | None = None,
-                    glu_k_split: int | None = MMA_GLU_K_SPLIT, stream_k: bool = MMA_STREAM_K,
-                    sk_programs: tuple[int, int] | None = None) -> torch.Tensor:
+                    glu_k_split: int | None = MMA_GLU_K_SPLIT) -> torch.Tensor:
     """moe.moe_experts' body on the tensor cores; its arguments already checked there (biases as (tensor, stride
     0, stride 1) triples, y the output). Callers: moe.moe_experts (mma=True, or its size rule). split: slot groups
     of the down launch, down_k_split: K chunks of each (None: down_launch_split's choice); down_row_blocks: 1 or 2
-    (None: auto_down_row_blocks's rule); glu_k_split: K chunks of the GLU launch (None: auto_glu_k_split's rule).
-    stream_k: both launches as stream-K instead (split / K chunks do not apply; down_row_blocks None: 2);
-    sk_programs: their (GLU, down) program counts (None: sk_programs_rule)."""
+    (None: auto_down_row_blocks's rule); glu_k_split: K chunks of the GLU launch (None: auto_glu_k_split's rule)."""
     I, H = w_gate.out_features, w_gate.in_features
     for name, w in (("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
         why = mma_experts_unreadable(w)
@@ -430,10 +267,6 @@ def moe_experts_mma(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w
             or w_gate.fmt != w_down.fmt or w_gate.packing != w_up.packing):
         raise ValueError("moe_experts(mma=True): w_gate and w_up must share format, packing and strides, and "
                          "w_down their format")
-    if stream_k:
-        return _experts_stream_k(x, ids, weights, w_gate, w_up, w_down, act_id, limit, alpha, gate_bias, up_bias,
-                                 down_bias, residual, norm_weight, eps, y, counters, split, num_warps,
-                                 down_row_blocks, maxnreg, glu_maxnreg, down_k_split, glu_k_split, sk_programs)
     gks = glu_k_chunks(glu_k_split, I, H, ids.numel(), w_gate.fmt, x.device, num_warps)
     if down_row_blocks is None and num_warps in (1, 2, 4, 8):
         down_row_blocks = auto_down_row_blocks(H, ids.numel(), I, x.device, split, num_warps)
@@ -478,73 +311,6 @@ def moe_experts_mma(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w
         RB=down_row_blocks, NW=num_warps, RP=w_down.packing == "mma", E4B=e4b, KS=ks,
         num_warps=num_warps, **launch_kw(dev), **cap)
     return y
-
-
-def _experts_stream_k(x, ids, weights, w_gate, w_up, w_down, act_id, limit, alpha, gate_bias, up_bias, down_bias,
-                      residual, norm_weight, eps, y, counters, split, num_warps, down_row_blocks, maxnreg, glu_maxnreg,
-                      down_k_split, glu_k_split, sk_programs):
-    """moe_experts_mma(stream_k=True): the GLU and down launches as _mma_glu_sk_kernel / _mma_down_sk_kernel."""
-    if split is not None or down_k_split is not None or glu_k_split not in (None, 1):
-        raise ValueError(f"moe_experts(mma=True, stream_k=True): split {split}, down_k_split {down_k_split}, "
-                         f"glu_k_split {glu_k_split}: stream-K cuts the work itself (leave them None)")
-    rb = 2 if down_row_blocks is None else down_row_blocks
-    if rb not in (1, 2) or num_warps not in (1, 2, 4, 8):
-        raise ValueError(f"moe_experts(mma=True): down_row_blocks {rb} (1 or 2), num_warps {num_warps} (1, 2, 4, 8)")
-    I, H = w_gate.out_features, w_gate.in_features
-    dev = x.device
-    top_k = ids.numel()
-    fmt = w_gate.fmt
-    glu_tiles = triton.cdiv(I, 16 * num_warps)
-    down_tiles = triton.cdiv(H, 16 * rb * num_warps)
-    glu_work = glu_tiles * top_k * _k_steps(H)
-    down_work = down_tiles * top_k * _k_steps(I)
-    if sk_programs is None:
-        sk_programs = (sk_programs_rule(glu_work, _GLU_PROGRAMS_PER_SM.get(fmt, 4), dev),
-                       sk_programs_rule(down_work, _PROGRAMS_PER_SM, dev))
-    if (not isinstance(sk_programs, tuple) or len(sk_programs) != 2
-            or not all(isinstance(p, int) and p >= 1 for p in sk_programs)):
-        raise ValueError(f"moe_experts(mma=True): sk_programs {sk_programs!r}: expected (GLU programs, down "
-                         f"programs), ints >= 1")
-    p_glu, p_down = min(sk_programs[0], glu_work), min(sk_programs[1], down_work)
-    mx = fmt == "mxfp4"
-    e4b = not e4m3_native(dev)
-    if glu_maxnreg == "auto":
-        glu_maxnreg = MMA_GLU_MAXNREG.get(fmt)
-    xh = prepare_xh(x.reshape(-1), norm_weight, eps)
-    h = torch.empty((top_k, I), dtype=torch.float16, device=dev)
-    gs = lambda w: w.global_scale if w.global_scale is not None else h  # noqa: E731
-    st = lambda w: w.global_scale.stride(0) if w.global_scale is not None else 0  # noqa: E731
-    (bg, sbg0, sbg1), (bu, sbu0, sbu1), (bd, sbd0, _) = gate_bias, up_bias, down_bias
-    jmax_glu = _sk_jmax(_k_steps(H), glu_work, p_glu)
-    _mma_glu_sk_kernel[(p_glu,)](
-        xh, ids, w_gate.weight, w_up.weight, w_gate.weight.stride(1), w_gate.weight.stride(0),
-        w_gate.scale.view(torch.uint8), w_up.scale.view(torch.uint8), w_gate.scale.stride(1),
-        w_gate.scale.stride(0), gs(w_gate), gs(w_up), st(w_gate),
-        bg if bg is not None else h, sbg0, sbg1, bu if bu is not None else h, sbu0, sbu1, h, I, H, limit, alpha,
-        torch.empty((top_k * jmax_glu, 2, I), dtype=torch.float32, device=dev),
-        _counters(dev, glu_tiles * top_k), glu_tiles, glu_tiles * top_k, jmax_glu,
-        MX=mx, HAS_BIAS=bg is not None, ACT=act_id, NW=num_warps, RP=w_gate.packing == "mma", E4B=e4b,
-        num_warps=num_warps, **launch_kw(dev), **reg_cap(dev, glu_maxnreg))
-    jmax_down = _sk_jmax(top_k * _k_steps(I), down_work, p_down)
-    _mma_down_sk_kernel[(p_down,)](
-        h, ids, weights, w_down.weight, w_down.weight.stride(1), w_down.weight.stride(0),
-        w_down.scale.view(torch.uint8), w_down.scale.stride(1), w_down.scale.stride(0), gs(w_down), st(w_down),
-        bd if bd is not None else y, sbd0, residual if residual is not None else y, y,
-        torch.empty((jmax_down, H), dtype=torch.float32, device=dev), counters, H, I, down_tiles,
-        MX=mx, HAS_BIAS=bd is not None, HAS_RES=residual is not None, TOP_K=top_k, RB=rb, NW=num_warps,
-        RP=w_down.packing == "mma", E4B=e4b, num_warps=num_warps, **launch_kw(dev), **reg_cap(dev, maxnreg))
-    return y
-
-
-def sk_programs_rule(work: int, per_sm: int, dev: torch.device) -> int:
-    """A stream-K launch's programs: every resident slot (per_sm programs per SM at MMA_EXPERT_WARPS), but no fewer
-    than _SK_MIN_STEPS steps each (on CPU: one program per SM, num_sms's 1, times per_sm)."""
-    return max(1, min(per_sm * num_sms(dev), work // _SK_MIN_STEPS))
-
-
-def _sk_jmax(unit_steps: int, work: int, programs: int) -> int:
-    """The most programs whose stream-K ranges (each >= work // programs steps) meet in one unit of unit_steps."""
-    return min(programs, -(-unit_steps // max(work // programs, 1)) + 1)
 
 
 def glu_k_chunks(glu_k_split: int | None, I: int, H: int, top_k: int, fmt: str, dev: torch.device,

@@ -110,56 +110,6 @@ def test_mma_experts_glu_k_split(fmt, ks):
         moe_experts(x, ids, wts, wg, wu, wd, mma=True, glu_k_split=0, **kw)
 
 
-@pytest.mark.parametrize("fmt,I,H,programs,warps,rb", [("nvfp4", 96, 608, (5, 3), 4, None),
-                                                       ("mxfp4", 608, 160, (7, 5), 4, 1),
-                                                       ("nvfp4", 608, 160, (11, 50), 2, 2),
-                                                       ("mxfp4", 96, 608, (50, 7), 1, 1)])
-def test_mma_experts_stream_k(fmt, I, H, programs, warps, rb):
-    """Both launches as stream-K (persistent programs, each an equal share of the 256-code steps): ranges that cut
-    (slot, row tile) units and slots' K anywhere (3 / 5 / 7 / 11 programs: units met by 1-4 programs; 50: more
-    programs than steps, clamped), ragged K (608: 3 steps) on either launch, biases added once, a repeated
-    expert, a residual; a second call on the same counters gives the same y (the counters are left at zero); the
-    split / K-chunk arguments are refused beside it."""
-    from kie_moe.kernels.fp4_mma_experts import moe_experts_mma
-    E = 5
-    wg, wu, wd = _stack(fmt, E, I, H, seed=110)
-    x, res, nw = _t(H, seed=111), _t(H, seed=112), _t(H, seed=113)
-    ids = torch.tensor([3, 0, 3, E - 1], dtype=torch.int32, device=DEV)
-    wts = torch.tensor([0.4, 0.3, 0.2, 0.1], device=DEV)
-    gb, ub, db = _t(E, I, seed=114), _t(E, I, seed=115), _t(E, H, seed=116)
-    bias = lambda b: (b, b.stride(0), b.stride(1))  # noqa: E731
-    ys = []
-    for _ in range(2):
-        y = torch.empty(H, device=DEV)
-        moe_experts_mma(x, ids, wts, wg, wu, wd, act_id=0, limit=7.0, alpha=1.702, gate_bias=bias(gb),
-                        up_bias=bias(ub), down_bias=bias(db), residual=res, norm_weight=nw, eps=1e-6, y=y,
-                        counters=counters(y.device, 64), num_warps=warps, down_row_blocks=rb, glu_k_split=None,
-                        stream_k=True, sk_programs=programs)
-        ys.append(y)
-    kw = dict(residual=res, norm_weight=nw, out_dtype=torch.float32, gate_bias=gb, up_bias=ub, down_bias=db)
-    assert_close(ys[0], moe_experts_ref(x, ids, wts, wg, wu, wd, fp16_inputs=True, **kw),
-                 what=f"{fmt} stream-K {programs} vs fp16 oracle")
-    assert torch.equal(ys[0], ys[1])
-    with pytest.raises(ValueError, match="stream-K cuts the work itself"):
-        moe_experts(x, ids, wts, wg, wu, wd, mma=True, stream_k=True, split=2)
-    with pytest.raises(ValueError, match="sk_programs"):
-        moe_experts(x, ids, wts, wg, wu, wd, mma=True, stream_k=True, glu_k_split=None, sk_programs=(0, 3))
-
-
-def test_sk_programs_rule_and_jmax(monkeypatch):
-    """sk_programs_rule on a 132-SM GPU: every resident slot for a big launch (nvfp4 4096 x 4096 top-10's GLU: 10,240
-    steps -> 396 programs at 3 per SM), no fewer than 8 steps per program for a small one; _sk_jmax bounds the
-    programs meeting in one unit (a unit of 16 steps over ranges of >= 25 steps: 2)."""
-    import kie_moe.kernels.fp4_mma_experts as FE
-    monkeypatch.setattr(FE, "num_sms", lambda dev: 132)
-    cuda = torch.device("cuda")
-    assert FE.sk_programs_rule(64 * 10 * 16, 3, cuda) == 396
-    assert FE.sk_programs_rule(45 * 4 * 12, 4, cuda) == 270
-    assert FE.sk_programs_rule(5, 4, cuda) == 1
-    assert FE._sk_jmax(16, 10240, 396) == 2
-    assert FE._sk_jmax(3, 24, 50) == 4 and FE._sk_jmax(3, 24, 1) == 1
-
-
 def test_glu_k_chunks_clamps_to_the_k_steps():
     """glu_k_chunks: an explicit count past K's 256-code steps is clamped to them (608: 3 steps), None takes the
     rule (1 off CUDA), a bad count is named."""
@@ -257,16 +207,14 @@ def test_mma_experts_refuses_what_it_cannot_read():
 @pytest.mark.parametrize("E,k,I,H", [(20, 10, 4096, 4096), (16, 8, 2048, 7168), (8, 4, 2880, 2880), (8, 8, 768, 2048),
                                      (8, 2, 14336, 4096)],
                          ids=["big-4096", "deepseek-v3", "gpt-oss-120b", "qwen3-30b-a3b", "mixtral-8x7b-k-split"])
-@pytest.mark.parametrize("sk", [False, True], ids=["grid", "stream-k"])
-def test_mma_experts_real_sizes_gpu(fmt, E, k, I, H, sk):
+def test_mma_experts_real_sizes_gpu(fmt, E, k, I, H):
     wg, wu, wd = _stack(fmt, E, I, H, seed=80, device="cuda")
     g = torch.Generator(device="cuda").manual_seed(81)
     x = torch.randn(H, device="cuda", generator=g).bfloat16()
     nw = torch.rand(H, device="cuda", generator=g) + 0.5
     ids = torch.randperm(E, device="cuda", generator=g)[:k].to(torch.int32)
     wts = torch.softmax(torch.randn(k, device="cuda", generator=g), -1)
-    y = moe_experts(x, ids, wts, wg, wu, wd, mma=True, norm_weight=nw, residual=x, out=torch.empty(H, device="cuda"),
-                    stream_k=sk, **({"glu_k_split": None} if sk else {}))
+    y = moe_experts(x, ids, wts, wg, wu, wd, mma=True, norm_weight=nw, residual=x, out=torch.empty(H, device="cuda"))
     want = moe_experts_ref(x, ids, wts, wg, wu, wd, norm_weight=nw, residual=x, out_dtype=torch.float32,
                            fp16_inputs=True)
     # rel 1e-4: h is rounded to fp16 from fp32 sums taken in another order than the reference's, so now and then an
