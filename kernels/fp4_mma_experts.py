@@ -253,11 +253,12 @@ def moe_experts_mma(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w
                     split: int | None = None, num_warps: int = MMA_EXPERT_WARPS,
                     down_row_blocks: int | None = MMA_DOWN_ROW_BLOCKS, maxnreg: int | None = MMA_MAXNREG,
                     glu_maxnreg: int | None | str = "auto", down_k_split: int | None = None,
-                    glu_k_split: int | None = MMA_GLU_K_SPLIT) -> torch.Tensor:
+                    glu_k_split: int | None = MMA_GLU_K_SPLIT, xh: torch.Tensor | None = None) -> torch.Tensor:
     """moe.moe_experts' body on the tensor cores; its arguments already checked there (biases as (tensor, stride
     0, stride 1) triples, y the output). Callers: moe.moe_experts (mma=True, or its size rule). split: slot groups
     of the down launch, down_k_split: K chunks of each (None: down_launch_split's choice); down_row_blocks: 1 or 2
-    (None: auto_down_row_blocks's rule); glu_k_split: K chunks of the GLU launch (None: auto_glu_k_split's rule)."""
+    (None: auto_down_row_blocks's rule); glu_k_split: K chunks of the GLU launch (None: auto_glu_k_split's rule).
+    xh: prepare_xh(x, norm_weight, eps) already made (route(xh_out=)): none made here."""
     I, H = w_gate.out_features, w_gate.in_features
     for name, w in (("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
         why = mma_experts_unreadable(w)
@@ -281,7 +282,8 @@ def moe_experts_mma(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w
     if glu_maxnreg == "auto":
         glu_maxnreg = MMA_GLU_MAXNREG.get(w_gate.fmt)
     glu_cap = reg_cap(dev, glu_maxnreg)
-    xh = prepare_xh(x.reshape(-1), norm_weight, eps)
+    if xh is None:
+        xh = prepare_xh(x.reshape(-1), norm_weight, eps)
     h = torch.empty((top_k, I), dtype=torch.float16, device=dev)
     gs = lambda w: w.global_scale if w.global_scale is not None else h  # noqa: E731
     st = lambda w: w.global_scale.stride(0) if w.global_scale is not None else 0  # noqa: E731

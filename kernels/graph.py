@@ -52,6 +52,10 @@ SHARE_X8 = os.environ.get("KIE_SHARE_X8", "1") != "0"
 # the expert launch +1-3 points, the decode step 434.3 -> 430.1 tok/s: the router launch's extra writes cost more);
 # KIE_ROUTER_XN=1 turns it on.
 ROUTER_XN = os.environ.get("KIE_ROUTER_XN", "0") == "1"
+# Tensor-core fp4 routed experts (moe.use_mma_experts) read the fp16 xh the router launch writes (route(xh_out=))
+# instead of launching prepare_xh themselves: one launch fewer per MoE layer where no fp4 shared expert wants the
+# router's x8. KIE_ROUTER_XH=1 turns it on (NOTES.md session 38).
+ROUTER_XH = os.environ.get("KIE_ROUTER_XH", "0") == "1"
 # The router launch leaves partial logits and the CUDA-core experts' GLU launch picks the top-k itself (route(defer=
 # True), moe_experts(select=)): no last-program ticket + selection tail on the router's critical path (session 20's
 # per-launch times: the router is 5.7 us of a ~47 us qwen3-30b-a3b fp8 layer). On: session 21 measured qwen3-30b-a3b
@@ -257,6 +261,9 @@ class GraphBackend:
         # records its address)
         self.x8 = torch.zeros(8, D // 8, **f32) if SHARE_X8 and D % 8 == 0 and any(
             lay.moe is not None and is_fp4(L["e_gate"].fmt) for L, lay in zip(self.layers, spec.layers)) else None
+        # the same for tensor-core fp4 experts, as prepare_xh's fp16 (ROUTER_XH)
+        self.xh = torch.zeros(D, dtype=torch.float16, device=self.device) if any(
+            self._router_xh(L, lay) for L, lay in zip(self.layers, spec.layers)) else None
         # the same for float experts, as a plain fp32 [D] vector (ROUTER_XN)
         self.xn = torch.zeros(D, **f32) if ROUTER_XN and any(
             lay.moe is not None and not is_fp4(L["e_gate"].fmt) for L, lay in zip(self.layers, spec.layers)) else None
@@ -356,20 +363,23 @@ class GraphBackend:
             self._swap()
             return
         m = lay.moe
-        x8 = self.x8 if self.x8 is not None and is_fp4(L["e_gate"].fmt) else None
+        xh = self.xh if self._router_xh(L, lay) else None
+        x8 = self.x8 if self.x8 is not None and is_fp4(L["e_gate"].fmt) and xh is None else None
         xn = self.xn if self.xn is not None and not is_fp4(L["e_gate"].fmt) else None
         if "router_fold" in L:     # o_proj's launch wrote the partial logits of this x (gemv_route)
             r, defer = self.pending, True
         else:
             defer = SELECT_IN_EXPERTS and not use_mma_experts(L["e_gate"], L["e_up"], L["e_down"], L["rcfg"].top_k)
             r = route(x, L["router"], L["rcfg"], router_bias=L["router_bias"], correction_bias=L["score_bias"],
-                      norm_weight=L["mlp_norm"], eps=eps, out=L["routing"], x8_out=x8, xn_out=xn, defer=defer)
+                      norm_weight=L["mlp_norm"], eps=eps, out=L["routing"], x8_out=x8, xn_out=xn, xh_out=xh,
+                      defer=defer)
         act = "gpt_oss" if m.expert_act == "gptoss_glu" else "silu"
         # xn: the router's normed x, so no norm here (residual stays the un-normed x)
         moe_experts(x if xn is None else xn, r.ids, r.weights, L["e_gate"], L["e_up"], L["e_down"], act=act,
                     limit=m.swiglu_limit, alpha=m.glu_alpha, gate_bias=L.get("eb_gate"), up_bias=L.get("eb_up"),
                     down_bias=L.get("eb_down"), residual=x, norm_weight=L["mlp_norm"] if xn is None else None,
-                    eps=eps, out=self.x2, x8=x8, select=r if defer else None)
+                    eps=eps, out=self.x2, x8=x8, select=r if defer else None,
+                    **({"mma": True, "xh": xh} if xh is not None else {}))
         if m.shared_intermediate_size:
             h8 = self._x8_out(L["s_down"])
             s_xn = xn is not None and not is_fp4(L["s_gate"].fmt)
@@ -395,6 +405,16 @@ class GraphBackend:
         if is_fp4(L["e_gate"].fmt) and not (SHARE_X8 and D % 8 == 0 and not fp4_shared):
             return False
         return not is_fp4(L["o"].fmt) and L["mlp_norm"] is not None and not use_mma_experts(*experts, lay.moe.top_k)
+
+    @staticmethod
+    def _router_xh(L: dict, lay) -> bool:
+        """ROUTER_XH's layers: a MoE layer whose experts run on the tensor cores (fp4, moe.use_mma_experts) behind
+        the router launch (no fold), with no fp4 shared expert (it reads the router's x8)."""
+        if not ROUTER_XH or lay.moe is None or "router_fold" in L or not is_fp4(L["e_gate"].fmt):
+            return False
+        if "s_gate" in L and is_fp4(L["s_gate"].fmt):
+            return False
+        return use_mma_experts(L["e_gate"], L["e_up"], L["e_down"], lay.moe.top_k)
 
     @staticmethod
     def _x8_out(w: WeightHandle) -> bool:

@@ -343,13 +343,14 @@ def _router_kernel(
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_X: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_TOPK: tl.constexpr,
     PIPE: tl.constexpr, PDL: tl.constexpr = False, X8_LAYOUT: tl.constexpr = True, SELECT: tl.constexpr = True,
-    PER_ROUND: tl.constexpr = 1,
+    PER_ROUND: tl.constexpr = 1, XH_LAYOUT: tl.constexpr = False,
 ):
     """grid (cdiv(E, BLOCK_N), SPLIT_K): partial logits part[SPLIT_K, E] and (row tile 0) each split's sum of x^2
     part[SPLIT_K * E + split]; the last program to finish selects (SELECT; else the experts' GLU launch does,
     route(defer=True)).
     WRITE_X8: the programs also write the (normed) input, a chunk each, into x8_ptr: in the x8 layout for fp4 experts
-    (X8_LAYOUT), else as a plain fp32 [K] vector for float experts (route's xn_out)."""
+    (X8_LAYOUT), as fp16 in the xh layout for the tensor-core fp4 experts (XH_LAYOUT: fp4_mma.prepare_xh's), else as
+    a plain fp32 [K] vector for float experts (route's xn_out)."""
     pdl_begin(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -364,7 +365,12 @@ def _router_kernel(
             xv = tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32) * r8
             if HAS_NW:
                 xv = xv * tl.load(nw_ptr + offs, mask=m, other=0.0).to(tl.float32)
-            tl.store(x8_ptr + (_x8_offs(offs, K // 8) if X8_LAYOUT else offs), xv, mask=m)
+            if XH_LAYOUT:   # each 8 in the order 0, 2, 1, 3, 4, 6, 5, 7 (fp4_mma._xh_kernel's)
+                e = offs % 8
+                tl.store(x8_ptr + (offs - e) + ((e & 4) | ((e & 1) << 1) | ((e >> 1) & 1)), xv.to(tl.float16),
+                         mask=m)
+            else:
+                tl.store(x8_ptr + (_x8_offs(offs, K // 8) if X8_LAYOUT else offs), xv, mask=m)
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
     acc = _tile_bf16(w_ptr, stride_wn, x_ptr, nw_ptr, pid_n * BLOCK_N, E, k_lo, k_hi, HAS_NW, BLOCK_N, BLOCK_K, PIPE)
@@ -396,14 +402,16 @@ def _router_kernel(
 def route(x: torch.Tensor, router_weight: torch.Tensor, cfg: RouterConfig, *, router_bias: torch.Tensor | None = None,
           correction_bias: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
           out: Routing | None = None, x8_out: torch.Tensor | None = None, xn_out: torch.Tensor | None = None,
-          config: TileConfig | None = None, defer: bool = False) -> Routing | PendingRouting:
+          xh_out: torch.Tensor | None = None, config: TileConfig | None = None,
+          defer: bool = False) -> Routing | PendingRouting:
     """Top-k experts of a batch-1 token, computed and left on the device: Routing(ids int32 [k], weights fp32 [k],
     logits fp32 [E]). router_weight: float [E, H] (kept bf16 by the converter). norm_weight: RMSNorm x in front.
     defer: the launch only writes partial logits and returns a PendingRouting; moe_experts(select=) picks the top-k
     at the start of its GLU launch (no last-program ticket and selection tail on this launch's critical path).
     x8_out: fp32 [8, H/8] filled with the (normed) x in the x8 layout, for fp4 experts (saves prepare_x8); xn_out:
     fp32 [H] filled with the (normed) x as it is, for float experts (moe_experts(xn, norm_weight=None): no RMSNorm
-    in every expert program). At most one of the two."""
+    in every expert program); xh_out: fp16 [H] filled as fp4_mma.prepare_xh would (normed, xh layout), for the
+    tensor-core fp4 experts (moe_experts(xh=): saves prepare_xh's launch). At most one of the three."""
     if router_weight.dim() != 2 or not router_weight.is_floating_point() or router_weight.stride(-1) != 1:
         raise ValueError(f"route: router_weight must be a float [E, H] with contiguous rows, got "
                          f"{router_weight.dtype} {tuple(router_weight.shape)}")
@@ -414,14 +422,15 @@ def route(x: torch.Tensor, router_weight: torch.Tensor, cfg: RouterConfig, *, ro
     check_vec(correction_bias, E, dev, "correction_bias")
     check_vec(norm_weight, K, dev, "norm_weight")
     out = _routing_out(cfg, E, dev, out, "route")
-    if x8_out is not None and xn_out is not None:
-        raise ValueError("route: pass x8_out or xn_out, not both")
+    if sum(t is not None for t in (x8_out, xn_out, xh_out)) > 1:
+        raise ValueError("route: pass at most one of x8_out, xn_out, xh_out")
     _check_x8_out(x8_out, K, dev, "route")
+    check_xh(xh_out, K, dev, "route: xh_out")
     if xn_out is not None and (xn_out.shape != (K,) or xn_out.dtype != torch.float32 or not xn_out.is_contiguous()
                                or xn_out.device != dev):
         raise ValueError(f"route: xn_out must be a contiguous fp32 [{K}] on {dev}, got {xn_out.dtype} "
                          f"{tuple(xn_out.shape)}")
-    x_out = x8_out if x8_out is not None else xn_out
+    x_out = next((t for t in (x8_out, xn_out, xh_out) if t is not None), None)
     cfg_t = config or TileConfig(8, 512)
     n_tiles = triton.cdiv(E, cfg_t.block_n)
     split, k_per_split = plan_split(n_tiles, K, cfg_t.block_k, cfg_t.split_k, dev)
@@ -431,7 +440,8 @@ def route(x: torch.Tensor, router_weight: torch.Tensor, cfg: RouterConfig, *, ro
         router_bias if router_bias is not None else part, correction_bias if correction_bias is not None else part,
         part, counters(dev, 1), out.logits, out.ids, out.weights, x_out if x_out is not None else part,
         E, K, k_per_split, eps, float(cfg.routed_scaling_factor),
-        WRITE_X8=x_out is not None, X8_LAYOUT=x8_out is not None, HAS_NW=norm_weight is not None,
+        WRITE_X8=x_out is not None, X8_LAYOUT=x8_out is not None, XH_LAYOUT=xh_out is not None,
+        HAS_NW=norm_weight is not None,
         HAS_BIAS=router_bias is not None, HAS_CORR=correction_bias is not None, SELECT=not defer,
         **_select_meta(cfg, E, split, correction_bias is not None),
         BLOCK_N=cfg_t.block_n, BLOCK_K=cfg_t.block_k, BLOCK_X=rstd_block(K),
@@ -441,6 +451,14 @@ def route(x: torch.Tensor, router_weight: torch.Tensor, cfg: RouterConfig, *, ro
         return PendingRouting(out.ids, out.weights, out.logits, part, split, norm_weight is not None, cfg, router_bias,
                               correction_bias, eps)
     return out
+
+
+def check_xh(xh: torch.Tensor | None, K: int, dev: torch.device, who: str):
+    """An xh buffer (fp4_mma.prepare_xh's layout) for a K-long vector: a contiguous, 16-byte aligned fp16 [K] on dev."""
+    if xh is not None and (xh.shape != (K,) or xh.dtype != torch.float16 or not xh.is_contiguous()
+                           or xh.data_ptr() % 16 or xh.device != dev):
+        raise ValueError(f"{who} must be a contiguous, 16-byte aligned fp16 [{K}] on {dev}, got {xh.dtype} "
+                         f"{tuple(xh.shape)}")
 
 
 def _check_x8_out(x8_out: torch.Tensor | None, K: int, dev: torch.device, who: str):
@@ -805,7 +823,7 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gat
                 x8: torch.Tensor | None = None, config_up: TileConfig | None = None,
                 config_down: TileConfig | None = None, split: int | None = None,
                 mma: bool | None = None, glu_pair: bool | None = None, select: PendingRouting | None = None,
-                **mma_launch) -> torch.Tensor:
+                xh: torch.Tensor | None = None, **mma_launch) -> torch.Tensor:
     """Routed experts of one token: y = sum_k weights[k] * down[e_k](glu(gate[e_k] x, up[e_k] x)) (+ residual).
 
     ids int32 [k] / weights fp32 [k] stay on the device (from route()); repeated ids are fine. w_gate/w_up [E, I, H],
@@ -815,6 +833,8 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gat
     mma: nvfp4 / mxfp4 stacks on the tensor cores (kernels/fp4_mma_experts.py; x8 unused, x rounded to fp16 after the
     norm, h kept in fp16); None: when use_mma_experts says so (>= MMA_EXPERT_MIN_BYTES[fmt] of active experts);
     mma_launch: that path's launch shapes (fp4_mma_experts.moe_experts_mma's keywords, for benchmarks).
+    xh: the tensor-core path's input already made (route(xh_out=) or prepare_xh(x, norm_weight, eps)): no
+    prepare_xh launch of its own (x and norm_weight then serve the residual's shape checks only).
     glu_pair: float gate / up rows in one K loop sharing each x load (_expert_glu_kernel PAIR; None: gemv.GLU_PAIR,
     where the two stacks share their stride layout).
     select: route(defer=True)'s PendingRouting for this token (ids / weights must be its buffers): the GLU launch
@@ -854,15 +874,17 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gat
     y = make_out(x, H, out)
     if mma is None:
         mma = config_up is None and config_down is None and use_mma_experts(w_gate, w_up, w_down, top_k)
-    if mma_launch and not mma:
-        raise ValueError(f"moe_experts: {sorted(mma_launch)} apply to the tensor-core path only (mma=True)")
+    if (mma_launch or xh is not None) and not mma:
+        raise ValueError(f"moe_experts: {sorted(mma_launch) + (['xh'] if xh is not None else [])} apply to the "
+                         f"tensor-core path only (mma=True)")
+    check_xh(xh, H, dev, "moe_experts: xh")
     if select is not None:
         _check_select(select, x, x8, ids, weights, E, w_gate.fmt, mma, norm_weight, eps)
     if mma:
         from .fp4_mma_experts import moe_experts_mma  # it imports this module: not at the top
         return moe_experts_mma(x, ids, weights, w_gate, w_up, w_down, act_id=ACT_ID[act], limit=limit, alpha=alpha,
                                gate_bias=bg, up_bias=bu, down_bias=bd, residual=residual, norm_weight=norm_weight,
-                               eps=eps, y=y, counters=counters(dev, triton.cdiv(H, 16)), split=split,
+                               eps=eps, y=y, counters=counters(dev, triton.cdiv(H, 16)), split=split, xh=xh,
                                **mma_launch)
     h = torch.empty((top_k, I), dtype=torch.float32, device=dev)  # fp32: no rounding between the two GEMVs
 

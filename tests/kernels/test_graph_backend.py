@@ -259,6 +259,38 @@ def test_routed_experts_on_the_tensor_cores_in_the_decode_step(device, tmp_path,
     assert_logits_close(be.logits.float().cpu(), want_logits, rel=2e-3)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU")])])
+def test_router_hands_the_tensor_core_experts_their_xh(device, tmp_path, monkeypatch):
+    """KIE_ROUTER_XH: with the experts on the tensor cores and no fp4 shared expert (qwen3-moe), the router launch
+    writes their fp16 xh (route(xh_out=)) and no prepare_xh runs in the step; the reference decoder's greedy tokens
+    and last logits within the tensor-core path's fp16 rounding, as without it."""
+    import kie_moe.kernels.fp4_mma_experts as FE
+    import kie_moe.kernels.graph as G
+    import kie_moe.kernels.moe as M
+    from kie_moe.models.registry import LoadedModel
+    from kie_moe.synthetic import QuantizingStore
+    from tests.models import hf_tiny
+    mt, over = hf_tiny.CASES["qwen3_moe_norm"]   # experts 32 wide: rows the tensor-core loop reads (in % 32 == 0)
+    monkeypatch.setitem(hf_tiny.CASES, "qwen3_moe_i32", (mt, {**over, "moe_intermediate_size": 32}))
+    make_checkpoint("qwen3_moe_i32", str(tmp_path))
+    m0 = load_model(str(tmp_path))
+    m = LoadedModel(m0.path, m0.config, m0.spec, QuantizingStore(m0.weights, "nvfp4"))
+    monkeypatch.setattr(M, "MMA_EXPERT_MIN_BYTES", {"nvfp4": 0})
+    monkeypatch.setattr(G, "ROUTER_XH", True)
+    made = []
+    real = FE.prepare_xh
+    monkeypatch.setattr(FE, "prepare_xh", lambda *a, **k: made.append(1) or real(*a, **k))
+    prompt = list(range(7, 15))
+    be = GraphBackend(m, torch.device(device), dtype=torch.float32)
+    assert be.xh is not None
+    got = list(be.generate(prompt, SamplingParams(max_new_tokens=3, ignore_eos=True), set()))
+    assert made == []
+    want, want_logits = ref_greedy(m, prompt, 3)
+    assert got == want
+    assert_logits_close(be.logits.float().cpu(), want_logits, rel=2e-3)
+
+
 def _parts(fmt, sizes, K, shared_global=True, device="cpu"):
     import dataclasses
 

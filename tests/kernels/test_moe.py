@@ -121,10 +121,47 @@ def test_route_hands_float_experts_the_normed_x(split):
     want = moe_experts_ref(x, r.ids, r.weights, wg, wu, wd, residual=x, norm_weight=nw, eps=1e-5,
                            out_dtype=torch.float32)
     assert_close(y, want, what="experts on the router's xn")
-    with pytest.raises(ValueError, match="x8_out or xn_out, not both"):
+    with pytest.raises(ValueError, match="at most one of x8_out, xn_out, xh_out"):
         route(x, w, cfg, x8_out=torch.empty(8, 12, device=DEV), xn_out=xn)
     with pytest.raises(ValueError, match=r"xn_out must be a contiguous fp32 \[100\]"):
         route(x, w, cfg, xn_out=torch.empty(H, dtype=torch.bfloat16, device=DEV))
+
+
+@pytest.mark.parametrize("fmt,split", [("nvfp4", 1), ("mxfp4", 3)])
+def test_route_hands_tensor_core_fp4_experts_their_xh(fmt, split, monkeypatch):
+    """xh_out: the router launch writes what fp4_mma.prepare_xh would (normed x, fp16, each 8 in the order 0, 2, 1,
+    3, 4, 6, 5, 7), every element (NaN-filled first) whatever the split; the tensor-core experts given it
+    (moe_experts(xh=)) launch no prepare_xh of their own and give the same y as with it; bad buffers are named."""
+    import kie_moe.kernels.fp4_mma as FM
+    import kie_moe.kernels.fp4_mma_experts as FE
+    E, I, H = 5, 64, 160
+    cfg = RouterConfig(top_k=2)
+    x, w, nw = _t(H, seed=30, scale=3.0), _t(E, H, seed=31, scale=0.2), _t(H, seed=32)
+    xh = torch.full((H,), float("nan"), dtype=torch.float16, device=DEV)
+    r = route(x, w, cfg, norm_weight=nw, eps=1e-5, xh_out=xh, config=TileConfig(8, 32, split_k=split))
+    want_xh = FM.prepare_xh(x, nw, 1e-5)
+    assert not xh.isnan().any()
+    # one fp16 ulp at most: the RMSNorm scale's sum may run in another warp order than prepare_xh's launch
+    assert ((xh.float() - want_xh.float()).abs() <= want_xh.float().abs() * 2.0 ** -10).all()
+    wg, wu, wd = _experts(fmt, E, I, H, seed=33)
+    calls = []
+    real = FE.prepare_xh
+    monkeypatch.setattr(FE, "prepare_xh", lambda *a, **k: calls.append(1) or real(*a, **k))
+    y = moe_experts(x, r.ids, r.weights, wg, wu, wd, residual=x, mma=True, xh=xh, out=torch.empty(H, device=DEV))
+    assert calls == []
+    y_own = moe_experts(x, r.ids, r.weights, wg, wu, wd, residual=x, norm_weight=nw, eps=1e-5, mma=True,
+                        out=torch.empty(H, device=DEV))
+    assert calls == [1]
+    if torch.equal(xh, want_xh):
+        assert torch.equal(y, y_own)
+    assert_close(y, moe_experts_ref(x, r.ids, r.weights, wg, wu, wd, residual=x, norm_weight=nw, eps=1e-5,
+                                    out_dtype=torch.float32, fp16_inputs=True), what=f"{fmt} experts on xh_out")
+    with pytest.raises(ValueError, match="at most one of x8_out, xn_out, xh_out"):
+        route(x, w, cfg, x8_out=torch.empty(8, H // 8, device=DEV), xh_out=xh)
+    with pytest.raises(ValueError, match=r"route: xh_out must be a contiguous, 16-byte aligned fp16 \[160\]"):
+        route(x, w, cfg, xh_out=torch.empty(H, device=DEV))
+    with pytest.raises(ValueError, match=r"\['xh'\] apply to the tensor-core path only"):
+        moe_experts(x, r.ids, r.weights, wg, wu, wd, mma=False, xh=xh)
 
 
 # ---- routed experts -----------------------------------------------------------------------------------------------
