@@ -54,8 +54,9 @@ SHARE_X8 = os.environ.get("KIE_SHARE_X8", "1") != "0"
 ROUTER_XN = os.environ.get("KIE_ROUTER_XN", "0") == "1"
 # Tensor-core fp4 routed experts (moe.use_mma_experts) read the fp16 xh the router launch writes (route(xh_out=))
 # instead of launching prepare_xh themselves: one launch fewer per MoE layer where no fp4 shared expert wants the
-# router's x8. KIE_ROUTER_XH=1 turns it on (NOTES.md session 38).
-ROUTER_XH = os.environ.get("KIE_ROUTER_XH", "0") == "1"
+# router's x8. On: session 38 measured Mixtral-8x7B nvfp4 256.0 -> 260.9 tok/s (+1.9%), mxfp4 273.6 -> 278.3 (+1.7%)
+# on an H100, same tokens for 128 steps (NOTES.md); KIE_ROUTER_XH=0 turns it off.
+ROUTER_XH = os.environ.get("KIE_ROUTER_XH", "1") != "0"
 # The router launch leaves partial logits and the CUDA-core experts' GLU launch picks the top-k itself (route(defer=
 # True), moe_experts(select=)): no last-program ticket + selection tail on the router's critical path (session 20's
 # per-launch times: the router is 5.7 us of a ~47 us qwen3-30b-a3b fp8 layer). On: session 21 measured qwen3-30b-a3b
