@@ -119,9 +119,15 @@ def _xh_kernel(x_ptr, nw_ptr, xh_ptr, K, eps, HAS_NW: tl.constexpr, BLOCK: tl.co
     if NATURAL:
         tl.store(xh_ptr + offs, x.to(tl.float16), mask=mask)
     else:
-        e = offs % 8
-        slot = (e & 4) | ((e & 1) << 1) | ((e >> 1) & 1)
-        tl.store(xh_ptr + (offs - e) + slot, x.to(tl.float16), mask=mask)
+        tl.store(xh_ptr + xh_pos(offs), x.to(tl.float16), mask=mask)
+
+
+@triton.jit
+def xh_pos(n):
+    """Position of element n of a vector in the xh layout (each 8 in the order 0, 2, 1, 3, 4, 6, 5, 7): prepare_xh's,
+    the router's xh_out (moe.route) and the expert GLU's h (fp4_mma_experts)."""
+    e = n % 8
+    return (n - e) + ((e & 4) | ((e & 1) << 1) | ((e >> 1) & 1))
 
 
 @triton.jit
@@ -389,6 +395,14 @@ def _fp4_mma_kernel(xh_ptr, w_ptr, stride_wn, s_ptr, stride_sn, gs_ptr, bias_ptr
                    HAS_RES)
 
 
+def check_xh(xh: torch.Tensor | None, K: int, dev: torch.device, who: str):
+    """An xh buffer (prepare_xh's layout) for a K-long vector: a contiguous, 16-byte aligned fp16 [K] on dev."""
+    if xh is not None and (xh.shape != (K,) or xh.dtype != torch.float16 or not xh.is_contiguous()
+                           or xh.data_ptr() % 16 or xh.device != dev):
+        raise ValueError(f"{who} must be a contiguous, 16-byte aligned fp16 [{K}] on {dev}, got {xh.dtype} "
+                         f"{tuple(xh.shape)}")
+
+
 def prepare_xh(x: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
                out: torch.Tensor | None = None, natural: bool = False) -> torch.Tensor:
     """The mma GEMV's input: fp16 [K], each 8 elements in the order 0, 2, 1, 3, 4, 6, 5, 7 (natural: in order, for
@@ -400,9 +414,7 @@ def prepare_xh(x: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: fl
     check_vec(norm_weight, K, x.device, "norm_weight")
     if out is None:
         out = torch.empty(K, dtype=torch.float16, device=x.device)
-    elif out.shape != (K,) or out.dtype != torch.float16 or not out.is_contiguous() or out.data_ptr() % 16:
-        raise ValueError(f"prepare_xh: out must be a contiguous, 16-byte aligned fp16 [{K}], got {out.dtype} "
-                         f"{tuple(out.shape)}")
+    check_xh(out, K, x.device, "prepare_xh: out")
     BLOCK = min(1024, triton.next_power_of_2(K))
     _xh_kernel[(triton.cdiv(K, BLOCK),)](x, norm_weight if norm_weight is not None else x, out, K, eps,
                                          HAS_NW=norm_weight is not None, BLOCK=BLOCK,
@@ -429,10 +441,7 @@ def xh_input(x: torch.Tensor, xh: torch.Tensor | None, K: int, norm_weight: torc
     """A tensor-core GEMV's xh: the caller's, checked, or prepare_xh(x, norm_weight, eps, natural=natural)."""
     if xh is None:
         return prepare_xh(x, norm_weight, eps, natural=natural)
-    if xh.shape != (K,) or xh.dtype != torch.float16 or not xh.is_contiguous() or xh.data_ptr() % 16:
-        made_by = "prepare_xh(natural=True)" if natural else "prepare_xh"
-        raise ValueError(f"xh: expected a contiguous, 16-byte aligned fp16 [{K}] ({made_by}), got {xh.dtype} "
-                         f"{tuple(xh.shape)}")
+    check_xh(xh, K, x.device, "xh (prepare_xh(natural=True)'s)" if natural else "xh (prepare_xh's)")
     return xh
 
 

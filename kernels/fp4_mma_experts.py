@@ -25,7 +25,7 @@ import triton.language as tl
 
 from .device_caps import e4m3_native
 from .fp4_mma import (MMA_MAXNREG, _global_factor, _lane_warp, _mine, _quad_sum, _rows_dot, mma_unreadable,
-                      prepare_xh)
+                      xh_input, xh_pos)
 from .gemv import counters as _counters
 from .gemv import num_sms
 from .moe import expert_down_split, split_slots
@@ -60,13 +60,6 @@ _DOWN_MIN_STEPS = 8
 # Not here: both launches as stream-K (persistent programs, each an equal share of all units' 256-code steps; commit
 # f0e1718): slower at every shape on an H100 (4096 x 4096 nvfp4 77.2 -> 73.3%, DeepSeek-V3 74.5 -> 72.5%, Mixtral
 # decode -1.4% / -3.5%), NOTES.md session 38: balanced, fully resident programs do not stream these loops faster.
-
-
-@triton.jit
-def _xh_pos(n):
-    """Position of element n of a vector in the xh layout (each 8 in the order 0, 2, 1, 3, 4, 6, 5, 7)."""
-    e = n % 8
-    return (n - e) + ((e & 4) | ((e & 1) << 1) | ((e >> 1) & 1))
 
 
 @triton.jit
@@ -120,8 +113,8 @@ def _mma_glu_kernel(xh_ptr, ids_ptr, wg_ptr, wu_ptr, stride_wn, stride_we, sg_pt
         ua += tl.load(bu_ptr + e * stride_bue + ra * stride_bun).to(tl.float32)
         ub += tl.load(bu_ptr + e * stride_bue + rb * stride_bun).to(tl.float32)
     h = h_ptr + slot * I
-    tl.store(h + _xh_pos(n), _glu(ga, ua, limit, alpha, ACT).to(tl.float16), mask=last & lead & (n < I))
-    tl.store(h + _xh_pos(n + 8), _glu(gb, ub, limit, alpha, ACT).to(tl.float16), mask=last & lead & (n + 8 < I))
+    tl.store(h + xh_pos(n), _glu(ga, ua, limit, alpha, ACT).to(tl.float16), mask=last & lead & (n < I))
+    tl.store(h + xh_pos(n + 8), _glu(gb, ub, limit, alpha, ACT).to(tl.float16), mask=last & lead & (n + 8 < I))
 
 
 @triton.jit
@@ -282,8 +275,7 @@ def moe_experts_mma(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w
     if glu_maxnreg == "auto":
         glu_maxnreg = MMA_GLU_MAXNREG.get(w_gate.fmt)
     glu_cap = reg_cap(dev, glu_maxnreg)
-    if xh is None:
-        xh = prepare_xh(x.reshape(-1), norm_weight, eps)
+    xh = xh_input(x.reshape(-1), xh, H, norm_weight, eps)
     h = torch.empty((top_k, I), dtype=torch.float16, device=dev)
     gs = lambda w: w.global_scale if w.global_scale is not None else h  # noqa: E731
     st = lambda w: w.global_scale.stride(0) if w.global_scale is not None else 0  # noqa: E731

@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .fp4_mma import check_xh, xh_pos
 from .gemv import (DEFAULT_GLU_TILES, TileConfig, check_vec, check_x, counters, gemv_tiles, glu_pair_choice,
                    glu_ref, input_args, is_fp4, make_out, num_sms, plan_split, resolve_config, weight_args)
 from .pdl import launch_kw, pdl_begin, reg_cap
@@ -365,10 +366,8 @@ def _router_kernel(
             xv = tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32) * r8
             if HAS_NW:
                 xv = xv * tl.load(nw_ptr + offs, mask=m, other=0.0).to(tl.float32)
-            if XH_LAYOUT:   # each 8 in the order 0, 2, 1, 3, 4, 6, 5, 7 (fp4_mma._xh_kernel's)
-                e = offs % 8
-                tl.store(x8_ptr + (offs - e) + ((e & 4) | ((e & 1) << 1) | ((e >> 1) & 1)), xv.to(tl.float16),
-                         mask=m)
+            if XH_LAYOUT:
+                tl.store(x8_ptr + xh_pos(offs), xv.to(tl.float16), mask=m)
             else:
                 tl.store(x8_ptr + (_x8_offs(offs, K // 8) if X8_LAYOUT else offs), xv, mask=m)
     k_lo = pid_k * k_per_split
@@ -451,14 +450,6 @@ def route(x: torch.Tensor, router_weight: torch.Tensor, cfg: RouterConfig, *, ro
         return PendingRouting(out.ids, out.weights, out.logits, part, split, norm_weight is not None, cfg, router_bias,
                               correction_bias, eps)
     return out
-
-
-def check_xh(xh: torch.Tensor | None, K: int, dev: torch.device, who: str):
-    """An xh buffer (fp4_mma.prepare_xh's layout) for a K-long vector: a contiguous, 16-byte aligned fp16 [K] on dev."""
-    if xh is not None and (xh.shape != (K,) or xh.dtype != torch.float16 or not xh.is_contiguous()
-                           or xh.data_ptr() % 16 or xh.device != dev):
-        raise ValueError(f"{who} must be a contiguous, 16-byte aligned fp16 [{K}] on {dev}, got {xh.dtype} "
-                         f"{tuple(xh.shape)}")
 
 
 def _check_x8_out(x8_out: torch.Tensor | None, K: int, dev: torch.device, who: str):
@@ -877,7 +868,6 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gat
     if (mma_launch or xh is not None) and not mma:
         raise ValueError(f"moe_experts: {sorted(mma_launch) + (['xh'] if xh is not None else [])} apply to the "
                          f"tensor-core path only (mma=True)")
-    check_xh(xh, H, dev, "moe_experts: xh")
     if select is not None:
         _check_select(select, x, x8, ids, weights, E, w_gate.fmt, mma, norm_weight, eps)
     if mma:

@@ -265,7 +265,7 @@ def test_router_hands_the_tensor_core_experts_their_xh(device, tmp_path, monkeyp
     """KIE_ROUTER_XH: with the experts on the tensor cores and no fp4 shared expert (qwen3-moe), the router launch
     writes their fp16 xh (route(xh_out=)) and no prepare_xh runs in the step; the reference decoder's greedy tokens
     and last logits within the tensor-core path's fp16 rounding, as without it."""
-    import kie_moe.kernels.fp4_mma_experts as FE
+    import kie_moe.kernels.fp4_mma as FM
     import kie_moe.kernels.graph as G
     import kie_moe.kernels.moe as M
     from kie_moe.models.registry import LoadedModel
@@ -279,8 +279,8 @@ def test_router_hands_the_tensor_core_experts_their_xh(device, tmp_path, monkeyp
     monkeypatch.setattr(M, "MMA_EXPERT_MIN_BYTES", {"nvfp4": 0})
     monkeypatch.setattr(G, "ROUTER_XH", True)
     made = []
-    real = FE.prepare_xh
-    monkeypatch.setattr(FE, "prepare_xh", lambda *a, **k: made.append(1) or real(*a, **k))
+    real = FM.prepare_xh
+    monkeypatch.setattr(FM, "prepare_xh", lambda *a, **k: made.append(1) or real(*a, **k))
     prompt = list(range(7, 15))
     be = GraphBackend(m, torch.device(device), dtype=torch.float32)
     assert be.xh is not None

@@ -133,7 +133,6 @@ def test_route_hands_tensor_core_fp4_experts_their_xh(fmt, split, monkeypatch):
     3, 4, 6, 5, 7), every element (NaN-filled first) whatever the split; the tensor-core experts given it
     (moe_experts(xh=)) launch no prepare_xh of their own and give the same y as with it; bad buffers are named."""
     import kie_moe.kernels.fp4_mma as FM
-    import kie_moe.kernels.fp4_mma_experts as FE
     E, I, H = 5, 64, 160
     cfg = RouterConfig(top_k=2)
     x, w, nw = _t(H, seed=30, scale=3.0), _t(E, H, seed=31, scale=0.2), _t(H, seed=32)
@@ -145,8 +144,8 @@ def test_route_hands_tensor_core_fp4_experts_their_xh(fmt, split, monkeypatch):
     assert ((xh.float() - want_xh.float()).abs() <= want_xh.float().abs() * 2.0 ** -10).all()
     wg, wu, wd = _experts(fmt, E, I, H, seed=33)
     calls = []
-    real = FE.prepare_xh
-    monkeypatch.setattr(FE, "prepare_xh", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = FM.prepare_xh
+    monkeypatch.setattr(FM, "prepare_xh", lambda *a, **k: calls.append(1) or real(*a, **k))
     y = moe_experts(x, r.ids, r.weights, wg, wu, wd, residual=x, mma=True, xh=xh, out=torch.empty(H, device=DEV))
     assert calls == []
     y_own = moe_experts(x, r.ids, r.weights, wg, wu, wd, residual=x, norm_weight=nw, eps=1e-5, mma=True,
