@@ -94,7 +94,7 @@ def test_bad_input_is_named():
         gemv_fp8_mma(_x(64, 1), random_weight("nvfp4", 32, 64, seed=1, device=DEV))
     with pytest.raises(ValueError, match=r"shape \(48,\)"):
         gemv_fp8_mma(_x(48, 1), w)
-    with pytest.raises(ValueError, match="xh: expected"):
+    with pytest.raises(ValueError, match=r"xh \(prepare_xh\(natural=True\)'s\) must be a contiguous"):
         gemv_fp8_mma(_x(64, 1), w, xh=torch.zeros(64, dtype=torch.float32, device=DEV))
     with pytest.raises(ValueError, match="in_features 40 is not a multiple of 16"):
         gemv_fp8_mma(_x(40, 1), random_weight("fp8", 8, 40, seed=1, device=DEV))
