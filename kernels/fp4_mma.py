@@ -396,7 +396,10 @@ def _fp4_mma_kernel(xh_ptr, w_ptr, stride_wn, s_ptr, stride_sn, gs_ptr, bias_ptr
 
 
 def check_xh(xh: torch.Tensor | None, K: int, dev: torch.device, who: str):
-    """An xh buffer (prepare_xh's layout) for a K-long vector: a contiguous, 16-byte aligned fp16 [K] on dev."""
+    """An xh buffer (prepare_xh's layout) for a K-long vector: a contiguous, 16-byte aligned fp16 [K] on dev, K % 16
+    == 0 (xh_pos moves elements within groups of 8: a ragged last group would be written past K)."""
+    if xh is not None and K % 16:
+        raise ValueError(f"{who}: the xh layout needs K % 16 == 0 (prepare_xh's rule), got K = {K}")
     if xh is not None and (xh.shape != (K,) or xh.dtype != torch.float16 or not xh.is_contiguous()
                            or xh.data_ptr() % 16 or xh.device != dev):
         raise ValueError(f"{who} must be a contiguous, 16-byte aligned fp16 [{K}] on {dev}, got {xh.dtype} "

@@ -125,6 +125,8 @@ def test_route_hands_float_experts_the_normed_x(split):
         route(x, w, cfg, x8_out=torch.empty(8, 12, device=DEV), xn_out=xn)
     with pytest.raises(ValueError, match=r"xn_out must be a contiguous fp32 \[100\]"):
         route(x, w, cfg, xn_out=torch.empty(H, dtype=torch.bfloat16, device=DEV))
+    with pytest.raises(ValueError, match=r"route: xh_out: the xh layout needs K % 16 == 0 .* K = 100"):
+        route(x, w, cfg, xh_out=torch.empty(H, dtype=torch.float16, device=DEV))   # 100: a ragged group of 8
 
 
 @pytest.mark.parametrize("fmt,split", [("nvfp4", 1), ("mxfp4", 3)])
