@@ -369,12 +369,15 @@ def bench_moe_block(name, fmt, m, H, probe, rep_ms, defer):
                shape=[E, k, m["inter"], H], launches=3, ab_row=True, **extra)
 
 
-def bench_experts(name, fmt, m, H, probe, rep_ms, prenormed=False, **tiles):
+def bench_experts(name, fmt, m, H, probe, rep_ms, prenormed=False, packed=False, **tiles):
     """Both launches of moe_experts over random distinct expert sets; tiles: config_up / config_down / split / mma
     (fp4 on the tensor cores: prepare_xh's launch counted too) / glu_pair. prenormed: x already RMS-normed (what
-    route(xn_out=) hands float experts): no norm weight in the GLU launch."""
+    route(xn_out=) hands float experts): no norm weight in the GLU launch. packed: the stacks in packing "mma"
+    (fp4_mma.pack_for_mma, as the graph backend stores its tensor-core experts)."""
     E, k, I = m["experts"], m["top_k"], m["inter"]
     wg, wu, wd, per_expert, bias = _expert_stacks(fmt, m, H)
+    if packed:
+        wg, wu, wd = pack_for_mma(wg), pack_for_mma(wu), pack_for_mma(wd)
     n_sets = 256  # random distinct experts per call: consecutive calls rarely share an expert in L2
     ids = torch.stack([torch.randperm(E, device=DEV)[:k] for _ in range(n_sets)]).to(torch.int32)
     wts = torch.softmax(torch.randn(n_sets, k, device=DEV), -1)
@@ -546,6 +549,12 @@ def big_experts_section(formats, mb: float, probe: float, rep_ms: int, H: int = 
             for mma in (False, True):
                 rows.append(bench_experts(f"{label} {'mma' if mma else 'cuda-core'}", fmt, mm, h, probe, rep_ms,
                                           mma=mma))
+            # the stacks in packing "mma" (the graph backend's KIE_PACK_EXPERTS, session 39)
+            rows.append(bench_experts(f"{label} mma packed", fmt, mm, h, probe, rep_ms, mma=True, packed=True))
+            if label == name and DEV == "cuda":   # packed, the GLU launch's register cap the other way round
+                other = None if MMA_GLU_MAXNREG[fmt] else 128
+                rows.append(bench_experts(f"{label} mma packed glu-r{other or 'auto'}", fmt, mm, h, probe, rep_ms,
+                                          mma=True, packed=True, glu_maxnreg=other))
             if k_split_row:
                 rows.append(bench_experts(f"{label} mma k-split 1", fmt, mm, h, probe, rep_ms, mma=True,
                                           down_k_split=1))

@@ -51,8 +51,8 @@ from .device_caps import e4m3_native
 from .tiles import _ASM, E2M1_F16X2_PTX, _as_f32, _e2m1_word, _normed_block, _store_out, rstd_block
 from .weights import WeightHandle, mma_bytes
 
-__all__ = ["prepare_xh", "gemv_fp4_mma", "mma_unreadable", "pack_for_mma", "MMA_ROW_BLOCKS", "MMA_WARPS",
-           "MMA_MAXNREG"]
+__all__ = ["prepare_xh", "gemv_fp4_mma", "mma_unreadable", "mma_experts_unreadable", "pack_for_mma",
+           "MMA_ROW_BLOCKS", "MMA_WARPS", "MMA_MAXNREG"]
 
 # Launch shape measured best on the H200 (NOTES.md sessions 12-13): 2 row blocks (32 rows) per warp, 4 warps per
 # program, registers capped at 128 (uncapped, the device's ptxas takes more and the GEMV drops to 73%) -> 16 warps
@@ -490,19 +490,32 @@ def gemv_fp4_mma(x: torch.Tensor, w: WeightHandle, *, bias: torch.Tensor | None 
     return y
 
 
+def mma_experts_unreadable(w: WeightHandle) -> str | None:
+    """Why the tensor-core expert kernels (fp4_mma_experts) cannot read the expert stack w, or None (nvfp4 / mxfp4
+    [E, out, in], in % 32 == 0, each expert's rows 16-byte aligned)."""
+    if not w.num_experts:
+        return "weight handle is not an expert stack"
+    if w.weight.stride(0) % 16 or (w.fmt == "nvfp4" and w.scale.stride(0) % 2):
+        return "expert stride not 16-byte aligned (codes) / 2-byte aligned (nvfp4 scales)"
+    return mma_unreadable(w.expert(0))
+
+
 def pack_for_mma(w: WeightHandle) -> WeightHandle:
-    """w (nvfp4 / mxfp4, checkpoint bytes) as packing "mma": a new code tensor re-laid for this kernel's cheaper
-    decode (one AND for the low plane), same scales. Done once at load for a weight only this kernel reads (the
-    graph backend's lm_head): H200, 65536 x 8192 nvfp4 83.1 -> 86.1% of the probe (NOTES.md session 13)."""
-    why = mma_unreadable(w)
+    """w (nvfp4 / mxfp4, checkpoint bytes; one Linear or an expert stack) as packing "mma": a new code tensor (same
+    strides) re-laid for the tensor-core loop's cheaper decode (one AND for the low plane), same scales. Done once at
+    load for a weight only the tensor-core kernels read (the graph backend's lm_head and its tensor-core routed
+    experts): H200, 65536 x 8192 nvfp4 83.1 -> 86.1% of the probe (NOTES.md session 13)."""
+    why = mma_experts_unreadable(w) if w.num_experts else mma_unreadable(w)
     if why:
         raise ValueError(f"pack_for_mma: {why}")
     if w.packing == "mma":
         return w
-    # In row chunks: mma_bytes' temporaries are a few times their input (an lm_head's codes are 150-300 MB).
-    out = torch.empty(w.weight.shape, dtype=torch.uint8, device=w.weight.device)
-    for r in range(0, w.out_features, _PACK_ROWS):
-        out[r:r + _PACK_ROWS] = mma_bytes(w.weight[r:r + _PACK_ROWS])
+    # In row chunks (per expert): mma_bytes' temporaries are a few times their input (an lm_head's codes are
+    # 150-300 MB, a Mixtral layer's expert stack ~230 MB).
+    out = torch.empty_like(w.weight)
+    for src, dst in (zip(w.weight, out) if w.num_experts else ((w.weight, out),)):
+        for r in range(0, w.out_features, _PACK_ROWS):
+            dst[r:r + _PACK_ROWS] = mma_bytes(src[r:r + _PACK_ROWS])
     return dataclasses.replace(w, weight=out, packing="mma")
 
 

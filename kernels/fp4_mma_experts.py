@@ -24,8 +24,8 @@ import triton
 import triton.language as tl
 
 from .device_caps import e4m3_native
-from .fp4_mma import (MMA_MAXNREG, _global_factor, _lane_warp, _mine, _quad_sum, _rows_dot, mma_unreadable,
-                      xh_input, xh_pos)
+from .fp4_mma import (MMA_MAXNREG, _global_factor, _lane_warp, _mine, _quad_sum, _rows_dot,
+                      mma_experts_unreadable, xh_input, xh_pos)
 from .gemv import counters as _counters
 from .gemv import num_sms
 from .moe import expert_down_split, split_slots
@@ -47,9 +47,10 @@ MMA_GLU_MAXNREG: dict[str, int | None] = {"nvfp4": None, "mxfp4": 128}
 # KIE_MMA_GLU_KS=N sets N for every launch (1: none).
 MMA_GLU_K_SPLIT: int | None = (None if os.environ.get("KIE_MMA_GLU_KS", "auto") in ("", "auto")
                                 else int(os.environ["KIE_MMA_GLU_KS"]))
-# Resident GLU programs per SM at 4 warps (sm_90, 64K registers): nvfp4 uncapped takes 130 registers (136 x 128
-# threads: 3), mxfp4 at its 128 cap 4 (MMA_GLU_MAXNREG).
-_GLU_PROGRAMS_PER_SM = {"nvfp4": 3, "mxfp4": 4}
+# Resident GLU programs per SM at 4 warps (sm_90, 64K registers), by (format, packing "mma"): nvfp4 uncapped takes
+# 130 registers in checkpoint packing (136 x 128 threads: 3) and 128 packed (4); mxfp4 at its 128 cap 4
+# (MMA_GLU_MAXNREG; offline sm_90, triton 3.6, NOTES.md session 39).
+_GLU_PROGRAMS_PER_SM = {("nvfp4", False): 3, ("nvfp4", True): 4, ("mxfp4", False): 4, ("mxfp4", True): 4}
 # auto_glu_k_split cuts K only where one-chunk waves waste at least this share of the launch (ceil(w) / w).
 _GLU_WAVE_WASTE = 1.3
 # Resident programs per SM at the 128-register cap and 4 warps: the down launch splits its slots until the grid fills
@@ -229,16 +230,6 @@ def _mma_down_kernel(h_ptr, ids_ptr, wts_ptr, w_ptr, stride_wn, stride_we, s_ptr
             _store_out(y3, n + 24, lead & (n + 24 < N), y_ptr, y_ptr, res_ptr, False, HAS_RES)
 
 
-def mma_experts_unreadable(w: WeightHandle) -> str | None:
-    """Why these kernels cannot read the expert stack w, or None (nvfp4 / mxfp4 [E, out, in], in % 32 == 0, each
-    expert's rows 16-byte aligned)."""
-    if not w.num_experts:
-        return "weight handle is not an expert stack"
-    if w.weight.stride(0) % 16 or (w.fmt == "nvfp4" and w.scale.stride(0) % 2):
-        return "expert stride not 16-byte aligned (codes) / 2-byte aligned (nvfp4 scales)"
-    return mma_unreadable(w.expert(0))
-
-
 def moe_experts_mma(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gate: WeightHandle,
                     w_up: WeightHandle, w_down: WeightHandle, *, act_id: int, limit: float, alpha: float,
                     gate_bias: tuple, up_bias: tuple, down_bias: tuple, residual: torch.Tensor | None,
@@ -261,7 +252,7 @@ def moe_experts_mma(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w
             or w_gate.fmt != w_down.fmt or w_gate.packing != w_up.packing):
         raise ValueError("moe_experts(mma=True): w_gate and w_up must share format, packing and strides, and "
                          "w_down their format")
-    gks = glu_k_chunks(glu_k_split, I, H, ids.numel(), w_gate.fmt, x.device, num_warps)
+    gks = glu_k_chunks(glu_k_split, I, H, ids.numel(), w_gate.fmt, x.device, num_warps, w_gate.packing == "mma")
     if down_row_blocks is None and num_warps in (1, 2, 4, 8):
         down_row_blocks = auto_down_row_blocks(H, ids.numel(), I, x.device, split, num_warps)
     if down_row_blocks not in (1, 2) or num_warps not in (1, 2, 4, 8):
@@ -308,11 +299,11 @@ def moe_experts_mma(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w
 
 
 def glu_k_chunks(glu_k_split: int | None, I: int, H: int, top_k: int, fmt: str, dev: torch.device,
-                 num_warps: int = MMA_EXPERT_WARPS) -> int:
+                 num_warps: int = MMA_EXPERT_WARPS, packed: bool = False) -> int:
     """The GLU launch's K chunks for moe_experts_mma(glu_k_split=): None takes auto_glu_k_split's rule (at the
     default warps; 1 at others), and any count is clamped to the 256-code steps of K (no empty chunk)."""
     if glu_k_split is None:
-        glu_k_split = auto_glu_k_split(I, H, top_k, fmt, dev) if num_warps == MMA_EXPERT_WARPS else 1
+        glu_k_split = auto_glu_k_split(I, H, top_k, fmt, dev, packed) if num_warps == MMA_EXPERT_WARPS else 1
     if not isinstance(glu_k_split, int) or glu_k_split < 1:
         raise ValueError(f"moe_experts(mma=True): glu_k_split {glu_k_split!r}: expected an int >= 1")
     return min(glu_k_split, _k_steps(H))
@@ -323,7 +314,7 @@ def _k_steps(K: int) -> int:
     return triton.cdiv(K // 8, 32)
 
 
-def auto_glu_k_split(I: int, H: int, top_k: int, fmt: str, dev: torch.device) -> int:
+def auto_glu_k_split(I: int, H: int, top_k: int, fmt: str, dev: torch.device, packed: bool = False) -> int:
     """K chunks of the GLU launch: 1, unless its (row tile, slot) programs overflow the resident slots (programs per
     SM x SMs) into a last wave so empty that ceil(w) / w >= _GLU_WAVE_WASTE (w: waves of programs); then the count
     of 2 or 3 chunks whose waves waste least (chunks add a partial-sum round trip). Measured on an H100 (session 21,
@@ -332,7 +323,7 @@ def auto_glu_k_split(I: int, H: int, top_k: int, fmt: str, dev: torch.device) ->
     wave (DeepSeek-V3 nvfp4 / mxfp4, Mixtral mxfp4) 74.3 / 66.5 / 73.9, 73.8 / 73.4 / 70.0, 73.3 / 71.5 / 71.7 -> 1."""
     if dev.type != "cuda":
         return 1                                               # the interpreter runs programs one by one
-    slots = _GLU_PROGRAMS_PER_SM.get(fmt, 4) * num_sms(dev)
+    slots = _GLU_PROGRAMS_PER_SM.get((fmt, packed), 4) * num_sms(dev)   # packed: weights in packing "mma"
     programs = triton.cdiv(I, 16 * MMA_EXPERT_WARPS) * top_k
     most = _k_steps(H)
 

@@ -79,6 +79,10 @@ ROUTER_FOLD = os.environ.get("KIE_ROUTER_FOLD", "1")
 # host ring (DeviceSampler(host_ring=True)) instead of a device-to-host copy queued between two graph replays.
 # KIE_GRAPH_STEP_TAIL=0 restores the torch launches and the copy for the A/B (NOTES.md session 26).
 STEP_TAIL = os.environ.get("KIE_GRAPH_STEP_TAIL", "1") != "0"
+# Tensor-core fp4 routed experts (moe.use_mma_experts) stored in packing "mma" (fp4_mma.pack_for_mma, once at
+# load), as the quantized lm_head is: the cheaper decode (one AND for the low plane; nvfp4's GLU launch 130 -> 128
+# registers, 3 -> 4 programs per SM). KIE_PACK_EXPERTS=0 keeps the checkpoint bytes (NOTES.md session 39).
+PACK_EXPERTS = os.environ.get("KIE_PACK_EXPERTS", "1") != "0"
 HOST_RING = 64   # tokens the pinned ring holds; the host reads step s - 1 while the device runs step s
 
 
@@ -105,8 +109,10 @@ class HandleStore:
 
     def stacked(self, names: list[str], key: str) -> WeightHandle:
         """Experts [E, out, in]; each expert's canonical name then reads a view of the stack."""
-        hs = [self.handle(n) for n in names]
-        st = WeightHandle.stack(hs)
+        return self.put_stack(names, key, WeightHandle.stack([self.handle(n) for n in names]))
+
+    def put_stack(self, names: list[str], key: str, st: WeightHandle) -> WeightHandle:
+        """st (e.g. the stack re-packed) as `key`, and its experts' views as `names` (the old stack is then freed)."""
         for e, n in enumerate(names):
             self.h[n] = st.expert(e)
         self.h[key] = st
@@ -219,8 +225,12 @@ class GraphBackend:
             if lay.moe is not None:
                 m = lay.moe
                 E = m.num_experts
+                names = {part: [c(f"moe.experts.{e}.{part}") for e in range(E)] for part in ("gate", "up", "down")}
                 for part in ("gate", "up", "down"):
-                    L["e_" + part] = W.stacked([c(f"moe.experts.{e}.{part}") for e in range(E)], c(f"moe.{part}_stack"))
+                    L["e_" + part] = W.stacked(names[part], c(f"moe.{part}_stack"))
+                if PACK_EXPERTS and use_mma_experts(L["e_gate"], L["e_up"], L["e_down"], m.top_k):
+                    for part in ("gate", "up", "down"):   # only the tensor-core experts (and the prefill) read them
+                        L["e_" + part] = W.put_stack(names[part], c(f"moe.{part}_stack"), pack_for_mma(L["e_" + part]))
                 if m.expert_bias:
                     for part in ("gate", "up", "down"):
                         L["eb_" + part] = torch.stack([W.vec(c(f"moe.experts.{e}.{part}_bias")) for e in range(E)])

@@ -968,7 +968,7 @@ def use_mma_experts(w_gate: WeightHandle, w_up: WeightHandle, w_down: WeightHand
     active = top_k * (w_gate.nbytes + w_up.nbytes + w_down.nbytes) // w_gate.num_experts
     if active < least:
         return False
-    from .fp4_mma_experts import mma_experts_unreadable
+    from .fp4_mma import mma_experts_unreadable
     return not any(mma_experts_unreadable(w) for w in (w_gate, w_up, w_down))
 
 

@@ -13,8 +13,9 @@ checkpoint bytes as loaded (no repacking):
 
 ".." is an optional leading expert axis E (stacked experts). Element 2k of a row sits in the LOW nibble of byte k;
 nibble = sign << 3 | index into E2M1_VALUES. The one exception to "as loaded": `packing="mma"`, an nvfp4 / mxfp4
-Linear re-laid once for the tensor-core GEMV's cheaper decode (kernels/fp4_mma.pack_for_mma: byte k holds element
-2k as s 0 0 0 e1 e0 m 0 and element 2k+1's e1 e0 m at bits 6..4, its sign at bit 0); only that kernel reads it.
+Linear or expert stack re-laid once for the tensor-core kernels' cheaper decode (kernels/fp4_mma.pack_for_mma: byte k
+holds element 2k as s 0 0 0 e1 e0 m 0 and element 2k+1's e1 e0 m at bits 6..4, its sign at bit 0); only those
+kernels (the tensor-core GEMV, the tensor-core routed experts) and `dequantize` read it.
 nvfp4: w = e2m1 * scale / global; mxfp4: w = e2m1 * 2^(e - 127);
 fp8-block (and native `weight_scale_inv`): w = e4m3 * scale of its 128x128 block.
 """
@@ -126,8 +127,8 @@ class WeightHandle:
         h0 = handles[0]
         for i, h in enumerate(handles):
             if h.packing != "checkpoint":
-                raise ValueError(f"WeightHandle.stack: expert {i} is in packing {h.packing!r}; stacks hold checkpoint "
-                                 f"bytes (the expert kernels read those)")
+                raise ValueError(f"WeightHandle.stack: expert {i} is in packing {h.packing!r}; stack checkpoint "
+                                 f"bytes, then pack the stack (fp4_mma.pack_for_mma)")
             if (h.fmt, h.out_features, h.in_features) != (h0.fmt, h0.out_features, h0.in_features):
                 raise ValueError(f"WeightHandle.stack: expert {i} is {h.fmt} [{h.out_features}, {h.in_features}], "
                                  f"expert 0 is {h0.fmt} [{h0.out_features}, {h0.in_features}]")
@@ -208,8 +209,9 @@ class WeightHandle:
             _expect(name, "weight_scale", s, None, want_s)
             return
         g = _GROUP[self.fmt]
-        if self.packing not in ("checkpoint", "mma") or (self.packing == "mma" and lead):
-            raise ValueError(f"{name}: packing {self.packing!r}: 'checkpoint', or 'mma' for a plain Linear")
+        if self.packing not in ("checkpoint", "mma") or (self.packing == "mma" and len(lead) > 1):
+            raise ValueError(f"{name}: packing {self.packing!r}: 'checkpoint', or 'mma' for a plain Linear or one "
+                             f"expert stack")
         if in_ % g:
             raise ValueError(f"{name}: in_features {in_} is not a multiple of the group size {g}")
         _expect(name, "weight_packed", w, torch.uint8, (*lead, out, in_ // 2))

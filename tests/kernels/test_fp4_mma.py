@@ -57,8 +57,11 @@ def test_mma_packing_is_a_relabelling(monkeypatch):
         G.gemv(x, p, out=torch.empty(40, device=DEV))                      # below MMA_MIN_ROWS: the tile path
     with pytest.raises(ValueError, match="packing 'mma' applies to nvfp4 / mxfp4 only"):
         WeightHandle("bf16", torch.zeros(4, 32, dtype=torch.bfloat16), None, None, 4, 32, "mma")
-    with pytest.raises(ValueError, match="expert stack"):
-        pack_for_mma(random_weight("nvfp4", 8, 64, seed=1, device=DEV, experts=2))
+    st = pack_for_mma(random_weight("mxfp4", 9, 64, seed=1, device=DEV, experts=3))       # an expert stack too
+    assert st.packing == "mma" and st.expert(2).packing == "mma"
+    assert torch.equal(dequantize(st), dequantize(random_weight("mxfp4", 9, 64, seed=1, device=DEV, experts=3)))
+    with pytest.raises(ValueError, match="pack_for_mma: in_features 48 is not a multiple of 32"):
+        pack_for_mma(random_weight("nvfp4", 8, 48, seed=1, device=DEV, experts=2))
     with pytest.raises(ValueError, match="stack: expert 1 is in packing 'mma'"):
         WeightHandle.stack([w, pack_for_mma(w)])
 

@@ -151,6 +151,8 @@ def test_glu_k_chunks_where_one_chunk_leaves_a_mostly_empty_last_wave(monkeypatc
     assert ks(4096, 4096, 9, "mxfp4") == 3                      # 576 on 528: 2 chunks 1.38 of waste, 3 chunks 1.22
     assert ks(4224, 4096, 9, "nvfp4") == 2                      # 594 on 396 (1.5 waves): 2 chunks fill 3 waves
     assert ks(14336, 256, 2, "nvfp4") == 1                      # K = 256: one 256-code step, nothing to cut
+    # packed nvfp4 (packing "mma": 128 registers, 4 programs per SM): Mixtral's 448 programs fit one wave of 528
+    assert FE.auto_glu_k_split(14336, 4096, 2, "nvfp4", torch.device("cuda"), packed=True) == 1
 
 
 def test_down_row_blocks_two_where_programs_would_loop_over_slots(monkeypatch):
@@ -190,6 +192,26 @@ def test_moe_experts_takes_the_tensor_cores_by_active_bytes(monkeypatch):
     assert_close(y2, moe_experts_ref(x, ids, wts, wg, wu, wd, out_dtype=torch.float32), what="tiles")
 
 
+@pytest.mark.parametrize("fmt", FP4)
+def test_mma_experts_read_packed_stacks(fmt):
+    """Stacks in packing "mma" (pack_for_mma, the graph backend's KIE_PACK_EXPERTS): the same e2m1 values decoded
+    another way, so both launches give the checkpoint stacks' output bit for bit (odd shapes, K chunks, repeated
+    ids); the CUDA-core path refuses packed stacks by name."""
+    from kie_moe.kernels.fp4_mma import pack_for_mma
+    E, I, H = 5, 96, 160
+    wg, wu, wd = _stack(fmt, E, I, H, seed=60)
+    x, nw = _t(H, seed=61), _t(H, seed=62)
+    ids = torch.tensor([E - 1, 0, 0], dtype=torch.int32, device=DEV)
+    wts = torch.tensor([0.5, 0.3, 0.2], device=DEV)
+    kw = dict(mma=True, norm_weight=nw, residual=x, glu_k_split=2)
+    want = moe_experts(x, ids, wts, wg, wu, wd, out=torch.empty(H, device=DEV), **kw)
+    packed = [pack_for_mma(w) for w in (wg, wu, wd)]
+    got = moe_experts(x, ids, wts, *packed, out=torch.empty(H, device=DEV), **kw)
+    assert torch.equal(got, want), f"{fmt}: packed stacks differ by {(got - want).abs().max().item()}"
+    with pytest.raises(ValueError, match="packed for the tensor-core GEMV"):
+        moe_experts(x, ids, wts, *packed, mma=False, norm_weight=nw)
+
+
 def test_mma_experts_refuses_what_it_cannot_read():
     E, I, H = 4, 64, 96
     x = _t(H, seed=70)
@@ -221,3 +243,7 @@ def test_mma_experts_real_sizes_gpu(fmt, E, k, I, H):
     # h element lands one fp16 ulp (2^-10 relative) away, moving y by |w_down * ulp(h) * weight|: measured up to
     # 2.8e-5 of max|y| (H100, gpt-oss-120b mxfp4, session 18); a wrong scale, expert or row moves it by > 1e-3.
     assert_close(y, want, rel=1e-4, what=f"{fmt} E{E} top-{k} {I}x{H}")
+    from kie_moe.kernels.fp4_mma import pack_for_mma      # packing "mma": the same values, decoded another way
+    yp = moe_experts(x, ids, wts, *(pack_for_mma(w) for w in (wg, wu, wd)), mma=True, norm_weight=nw, residual=x,
+                     out=torch.empty(H, device="cuda"))
+    assert torch.equal(yp, y), f"{fmt} E{E} top-{k} {I}x{H}: packed stacks differ by {(yp - y).abs().max().item()}"

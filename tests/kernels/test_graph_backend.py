@@ -4,8 +4,10 @@ import pytest
 import torch
 
 from kie_moe.kernels.graph import GraphBackend
+from kie_moe.kernels.weights import dequantize
 from kie_moe.models.reference import ReferenceDecoder
 from kie_moe.models.registry import load_model
+from kie_moe.models.spec import canonical
 from kie_moe.sampling import SamplingParams
 from tests.models.hf_tiny import make_checkpoint
 
@@ -264,7 +266,9 @@ def test_routed_experts_on_the_tensor_cores_in_the_decode_step(device, tmp_path,
 def test_router_hands_the_tensor_core_experts_their_xh(device, tmp_path, monkeypatch):
     """KIE_ROUTER_XH: with the experts on the tensor cores and no fp4 shared expert (qwen3-moe), the router launch
     writes their fp16 xh (route(xh_out=)) and no prepare_xh runs in the step; the reference decoder's greedy tokens
-    and last logits within the tensor-core path's fp16 rounding, as without it."""
+    and last logits within the tensor-core path's fp16 rounding, as without it. KIE_PACK_EXPERTS: those experts are
+    held in packing "mma" (stacks and each expert's view; the prefill dequantizes them), the same weights as the
+    checkpoint bytes a backend without it holds."""
     import kie_moe.kernels.fp4_mma as FM
     import kie_moe.kernels.graph as G
     import kie_moe.kernels.moe as M
@@ -278,12 +282,24 @@ def test_router_hands_the_tensor_core_experts_their_xh(device, tmp_path, monkeyp
     m = LoadedModel(m0.path, m0.config, m0.spec, QuantizingStore(m0.weights, "nvfp4"))
     monkeypatch.setattr(M, "MMA_EXPERT_MIN_BYTES", {"nvfp4": 0})
     monkeypatch.setattr(G, "ROUTER_XH", True)
+    monkeypatch.setattr(G, "PACK_EXPERTS", False)
+    plain = GraphBackend(m, torch.device(device), dtype=torch.float32)
+    monkeypatch.setattr(G, "PACK_EXPERTS", True)
     made = []
     real = FM.prepare_xh
     monkeypatch.setattr(FM, "prepare_xh", lambda *a, **k: made.append(1) or real(*a, **k))
     prompt = list(range(7, 15))
     be = GraphBackend(m, torch.device(device), dtype=torch.float32)
     assert be.xh is not None
+    moe = [i for i, lay in enumerate(m.spec.layers) if lay.moe is not None]
+    for i in moe:
+        for part in ("gate", "up", "down"):
+            st, old = be.layers[i]["e_" + part], plain.layers[i]["e_" + part]
+            assert (st.packing, old.packing) == ("mma", "checkpoint")
+            assert st is be.W.h[canonical(i, f"moe.{part}_stack")]
+            assert be.W.h[canonical(i, f"moe.experts.1.{part}")].packing == "mma"
+            assert torch.equal(dequantize(st), dequantize(old)) and not torch.equal(st.weight, old.weight)
+    del plain
     got = list(be.generate(prompt, SamplingParams(max_new_tokens=3, ignore_eos=True), set()))
     assert made == []
     want, want_logits = ref_greedy(m, prompt, 3)

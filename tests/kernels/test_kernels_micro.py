@@ -84,12 +84,13 @@ def test_sections_run_on_tiny_shapes(name, monkeypatch):
     if name != "big-experts":
         return
     ex = km.big_experts_section(["fp8_block", "nvfp4"], 0.05, 1000.0, 1, H=128, I=256, model_shapes=False)
-    assert [r["fmt"] for r in ex] == ["fp8_block"] * 4 + ["nvfp4"] * 5 and all(r["fn"] == "moe_experts" for r in ex)
+    assert [r["fmt"] for r in ex] == ["fp8_block"] * 4 + ["nvfp4"] * 6 and all(r["fn"] == "moe_experts" for r in ex)
     # fp8-block: gate / up in one K loop, that on the router's normed x, its former tiles
     assert [r["op"].split("] ")[-1] for r in ex[1:4]] == ["glu pair", "glu pair xn", "glu tiles"]
-    assert [r["op"].split()[-1] for r in ex[4:6]] == ["cuda-core", "mma"]   # fp4: both paths, then the down
-    assert ex[6]["op"].split()[-1] in ("down-rb1", "down-rb2")                  # launch's other row-block choice
-    assert [r["op"].split()[-1] for r in ex[7:]] == ["glu-ks2", "glu-ks3"]      # the GLU in K chunks
+    # fp4: both paths, the tensor cores on packed stacks, then the down launch's other row-block choice
+    assert [r["op"].split("] ")[-1] for r in ex[4:7]] == ["cuda-core", "mma", "mma packed"]
+    assert ex[7]["op"].split()[-1] in ("down-rb1", "down-rb2")
+    assert [r["op"].split()[-1] for r in ex[8:]] == ["glu-ks2", "glu-ks3"]      # the GLU in K chunks
     tk = km.experts_topk_section(["fp8", "nvfp4"], [1, 3], 1000.0, 1, H=128, I=256)
     assert [(r["fmt"], r["shape"][1], r["glu_programs"]) for r in tk] == [
         ("fp8", 1, 256 // 8), ("fp8", 3, 3 * 256 // 8), ("nvfp4", 1, 256 // 64), ("nvfp4", 3, 3 * 256 // 64)]
