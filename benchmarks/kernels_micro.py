@@ -551,10 +551,13 @@ def big_experts_section(formats, mb: float, probe: float, rep_ms: int, H: int = 
                                           mma=mma))
             # the stacks in packing "mma" (the graph backend's KIE_PACK_EXPERTS, session 39)
             rows.append(bench_experts(f"{label} mma packed", fmt, mm, h, probe, rep_ms, mma=True, packed=True))
-            if label == name and DEV == "cuda":   # packed, the GLU launch's register cap the other way round
-                other = None if MMA_GLU_MAXNREG[fmt] else 128
-                rows.append(bench_experts(f"{label} mma packed glu-r{other or 'auto'}", fmt, mm, h, probe, rep_ms,
-                                          mma=True, packed=True, glu_maxnreg=other))
+            if (label == name or k_split_row) and DEV == "cuda":   # packed: the GLU's K chunks other than
+                auto = glu_k_chunks(None, mm["inter"], h, mm["top_k"], fmt, torch.device(DEV), packed=True)
+                for ks in (1, 2, 3):   # auto_glu_k_split's (it counts 4 programs per SM for packed nvfp4, 3
+                    # for checkpoint bytes)
+                    if ks != auto:
+                        rows.append(bench_experts(f"{label} mma packed glu-ks{ks}", fmt, mm, h, probe, rep_ms,
+                                                  mma=True, packed=True, glu_k_split=ks))
             if k_split_row:
                 rows.append(bench_experts(f"{label} mma k-split 1", fmt, mm, h, probe, rep_ms, mma=True,
                                           down_k_split=1))
