@@ -145,7 +145,7 @@ def main(argv=None):
     ap.add_argument("--formats", default="bf16,fp8", help="weight formats of every Linear (router, LM head and "
                     "embeddings stay bf16): bf16, fp16 (every float tensor in fp16: the Laneformer preview's "
                     "dtype), fp8, fp8-block, nvfp4, mxfp4 (default bf16,fp8)")
-    ap.add_argument("--sweep", action="store_true", help="tile-shape grid on the first preset")
+    ap.add_argument("--sweep", action="store_true", help="tile-shape grid on the first preset in the first format")
     ap.add_argument("--no-breakdown", action="store_true", help="skip the sync-only / no-wait kernel variants")
     ap.add_argument("--programs-per-sm", type=int, default=None,
                     help="persistent programs per SM (default: plan.gpu_programs_per_sm)")
@@ -186,7 +186,7 @@ def main(argv=None):
     if a.sweep:
         base = {k: v for k, v in kw.items() if k not in ("programs_per_sm", "num_warps", "num_stages", "block_k",
                                                           "tile_elems", "max_task_kb", "block_t")}
-        res["sweep"] = [bench_one(archs[0], probe, **point, **base) for point in SWEEP]
+        res["sweep"] = [bench_one(archs[0], probe, fmt=fmts[0], **point, **base) for point in SWEEP]
     if a.out:
         with open(a.out, "w") as f:
             json.dump(res, f, indent=1, default=lambda o: o.item() if hasattr(o, "item") else str(o))
