@@ -514,6 +514,11 @@ def gpu_programs_per_sm(d: Dims) -> int:
 
 
 GPU_TILE_ELEMS = {1: 16384, 2: 8192, 3: 4096, 4: 4096}     # programs per SM -> elements per weight tile
+# ... except a plan with nvfp4 Linears at one program per SM: twice the rows per tile (every op; fp4 ops still get
+# half of it, cap() in build_plan). H100, session 39 (monokernel_bench --sweep, qwen3-30b-a3b nvfp4, same tokens):
+# 168.2 -> 198.6 tok/s (+18%) where its tasks stream on the CUDA cores at 14% of the probe without a wait (the
+# decode's issue rate: more rows per loaded x and scale step); mxfp4 not measured yet, so it keeps 16384.
+GPU_TILE_ELEMS_NVFP4 = 32768
 GPU_BLOCK_T = 32                                         # attention positions per step, at most
 
 
@@ -616,6 +621,8 @@ def build_plan(spec: ModelSpec, weights=None, device: str | torch.device = "cpu"
         # gate/up ops two matrices, so they get half. 16384 fits sm_90's 255 registers without spills (offline
         # ptxas); larger tiles put more bytes in flight but spill (benchmarks/monokernel_bench.py --sweep).
         tile_elems = GPU_TILE_ELEMS.get(programs_per_sm, 4096) if gpu else 64 * block_k
+        if gpu and programs_per_sm == 1 and 3 in (d.FMT_ATTN, d.FMT_MLP, d.FMT_EXP):   # FMT 3: nvfp4 (qtile.py)
+            tile_elems = GPU_TILE_ELEMS_NVFP4
     if max_task_bytes is None:
         # H200, 2026-12-03 (benchmarks/NOTES.md): 128 KB tasks beat 512 KB on llama-3.2-1b bf16 (+8.6%) and
         # qwen3-30b-a3b fp8 (+12%), but cost qwen3 nvfp4 2.5% (fp4 tiles are ALU-bound: more tasks, more per-task

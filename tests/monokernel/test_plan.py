@@ -73,6 +73,21 @@ def test_gpu_launch_shape_fits_an_sm(arch, want):
     assert be.grid == plan.n_sms
 
 
+def test_nvfp4_plans_take_twice_the_tile_rows():
+    """A GPU plan (meta device) with nvfp4 Linears at one program per SM sizes its tiles from GPU_TILE_ELEMS_NVFP4
+    (session 39's sweep: +18% on qwen3-30b-a3b nvfp4): every op's rows per tile double against the mxfp4 / fp8
+    plans' (fp4 ops still at half a float op's elements); an explicit tile_elems and 2 programs per SM keep theirs."""
+    spec = P.preset_spec("qwen3-30b-a3b", 2)
+    plan = lambda fmt, **kw: P.build_plan(spec, None, "meta", n_sms=132,  # noqa: E731
+                                          formats={"attn": fmt, "exp": fmt}, **kw)
+    nv, mx = plan("nvfp4"), plan("mxfp4")
+    for op in ("qkv", "o", "exp_up", "exp_down", "lm"):
+        assert nv.tiles.bn[op] == 2 * mx.tiles.bn[op], op
+    assert nv.tiles.bn["lm"] == 2 * plan("fp8").tiles.bn["lm"]
+    assert plan("nvfp4", tile_elems=P.GPU_TILE_ELEMS[1]).tiles.bn == mx.tiles.bn
+    assert plan("nvfp4", programs_per_sm=2).tiles.bn == plan("mxfp4", programs_per_sm=2).tiles.bn
+
+
 def test_launch_maxnreg():
     assert P.launch_maxnreg(1, 8) is None and P.launch_maxnreg(2, 4) is None   # ptxas' 255 fits
     assert P.launch_maxnreg(4, 4) == 128 and P.launch_maxnreg(2, 8) == 128 and P.launch_maxnreg(3, 4) == 168
