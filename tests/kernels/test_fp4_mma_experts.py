@@ -195,10 +195,11 @@ def test_moe_experts_takes_the_tensor_cores_by_active_bytes(monkeypatch):
 @pytest.mark.parametrize("fmt", FP4)
 def test_mma_experts_read_packed_stacks(fmt):
     """Stacks in packing "mma" (pack_for_mma, the graph backend's KIE_PACK_EXPERTS): the same e2m1 values decoded
-    another way, so both launches give the checkpoint stacks' output bit for bit (odd shapes, K chunks, repeated
-    ids); the CUDA-core path refuses packed stacks by name."""
+    another way, so both launches give the checkpoint stacks' output bit for bit (odd shapes: H = 288 is two
+    256-code steps, the last ragged, cut into 2 GLU K chunks; I = 96; repeated ids); the CUDA-core path refuses
+    packed stacks by name."""
     from kie_moe.kernels.fp4_mma import pack_for_mma
-    E, I, H = 5, 96, 160
+    E, I, H = 5, 96, 288
     wg, wu, wd = _stack(fmt, E, I, H, seed=60)
     x, nw = _t(H, seed=61), _t(H, seed=62)
     ids = torch.tensor([E - 1, 0, 0], dtype=torch.int32, device=DEV)
