@@ -517,7 +517,8 @@ GPU_TILE_ELEMS = {1: 16384, 2: 8192, 3: 4096, 4: 4096}     # programs per SM -> 
 # ... except a plan with nvfp4 Linears at one program per SM: twice the rows per tile (every op; fp4 ops still get
 # half of it, cap() in build_plan). H100, session 39 (monokernel_bench --sweep, qwen3-30b-a3b nvfp4, same tokens):
 # 168.2 -> 198.6 tok/s (+18%) where its tasks stream on the CUDA cores at 14% of the probe without a wait (the
-# decode's issue rate: more rows per loaded x and scale step); mxfp4 not measured yet, so it keeps 16384.
+# decode's issue rate: more rows per loaded x and scale step), though ptxas spills 136 B of stack there (offline
+# sm_90, 255 registers; 16384: none); mxfp4 not measured yet, so it keeps 16384.
 GPU_TILE_ELEMS_NVFP4 = 32768
 GPU_BLOCK_T = 32                                         # attention positions per step, at most
 
