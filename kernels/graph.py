@@ -228,7 +228,9 @@ class GraphBackend:
                 names = {part: [c(f"moe.experts.{e}.{part}") for e in range(E)] for part in ("gate", "up", "down")}
                 for part in ("gate", "up", "down"):
                     L["e_" + part] = W.stacked(names[part], c(f"moe.{part}_stack"))
-                if PACK_EXPERTS and use_mma_experts(L["e_gate"], L["e_up"], L["e_down"], m.top_k):
+                # the experts' path, decided once (moe.use_mma_experts; packing "mma" keeps their bytes and layout)
+                L["mma_experts"] = use_mma_experts(L["e_gate"], L["e_up"], L["e_down"], m.top_k)
+                if PACK_EXPERTS and L["mma_experts"]:
                     for part in ("gate", "up", "down"):   # only the tensor-core experts (and the prefill) read them
                         L["e_" + part] = W.put_stack(names[part], c(f"moe.{part}_stack"), pack_for_mma(L["e_" + part]))
                 if m.expert_bias:
@@ -380,7 +382,7 @@ class GraphBackend:
         if "router_fold" in L:     # o_proj's launch wrote the partial logits of this x (gemv_route)
             r, defer = self.pending, True
         else:
-            defer = SELECT_IN_EXPERTS and not use_mma_experts(L["e_gate"], L["e_up"], L["e_down"], L["rcfg"].top_k)
+            defer = SELECT_IN_EXPERTS and not L["mma_experts"]
             r = route(x, L["router"], L["rcfg"], router_bias=L["router_bias"], correction_bias=L["score_bias"],
                       norm_weight=L["mlp_norm"], eps=eps, out=L["routing"], x8_out=x8, xn_out=xn, xh_out=xh,
                       defer=defer)
@@ -389,8 +391,7 @@ class GraphBackend:
         moe_experts(x if xn is None else xn, r.ids, r.weights, L["e_gate"], L["e_up"], L["e_down"], act=act,
                     limit=m.swiglu_limit, alpha=m.glu_alpha, gate_bias=L.get("eb_gate"), up_bias=L.get("eb_up"),
                     down_bias=L.get("eb_down"), residual=x, norm_weight=L["mlp_norm"] if xn is None else None,
-                    eps=eps, out=self.x2, x8=x8, select=r if defer else None,
-                    **({"mma": True, "xh": xh} if xh is not None else {}))
+                    eps=eps, out=self.x2, x8=x8, select=r if defer else None, mma=L["mma_experts"], xh=xh)
         if m.shared_intermediate_size:
             h8 = self._x8_out(L["s_down"])
             s_xn = xn is not None and not is_fp4(L["s_gate"].fmt)
@@ -411,11 +412,10 @@ class GraphBackend:
         router launch."""
         if not (ROUTER_FOLD != "0" and SELECT_IN_EXPERTS and not ROUTER_XN and lay.moe is not None and "o" in L):
             return False
-        experts = (L["e_gate"], L["e_up"], L["e_down"])
         fp4_shared = "s_gate" in L and is_fp4(L["s_gate"].fmt)
         if is_fp4(L["e_gate"].fmt) and not (SHARE_X8 and D % 8 == 0 and not fp4_shared):
             return False
-        return not is_fp4(L["o"].fmt) and L["mlp_norm"] is not None and not use_mma_experts(*experts, lay.moe.top_k)
+        return not is_fp4(L["o"].fmt) and L["mlp_norm"] is not None and not L["mma_experts"]
 
     @staticmethod
     def _router_xh(L: dict, lay) -> bool:
@@ -425,7 +425,7 @@ class GraphBackend:
             return False
         if "s_gate" in L and is_fp4(L["s_gate"].fmt):
             return False
-        return use_mma_experts(L["e_gate"], L["e_up"], L["e_down"], lay.moe.top_k)
+        return L["mma_experts"]
 
     @staticmethod
     def _x8_out(w: WeightHandle) -> bool:
