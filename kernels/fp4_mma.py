@@ -313,22 +313,35 @@ def _step_load(wq, sq, ra, rb, swn, stride_sn, st, q, KW, KG, MX: tl.constexpr):
 
 
 @triton.jit
-def _rows_dot(xq, wq0, sq0, ra0, rb0, wq1, sq1, ra1, rb1, swn, stride_sn, q, KW, KG, mine, st_lo, st_hi,
-              RB: tl.constexpr, MX: tl.constexpr, RP: tl.constexpr, E4B: tl.constexpr):
+def fp4_rows_first(wq0, sq0, ra0, rb0, wq1, sq1, ra1, rb1, swn, stride_sn, q, KW, KG, st_lo, RB: tl.constexpr,
+                   MX: tl.constexpr):
+    """fp4_rows_dot's first step of loads (its `first` argument), codes and scales: weights never depend on
+    activations, so a caller that must wait for its input (the monokernel's tasks, monokernel/mma8.py) issues these
+    before the wait. st_lo may be a per-lane tensor (fp4_rows_dot's st_base + st_lo)."""
+    P0 = _step_load(wq0, sq0, ra0, rb0, swn, stride_sn, st_lo, q, KW, KG, MX)
+    P1 = P0
+    if RB == 2:
+        P1 = _step_load(wq1, sq1, ra1, rb1, swn, stride_sn, st_lo, q, KW, KG, MX)
+    return P0, P1
+
+
+@triton.jit
+def fp4_rows_dot(xq, wq0, sq0, ra0, rb0, wq1, sq1, ra1, rb1, swn, stride_sn, q, KW, KG, mine, st_lo, st_hi,
+                 RB: tl.constexpr, MX: tl.constexpr, RP: tl.constexpr, E4B: tl.constexpr, first, st_base=0):
     """One warp's rows against xh (u32 view xq) over 256-code steps [st_lo, st_hi) of K (all of K: 0,
-    cdiv(KW, 32); an empty range gives zeros), the next step's loads issued
-    before the current step's mma: block 0 = rows ra0 / rb0 of wq0 (scales sq0), block 1 (RB == 2) = rows ra1 /
-    rb1 of wq1 / sq1 (the GEMV: the next 16 rows; the expert GLU: the up rows beside the gate rows). Returns each
-    lane's unscaled partial sums (block 0 rows a, b; block 1 rows a, b), not yet summed over the quad. (An L2
-    prefetch of the rows 2-4 steps ahead was measured 3-20 points slower: NOTES.md session 19.)"""
+    cdiv(KW, 32); an empty range gives zeros), the next step's loads issued before the current step's mma:
+    block 0 = rows ra0 / rb0 of wq0 (scales sq0), block 1 (RB == 2) = rows ra1 / rb1 of wq1 / sq1 (the GEMV: the
+    next 16 rows; the expert GLU: the up rows beside the gate rows); first = fp4_rows_first(...) of the same rows
+    and st_base + st_lo. st_base (a per-lane tensor allowed: each warp its own K range, the loop bounds staying
+    scalar) offsets every step; steps past K load clamped words against x masked to zero. Returns each lane's
+    unscaled partial sums (block 0 rows a, b; block 1 rows a, b), not yet summed over the quad. (An L2 prefetch of
+    the rows 2-4 steps ahead was measured 3-20 points slower: NOTES.md session 19.)"""
     zero = tl.zeros(q.shape, tl.float32)
     # Accumulators: a / c rows r, r + 8 of blocks 0 / 1 from piece 0, e / f the same from piece 1.
     a0, a1, c0, c1, e0, e1, f0, f1 = zero, zero, zero, zero, zero, zero, zero, zero
-    P0 = _step_load(wq0, sq0, ra0, rb0, swn, stride_sn, st_lo, q, KW, KG, MX)
-    if RB == 2:
-        P1 = _step_load(wq1, sq1, ra1, rb1, swn, stride_sn, st_lo, q, KW, KG, MX)
+    P0, P1 = first
     for st in range(st_lo, st_hi):
-        sn = tl.minimum(st + 1, st_hi - 1)
+        sn = st_base + tl.minimum(st + 1, st_hi - 1)
         C0 = P0
         P0 = _step_load(wq0, sq0, ra0, rb0, swn, stride_sn, sn, q, KW, KG, MX)
         if RB == 2:
@@ -336,12 +349,21 @@ def _rows_dot(xq, wq0, sq0, ra0, rb0, wq1, sq1, ra1, rb1, swn, stride_sn, q, KW,
             P1 = _step_load(wq1, sq1, ra1, rb1, swn, stride_sn, sn, q, KW, KG, MX)
         else:
             C1 = C0
-        x_off = 32 * st + 4 * q
+        x_off = 32 * (st_base + st) + 4 * q
         a0, a1, c0, c1 = _piece_step(a0, a1, c0, c1, C0[0], C1[0], xq, x_off, (x_off < KW) & mine, RB, MX, RP,
                                      E4B)
         e0, e1, f0, f1 = _piece_step(e0, e1, f0, f1, C0[1], C1[1], xq, x_off + 16, (x_off + 16 < KW) & mine, RB,
                                      MX, RP, E4B)
     return a0 + e0, a1 + e1, c0 + f0, c1 + f1
+
+
+@triton.jit
+def _rows_dot(xq, wq0, sq0, ra0, rb0, wq1, sq1, ra1, rb1, swn, stride_sn, q, KW, KG, mine, st_lo, st_hi,
+              RB: tl.constexpr, MX: tl.constexpr, RP: tl.constexpr, E4B: tl.constexpr):
+    """fp4_rows_dot with its first loads issued here (the GEMV's and the expert kernels' loop)."""
+    first = fp4_rows_first(wq0, sq0, ra0, rb0, wq1, sq1, ra1, rb1, swn, stride_sn, q, KW, KG, st_lo, RB, MX)
+    return fp4_rows_dot(xq, wq0, sq0, ra0, rb0, wq1, sq1, ra1, rb1, swn, stride_sn, q, KW, KG, mine, st_lo, st_hi,
+                        RB, MX, RP, E4B, first)
 
 
 @triton.jit

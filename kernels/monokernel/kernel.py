@@ -172,9 +172,9 @@ def _wu(FMT: tl.constexpr, off):
 
 @triton.jit
 def _wq(FMT: tl.constexpr, wa_ptr, qw32_ptr, off):
-    """u32 view of a Linear's weights for the tensor-core tasks (mma8.py): e4m3 bytes (fp8; `off` in bytes) or the
-    arena's bf16 / fp16 elements (`off` in elements, even)."""
-    if FMT == 1:
+    """u32 view of a Linear's weights for the tensor-core tasks (mma8.py): e4m3 bytes or packed e2m1 (fp8, nvfp4,
+    mxfp4; `off` in bytes) or the arena's bf16 / fp16 elements (`off` in elements, even)."""
+    if FMT >= 1:
         p = qw32_ptr + off // 4
     else:
         p = wa_ptr.to(tl.pointer_type(tl.uint32)) + off // 2
@@ -290,7 +290,8 @@ def monokernel(
     do_sample, inv_temp, seed, timeout_ns, embed_off, lm_off, fnorm_off,
     eps, sm_scale, clip, route_scale, glu_limit, glu_alpha,
     # tensor-core tasks (mma8.py; MMA8: fp8 ones, KIE_MONO_FP8_MMA=1; MMA16 1 / 2: those on a bf16 / fp16 arena,
-    # KIE_MONO_W16_MMA=1; MMA_DN: the experts' down task too): fp32 scratch, MSCR words per program
+    # KIE_MONO_W16_MMA=1; MMA4: nvfp4 / mxfp4 ones, KIE_MONO_FP4_MMA, their e4m3 scales decoded from the bits
+    # when E4B; MMA_DN: the experts' down task too): fp32 scratch, MSCR words per program
     mscr_ptr,
     # ROUTE_ONCE (KIE_ROUTE_ONCE=1): int32 [L] tickets of the router tasks (zeroed per launch; the N_ROUTER-th of a
     # layer's step picks the top-k)
@@ -323,7 +324,7 @@ def monokernel(
     TP: tl.constexpr = 0, E_LO: tl.constexpr = 0, E_LOC: tl.constexpr = 0,
     SFILTER: tl.constexpr = False, K_CAND: tl.constexpr = 1, SBLOCK_V: tl.constexpr = 1, SBLOCK_T: tl.constexpr = 1,
     SBLOCK_C: tl.constexpr = 1, MMA8: tl.constexpr = False, MMA16: tl.constexpr = 0, MMA_DN: tl.constexpr = False,
-    MSCR: tl.constexpr = 4,
+    MSCR: tl.constexpr = 4, MMA4: tl.constexpr = False, E4B: tl.constexpr = False,
     # attention's tl.dot precision (ops.attention_task PREC; KIE_ATTN_DOT)
     ATTN_PREC: tl.constexpr = "ieee",
 ):
@@ -346,6 +347,9 @@ def monokernel(
     RU_D_MLP: tl.constexpr = D // 8 if FMT_MLP >= 3 else D
     RU_D_EXP: tl.constexpr = D // 8 if FMT_EXP >= 3 else D
     RU_I_EXP: tl.constexpr = I_MOE // 8 if FMT_EXP >= 3 else I_MOE
+    # ... and in the units of the tables' offsets (elements of the float arena, bytes of the quantized codes)
+    RB_D_MLP: tl.constexpr = D // 2 if FMT_MLP >= 3 else D
+    RB_D_EXP: tl.constexpr = D // 2 if FMT_EXP >= 3 else D
     EXP_AL: tl.constexpr = (I_MOE * RU_D_EXP) % 16 == 0   # an expert's stride keeps 16-byte alignment
     SC_D_MLP: tl.constexpr = (D + 127) // 128 if FMT_MLP == 2 else (D // 16 if FMT_MLP == 3 else D // 32)
     SC_D_EXP: tl.constexpr = (D + 127) // 128 if FMT_EXP == 2 else (D // 16 if FMT_EXP == 3 else D // 32)
@@ -355,13 +359,18 @@ def monokernel(
     HIST_OFF: tl.constexpr = (LANES + 1) * D
     LM_NORM: tl.constexpr = 1 if LANES == 0 else PRE_AGG   # else lane_agg leaves xf normalised
     NSTR: tl.constexpr = D * LANE_NORM                      # a lane's row of a [LANES, D] norm scale
-    # which ops run on the tensor cores (mma8.py), and their weights' W16 (0 e4m3 with row factors, 1 bf16, 2 fp16)
-    MM_ATTN: tl.constexpr = (MMA8 and FMT_ATTN == 1) or (MMA16 > 0 and FMT_ATTN == 0)
-    MM_MLP: tl.constexpr = (MMA8 and FMT_MLP == 1) or (MMA16 > 0 and FMT_MLP == 0)
-    MM_EXP: tl.constexpr = (MMA8 and FMT_EXP == 1) or (MMA16 > 0 and FMT_EXP == 0)
-    W_ATTN: tl.constexpr = MMA16 if FMT_ATTN == 0 else 0
-    W_MLP: tl.constexpr = MMA16 if FMT_MLP == 0 else 0
-    W_EXP: tl.constexpr = MMA16 if FMT_EXP == 0 else 0
+    # which ops run on the tensor cores (mma8.py), their weights' kind WK (0 e4m3, 1 bf16, 2 fp16, 3 nvfp4, 4
+    # mxfp4) and whether they have row factors (fp8's row scales, nvfp4's 2^14 / global scale)
+    MM_ATTN: tl.constexpr = ((MMA8 and FMT_ATTN == 1) or (MMA16 > 0 and FMT_ATTN == 0)
+                             or (MMA4 and FMT_ATTN >= 3))
+    MM_MLP: tl.constexpr = (MMA8 and FMT_MLP == 1) or (MMA16 > 0 and FMT_MLP == 0) or (MMA4 and FMT_MLP >= 3)
+    MM_EXP: tl.constexpr = (MMA8 and FMT_EXP == 1) or (MMA16 > 0 and FMT_EXP == 0) or (MMA4 and FMT_EXP >= 3)
+    W_ATTN: tl.constexpr = MMA16 if FMT_ATTN == 0 else (FMT_ATTN if FMT_ATTN >= 3 else 0)
+    W_MLP: tl.constexpr = MMA16 if FMT_MLP == 0 else (FMT_MLP if FMT_MLP >= 3 else 0)
+    W_EXP: tl.constexpr = MMA16 if FMT_EXP == 0 else (FMT_EXP if FMT_EXP >= 3 else 0)
+    F_ATTN: tl.constexpr = FMT_ATTN == 1 or FMT_ATTN == 3
+    F_MLP: tl.constexpr = FMT_MLP == 1 or FMT_MLP == 3
+    F_EXP: tl.constexpr = FMT_EXP == 1 or FMT_EXP == 3
     offs_f = tl.arange(0, 16)
     t, rowv = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
     while t < n_total:
@@ -409,7 +418,7 @@ def monokernel(
             prefetch_rows(w, r0, nr, D, FMT_ATTN, USE_ASM)   # the whole task into L2 before the wait
             if MM_ATTN:   # on the tensor cores (mma8.py): the first step's loads before the wait
                 wq = tl.multiple_of(_wq(FMT_ATTN, wa_ptr, qw32_ptr, woff), 32)
-                first = mma8_first(wq, D, r0, r_end, NT // 32, W_ATTN)
+                first = mma8_first(wq, D, r0, r_end, NT // 32, W_ATTN, qs8u_ptr + tl.load(lrow + P.LF_QKV_S))
             else:
                 w0, s0 = tile(w, sq, D, r0, r_end, 0, 1, FMT_ATTN, BN_QKV, BLOCK_K)
             t_next, row_next, st = _claim_wait(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, wctr, target,
@@ -419,8 +428,8 @@ def monokernel(
                     mma8_task(first, wq, qf32_ptr + tl.load(lrow + P.LF_QKV_F), D, r0, r_end, lx,
                               wa_ptr + tl.multiple_of(tl.load(lrow + P.LF_ATTN_NORM), 64) + lnw, eps,
                               wa_ptr + tl.multiple_of(tl.load(lrow + P.LF_QKV_B), 64), qkv_ptr, qkv_ptr,
-                              mscr_ptr + pid * MSCR, True, HAS_QKV_BIAS, False, NT // 32, BLOCK_XS, FMT_ATTN == 1,
-                              W_ATTN, tr, trace_on, MODE == 3)
+                              mscr_ptr + pid * MSCR, True, HAS_QKV_BIAS, False, NT // 32, BLOCK_XS, F_ATTN,
+                              W_ATTN, tr, trace_on, MODE == 3, qs8u_ptr + tl.load(lrow + P.LF_QKV_S), E4B)
             elif st == 0:
                 stream_gemv(w, sq, qf32_ptr + tl.load(lrow + P.LF_QKV_F), w0, s0, D, r0, r_end, lx,
                             wa_ptr + tl.multiple_of(tl.load(lrow + P.LF_ATTN_NORM), 64) + lnw, eps,
@@ -446,7 +455,7 @@ def monokernel(
             prefetch_rows(w, r0, nr, O_K, FMT_ATTN, USE_ASM)
             if MM_ATTN:   # (the tensor-core tasks exclude TP and MLA: x += W_o ao in place)
                 wq = tl.multiple_of(_wq(FMT_ATTN, wa_ptr, qw32_ptr, woff), 32)
-                first = mma8_first(wq, O_K, r0, r_end, NT // 32, W_ATTN)
+                first = mma8_first(wq, O_K, r0, r_end, NT // 32, W_ATTN, qs8u_ptr + tl.load(lrow + P.LF_O_S))
             else:
                 w0, s0 = tile(w, sq, O_K, r0, r_end, 0, 1, FMT_ATTN, BN_O, BLOCK_K)
             t_next, row_next, st = _claim_wait(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, wctr, target,
@@ -455,8 +464,8 @@ def monokernel(
                 if st == 0:
                     mma8_task(first, wq, qf32_ptr + tl.load(lrow + P.LF_O_F), O_K, r0, r_end, ao_ptr, ao_ptr, eps,
                               wa_ptr + tl.multiple_of(tl.load(lrow + P.LF_O_B), 64), x_ptr, x_ptr,
-                              mscr_ptr + pid * MSCR, False, HAS_O_BIAS, True, NT // 32, BLOCK_XS, FMT_ATTN == 1,
-                              W_ATTN, tr, trace_on, MODE == 3)
+                              mscr_ptr + pid * MSCR, False, HAS_O_BIAS, True, NT // 32, BLOCK_XS, F_ATTN,
+                              W_ATTN, tr, trace_on, MODE == 3, qs8u_ptr + tl.load(lrow + P.LF_O_S), E4B)
             else:
                 if TP > 0:   # a launch that is ending puts nothing (peers may already be zeroing for the next one)
                     if st == 0:
@@ -597,11 +606,12 @@ def monokernel(
                                                    stop_ptr, timeout_ns, USE_ASM, NT, MODE, tr, trace_on, CLAIM)
                 if st == 0:
                     mma8_glu_task(_wq(FMT_MLP, wa_ptr, qw32_ptr, woff),
-                                  _wq(FMT_MLP, wa_ptr, qw32_ptr, woff + I_DENSE * D), qf32_ptr + f_off,
+                                  _wq(FMT_MLP, wa_ptr, qw32_ptr, woff + I_DENSE * RB_D_MLP), qf32_ptr + f_off,
                                   qf32_ptr + f_off + I_DENSE, D, r0, r_end, lx,
                                   wa_ptr + tl.multiple_of(tl.load(lrow + P.LF_MLP_NORM), 64) + lnw, eps, wa_ptr,
                                   wa_ptr, h_ptr, glu_limit, glu_alpha, mscr_ptr + pid * MSCR, False, 0, NT // 32,
-                                  BLOCK_XS, FMT_MLP == 1, W_MLP, tr, trace_on, MODE == 3)
+                                  BLOCK_XS, F_MLP, W_MLP, tr, trace_on, MODE == 3, qs8u_ptr + s_off,
+                                  qs8u_ptr + s_off + I_DENSE * SC_D_MLP, E4B)
             else:
                 g0, gs0 = tile(wg, sg_, D, r0, r_end, 0, 1, FMT_MLP, BN_GU, BLOCK_K)
                 u0, us0 = tile(wu, su_, D, r0, r_end, 0, 1, FMT_MLP, BN_GU, BLOCK_K)
@@ -618,7 +628,7 @@ def monokernel(
             prefetch_rows(w, r0, nr, I_DENSE, FMT_MLP, USE_ASM)
             if MM_MLP:
                 wq = tl.multiple_of(_wq(FMT_MLP, wa_ptr, qw32_ptr, woff), 32)
-                first = mma8_first(wq, I_DENSE, r0, r_end, NT // 32, W_MLP)
+                first = mma8_first(wq, I_DENSE, r0, r_end, NT // 32, W_MLP, qs8u_ptr + tl.load(lrow + P.LF_DOWN_S))
             else:
                 w0, s0 = tile(w, sq, I_DENSE, r0, r_end, 0, 1, FMT_MLP, BN_DOWN, BLOCK_K)
             t_next, row_next, st = _claim_wait(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, wctr, target,
@@ -633,7 +643,7 @@ def monokernel(
                 if st == 0:
                     mma8_task(first, wq, qf32_ptr + tl.load(lrow + P.LF_DOWN_F), I_DENSE, r0, r_end, h_ptr, h_ptr,
                               eps, wa_ptr, x_ptr, x_ptr, mscr_ptr + pid * MSCR, False, False, True, NT // 32, BLOCK_XS,
-                              FMT_MLP == 1, W_MLP, tr, trace_on, MODE == 3)
+                              F_MLP, W_MLP, tr, trace_on, MODE == 3, qs8u_ptr + tl.load(lrow + P.LF_DOWN_S), E4B)
             elif st == 0:
                 stream_gemv(w, sq, qf32_ptr + tl.load(lrow + P.LF_DOWN_F), w0, s0, I_DENSE, r0, r_end, h_ptr, h_ptr,
                             eps, wa_ptr, yd, yd, 0, pv_ptr, pi_ptr, 0, 1.0, 0, 0, False, False, TP == 0, False,
@@ -719,7 +729,7 @@ def monokernel(
                 prefetch_rows(wg, r0, nr_, D, FMT_EXP, USE_ASM)   # experts are known only now
                 prefetch_rows(wu, r0, nr_, D, FMT_EXP, USE_ASM)
                 if MM_EXP:   # on the tensor cores (mma8.py; no expert parallelism)
-                    eoff = e * (I_MOE * RU_D_EXP)
+                    eoff = e * (I_MOE * RB_D_EXP)
                     mma8_glu_task(_wq(FMT_EXP, wa_ptr, qw32_ptr, tl.load(lrow + P.LF_EGATE) + eoff),
                                   _wq(FMT_EXP, wa_ptr, qw32_ptr, tl.load(lrow + P.LF_EUP) + eoff),
                                   qf32_ptr + tl.load(lrow + P.LF_EGATE_F) + e * I_MOE,
@@ -728,7 +738,9 @@ def monokernel(
                                   wa_ptr + tl.load(lrow + P.LF_EGATE_B) + e * I_MOE,
                                   wa_ptr + tl.load(lrow + P.LF_EUP_B) + e * I_MOE, h_ptr + aux * I_MOE, glu_limit,
                                   glu_alpha, mscr_ptr + pid * MSCR, HAS_EBIAS, EXP_ACT, NT // 32, BLOCK_XS,
-                                  FMT_EXP == 1, W_EXP, tr, trace_on, MODE == 3)
+                                  F_EXP, W_EXP, tr, trace_on, MODE == 3,
+                                  qs8u_ptr + tl.load(lrow + P.LF_EGATE_S) + e * (I_MOE * SC_D_EXP),
+                                  qs8u_ptr + tl.load(lrow + P.LF_EUP_S) + e * (I_MOE * SC_D_EXP), E4B)
                 else:
                     g0, gs0 = tile(wg, sg_, D, r0, re_, 0, 1, FMT_EXP, BN_EUP, BLOCK_K)
                     u0, us0 = tile(wu, su_, D, r0, re_, 0, 1, FMT_EXP, BN_EUP, BLOCK_K)
@@ -772,8 +784,9 @@ def monokernel(
                                    tl.load(lrow + P.LF_EDOWN_F), tl.load(lrow + P.LF_SDOWN_F),
                                    wa_ptr + tl.load(lrow + P.LF_EDOWN_B), r0, r_end, h_ptr, rids_ptr + layer * TOPK,
                                    rwts_ptr + layer * TOPK, sg_ptr, x_ptr, mscr_ptr + pid * MSCR, D, I_MOE, I_SH,
-                                   TOPK, HAS_EBIAS, HAS_SH_GATE, NT // 32, BLOCK_XS, FMT_EXP == 1, W_EXP, tr, trace_on,
-                                   MODE == 3)
+                                   TOPK, HAS_EBIAS, HAS_SH_GATE, NT // 32, BLOCK_XS, F_EXP, W_EXP, tr, trace_on,
+                                   MODE == 3, qs8u_ptr, tl.load(lrow + P.LF_EDOWN_S), tl.load(lrow + P.LF_SDOWN_S),
+                                   E4B)
                 else:
                     stream_expert_down(_wbase(FMT_EXP, wa_ptr, qw8_ptr, qw32_ptr),
                                        _sp(FMT_EXP, qf32_ptr, qs8f_ptr, qs8u_ptr, tl.zeros((), tl.int64)), qf32_ptr,

@@ -513,14 +513,24 @@ def gpu_programs_per_sm(d: Dims) -> int:
     return 1 if (d.E or d.LANES or d.MLA) else 2
 
 
+def fp4_mma_tasks(d: Dims) -> bool:
+    """Whether the monokernel runs its nvfp4 / mxfp4 Linears on the tensor cores (mma8.py's WK 3 / 4, fp4_mma's loop;
+    KIE_MONO_FP4_MMA, default on): one GPU, no lanes or MLA, every K those tasks read a multiple of 32 (whole
+    16-byte pieces and nvfp4 scale pairs). The routed experts' down task has its own condition (runtime)."""
+    fmts = (d.FMT_ATTN, d.FMT_MLP if d.I_DENSE else -1, d.FMT_EXP if d.E and d.I_MOE else -1)
+    return (env_flag("KIE_MONO_FP4_MMA", True) and any(f >= 3 for f in fmts) and not d.LANES and not d.MLA
+            and not d.TP and not d.E_LOC and d.D % 32 == 0 and (d.HQ * d.DH) % 32 == 0 and d.I_DENSE % 32 == 0)
+
+
 GPU_TILE_ELEMS = {1: 16384, 2: 8192, 3: 4096, 4: 4096}     # programs per SM -> elements per weight tile
-# ... except a plan with fp4 Linears at one program per SM: twice the rows per tile (every op; fp4 ops still get
+# ... except a plan whose fp4 Linears stream on the CUDA cores (not fp4_mma_tasks) at one program per SM: twice the
+# rows per tile (every op; fp4 ops still get
 # half of it, cap() in build_plan), the decode's issue rate being their limit (more rows per loaded x and scale
 # step). H100 (monokernel_bench, qwen3-30b-a3b, same tokens): nvfp4 168.2 -> 198.6 tok/s (+18%, session 39's
 # --sweep) though ptxas spills 136 B of stack there (offline sm_90, 255 registers; 16384: none); mxfp4 179.9 ->
 # 206.9 (+15%, session 40).
 GPU_TILE_ELEMS_FP4 = {3: 32768, 4: 32768}                # FMT (qtile.py: 3 nvfp4, 4 mxfp4) -> elements per tile
-# ... and an mxfp4 plan without cp.async stages (plain loads, the explicit double buffer): H100, session 40,
+# ... and such an mxfp4 plan without cp.async stages (plain loads, the explicit double buffer): H100, session 40,
 # qwen3-30b-a3b mxfp4 at 32768 tiles 206.9 -> 259.7 tok/s (+26%), same tokens; nvfp4's 197.5 -> 195.5 (so it keeps 3).
 GPU_NUM_STAGES_MXFP4 = 0
 GPU_BLOCK_T = 32                                         # attention positions per step, at most
@@ -626,7 +636,7 @@ def build_plan(spec: ModelSpec, weights=None, device: str | torch.device = "cpu"
         # ptxas); larger tiles put more bytes in flight but spill (benchmarks/monokernel_bench.py --sweep).
         tile_elems = GPU_TILE_ELEMS.get(programs_per_sm, 4096) if gpu else 64 * block_k
         fp4 = [GPU_TILE_ELEMS_FP4[f] for f in (d.FMT_ATTN, d.FMT_MLP, d.FMT_EXP) if f in GPU_TILE_ELEMS_FP4]
-        if gpu and programs_per_sm == 1 and fp4:
+        if gpu and programs_per_sm == 1 and fp4 and not fp4_mma_tasks(d):
             tile_elems = max(fp4)
     if max_task_bytes is None:
         # H200, 2026-12-03 (benchmarks/NOTES.md): 128 KB tasks beat 512 KB on llama-3.2-1b bf16 (+8.6%) and
@@ -696,7 +706,7 @@ def build_plan(spec: ModelSpec, weights=None, device: str | torch.device = "cpu"
             block_t = 32 if d.MLA else max(16, min(GPU_BLOCK_T, 8 * threads // _pow2(d.DH)))
     if num_stages is None:
         num_stages = 3 if gpu else 0
-        if gpu and programs_per_sm == 1 and 4 in (d.FMT_ATTN, d.FMT_MLP, d.FMT_EXP):   # FMT 4: mxfp4
+        if gpu and programs_per_sm == 1 and 4 in (d.FMT_ATTN, d.FMT_MLP, d.FMT_EXP) and not fp4_mma_tasks(d):
             num_stages = GPU_NUM_STAGES_MXFP4
     tiles = TileConfig(block_k=block_k, bn=bn, block_t=block_t, block_p=_pow2(len(rows["lm"]) * max(1, d.TP)),
                        xb=int(x_bcast), ns=num_stages)

@@ -183,11 +183,15 @@ class MonokernelBackend:
                      and (self.device.type != "cuda" or has_fp8e4nv(self.device)))   # e4m3 converts: sm_89+
         w16 = {torch.bfloat16: 1, torch.float16: 2}.get(self.plan.wdtype, 0)
         self.mma16 = w16 if (os.environ.get("KIE_MONO_W16_MMA", "0") == "1" and plain and 0 in fmts) else 0
-        # the experts' down task too where its widths are multiples of 16 (KIE_MONO_FP8_MMA_DOWN=0: its A/B)
+        # KIE_MONO_FP4_MMA (plan.fp4_mma_tasks): the nvfp4 / mxfp4 tasks through fp4_mma's loop (mma8.py's WK 3 / 4)
+        self.mma4 = P.fp4_mma_tasks(d)
+        # the experts' down task too where its widths are multiples of 16 (fp4: 32; KIE_MONO_FP8_MMA_DOWN=0: its
+        # A/B)
         self.mma_down = (has_exp and d.I_MOE % 16 == 0 and d.I_SH % 16 == 0
-                         and (self.mma8 if d.FMT_EXP == 1 else (d.FMT_EXP == 0 and self.mma16 > 0))
+                         and (self.mma8 if d.FMT_EXP == 1 else (d.FMT_EXP == 0 and self.mma16 > 0)
+                              or (d.FMT_EXP >= 3 and self.mma4 and d.I_MOE % 32 == 0 and d.I_SH % 32 == 0))
                          and os.environ.get("KIE_MONO_FP8_MMA_DOWN", "1") == "1")
-        self.mma_any = self.mma8 or self.mma16 > 0
+        self.mma_any = self.mma8 or self.mma16 > 0 or self.mma4
         # attention's score and p.V dots (ops.attention_task PREC): "ieee" fp32 FMAs, "tf32x3" tensor cores at
         # ~fp32 accuracy, "tf32" one tf32 product (timing only), "bf16x2" q / p as 16-bit hi + lo against the cache,
         # "bf16" q / p rounded to it (ops._dot). Default bf16x2 (session 34, H100: qwen3-30b-a3b fp8 at 8K context
@@ -502,7 +506,7 @@ class MonokernelBackend:
             BLOCK_E=_pow2(max(d.E, 1)), BLOCK_TOPK=_pow2(max(d.TOPK, 1)), BLOCK_EOS=_MAX_EOS, BLOCK_X=bx,
             BLOCK_QG=_pow2(max(d.HQ // max(d.HKV, 1) * d.DH, 1)),
             XB=t.xb, NS=t.ns, USE_ASM=not self.interpret, NT=32 * self.num_warps, TP=d.TP, E_LO=d.E_LO,
-            E_LOC=d.E_LOC, MMA8=mma8, MMA16=self.mma16, MMA_DN=mma_dn,
+            E_LOC=d.E_LOC, MMA8=mma8, MMA16=self.mma16, MMA_DN=mma_dn, MMA4=self.mma4, E4B=not native,
             MSCR=self.mscr_words, ATTN_PREC=self.attn_prec, BLOCK_XS=self.stage_block or bx,
             ROUTE_ONCE=self.route_once, N_ROUTER=max(1, len(pl.op_rows.get("router", ()))), DOWN_L2=self.down_l2,
             CLAIM=self.claim)

@@ -1,7 +1,8 @@
 """The monokernel's fp8 tensor-core task (kernels/monokernel/mma8.py) alone, one task per program, against the
 torch oracle y = f * (W . fp16(x')) (+ b) (+ res), x' = x * nw * rstd(x) (NORM) or x: tasks of fewer 16-row blocks
 than warps (K split over the warps, summed through the scratch), of more (several rounds), ragged row counts and K
-(steps past K). Under TRITON_INTERPRET=1 the portable loop runs; on the GPU the mma.sync one."""
+(steps past K). Under TRITON_INTERPRET=1 the portable loop runs; on the GPU the mma.sync one. The same tasks over
+nvfp4 / mxfp4 codes (WK 3 / 4: fp4_mma's loop) against weights.dequantize's weights."""
 
 import pytest
 import torch
@@ -9,7 +10,7 @@ import triton
 import triton.language as tl
 
 from kie_moe.kernels.monokernel.mma8 import mma8_down_task, mma8_first, mma8_glu_task, mma8_task, scratch_words
-from kie_moe.kernels.weights import random_weight
+from kie_moe.kernels.weights import dequantize, random_weight
 
 from ..kernels.helpers import DEV, assert_close, needs_device
 
@@ -17,29 +18,42 @@ pytestmark = needs_device
 
 
 @triton.jit
-def _tasks(w_ptr, f_ptr, x_ptr, nw_ptr, b_ptr, y_ptr, res_ptr, scr_ptr, rows_per_task, N, eps, K: tl.constexpr,
-           SCR: tl.constexpr, NORM: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, NW: tl.constexpr,
-           BLOCK_X: tl.constexpr, W16: tl.constexpr):
+def _tasks(w_ptr, s_ptr, f_ptr, x_ptr, nw_ptr, b_ptr, y_ptr, res_ptr, scr_ptr, rows_per_task, N, eps,
+           K: tl.constexpr, SCR: tl.constexpr, NORM: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
+           NW: tl.constexpr, BLOCK_X: tl.constexpr, W16: tl.constexpr):
     pid = tl.program_id(0)
     r0 = pid * rows_per_task
     r_end = tl.minimum(r0 + rows_per_task, N)
     wq = w_ptr.to(tl.pointer_type(tl.uint32))
-    first = mma8_first(wq, K, r0, r_end, NW, W16)
+    first = mma8_first(wq, K, r0, r_end, NW, W16, s_ptr)
     mma8_task(first, wq, f_ptr, K, r0, r_end, x_ptr, nw_ptr, eps, b_ptr, y_ptr, res_ptr, scr_ptr + pid * SCR, NORM,
-              HAS_BIAS, HAS_RES, NW, BLOCK_X, W16 == 0, W16)
+              HAS_BIAS, HAS_RES, NW, BLOCK_X, W16 != 1 and W16 != 2, W16, sq=s_ptr)
 
 
-# weight formats: e4m3 codes with row factors, bf16 / fp16 pairs (W16 1 / 2: x as hi + lo, no factors)
-W16 = {"fp8": 0, "bf16": 1, "fp16": 2}
+# weight formats: e4m3 codes with row factors, bf16 / fp16 pairs (W16 1 / 2: x as hi + lo, no factors), e2m1 codes
+# with group scales (3 nvfp4: row factors 2^14 / global scale; 4 mxfp4: factors of one)
+W16 = {"fp8": 0, "bf16": 1, "fp16": 2, "nvfp4": 3, "mxfp4": 4}
+FP4 = ("nvfp4", "mxfp4")
 # fp32 sums in another order; 16-bit weights' products carry more bits into them than e4m3's
-REL = {"fp8": 1e-5, "bf16": 3e-5, "fp16": 3e-5}
+REL = {"fp8": 1e-5, "bf16": 3e-5, "fp16": 3e-5, "nvfp4": 1e-5, "mxfp4": 1e-5}
 
 
 def _weight(fmt, N, K, seed):
-    """(handle, its u32-viewable storage, row factors: the fp8 scales, or ones)."""
+    """(handle, its u32-viewable storage, row factors: the fp8 scales, nvfp4's 2^14 / global scale, or ones; the
+    fp4 group scales as bytes, else a dummy)."""
     w = random_weight(fmt, N, K, seed=seed, device=DEV)
-    f = w.scale.reshape(-1).float().contiguous() if fmt == "fp8" else torch.ones(N, device=DEV)
-    return w, w.weight.view(torch.uint8) if fmt == "fp8" else w.weight, f
+    f = torch.ones(N, device=DEV)
+    if fmt == "fp8":
+        f = w.scale.reshape(-1).float().contiguous()
+    elif fmt == "nvfp4":
+        f = torch.full((N,), 16384.0 / float(w.global_scale), device=DEV)
+    s = w.scale.view(torch.uint8) if fmt in FP4 else f
+    return w, w.weight.view(torch.uint8) if fmt == "fp8" else w.weight, f, s
+
+
+def _dot_ref(w, f, xin, fmt):
+    """W . x' times the row factors as the task's sums mean it (fp4: the dequantized weights, factors included)."""
+    return dequantize(w) @ xin if fmt in FP4 else (w.weight.float() @ xin) * f
 
 
 def _inputs(N, K, seed, fmt, nw, tasks):
@@ -48,13 +62,13 @@ def _inputs(N, K, seed, fmt, nw, tasks):
     g = torch.Generator().manual_seed(seed)
     x, nw_ = (torch.randn(K, generator=g) * 3).to(DEV), torch.randn(K, generator=g).to(DEV, torch.bfloat16)
     b0, b1 = torch.randn(N, generator=g).to(DEV), torch.randn(N, generator=g).to(DEV)
-    scr_words = scratch_words(K, nw, fmt != "fp8")
+    scr_words = scratch_words(K, nw, fmt in ("bf16", "fp16"))
     return x, nw_, b0, b1, torch.full((tasks * scr_words,), float("nan"), device=DEV), scr_words
 
 
 def _xin(x, fmt):
     """x as the mma sees it: fp16-rounded (fp8 tasks) or hi + lo (16-bit tasks, ~16 bits kept)."""
-    if fmt == "fp8":
+    if fmt in ("fp8",) + FP4:
         return x.half().float()
     dt = torch.bfloat16 if fmt == "bf16" else torch.float16
     hi = x.to(dt).float()
@@ -65,21 +79,25 @@ def _xin(x, fmt):
 # rounds), 9 blocks on 4 (3 rounds), ragged K (208: 2 steps of 128 B, the second past K for some ranges), K shorter
 # than a step, one warp
 CASES = [(5, 256, 5, 4), (37, 208, 20, 4), (40, 96, 40, 2), (130, 1040, 130, 4), (19, 16, 19, 1), (50, 512, 16, 8)]
+# fp4 (K % 32 == 0; a step is 256 codes): 2 steps on 4 warps' K ranges (2 of them past K), a ragged step (224: the
+# second piece past K), 1056 codes (4 steps and one piece) in 3 rounds, one group of 32, 8 warps on 3 blocks
+CASES4 = [(5, 512, 5, 4), (37, 224, 20, 4), (130, 1056, 130, 4), (19, 32, 19, 1), (50, 768, 16, 8)]
+TASK_CASES = [(fmt, *c) for fmt in ("fp8", "bf16", "fp16") for c in CASES] + [(f, *c) for f in FP4 for c in CASES4]
+TASK_IDS = [f"{c[0]}-{c[1]}x{c[2]}-t{c[3]}-w{c[4]}" for c in TASK_CASES]
 
 
-@pytest.mark.parametrize("fmt", list(W16))
 @pytest.mark.parametrize("norm", [True, False])
-@pytest.mark.parametrize("N,K,rpt,nw", CASES, ids=[f"{c[0]}x{c[1]}-t{c[2]}-w{c[3]}" for c in CASES])
+@pytest.mark.parametrize("fmt,N,K,rpt,nw", TASK_CASES, ids=TASK_IDS)
 def test_mma8_task_matches_torch(N, K, rpt, nw, norm, fmt):
-    w, wbuf, f = _weight(fmt, N, K, N + K)
+    w, wbuf, f, s = _weight(fmt, N, K, N + K)
     tasks = triton.cdiv(N, rpt)
     x, nw_, b, res, scr, scr_words = _inputs(N, K, K, fmt, nw, tasks)
     y = torch.full((N,), float("nan"), device=DEV)
-    _tasks[(tasks,)](wbuf, f, x, nw_, b, y, res, scr, rpt, N, 1e-6, K, scr_words, norm, True, True, nw,
+    _tasks[(tasks,)](wbuf, s, f, x, nw_, b, y, res, scr, rpt, N, 1e-6, K, scr_words, norm, True, True, nw,
                      min(1024, triton.next_power_of_2(K)), W16[fmt], num_warps=nw)
     xf = x.float()
     xn = xf * torch.rsqrt(xf.square().mean() + 1e-6) * nw_.float() if norm else xf
-    want = (w.weight.float() @ _xin(xn, fmt)) * f + b + res
+    want = _dot_ref(w, f, _xin(xn, fmt), fmt) + b + res
     assert_close(y, want, REL[fmt], what=f"mma8 {fmt} {N}x{K} rows/task {rpt} warps {nw} norm {norm}")
 
 
@@ -128,6 +146,39 @@ def test_monokernel_fp8_tasks_on_the_tensor_cores(case, kinds, tiny_model, monke
     assert not MonokernelBackend(m, DEV, quantized=q.get, num_stages=2).mma8
 
 
+# (case, scheme, kinds): nvfp4 attention and experts with a shared expert whose width (48) keeps the down task on
+# the CUDA cores (qwen2_moe: qkv biases, the shared expert's gate); mxfp4 attention and a dense MLP (llama: the
+# gate / up and down tasks). olmoe's nvfp4 experts with the down task on the tensor cores run in test_formats.
+FP4_CASES = [("qwen2_moe", "nvfp4", ("attn", "exp")), ("llama", "mxfp4", ("attn", "mlp"))]
+
+
+@pytest.mark.parametrize("case,scheme,kinds", FP4_CASES, ids=[f"{c}-{s}" for c, s, _ in FP4_CASES])
+def test_monokernel_fp4_tasks_on_the_tensor_cores(case, scheme, kinds, tiny_model, monkeypatch):
+    """KIE_MONO_FP4_MMA (default on): the monokernel's nvfp4 / mxfp4 tasks run mma8's WK 3 / 4 (fp4_mma's loop over
+    the qarena's codes and scales) and decode the reference's greedy tokens on the dequantized weights, within fp16's
+    rounding of the tasks' input; with the flag off the CUDA-core tasks give the same tokens."""
+    from kie_moe.kernels.monokernel.runtime import MonokernelBackend
+    from kie_moe.sampling import SamplingParams
+
+    from .test_formats import PROMPT, DequantStore, quantize_model
+    from .test_monokernel import check_against_reference
+    m = tiny_model(case)
+    q = quantize_model(m, scheme, kinds)
+
+    class M:
+        spec = m.spec
+        weights = DequantStore(m.weights, q)
+    runs = {}
+    for flag in ("1", "0"):
+        monkeypatch.setenv("KIE_MONO_FP4_MMA", flag)
+        be = MonokernelBackend(m, DEV, quantized=q.get, num_stages=0, wdtype=torch.float32)
+        runs[flag] = be, list(be.generate(PROMPT, SamplingParams(max_new_tokens=4, ignore_eos=True), set()))
+        check_against_reference(be, M, PROMPT, runs[flag][1])
+    (be, got), (off, want) = runs["1"], runs["0"]
+    assert be.mma4 and be.mma_any and not be.mma8 and not be.mma_down and not off.mma4 and not off.mma_any
+    assert got == want
+
+
 # (case, kinds quantized to fp8 or ()): a bf16 arena's attention and dense MLP (llama), its experts with the down
 # task (qwen2_moe: I_MOE 32, a shared expert of 48), experts whose down stays on the CUDA cores (gpt-oss: biases, the
 # clamped GLU; I_MOE 40), fp8 attention beside bf16 experts under both flags (qwen3_moe_norm)
@@ -168,33 +219,32 @@ def test_monokernel_bf16_tasks_on_the_tensor_cores(case, kinds, tiny_model, monk
 
 
 @triton.jit
-def _glu_tasks(wg_ptr, wu_ptr, fg_ptr, fu_ptr, x_ptr, nw_ptr, bg_ptr, bu_ptr, h_ptr, scr_ptr, rows_per_task, N, eps,
-               limit, alpha, K: tl.constexpr, SCR: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
-               NW: tl.constexpr, BLOCK_X: tl.constexpr, W16: tl.constexpr):
+def _glu_tasks(wg_ptr, wu_ptr, sg_ptr, su_ptr, fg_ptr, fu_ptr, x_ptr, nw_ptr, bg_ptr, bu_ptr, h_ptr, scr_ptr,
+               rows_per_task, N, eps, limit, alpha, K: tl.constexpr, SCR: tl.constexpr, HAS_BIAS: tl.constexpr,
+               ACT: tl.constexpr, NW: tl.constexpr, BLOCK_X: tl.constexpr, W16: tl.constexpr):
     pid = tl.program_id(0)
     r0 = pid * rows_per_task
     r_end = tl.minimum(r0 + rows_per_task, N)
     mma8_glu_task(wg_ptr.to(tl.pointer_type(tl.uint32)), wu_ptr.to(tl.pointer_type(tl.uint32)), fg_ptr, fu_ptr, K,
                   r0, r_end, x_ptr, nw_ptr, eps, bg_ptr, bu_ptr, h_ptr, limit, alpha, scr_ptr + pid * SCR, HAS_BIAS,
-                  ACT, NW, BLOCK_X, W16 == 0, W16)
+                  ACT, NW, BLOCK_X, W16 != 1 and W16 != 2, W16, sg=sg_ptr, su=su_ptr)
 
 
-@pytest.mark.parametrize("fmt", list(W16))
 @pytest.mark.parametrize("act", [0, 1])
-@pytest.mark.parametrize("N,K,rpt,nw", CASES, ids=[f"{c[0]}x{c[1]}-t{c[2]}-w{c[3]}" for c in CASES])
+@pytest.mark.parametrize("fmt,N,K,rpt,nw", TASK_CASES, ids=TASK_IDS)
 def test_mma8_glu_task_matches_torch(N, K, rpt, nw, act, fmt):
     """The routed experts' gate / up task: glu(fg (Wg . x') + bg, fu (Wu . x') + bu), act 0 silu, 1 gpt-oss's
     clamped GLU (limit 0.7: some values clamped)."""
-    (wg, wgb, fg), (wu, wub, fu) = (_weight(fmt, N, K, N + K + i) for i in (0, 1))
+    (wg, wgb, fg, sg), (wu, wub, fu, su) = (_weight(fmt, N, K, N + K + i) for i in (0, 1))
     tasks = triton.cdiv(N, rpt)
     x, nw_, bg, bu, scr, scr_words = _inputs(N, K, K + 1, fmt, nw, tasks)
     h = torch.full((N,), float("nan"), device=DEV)
-    _glu_tasks[(tasks,)](wgb, wub, fg, fu, x, nw_, bg, bu, h, scr, rpt, N, 1e-6, 0.7, 1.702, K, scr_words, True, act,
-                         nw, min(1024, triton.next_power_of_2(K)), W16[fmt], num_warps=nw)
+    _glu_tasks[(tasks,)](wgb, wub, sg, su, fg, fu, x, nw_, bg, bu, h, scr, rpt, N, 1e-6, 0.7, 1.702, K, scr_words,
+                         True, act, nw, min(1024, triton.next_power_of_2(K)), W16[fmt], num_warps=nw)
     xf = x.float()
     xn = _xin(xf * torch.rsqrt(xf.square().mean() + 1e-6) * nw_.float(), fmt)
-    gv = (wg.weight.float() @ xn) * fg + bg
-    uv = (wu.weight.float() @ xn) * fu + bu
+    gv = _dot_ref(wg, fg, xn, fmt) + bg
+    uv = _dot_ref(wu, fu, xn, fmt) + bu
     if act == 0:
         want = torch.nn.functional.silu(gv) * uv
     else:
@@ -204,16 +254,16 @@ def test_mma8_glu_task_matches_torch(N, K, rpt, nw, act, fmt):
 
 
 @triton.jit
-def _down_tasks(w_ptr, f_ptr, b_ptr, h_ptr, ids_ptr, wts_ptr, sg_ptr, x_ptr, scr_ptr, ed_w, sd_w, ed_f, sd_f,
-                rows_per_task, D: tl.constexpr, I_MOE: tl.constexpr, I_SH: tl.constexpr, TOPK: tl.constexpr,
-                SCR: tl.constexpr, HAS_EBIAS: tl.constexpr, HAS_SH_GATE: tl.constexpr, NW: tl.constexpr,
-                BLOCK_X: tl.constexpr, W16: tl.constexpr):
+def _down_tasks(w_ptr, f_ptr, b_ptr, h_ptr, ids_ptr, wts_ptr, sg_ptr, s_ptr, x_ptr, scr_ptr, ed_w, sd_w, ed_f, sd_f,
+                eds, sds, rows_per_task, D: tl.constexpr, I_MOE: tl.constexpr, I_SH: tl.constexpr,
+                TOPK: tl.constexpr, SCR: tl.constexpr, HAS_EBIAS: tl.constexpr, HAS_SH_GATE: tl.constexpr,
+                NW: tl.constexpr, BLOCK_X: tl.constexpr, W16: tl.constexpr):
     pid = tl.program_id(0)
     r0 = pid * rows_per_task
     r_end = tl.minimum(r0 + rows_per_task, D)
     mma8_down_task(w_ptr.to(tl.pointer_type(tl.uint32)), ed_w, sd_w, f_ptr, ed_f, sd_f, b_ptr, r0, r_end, h_ptr,
                    ids_ptr, wts_ptr, sg_ptr, x_ptr, scr_ptr + pid * SCR, D, I_MOE, I_SH, TOPK, HAS_EBIAS,
-                   HAS_SH_GATE, NW, BLOCK_X, W16 == 0, W16)
+                   HAS_SH_GATE, NW, BLOCK_X, W16 != 1 and W16 != 2, W16, sq=s_ptr, eds=eds, sds=sds)
 
 
 # (D rows, I_MOE, I_SH, top-k, rows per task, warps): 3 blocks on 4 warps with a shared expert of 1.5 chunks; one
@@ -221,34 +271,51 @@ def _down_tasks(w_ptr, f_ptr, b_ptr, h_ptr, ids_ptr, wts_ptr, sg_ptr, x_ptr, scr
 # segments each); 3 blocks on 2 warps (2 rounds), a shared expert of 3 chunks and a 16-wide one; one warp, top-1
 DOWN_CASES = [(37, 32, 48, 2, 37, 4), (16, 64, 0, 3, 16, 8), (50, 16, 0, 4, 20, 4), (33, 48, 160, 5, 33, 2),
               (8, 32, 32, 1, 8, 1)]
+# fp4 (widths multiples of 32): a shared expert of 2 chunks, of 2.5 (a 32-wide last chunk), none; top-1 on one warp
+DOWN_CASES4 = [(37, 32, 64, 2, 37, 4), (16, 64, 0, 3, 16, 8), (50, 32, 0, 4, 20, 4), (33, 64, 160, 5, 33, 2),
+               (8, 32, 32, 1, 8, 1)]
+DOWN_ALL = [(f, *c) for f in ("fp8", "bf16", "fp16") for c in DOWN_CASES] + [(f, *c) for f in FP4 for c in DOWN_CASES4]
 
 
-@pytest.mark.parametrize("fmt", list(W16))
 @pytest.mark.parametrize("bias,gate", [(True, True), (False, False)])
-@pytest.mark.parametrize("D,I,ISH,TOPK,rpt,nw", DOWN_CASES, ids=[f"{c[0]}x{c[1]}+{c[2]}-k{c[3]}-t{c[4]}-w{c[5]}"
-                                                                 for c in DOWN_CASES])
+@pytest.mark.parametrize("fmt,D,I,ISH,TOPK,rpt,nw", DOWN_ALL,
+                         ids=[f"{c[0]}-{c[1]}x{c[2]}+{c[3]}-k{c[4]}-t{c[5]}-w{c[6]}" for c in DOWN_ALL])
 def test_mma8_down_task_matches_torch(D, I, ISH, TOPK, rpt, nw, bias, gate, fmt):
     """The routed experts' down task (plus the shared expert): x + sum_j f_e (W_e . x'(w_j h_j)) + w_j b_e +
     f_sh (W_sh . x'(sg h_sh)) (x': the mma's rounding, _xin; f: fp8's row scales, 1 for 16-bit weights); expert ids
     repeated and at both ends of the range; the weights at offsets inside one arena as the monokernel lays them out
-    (qarena's u8 buffer for fp8, the float arena for bf16 / fp16)."""
+    (qarena's u8 buffers for fp8 / fp4, codes and scales, the float arena for bf16 / fp16)."""
     E = 6
     ids = torch.tensor([5, 0, 5, 3, 0][:TOPK], dtype=torch.int32)
     g = torch.Generator().manual_seed(D * I + TOPK)
     we = random_weight(fmt, E * D, I, seed=D + I, device="cpu")
-    ws = random_weight(fmt, D, max(ISH, 16), seed=D + I + 1, device="cpu")
-    # offsets in elements (bytes for fp8), 128-byte aligned as the arenas' are
+    ws = random_weight(fmt, D, max(ISH, 32), seed=D + I + 1, device="cpu")
+    # offsets in elements (bytes for fp8 / fp4 codes), 128-byte aligned as the arenas' are
     al = 128 // we.weight.element_size()
-    ed_w, sd_w = al, al + E * D * I + 2 * al
-    arena = torch.zeros(sd_w + D * max(ISH, 16) + al, dtype=we.weight.dtype)
-    arena[ed_w:ed_w + E * D * I] = we.weight.reshape(-1)
-    arena[sd_w:sd_w + D * ws.in_features] = ws.weight.reshape(-1)
+    nwe, nws = we.weight.numel(), ws.weight.numel()
+    ed_w, sd_w = al, al + nwe + 2 * al
+    arena = torch.zeros(sd_w + nws + al, dtype=we.weight.dtype)
+    arena[ed_w:ed_w + nwe] = we.weight.reshape(-1)
+    arena[sd_w:sd_w + nws] = ws.weight.reshape(-1)
     ed_f, sd_f = 7, 7 + E * D + 3
     f = torch.randn(sd_f + D + 5, generator=g) if fmt == "fp8" else torch.ones(sd_f + D + 5)
     if fmt == "fp8":
         f[ed_f:ed_f + E * D] = we.scale.reshape(-1).float()
         f[sd_f:sd_f + D] = ws.scale.reshape(-1).float()
         arena = arena.view(torch.uint8)
+    eds, sds, sarena = 0, 0, torch.zeros(16, dtype=torch.uint8)
+    if fmt in FP4:   # the group scales in a qs8-like buffer (bytes, 128-aligned); nvfp4's factors 2^14 / global
+        nse, nss = we.scale.numel(), ws.scale.numel()
+        eds, sds = 256, 256 + nse + 128
+        sarena = torch.zeros(sds + nss + 128, dtype=torch.uint8)
+        sarena[eds:eds + nse] = we.scale.view(torch.uint8).reshape(-1)
+        sarena[sds:sds + nss] = ws.scale.view(torch.uint8).reshape(-1)
+        if fmt == "nvfp4":
+            f[ed_f:ed_f + E * D] = 16384.0 / float(we.global_scale)
+            f[sd_f:sd_f + D] = 16384.0 / float(ws.global_scale)
+    wde, wds = dequantize(we), dequantize(ws)
+    if fmt not in FP4:   # (the factors applied below, as the task applies them)
+        wde, wds = we.weight.float(), ws.weight.float()
     b = torch.randn(E * D, generator=g).to(torch.bfloat16)
     h = torch.randn(TOPK * I + ISH, generator=g) * 2
     wts = torch.rand(TOPK, generator=g)
@@ -258,17 +325,18 @@ def test_mma8_down_task_matches_torch(D, I, ISH, TOPK, rpt, nw, bias, gate, fmt)
     for j in range(TOPK):
         e = int(ids[j])
         hj = _xin(h[j * I:(j + 1) * I] * wts[j], fmt)
-        want += (we.weight[e * D:(e + 1) * D].float() @ hj) * f[ed_f + e * D:ed_f + (e + 1) * D]
+        want += wde[e * D:(e + 1) * D] @ hj * (1.0 if fmt in FP4 else f[ed_f + e * D:ed_f + (e + 1) * D])
         if bias:
             want += wts[j] * b[e * D:(e + 1) * D].float()
     if ISH:
         hs = _xin(h[TOPK * I:] * (sg[0] if gate else 1.0), fmt)
-        want += (ws.weight.float() @ hs) * f[sd_f:sd_f + D]
+        want += wds @ hs * (1.0 if fmt in FP4 else f[sd_f:sd_f + D])
     tasks = triton.cdiv(D, rpt)
-    scr_words = scratch_words(TOPK * I + ISH, nw, fmt != "fp8")
+    scr_words = scratch_words(TOPK * I + ISH, nw, fmt in ("bf16", "fp16"))
     scr = torch.full((tasks * scr_words,), float("nan"), device=DEV)
     xd = x.to(DEV)
-    dev = [t.to(DEV) for t in (arena, f, b, h, ids, wts, sg)]
-    _down_tasks[(tasks,)](*dev, xd, scr, ed_w, sd_w, ed_f, sd_f, rpt, D, I, ISH, TOPK, scr_words, bias, gate, nw,
+    dev = [t.to(DEV) for t in (arena, f, b, h, ids, wts, sg, sarena)]
+    _down_tasks[(tasks,)](*dev, xd, scr, ed_w, sd_w, ed_f, sd_f, eds, sds, rpt, D, I, ISH, TOPK, scr_words, bias, gate,
+                          nw,
                           min(128, triton.next_power_of_2(TOPK * I + ISH)), W16[fmt], num_warps=nw)
     assert_close(xd, want, REL[fmt], what=f"mma8 down {fmt} D {D} I {I}+{ISH} top-{TOPK} rows/task {rpt} warps {nw}")

@@ -73,12 +73,19 @@ def test_gpu_launch_shape_fits_an_sm(arch, want):
     assert be.grid == plan.n_sms
 
 
-def test_fp4_plans_take_twice_the_tile_rows_and_mxfp4_no_stages():
-    """A GPU plan (meta device) with fp4 Linears at one program per SM sizes its tiles from GPU_TILE_ELEMS_FP4
-    (H100 sweeps: nvfp4 +18%, mxfp4 +15% on qwen3-30b-a3b): every op's rows per tile double against the fp8 plan's
-    (fp4 ops still at half a float op's elements), and an mxfp4 plan drops the cp.async stages (+26%); an explicit
-    tile_elems / num_stages and 2 programs per SM keep theirs."""
+def test_fp4_plans_take_twice_the_tile_rows_and_mxfp4_no_stages(monkeypatch):
+    """A GPU plan (meta device) whose fp4 Linears stream on the CUDA cores (KIE_MONO_FP4_MMA=0) at one program per
+    SM sizes its tiles from GPU_TILE_ELEMS_FP4 (H100 sweeps: nvfp4 +18%, mxfp4 +15% on qwen3-30b-a3b): every op's
+    rows per tile double against the fp8 plan's (fp4 ops still at half a float op's elements), and an mxfp4 plan
+    drops the cp.async stages (+26%); an explicit tile_elems / num_stages and 2 programs per SM keep theirs. With
+    the fp4 tasks on the tensor cores (the default) the plans keep the fp8 plan's tiles and stages."""
     spec = P.preset_spec("qwen3-30b-a3b", 2)
+    mm = {f: P.build_plan(spec, None, "meta", n_sms=132, formats={"attn": f, "exp": f}) for f in ("nvfp4", "mxfp4")}
+    f8 = P.build_plan(spec, None, "meta", n_sms=132, formats={"attn": "fp8", "exp": "fp8"})
+    for p in mm.values():   # (the fp4 ops' own tiles go unused: their tasks are mma8's)
+        assert P.fp4_mma_tasks(p.dims) and p.tiles.ns == 3
+        assert (p.tiles.bn["lm"], p.tiles.bn["router"]) == (f8.tiles.bn["lm"], f8.tiles.bn["router"])
+    monkeypatch.setenv("KIE_MONO_FP4_MMA", "0")
     plan = lambda fmt, **kw: P.build_plan(spec, None, "meta", n_sms=132,  # noqa: E731
                                           formats={"attn": fmt, "exp": fmt}, **kw)
     nv, mx, f8 = plan("nvfp4"), plan("mxfp4"), plan("fp8")
