@@ -200,7 +200,8 @@ class GraphWeights(PrefillWeights):
 
 class PlanWeights(PrefillWeights):
     """The monokernel plan's buffers (kernels/monokernel/plan.py + qarena.py) as views: float arena tensors, and
-    quantized Linears as WeightHandles over the packed codes / scales / row factors."""
+    quantized Linears as WeightHandles over the packed codes / scales / row factors (fp4 codes in packing "mma"
+    where the plan stored them so: qarena.packed)."""
 
     def __init__(self, plan):
         self.plan = plan
@@ -232,12 +233,13 @@ class PlanWeights(PrefillWeights):
             s = qb["qf32"][s_off:s_off + rows * nkb].view(*lead, out, nkb)[..., ::FP8_BLOCK, :]
             return WeightHandle("fp8_block", codes.view(torch.float8_e4m3fn), s, None, out, inp)
         g = 16 if fmt == 3 else 32
+        packing = "mma" if name in self.qa.packed else "checkpoint"   # (plan.fp4_packed: a stack packs as one)
         sc = qb["qs8"][s_off:s_off + rows * (inp // g)].view(*lead, out, inp // g)
         if fmt == 3:   # row factor = 2^14 / global scale (qarena.fill), one per row
             gs = 16384.0 / qb["qf32"][f_off:f_off + rows].view(n, out)[:, 0]
             return WeightHandle("nvfp4", codes, sc.view(torch.float8_e4m3fn), gs if n > 1 else gs.reshape(1),
-                                out, inp)
-        return WeightHandle("mxfp4", codes, sc, None, out, inp)
+                                out, inp, packing)
+        return WeightHandle("mxfp4", codes, sc, None, out, inp, packing)
 
     def tensor(self, name):
         return self._arena(name) if name in self.plan.arena.entries else None

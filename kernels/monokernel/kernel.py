@@ -291,7 +291,8 @@ def monokernel(
     eps, sm_scale, clip, route_scale, glu_limit, glu_alpha,
     # tensor-core tasks (mma8.py; MMA8: fp8 ones, KIE_MONO_FP8_MMA=1; MMA16 1 / 2: those on a bf16 / fp16 arena,
     # KIE_MONO_W16_MMA=1; MMA4: nvfp4 / mxfp4 ones, KIE_MONO_FP4_MMA, their e4m3 scales decoded from the bits
-    # when E4B; MMA_DN: the experts' down task too): fp32 scratch, MSCR words per program
+    # when E4B, their codes in packing "mma" when RP4 (plan.fp4_packed: every Linear those tasks read); MMA_DN: the
+    # experts' down task too): fp32 scratch, MSCR words per program
     mscr_ptr,
     # ROUTE_ONCE (KIE_ROUTE_ONCE=1): int32 [L] tickets of the router tasks (zeroed per launch; the N_ROUTER-th of a
     # layer's step picks the top-k)
@@ -324,7 +325,7 @@ def monokernel(
     TP: tl.constexpr = 0, E_LO: tl.constexpr = 0, E_LOC: tl.constexpr = 0,
     SFILTER: tl.constexpr = False, K_CAND: tl.constexpr = 1, SBLOCK_V: tl.constexpr = 1, SBLOCK_T: tl.constexpr = 1,
     SBLOCK_C: tl.constexpr = 1, MMA8: tl.constexpr = False, MMA16: tl.constexpr = 0, MMA_DN: tl.constexpr = False,
-    MSCR: tl.constexpr = 4, MMA4: tl.constexpr = False, E4B: tl.constexpr = False,
+    MSCR: tl.constexpr = 4, MMA4: tl.constexpr = False, E4B: tl.constexpr = False, RP4: tl.constexpr = False,
     # attention's tl.dot precision (ops.attention_task PREC; KIE_ATTN_DOT)
     ATTN_PREC: tl.constexpr = "ieee",
 ):
@@ -429,7 +430,7 @@ def monokernel(
                               wa_ptr + tl.multiple_of(tl.load(lrow + P.LF_ATTN_NORM), 64) + lnw, eps,
                               wa_ptr + tl.multiple_of(tl.load(lrow + P.LF_QKV_B), 64), qkv_ptr, qkv_ptr,
                               mscr_ptr + pid * MSCR, True, HAS_QKV_BIAS, False, NT // 32, BLOCK_XS, F_ATTN,
-                              W_ATTN, tr, trace_on, MODE == 3, qs8u_ptr + tl.load(lrow + P.LF_QKV_S), E4B)
+                              W_ATTN, tr, trace_on, MODE == 3, qs8u_ptr + tl.load(lrow + P.LF_QKV_S), E4B, RP4)
             elif st == 0:
                 stream_gemv(w, sq, qf32_ptr + tl.load(lrow + P.LF_QKV_F), w0, s0, D, r0, r_end, lx,
                             wa_ptr + tl.multiple_of(tl.load(lrow + P.LF_ATTN_NORM), 64) + lnw, eps,
@@ -465,7 +466,7 @@ def monokernel(
                     mma8_task(first, wq, qf32_ptr + tl.load(lrow + P.LF_O_F), O_K, r0, r_end, ao_ptr, ao_ptr, eps,
                               wa_ptr + tl.multiple_of(tl.load(lrow + P.LF_O_B), 64), x_ptr, x_ptr,
                               mscr_ptr + pid * MSCR, False, HAS_O_BIAS, True, NT // 32, BLOCK_XS, F_ATTN,
-                              W_ATTN, tr, trace_on, MODE == 3, qs8u_ptr + tl.load(lrow + P.LF_O_S), E4B)
+                              W_ATTN, tr, trace_on, MODE == 3, qs8u_ptr + tl.load(lrow + P.LF_O_S), E4B, RP4)
             else:
                 if TP > 0:   # a launch that is ending puts nothing (peers may already be zeroing for the next one)
                     if st == 0:
@@ -611,7 +612,7 @@ def monokernel(
                                   wa_ptr + tl.multiple_of(tl.load(lrow + P.LF_MLP_NORM), 64) + lnw, eps, wa_ptr,
                                   wa_ptr, h_ptr, glu_limit, glu_alpha, mscr_ptr + pid * MSCR, False, 0, NT // 32,
                                   BLOCK_XS, F_MLP, W_MLP, tr, trace_on, MODE == 3, qs8u_ptr + s_off,
-                                  qs8u_ptr + s_off + I_DENSE * SC_D_MLP, E4B)
+                                  qs8u_ptr + s_off + I_DENSE * SC_D_MLP, E4B, RP4)
             else:
                 g0, gs0 = tile(wg, sg_, D, r0, r_end, 0, 1, FMT_MLP, BN_GU, BLOCK_K)
                 u0, us0 = tile(wu, su_, D, r0, r_end, 0, 1, FMT_MLP, BN_GU, BLOCK_K)
@@ -643,7 +644,8 @@ def monokernel(
                 if st == 0:
                     mma8_task(first, wq, qf32_ptr + tl.load(lrow + P.LF_DOWN_F), I_DENSE, r0, r_end, h_ptr, h_ptr,
                               eps, wa_ptr, x_ptr, x_ptr, mscr_ptr + pid * MSCR, False, False, True, NT // 32, BLOCK_XS,
-                              F_MLP, W_MLP, tr, trace_on, MODE == 3, qs8u_ptr + tl.load(lrow + P.LF_DOWN_S), E4B)
+                              F_MLP, W_MLP, tr, trace_on, MODE == 3, qs8u_ptr + tl.load(lrow + P.LF_DOWN_S), E4B,
+                              RP4)
             elif st == 0:
                 stream_gemv(w, sq, qf32_ptr + tl.load(lrow + P.LF_DOWN_F), w0, s0, I_DENSE, r0, r_end, h_ptr, h_ptr,
                             eps, wa_ptr, yd, yd, 0, pv_ptr, pi_ptr, 0, 1.0, 0, 0, False, False, TP == 0, False,
@@ -740,7 +742,7 @@ def monokernel(
                                   glu_alpha, mscr_ptr + pid * MSCR, HAS_EBIAS, EXP_ACT, NT // 32, BLOCK_XS,
                                   F_EXP, W_EXP, tr, trace_on, MODE == 3,
                                   qs8u_ptr + tl.load(lrow + P.LF_EGATE_S) + e * (I_MOE * SC_D_EXP),
-                                  qs8u_ptr + tl.load(lrow + P.LF_EUP_S) + e * (I_MOE * SC_D_EXP), E4B)
+                                  qs8u_ptr + tl.load(lrow + P.LF_EUP_S) + e * (I_MOE * SC_D_EXP), E4B, RP4)
                 else:
                     g0, gs0 = tile(wg, sg_, D, r0, re_, 0, 1, FMT_EXP, BN_EUP, BLOCK_K)
                     u0, us0 = tile(wu, su_, D, r0, re_, 0, 1, FMT_EXP, BN_EUP, BLOCK_K)
@@ -786,7 +788,7 @@ def monokernel(
                                    rwts_ptr + layer * TOPK, sg_ptr, x_ptr, mscr_ptr + pid * MSCR, D, I_MOE, I_SH,
                                    TOPK, HAS_EBIAS, HAS_SH_GATE, NT // 32, BLOCK_XS, F_EXP, W_EXP, tr, trace_on,
                                    MODE == 3, qs8u_ptr, tl.load(lrow + P.LF_EDOWN_S), tl.load(lrow + P.LF_SDOWN_S),
-                                   E4B)
+                                   E4B, RP4)
                 else:
                     stream_expert_down(_wbase(FMT_EXP, wa_ptr, qw8_ptr, qw32_ptr),
                                        _sp(FMT_EXP, qf32_ptr, qs8f_ptr, qs8u_ptr, tl.zeros((), tl.int64)), qf32_ptr,

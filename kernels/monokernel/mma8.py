@@ -99,13 +99,14 @@ def _first(wq0, sq0, wq1, sq1, ra, rb, swn, ssn, q, kw, kg, st, RB: tl.constexpr
 
 @triton.jit
 def _dot(xq, wq0, sq0, wq1, sq1, ra, rb, swn, ssn, q, kw, kg, mine, st_lo, st_hi, RB: tl.constexpr, first, st_base,
-         WK: tl.constexpr, E4B: tl.constexpr):
-    """fp8_rows_dot (WK 0-2) or fp4_rows_dot (3 / 4; E4B: e4m3 scales decoded from their bits) over steps
+         WK: tl.constexpr, E4B: tl.constexpr, RP: tl.constexpr = False):
+    """fp8_rows_dot (WK 0-2) or fp4_rows_dot (3 / 4; E4B: e4m3 scales decoded from their bits; RP: codes in
+    packing "mma") over steps
     [st_lo, st_hi) from st_base: 32 u32 words of each row per step either way (128 e4m3 codes, 64 16-bit
     weights, 256 e2m1 codes)."""
     if WK >= 3:
         y = fp4_rows_dot(xq, wq0, sq0, ra, rb, wq1, sq1, ra, rb, swn, ssn, q, kw, kg, mine, st_lo, st_hi, RB,
-                         WK == 4, False, E4B, first, st_base)
+                         WK == 4, RP, E4B, first, st_base)
     else:
         y = fp8_rows_dot(xq, wq0, ra, rb, wq1, ra, rb, swn, q, kw, mine, st_lo, st_hi, RB, PIECES, first, st_base,
                          WK)
@@ -223,13 +224,13 @@ def _ks_sum(s, red, warp, r, q, ks, lead, NW: tl.constexpr):
 
 @triton.jit
 def _block_sums(first, wq0, wq1, sq0, sq1, K: tl.constexpr, r0, r_end, blk, st0, sks, ks, scr_ptr, warp, r, q,
-                RB: tl.constexpr, NW: tl.constexpr, WK: tl.constexpr, E4B: tl.constexpr):
+                RB: tl.constexpr, NW: tl.constexpr, WK: tl.constexpr, E4B: tl.constexpr, RP: tl.constexpr = False):
     """Rows r, r + 8 of block blk (of wq0, and of wq1 when RB == 2; fp4 scales sq0 / sq1) over this warp's K range,
     summed over the quad and, when KS > 1, over the block's warps: (rows of wq0 a / b, rows of wq1 a / b), valid
     in lead lanes."""
     ra, rb = _rows(r0, r_end, blk, r)
     y0, y1, y2, y3 = _dot(scr_ptr.to(tl.pointer_type(tl.uint32)), wq0, sq0, wq1, sq1, ra, rb, _kw(K, WK), _kg(K, WK),
-                          q, _kw(K, WK), _kg(K, WK), _mine(r, q), 0, sks, RB, first, st0, WK, E4B)
+                          q, _kw(K, WK), _kg(K, WK), _mine(r, q), 0, sks, RB, first, st0, WK, E4B, RP)
     return _warp_sums(y0, y1, y2, y3, ks, scr_ptr + _xw(K, WK), warp, r, q, RB, NW)
 
 
@@ -261,11 +262,11 @@ def _warp_sums(y0, y1, y2, y3, ks, red, warp, r, q, RB: tl.constexpr, NW: tl.con
 def mma8_task(first, wq, f_ptr, K: tl.constexpr, r0, r_end, x_ptr, nw_ptr, eps, b_ptr, y_ptr, res_ptr, scr_ptr,
               NORM: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, NW: tl.constexpr,
               BLOCK_X: tl.constexpr, HAS_F: tl.constexpr = True, WK: tl.constexpr = 0, tr=0, trace_on=False,
-              STAMP: tl.constexpr = False, sq=0, E4B: tl.constexpr = False):
+              STAMP: tl.constexpr = False, sq=0, E4B: tl.constexpr = False, RP: tl.constexpr = False):
     """y[r] for r in [r0, r_end) (module docstring), after the task's wait; first = mma8_first(...). y may alias
     res (each task owns its rows). WK 1 / 2: bf16 / fp16 weights (no row factors: HAS_F False); 3 / 4: nvfp4 /
     mxfp4 codes with their group scales at sq (u8; nvfp4's row factors 2^14 / global scale, mxfp4 none: HAS_F
-    False). STAMP: _stamp_loop."""
+    False; RP: the codes in packing "mma"). STAMP: _stamp_loop."""
     _stage_x(x_ptr, nw_ptr, eps, scr_ptr, K, NORM, BLOCK_X, WK)
     _stamp_loop(tr, trace_on, STAMP)
     lane, warp = _lane_warp(NW)
@@ -281,7 +282,7 @@ def mma8_task(first, wq, f_ptr, K: tl.constexpr, r0, r_end, x_ptr, nw_ptr, eps, 
             ra, rb = _rows(r0, r_end, blk, r)
             first = _first(wq, sq, wq, sq, ra, rb, _kw(K, WK), _kg(K, WK), q, _kw(K, WK), _kg(K, WK), st0, 1, WK)
         s0, s1, _, _ = _block_sums(first, wq, wq, sq, sq, K, r0, r_end, blk, st0, sks, ks, scr_ptr, warp, r, q, 1,
-                                   NW, WK, E4B)
+                                   NW, WK, E4B, RP)
         row = r0 + blk * 16 + r
         _epilogue(s0, row, lead & (blk < nblk) & (row < r_end), f_ptr, b_ptr, y_ptr, res_ptr, HAS_BIAS, HAS_RES,
                   HAS_F)
@@ -293,7 +294,7 @@ def mma8_task(first, wq, f_ptr, K: tl.constexpr, r0, r_end, x_ptr, nw_ptr, eps, 
 def mma8_glu_task(wg, wu, fg_ptr, fu_ptr, K: tl.constexpr, r0, r_end, x_ptr, nw_ptr, eps, bg_ptr, bu_ptr, h_ptr,
                   limit, alpha, scr_ptr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, NW: tl.constexpr,
                   BLOCK_X: tl.constexpr, HAS_F: tl.constexpr = True, WK: tl.constexpr = 0, tr=0, trace_on=False,
-                  STAMP: tl.constexpr = False, sg=0, su=0, E4B: tl.constexpr = False):
+                  STAMP: tl.constexpr = False, sg=0, su=0, E4B: tl.constexpr = False, RP: tl.constexpr = False):
     """h[r] = glu(fg[r] (Wg[r] . x') (+ bg[r]), fu[r] (Wu[r] . x') (+ bu[r])) for r in [r0, r_end), x' = fp16 of the
     RMS-normed x (stream_glu's task on the tensor cores: a routed expert's gate / up rows, known only after the
     wait, so no loads go before it; also the dense MLP's gate / up; WK as mma8_task's, sg / su the gate / up rows'
@@ -316,7 +317,7 @@ def mma8_glu_task(wg, wu, fg_ptr, fu_ptr, K: tl.constexpr, r0, r_end, x_ptr, nw_
             ra, rb = _rows(r0, r_end, blk, r)
             first = _first(wg, sg, wu, su, ra, rb, _kw(K, WK), _kg(K, WK), q, _kw(K, WK), _kg(K, WK), st0, 2, WK)
         g0, g1, u0, u1 = _block_sums(first, wg, wu, sg, su, K, r0, r_end, blk, st0, sks, ks, scr_ptr, warp, r, q, 2,
-                                     NW, WK, E4B)
+                                     NW, WK, E4B, RP)
         row = r0 + blk * 16 + r
         _glu_out(g0, u0, row, lead & (blk < nblk) & (row < r_end), fg_ptr, fu_ptr, bg_ptr, bu_ptr, h_ptr, limit,
                  alpha, HAS_BIAS, ACT, HAS_F)
@@ -378,7 +379,8 @@ def mma8_down_task(wq, ed_w, sd_w, f_ptr, ed_f, sd_f, b_ptr, r0, r_end, h_ptr, i
                    scr_ptr, D: tl.constexpr, I_MOE: tl.constexpr, I_SH: tl.constexpr, TOPK: tl.constexpr,
                    HAS_EBIAS: tl.constexpr, HAS_SH_GATE: tl.constexpr, NW: tl.constexpr, BLOCK_X: tl.constexpr,
                    HAS_F: tl.constexpr = True, WK: tl.constexpr = 0, tr=0, trace_on=False,
-                   STAMP: tl.constexpr = False, sq=0, eds=0, sds=0, E4B: tl.constexpr = False):
+                   STAMP: tl.constexpr = False, sq=0, eds=0, sds=0, E4B: tl.constexpr = False,
+                   RP: tl.constexpr = False):
     """x[r] += sum_j f_j[r] (Wdown[e_j][r] . fp16(w_j h_j)) + w_j bdown[e_j][r] + f_sh[r] (Wsh[r] . fp16(sg h_sh)),
     r in [r0, r_end) (stream_expert_down's task on the tensor cores; wq: the fp8 arena as u32, ed_w / sd_w the
     routed / shared down weights' byte offsets in it, ed_f / sd_f their row factors' in f_ptr). K is cut into
@@ -425,7 +427,7 @@ def mma8_down_task(wq, ed_w, sd_w, f_ptr, ed_f, sd_f, b_ptr, r0, r_end, h_ptr, i
             # (a warp past the last segment, g >= NSEG when NSEG < KS: its sums are dropped below; its x is the
             # last segment's, not words past the staged h -- another program's scratch, or past the buffer)
             ya, yb, _, _ = _dot(xq + tl.minimum(g, NSEG - 1) * _xw(I_MOE, WK), wq + w0, sq + so, wq + w0, sq + so, ra,
-                                rb, swn, ssn, q, kw, kg, mine, 0, n_st, 1, first, 0, WK, E4B)
+                                rb, swn, ssn, q, kw, kg, mine, 0, n_st, 1, first, 0, WK, E4B, RP)
             ok = g < NSEG
             if HAS_F:
                 ya = ya * tl.load(f_ptr + fo + ra)

@@ -522,6 +522,28 @@ def fp4_mma_tasks(d: Dims) -> bool:
             and not d.TP and not d.E_LOC and d.D % 32 == 0 and (d.HQ * d.DH) % 32 == 0 and d.I_DENSE % 32 == 0)
 
 
+def fp4_mma_down(d: Dims) -> bool:
+    """Whether the routed experts' down task (and the shared expert's down rows with it) runs on the tensor cores
+    for fp4 experts: fp4_mma_tasks, I_MOE and I_SH multiples of 32 (KIE_MONO_FP8_MMA_DOWN=0: its A/B)."""
+    return (fp4_mma_tasks(d) and d.E > 0 and d.I_MOE > 0 and d.FMT_EXP >= 3 and d.I_MOE % 32 == 0
+            and d.I_SH % 32 == 0 and env_flag("KIE_MONO_FP8_MMA_DOWN", True))
+
+
+def fp4_packed(d: Dims, name: str) -> bool:
+    """Whether the fp4 Linear `name` is stored in packing "mma" (kernels/weights.mma_bytes: fp4_mma's decode with
+    one AND for the low plane, 15.7 instead of 17.7 SASS per word): only where every reader is a tensor-core task
+    (the shared expert's gate / up stream on the CUDA cores). KIE_MONO_FP4_PACK=0: checkpoint bytes (its A/B)."""
+    kind = qkind(name)
+    fmt = {"attn": d.FMT_ATTN, "mlp": d.FMT_MLP, "exp": d.FMT_EXP}.get(kind, 0)
+    if fmt < 3 or not fp4_mma_tasks(d) or not env_flag("KIE_MONO_FP4_PACK", True):
+        return False
+    if kind != "exp":
+        return True
+    if name.endswith(".down"):
+        return fp4_mma_down(d)
+    return ".moe.experts." in name
+
+
 GPU_TILE_ELEMS = {1: 16384, 2: 8192, 3: 4096, 4: 4096}     # programs per SM -> elements per weight tile
 # ... except a plan whose fp4 Linears stream on the CUDA cores (not fp4_mma_tasks) at one program per SM: twice the
 # rows per tile (every op; fp4 ops still get
@@ -603,6 +625,8 @@ def build_plan(spec: ModelSpec, weights=None, device: str | torch.device = "cpu"
     qa = QArena(qfmt) if qfmt else None
     has = (lambda n: n in names) if names is not None else (lambda n: not spec.tie_word_embeddings)
     arena, lay_offs, top = layout_arena(spec, d, has, qa)
+    if qa is not None:
+        qa.packed = frozenset(n for n in qa.entries if fp4_packed(d, n))
     buf = torch.empty(arena.size, dtype=wdtype, device=device)
     qbufs = qa.allocate(device) if qa is not None else None
     if weights is not None:

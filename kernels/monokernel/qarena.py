@@ -1,7 +1,8 @@
 """Quantized weights of the monokernel: one format per model (fp8, fp8-block, nvfp4 or mxfp4, kernels/tiles.py's
 FMT_ID), packed into three device buffers beside the float arena:
 
-  qw   u8   codes: e4m3 bytes [out, in] or packed e2m1 [out, in/2] (rows of a fused group back to back)
+  qw   u8   codes: e4m3 bytes [out, in] or packed e2m1 [out, in/2] (rows of a fused group back to back; the fp4
+            Linears only tensor-core tasks read in packing "mma", kernels/weights.mma_bytes: `packed`)
   qs8  u8   fp4 group scales [out, in/G]: e4m3 bytes (nvfp4, G=16) or E8M0 (mxfp4, G=32)
   qf32 fp32 fp8-block scales expanded to one row per weight row [out, ceil(in/128)] (the kernel may then tile
             rows anywhere; +3% bytes), and per-row factors: fp8's row scale, nvfp4's 2^14 / global scale
@@ -16,6 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+
+from ..weights import checkpoint_bytes, mma_bytes
 
 FMT_ID = {"fp8": 1, "fp8-block": 2, "fp8_block": 2, "nvfp4": 3, "mxfp4": 4}
 _E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
@@ -40,6 +43,7 @@ class QArena:
     s8: int = 0         # bytes of qs8
     f32: int = 0        # elements of qf32
     entries: dict = field(default_factory=dict)   # name -> (w_off, s_off, f_off, out, in)
+    packed: frozenset = frozenset()                # fp4 Linears whose codes are stored in packing "mma"
 
     def add(self, names_shapes: list[tuple[str, tuple[int, int]]]) -> tuple[int, int, int]:
         """Place a fused group (q|k|v, gate|up, an expert stack: all with one `in`) back to back; -> offsets of
@@ -84,6 +88,8 @@ class QArena:
         if FMT_ID.get(qt.scheme) != fmt:
             raise ValueError(f"monokernel: {name} is {qt.scheme}, the plan packs format {fmt}")
         codes = t["weight_packed"] if fmt >= 3 else t["weight"].view(torch.uint8)
+        if name in self.packed:
+            codes = mma_bytes(codes)
         bufs["qw"][w_off:w_off + codes.numel()].copy_(codes.reshape(-1))
         if fmt == 1:
             bufs["qf32"][f_off:f_off + out].copy_(t["weight_scale"].reshape(out).float())
@@ -110,6 +116,8 @@ class QArena:
             nkb = scale_cols(2, inp)
             s = bufs["qf32"][s_off:s_off + out * nkb].view(out, nkb).repeat_interleave(128, dim=1)[:, :inp]
             return w * s
+        if name in self.packed:
+            codes = checkpoint_bytes(codes)
         lut = torch.tensor(_E2M1, dtype=torch.float32, device=codes.device)
         q = torch.stack((lut[(codes & 0x0F).long()], lut[(codes >> 4).long()]), dim=-1).reshape(out, inp)
         g = 16 if fmt == 3 else 32

@@ -189,7 +189,7 @@ class MonokernelBackend:
         # A/B)
         self.mma_down = (has_exp and d.I_MOE % 16 == 0 and d.I_SH % 16 == 0
                          and (self.mma8 if d.FMT_EXP == 1 else (d.FMT_EXP == 0 and self.mma16 > 0)
-                              or (d.FMT_EXP >= 3 and self.mma4 and d.I_MOE % 32 == 0 and d.I_SH % 32 == 0))
+                              or P.fp4_mma_down(d))
                          and os.environ.get("KIE_MONO_FP8_MMA_DOWN", "1") == "1")
         self.mma_any = self.mma8 or self.mma16 > 0 or self.mma4
         # attention's score and p.V dots (ops.attention_task PREC): "ieee" fp32 FMAs, "tf32x3" tensor cores at
@@ -507,6 +507,7 @@ class MonokernelBackend:
             BLOCK_QG=_pow2(max(d.HQ // max(d.HKV, 1) * d.DH, 1)),
             XB=t.xb, NS=t.ns, USE_ASM=not self.interpret, NT=32 * self.num_warps, TP=d.TP, E_LO=d.E_LO,
             E_LOC=d.E_LOC, MMA8=mma8, MMA16=self.mma16, MMA_DN=mma_dn, MMA4=self.mma4, E4B=not native,
+            RP4=bool(pl.qarena is not None and pl.qarena.packed),
             MSCR=self.mscr_words, ATTN_PREC=self.attn_prec, BLOCK_XS=self.stage_block or bx,
             ROUTE_ONCE=self.route_once, N_ROUTER=max(1, len(pl.op_rows.get("router", ()))), DOWN_L2=self.down_l2,
             CLAIM=self.claim)

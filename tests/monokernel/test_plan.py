@@ -100,6 +100,30 @@ def test_fp4_plans_take_twice_the_tile_rows_and_mxfp4_no_stages(monkeypatch):
     assert plan("nvfp4", programs_per_sm=2).tiles.bn == plan("mxfp4", programs_per_sm=2).tiles.bn
 
 
+def test_fp4_packed_names_follow_their_readers(tiny_model, monkeypatch):
+    """plan.fp4_packed: an fp4 Linear is stored in packing "mma" only where every reader is a tensor-core task:
+    attention and routed experts' gate / up (and down where its task runs on the tensor cores: I_MOE and I_SH
+    multiples of 32), never the shared expert's gate / up (CUDA-core stream_glu), nor anything with the fp4 tasks
+    (KIE_MONO_FP4_MMA=0) or the packing (KIE_MONO_FP4_PACK=0) off, nor fp8."""
+    import dataclasses
+    spec = tiny_model("qwen2_moe").spec     # routed experts (I_MOE 32) and a shared expert (I_SH 48)
+    d = P.build_plan(spec, None, "meta", n_sms=132, formats={"attn": "nvfp4", "exp": "nvfp4"}).dims
+    names = ["layers.0.attn.q", "layers.0.attn.o", "layers.1.moe.experts.3.gate", "layers.1.moe.experts.3.down",
+             "layers.1.moe.shared.up", "layers.1.moe.shared.down", "layers.0.moe.router"]
+    assert (d.I_MOE, d.I_SH) == (32, 48)
+    assert [P.fp4_packed(d, n) for n in names] == [True, True, True, False, False, False, False]
+    d = dataclasses.replace(d, I_SH=64)   # down rows on the tensor cores: packed too
+    assert [P.fp4_packed(d, n) for n in names] == [True, True, True, True, False, True, False]
+    d8 = P.build_plan(spec, None, "meta", n_sms=132, formats={"attn": "fp8", "exp": "fp8"}).dims
+    assert not any(P.fp4_packed(d8, n) for n in names)
+    for flag in ("KIE_MONO_FP4_MMA", "KIE_MONO_FP4_PACK"):
+        monkeypatch.setenv(flag, "0")
+        assert not any(P.fp4_packed(d, n) for n in names)
+        monkeypatch.delenv(flag)
+    monkeypatch.setenv("KIE_MONO_FP8_MMA_DOWN", "0")
+    assert [P.fp4_packed(d, n) for n in names] == [True, True, True, False, False, False, False]
+
+
 def test_launch_maxnreg():
     assert P.launch_maxnreg(1, 8) is None and P.launch_maxnreg(2, 4) is None   # ptxas' 255 fits
     assert P.launch_maxnreg(4, 4) == 128 and P.launch_maxnreg(2, 8) == 128 and P.launch_maxnreg(3, 4) == 168
