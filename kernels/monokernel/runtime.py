@@ -185,6 +185,11 @@ class MonokernelBackend:
         self.mma16 = w16 if (os.environ.get("KIE_MONO_W16_MMA", "0") == "1" and plain and 0 in fmts) else 0
         # KIE_MONO_FP4_MMA (plan.fp4_mma_tasks): the nvfp4 / mxfp4 tasks through fp4_mma's loop (mma8.py's WK 3 / 4)
         self.mma4 = P.fp4_mma_tasks(d)
+        qa = self.plan.qarena
+        if qa is not None and qa.packed != {n for n in qa.entries if P.fp4_packed(d, n)}:
+            raise ValueError("monokernel: the plan's fp4 codes were packed for another set of tensor-core tasks "
+                             "(KIE_MONO_FP4_MMA / KIE_MONO_FP4_PACK / KIE_MONO_FP8_MMA_DOWN changed after build_plan): "
+                             "build the plan and the backend with the same flags")
         # the experts' down task too where its widths are multiples of 16 (fp4: 32; KIE_MONO_FP8_MMA_DOWN=0: its
         # A/B)
         self.mma_down = (has_exp and d.I_MOE % 16 == 0 and d.I_SH % 16 == 0

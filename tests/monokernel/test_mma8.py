@@ -188,6 +188,8 @@ def test_monokernel_fp4_tasks_on_the_tensor_cores(case, scheme, kinds, tiny_mode
                           for n in packed)
     assert len(packed) == sum(1 for n in q if ".shared." not in n and not (".experts." in n and n.endswith(".down")))
     assert not off.plan.qarena.packed
+    with pytest.raises(ValueError, match="packed for another set of tensor-core tasks"):   # flag now "0"
+        MonokernelBackend(m, DEV, plan=be.plan)
     for name in q:   # the plan's dequantized view reads packed codes back
         torch.testing.assert_close(be.plan.view(name).cpu(), q[name].dequantize(), rtol=1e-6, atol=1e-7)
 
