@@ -1,7 +1,7 @@
 """The monokernel's fp8 (and fp4, 16-bit: WK below) q|k|v, o_proj, dense MLP and routed-expert gate / up and
-down tasks on the tensor cores (kernels/fp8_mma.py's loop); on by default since session 32, KIE_MONO_FP8_MMA=0 for the CUDA-core tasks (NOTES.md
-sessions 28-29, 32). The down task needs
-I_MOE and the shared expert's width to be multiples of 16 (else it stays on the CUDA cores, stream.py).
+down tasks on the tensor cores (kernels/fp8_mma.py's loop); on by default since session 32, KIE_MONO_FP8_MMA=0 for
+the CUDA-core tasks (NOTES.md sessions 28-29, 32). The down task needs I_MOE and the shared expert's width to be
+multiples of 16 (fp4: 32; else it stays on the CUDA cores, stream.py).
 
 Why: at one 8-warp program per SM the CUDA-core fp8 stream loops run 37-65% of the read probe, fp8_mma's loop
 79-84% (H100, session 28). A task here is rows [r0, r_end) of an fp8 matrix [N, K] (row stride K bytes, u32 view
@@ -19,9 +19,10 @@ slot's values times its routing weight first (h is not normed: fp16's range, 655
 WK, the weights' kind: 0 e4m3 (fp8_rows_dot). 1 / 2 (KIE_MONO_W16_MMA=1: the tasks whose weights are the bf16 /
 fp16 arena's): the same tasks over 16-bit weight pairs (fp8_rows_dot's W16), no row factors (HAS_F False), x
 staged as hi + lo pairs (kernels/fp8_mma.py's x16 layout, K words instead of K / 2). 3 / 4 (nvfp4 / mxfp4,
-KIE_MONO_FP4_MMA): the qarena's e2m1 codes through kernels/fp4_mma.py's loop (fp4_rows_dot: 256 codes per step,
-the group scales from the qarena's u8 scale rows, one FFMA per group), x staged in prepare_xh's order (xh_pos);
-nvfp4's row factors are the qarena's 2^14 / global scale, mxfp4 has none (its 2^-14 is in the E8M0 decode). The
+KIE_MONO_FP4_MMA, on: H100 qwen3-30b-a3b nvfp4 197.7 -> 296.7 tok/s, mxfp4 260.7 -> 316.7, NOTES.md session 40):
+the qarena's e2m1 codes (in packing "mma" where plan.fp4_packed says, RP) through kernels/fp4_mma.py's loop
+(fp4_rows_dot: 256 codes per step, the group scales from the qarena's u8 scale rows, one FFMA per group), x staged
+in prepare_xh's order (xh_pos); nvfp4's row factors are the qarena's 2^14 / global scale, mxfp4 has none (its 2^-14 is in the E8M0 decode). The
 fp4 tasks need every K a multiple of 32 (whole 16-byte pieces and scale pairs; fp4_mma._piece_load).
 
 Scratch per program (fp32 words): [K / 2: x as fp16 | K: x16] [NW x 32: one quad sum per warp and row of each
@@ -101,9 +102,8 @@ def _first(wq0, sq0, wq1, sq1, ra, rb, swn, ssn, q, kw, kg, st, RB: tl.constexpr
 def _dot(xq, wq0, sq0, wq1, sq1, ra, rb, swn, ssn, q, kw, kg, mine, st_lo, st_hi, RB: tl.constexpr, first, st_base,
          WK: tl.constexpr, E4B: tl.constexpr, RP: tl.constexpr = False):
     """fp8_rows_dot (WK 0-2) or fp4_rows_dot (3 / 4; E4B: e4m3 scales decoded from their bits; RP: codes in
-    packing "mma") over steps
-    [st_lo, st_hi) from st_base: 32 u32 words of each row per step either way (128 e4m3 codes, 64 16-bit
-    weights, 256 e2m1 codes)."""
+    packing "mma") over steps [st_lo, st_hi) from st_base: 32 u32 words of each row per step either way (128 e4m3
+    codes, 64 16-bit weights, 256 e2m1 codes)."""
     if WK >= 3:
         y = fp4_rows_dot(xq, wq0, sq0, ra, rb, wq1, sq1, ra, rb, swn, ssn, q, kw, kg, mine, st_lo, st_hi, RB,
                          WK == 4, RP, E4B, first, st_base)
