@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from .device_caps import has_fp8e4nv
-from .fp4_mma import _h, _lane_warp, _ld_words, _ld_x, _mine, _quad_sum, rows_unreadable, xh_input
+from .fp4_mma import _lane_warp, _ld_words, _ld_x, _mine, _quad_sum, rows_unreadable, xh_input
 from .gemv import check_vec, check_x, make_out
 from .pdl import launch_kw, pdl_begin, reg_cap
 from .tiles import _ASM, _as_f32, _store_out
@@ -85,16 +85,14 @@ _PIECE_F16 = tl.constexpr(_piece16_ptx("f16"))
 
 
 @triton.jit
-def _code(w, i: tl.constexpr):
-    """Byte i of u32 word w as the fp32 value of its e4m3 bits (portable path)."""
-    return _as_f32(((w >> (8 * i)) & 0xFF).to(tl.uint8))
-
-
-@triton.jit
 def _word_dot8(w, x0, x1):
-    """Portable: one word's 4 codes dotted with their x pairs {x0, x1} (u32 f16x2 each)."""
-    p = _code(w, 0) * _h(x0, False) + _code(w, 1) * _h(x0, True)
-    return p + _code(w, 2) * _h(x1, False) + _code(w, 3) * _h(x1, True)
+    """Portable: one word's 4 codes dotted with their x pairs {x0, x1} (u32 f16x2 each), the 4 codes at once as a
+    [L, 4] tensor (code k = byte k against half k % 2 of pair k // 2): the interpreter runs ~4x fewer ops (CI)."""
+    k = tl.arange(0, 4)[None, :]
+    c = _as_f32(((w[:, None] >> (8 * k).to(tl.uint32)) & 0xFF).to(tl.uint8))
+    xp = tl.where(k < 2, x0[:, None], x1[:, None])
+    xv = ((xp >> (16 * (k & 1)).to(tl.uint32)) & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True)
+    return tl.sum(c * xv.to(tl.float32), axis=1)
 
 
 @triton.jit

@@ -29,6 +29,8 @@ for arg in sys.argv[1:]:
     for needle in ("ld.global.acquire.gpu", "red.release.gpu.global.add", "st.release.sys.global", "%globaltimer",
                    "ld.volatile.global", "atom.global.gpu.relaxed.add", "cp.async.bulk.prefetch.L2"):
         assert needle in ptx, (path, needle)
+    if scheme == "mxfp4":   # its fp4 q|k|v / o_proj tasks on the tensor cores (KIE_MONO_FP4_MMA, the default)
+        assert be.mma4 and "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in ptx, path
     # the attention task is a called function by default (KIE_ATTN_NOINLINE: its own registers)
     assert re.search(r"\.func .*_attention_task_", ptx) and "call.uni" in ptx, path
     # an A100 (sm_80) takes the same plan: e4m3 buffers as bytes (no fp8e4nv pointer), no sm_90 bulk prefetch
