@@ -198,11 +198,31 @@ def _word_dot(w, x0, x1, x2, x3, RP: tl.constexpr = False):
     return tl.sum(v * xv.to(tl.float32), axis=1)
 
 
+# KIE_MMA_SCALE_ASM=1 (experiment, off until measured on a GPU): the group scales load through inline PTX
+# (ld.global.nc, zero-extended into a 32-bit register) like the codes, instead of tl.load. Same values; the point is
+# compile time: Triton's coalescing pass walks every tl.load / tl.store of the one huge monokernel function and took
+# 16.6 of the nvfp4 tensor-core build's 25.5 s offline (NOTES.md session 40); its speed effect is not measured.
+_SCALE_ASM = tl.constexpr(os.environ.get("KIE_MMA_SCALE_ASM", "0") == "1")
+
+
+@triton.jit
+def _ld_scale(ptr, U16: tl.constexpr):
+    """The u16 (nvfp4: two e4m3 group scales) or u8 (mxfp4: one E8M0) at ptr, as int32."""
+    if _ASM and _SCALE_ASM:
+        v = tl.inline_asm_elementwise("ld.global.nc.u16 $0, [$1];" if U16 else "ld.global.nc.u8 $0, [$1];",
+                                      "=r,l", [ptr], dtype=tl.int32, is_pure=True, pack=1)
+    elif U16:
+        v = tl.load(ptr.to(tl.pointer_type(tl.uint16))).to(tl.int32)
+    else:
+        v = tl.load(ptr).to(tl.int32)
+    return v
+
+
 @triton.jit
 def _e8m0_scale(ptr):
     """One mxfp4 group scale byte e at ptr as fp32 2^(e - 127) x 2^14: the decode's 2^-14 undone here so that a row
     whose groups all have e = 0 keeps fp32's normal range: exact for e <= 240, inf above."""
-    return (tl.minimum(tl.load(ptr).to(tl.int32) + 14, 255) << 23).to(tl.float32, bitcast=True)
+    return (tl.minimum(_ld_scale(ptr, False) + 14, 255) << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -219,8 +239,8 @@ def _piece_load(wq, sq, ra, rb, swn, stride_sn, st, q, KW, KG, h: tl.constexpr, 
         sb = _e8m0_scale(sq + rb * stride_sn + g)
     else:  # both groups' e4m3 bytes in one u16 load per row (g is even), widened where used (_group_scale)
         g = tl.minimum(w // 2, KG - 2)
-        sa = tl.load((sq + ra * stride_sn + g).to(tl.pointer_type(tl.uint16))).to(tl.int32)
-        sb = tl.load((sq + rb * stride_sn + g).to(tl.pointer_type(tl.uint16))).to(tl.int32)
+        sa = _ld_scale(sq + ra * stride_sn + g, True)
+        sb = _ld_scale(sq + rb * stride_sn + g, True)
     return a0, a1, a2, a3, b0, b1, b2, b3, sa, sb
 
 
