@@ -419,7 +419,7 @@ def monokernel(
             prefetch_rows(w, r0, nr, D, FMT_ATTN, USE_ASM)   # the whole task into L2 before the wait
             if MM_ATTN:   # on the tensor cores (mma8.py): the first step's loads before the wait
                 wq = tl.multiple_of(_wq(FMT_ATTN, wa_ptr, qw32_ptr, woff), 32)
-                first = mma8_first(wq, D, r0, r_end, NT // 32, W_ATTN, qs8u_ptr + tl.load(lrow + P.LF_QKV_S))
+                first = mma8_first(wq, D, r0, r_end, NT // 32, W_ATTN, sq)
             else:
                 w0, s0 = tile(w, sq, D, r0, r_end, 0, 1, FMT_ATTN, BN_QKV, BLOCK_K)
             t_next, row_next, st = _claim_wait(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, wctr, target,
@@ -430,7 +430,7 @@ def monokernel(
                               wa_ptr + tl.multiple_of(tl.load(lrow + P.LF_ATTN_NORM), 64) + lnw, eps,
                               wa_ptr + tl.multiple_of(tl.load(lrow + P.LF_QKV_B), 64), qkv_ptr, qkv_ptr,
                               mscr_ptr + pid * MSCR, True, HAS_QKV_BIAS, False, NT // 32, BLOCK_XS, F_ATTN,
-                              W_ATTN, tr, trace_on, MODE == 3, qs8u_ptr + tl.load(lrow + P.LF_QKV_S), E4B, RP4)
+                              W_ATTN, tr, trace_on, MODE == 3, sq, E4B, RP4)
             elif st == 0:
                 stream_gemv(w, sq, qf32_ptr + tl.load(lrow + P.LF_QKV_F), w0, s0, D, r0, r_end, lx,
                             wa_ptr + tl.multiple_of(tl.load(lrow + P.LF_ATTN_NORM), 64) + lnw, eps,
@@ -456,7 +456,7 @@ def monokernel(
             prefetch_rows(w, r0, nr, O_K, FMT_ATTN, USE_ASM)
             if MM_ATTN:   # (the tensor-core tasks exclude TP and MLA: x += W_o ao in place)
                 wq = tl.multiple_of(_wq(FMT_ATTN, wa_ptr, qw32_ptr, woff), 32)
-                first = mma8_first(wq, O_K, r0, r_end, NT // 32, W_ATTN, qs8u_ptr + tl.load(lrow + P.LF_O_S))
+                first = mma8_first(wq, O_K, r0, r_end, NT // 32, W_ATTN, sq)
             else:
                 w0, s0 = tile(w, sq, O_K, r0, r_end, 0, 1, FMT_ATTN, BN_O, BLOCK_K)
             t_next, row_next, st = _claim_wait(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, wctr, target,
@@ -466,7 +466,7 @@ def monokernel(
                     mma8_task(first, wq, qf32_ptr + tl.load(lrow + P.LF_O_F), O_K, r0, r_end, ao_ptr, ao_ptr, eps,
                               wa_ptr + tl.multiple_of(tl.load(lrow + P.LF_O_B), 64), x_ptr, x_ptr,
                               mscr_ptr + pid * MSCR, False, HAS_O_BIAS, True, NT // 32, BLOCK_XS, F_ATTN,
-                              W_ATTN, tr, trace_on, MODE == 3, qs8u_ptr + tl.load(lrow + P.LF_O_S), E4B, RP4)
+                              W_ATTN, tr, trace_on, MODE == 3, sq, E4B, RP4)
             else:
                 if TP > 0:   # a launch that is ending puts nothing (peers may already be zeroing for the next one)
                     if st == 0:
@@ -611,8 +611,7 @@ def monokernel(
                                   qf32_ptr + f_off + I_DENSE, D, r0, r_end, lx,
                                   wa_ptr + tl.multiple_of(tl.load(lrow + P.LF_MLP_NORM), 64) + lnw, eps, wa_ptr,
                                   wa_ptr, h_ptr, glu_limit, glu_alpha, mscr_ptr + pid * MSCR, False, 0, NT // 32,
-                                  BLOCK_XS, F_MLP, W_MLP, tr, trace_on, MODE == 3, qs8u_ptr + s_off,
-                                  qs8u_ptr + s_off + I_DENSE * SC_D_MLP, E4B, RP4)
+                                  BLOCK_XS, F_MLP, W_MLP, tr, trace_on, MODE == 3, sg_, su_, E4B, RP4)
             else:
                 g0, gs0 = tile(wg, sg_, D, r0, r_end, 0, 1, FMT_MLP, BN_GU, BLOCK_K)
                 u0, us0 = tile(wu, su_, D, r0, r_end, 0, 1, FMT_MLP, BN_GU, BLOCK_K)
@@ -629,7 +628,7 @@ def monokernel(
             prefetch_rows(w, r0, nr, I_DENSE, FMT_MLP, USE_ASM)
             if MM_MLP:
                 wq = tl.multiple_of(_wq(FMT_MLP, wa_ptr, qw32_ptr, woff), 32)
-                first = mma8_first(wq, I_DENSE, r0, r_end, NT // 32, W_MLP, qs8u_ptr + tl.load(lrow + P.LF_DOWN_S))
+                first = mma8_first(wq, I_DENSE, r0, r_end, NT // 32, W_MLP, sq)
             else:
                 w0, s0 = tile(w, sq, I_DENSE, r0, r_end, 0, 1, FMT_MLP, BN_DOWN, BLOCK_K)
             t_next, row_next, st = _claim_wait(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, wctr, target,
@@ -644,8 +643,7 @@ def monokernel(
                 if st == 0:
                     mma8_task(first, wq, qf32_ptr + tl.load(lrow + P.LF_DOWN_F), I_DENSE, r0, r_end, h_ptr, h_ptr,
                               eps, wa_ptr, x_ptr, x_ptr, mscr_ptr + pid * MSCR, False, False, True, NT // 32, BLOCK_XS,
-                              F_MLP, W_MLP, tr, trace_on, MODE == 3, qs8u_ptr + tl.load(lrow + P.LF_DOWN_S), E4B,
-                              RP4)
+                              F_MLP, W_MLP, tr, trace_on, MODE == 3, sq, E4B, RP4)
             elif st == 0:
                 stream_gemv(w, sq, qf32_ptr + tl.load(lrow + P.LF_DOWN_F), w0, s0, I_DENSE, r0, r_end, h_ptr, h_ptr,
                             eps, wa_ptr, yd, yd, 0, pv_ptr, pi_ptr, 0, 1.0, 0, 0, False, False, TP == 0, False,
@@ -740,9 +738,7 @@ def monokernel(
                                   wa_ptr + tl.load(lrow + P.LF_EGATE_B) + e * I_MOE,
                                   wa_ptr + tl.load(lrow + P.LF_EUP_B) + e * I_MOE, h_ptr + aux * I_MOE, glu_limit,
                                   glu_alpha, mscr_ptr + pid * MSCR, HAS_EBIAS, EXP_ACT, NT // 32, BLOCK_XS,
-                                  F_EXP, W_EXP, tr, trace_on, MODE == 3,
-                                  qs8u_ptr + tl.load(lrow + P.LF_EGATE_S) + e * (I_MOE * SC_D_EXP),
-                                  qs8u_ptr + tl.load(lrow + P.LF_EUP_S) + e * (I_MOE * SC_D_EXP), E4B, RP4)
+                                  F_EXP, W_EXP, tr, trace_on, MODE == 3, sg_, su_, E4B, RP4)
                 else:
                     g0, gs0 = tile(wg, sg_, D, r0, re_, 0, 1, FMT_EXP, BN_EUP, BLOCK_K)
                     u0, us0 = tile(wu, su_, D, r0, re_, 0, 1, FMT_EXP, BN_EUP, BLOCK_K)

@@ -265,8 +265,9 @@ def mma8_task(first, wq, f_ptr, K: tl.constexpr, r0, r_end, x_ptr, nw_ptr, eps, 
               STAMP: tl.constexpr = False, sq=0, E4B: tl.constexpr = False, RP: tl.constexpr = False):
     """y[r] for r in [r0, r_end) (module docstring), after the task's wait; first = mma8_first(...). y may alias
     res (each task owns its rows). WK 1 / 2: bf16 / fp16 weights (no row factors: HAS_F False); 3 / 4: nvfp4 /
-    mxfp4 codes with their group scales at sq (u8; nvfp4's row factors 2^14 / global scale, mxfp4 none: HAS_F
-    False; RP: the codes in packing "mma"). STAMP: _stamp_loop."""
+    mxfp4 codes with their group scales at sq (a byte pointer: the qarena's u8 view, or its e4m3 one for nvfp4;
+    nvfp4's row factors 2^14 / global scale, mxfp4 none: HAS_F False; RP: the codes in packing "mma").
+    STAMP: _stamp_loop."""
     _stage_x(x_ptr, nw_ptr, eps, scr_ptr, K, NORM, BLOCK_X, WK)
     _stamp_loop(tr, trace_on, STAMP)
     lane, warp = _lane_warp(NW)

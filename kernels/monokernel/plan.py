@@ -545,6 +545,11 @@ def fp4_packed(d: Dims, name: str) -> bool:
     return ".moe.experts." in name
 
 
+def fp4_packed_names(d: Dims, names) -> frozenset:
+    """The quantized Linears among `names` stored in packing "mma" (fp4_packed): qarena.packed."""
+    return frozenset(n for n in names if fp4_packed(d, n))
+
+
 GPU_TILE_ELEMS = {1: 16384, 2: 8192, 3: 4096, 4: 4096}     # programs per SM -> elements per weight tile
 # ... except a plan whose fp4 Linears stream on the CUDA cores (not fp4_mma_tasks) at one program per SM: twice the
 # rows per tile (every op; fp4 ops still get half of it, cap() in build_plan), the decode's issue rate being their
@@ -627,7 +632,7 @@ def build_plan(spec: ModelSpec, weights=None, device: str | torch.device = "cpu"
     has = (lambda n: n in names) if names is not None else (lambda n: not spec.tie_word_embeddings)
     arena, lay_offs, top = layout_arena(spec, d, has, qa)
     if qa is not None:
-        qa.packed = frozenset(n for n in qa.entries if fp4_packed(d, n))
+        qa.packed = fp4_packed_names(d, qa.entries)
     buf = torch.empty(arena.size, dtype=wdtype, device=device)
     qbufs = qa.allocate(device) if qa is not None else None
     if weights is not None:

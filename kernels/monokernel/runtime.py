@@ -186,16 +186,16 @@ class MonokernelBackend:
         # KIE_MONO_FP4_MMA (plan.fp4_mma_tasks): the nvfp4 / mxfp4 tasks through fp4_mma's loop (mma8.py's WK 3 / 4)
         self.mma4 = P.fp4_mma_tasks(d)
         qa = self.plan.qarena
-        if qa is not None and qa.packed != {n for n in qa.entries if P.fp4_packed(d, n)}:
+        if qa is not None and qa.packed != P.fp4_packed_names(d, qa.entries):
             raise ValueError("monokernel: the plan's fp4 codes were packed for another set of tensor-core tasks "
                              "(KIE_MONO_FP4_MMA / KIE_MONO_FP4_PACK / KIE_MONO_FP8_MMA_DOWN changed after build_plan): "
                              "build the plan and the backend with the same flags")
-        # the experts' down task too where its widths are multiples of 16 (fp4: 32; KIE_MONO_FP8_MMA_DOWN=0: its
-        # A/B)
-        self.mma_down = (has_exp and d.I_MOE % 16 == 0 and d.I_SH % 16 == 0
-                         and (self.mma8 if d.FMT_EXP == 1 else (d.FMT_EXP == 0 and self.mma16 > 0)
-                              or P.fp4_mma_down(d))
-                         and os.environ.get("KIE_MONO_FP8_MMA_DOWN", "1") == "1")
+        # the experts' down task too where its widths are multiples of 16 (fp4: plan.fp4_mma_down;
+        # KIE_MONO_FP8_MMA_DOWN=0: its A/B)
+        self.mma_down = P.fp4_mma_down(d) if d.FMT_EXP >= 3 else (
+            has_exp and d.I_MOE % 16 == 0 and d.I_SH % 16 == 0
+            and (self.mma8 if d.FMT_EXP == 1 else (d.FMT_EXP == 0 and self.mma16 > 0))
+            and os.environ.get("KIE_MONO_FP8_MMA_DOWN", "1") == "1")
         self.mma_any = self.mma8 or self.mma16 > 0 or self.mma4
         # attention's score and p.V dots (ops.attention_task PREC): "ieee" fp32 FMAs, "tf32x3" tensor cores at
         # ~fp32 accuracy, "tf32" one tf32 product (timing only), "bf16x2" q / p as 16-bit hi + lo against the cache,
