@@ -42,8 +42,9 @@ from . import plan as P
 from .lane_ops import lane_final_mean, lane_final_reduce, lane_out_tile, lane_reduce, lane_sum, stream_lane_out
 from .mma8 import mma8_down_task, mma8_first, mma8_glu_task, mma8_task
 from .mla import mla_absorb_task, mla_attention_task, mla_vup_task
-from .prefetch import prefetch_rows
-from .ops import attention_task, embed_row, kv_split_range, pick_token, route, vec_dot_norm
+from .prefetch import prefetch_cols, prefetch_rows
+from .ops import (attention_task, embed_row, kv_split_range, pick_token, route, route_acc_logits, route_lg,
+                  route_partial, vec_dot_norm)
 from .stream import stream_expert_down, stream_gemv, stream_glu, tile
 from ..sampling import sample_final_task, sample_tile_task
 
@@ -297,6 +298,9 @@ def monokernel(
     # ROUTE_ONCE (KIE_ROUTE_ONCE=1): int32 [L] tickets of the router tasks (zeroed per launch; the N_ROUTER-th of a
     # layer's step picks the top-k)
     rtk_ptr,
+    # RIN_O (plan.route_in_o): int64 [L, E + 1] fixed-point router accumulators (ops.route_partial; zeroed per
+    # launch, then by each layer's first expert down task once the gate / up tasks read them)
+    racc_ptr,
     # model constexprs (plan.Dims)
     D: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, DH: tl.constexpr, ROT: tl.constexpr,
     ROPE_PAIR: tl.constexpr, QK_NORM: tl.constexpr, HAS_QKV_BIAS: tl.constexpr, HAS_O_BIAS: tl.constexpr,
@@ -328,6 +332,8 @@ def monokernel(
     MSCR: tl.constexpr = 4, MMA4: tl.constexpr = False, E4B: tl.constexpr = False, RP4: tl.constexpr = False,
     # attention's tl.dot precision (ops.attention_task PREC; KIE_ATTN_DOT)
     ATTN_PREC: tl.constexpr = "ieee",
+    # the router inside o_proj (plan.route_in_o); BLOCK_RO: a power of two >= an o_proj task's rows
+    RIN_O: tl.constexpr = False, BLOCK_RO: tl.constexpr = 16,
 ):
     """MODE 0: decode. Benchmark-only modes (wrong tokens, for locating time): 1 = tasks only claim, wait and
     signal (the sampler still runs): the cost of scheduling + dependency latency; 2 = no waits: streaming speed.
@@ -454,6 +460,11 @@ def monokernel(
             w = _wp(FMT_ATTN, wa_ptr, qw8_ptr, qw32_ptr, woff)
             sq = _sp(FMT_ATTN, qf32_ptr, qs8f_ptr, qs8u_ptr, tl.load(lrow + P.LF_O_S))
             prefetch_rows(w, r0, nr, O_K, FMT_ATTN, USE_ASM)
+            if RIN_O:   # the router's [E, nr] slice this task adds into the layer's logits (aux 1: a MoE layer)
+                racc = racc_ptr + layer * (E + 1)
+                wr = wa_ptr + tl.multiple_of(tl.load(lrow + P.LF_ROUTER), 64)
+                if aux != 0:
+                    prefetch_cols(wr, r0, nr, D, E, USE_ASM, BLOCK_E)
             if MM_ATTN:   # (the tensor-core tasks exclude TP and MLA: x += W_o ao in place)
                 wq = tl.multiple_of(_wq(FMT_ATTN, wa_ptr, qw32_ptr, woff), 32)
                 first = mma8_first(wq, O_K, r0, r_end, NT // 32, W_ATTN, sq)
@@ -484,6 +495,11 @@ def monokernel(
                                 0, 1.0, 0, 0, False, HAS_O_BIAS, TP == 0, False, FMT_ATTN, BN_O, BLOCK_K, XB, NS)
                     if TP > 0:
                         _tp_put(yo, poff_ptr, r0, r_end, xctr, TP, USE_ASM, BLOCK_X)
+            if RIN_O:   # (one GPU: rows r0..r_end of x are final now)
+                if (st == 0) & (aux != 0):
+                    tl.debug_barrier()   # every thread's x stores before the rows are read back
+                    route_partial(x_ptr, wa_ptr + tl.multiple_of(tl.load(lrow + P.LF_MLP_NORM), 64), wr, racc, r0, nr,
+                                  D, E, BLOCK_E, BLOCK_RO)
         elif op == _OP_QB:   # MLA: q = q_b(RMSNorm(q_a))
             w = wa_ptr + tl.multiple_of(woff, 64)
             w0, s0 = tile(w, qf32_ptr, R_Q, r0, r_end, 0, 1, 0, BN_QB, BLOCK_K)
@@ -696,7 +712,15 @@ def monokernel(
             t_next, row_next, st = _claim_wait(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, wctr, target,
                                                stop_ptr, timeout_ns, USE_ASM, NT, MODE, tr, trace_on, CLAIM)
             if st == 0:
-                if ROUTE_ONCE:   # the router's last task published the ids (before its signal, which we waited on)
+                if RIN_O:   # every o_proj task added its share of the logits before its signal (we waited on them)
+                    lg = route_acc_logits(racc_ptr + layer * (E + 1), wa_ptr + tl.load(lrow + P.LF_ROUTER_B), eps, D,
+                                          E, HAS_RBIAS, BLOCK_E)
+                    ids, wts = route_lg(lg, wa_ptr + tl.load(lrow + P.LF_SCORE_B), route_scale, E, TOPK, SCORING,
+                                        NORM_TOPK, HAS_SBIAS, BLOCK_E, BLOCK_TOPK, NG, TG, GSCORE, BLOCK_G)
+                    _publish_route(ids, wts, rids_ptr + layer * TOPK, rwts_ptr + layer * TOPK, (aux == 0) & (r0 == 0),
+                                   TOPK, BLOCK_TOPK)
+                    e = tl.sum(tl.where(tl.arange(0, BLOCK_TOPK) == aux, ids, 0), axis=0).to(tl.int64)
+                elif ROUTE_ONCE:   # the router's last task published the ids (before its signal, which we waited on)
                     e = tl.load(rids_ptr + layer * TOPK + aux, cache_modifier=".cg").to(tl.int64)
                 else:   # every expert task recomputes the (tiny) top-k from the router logits: no extra phase
                     ids, wts = route(rlog_ptr + layer * E, wa_ptr + tl.load(lrow + P.LF_SCORE_B), route_scale, E,
@@ -765,6 +789,11 @@ def monokernel(
             ye = x_ptr
             if TP > 0:
                 ye = symf_ptr + TP * D + tp_rank * D
+            if RIN_O:   # every gate / up task of the layer read its accumulator: zero it for the next step
+                if (st == 0) & (r0 == 0):
+                    offs_e = tl.arange(0, BLOCK_E)
+                    tl.store(racc_ptr + layer * (E + 1) + offs_e, tl.zeros((BLOCK_E,), tl.int64), mask=offs_e < E)
+                    tl.store(racc_ptr + layer * (E + 1) + E, tl.zeros((), tl.int64))
             if st == 0:
                 if USE_ASM and not DOWN_L2:   # the routed experts' rows of this task, all slots at once, into L2
                     eb = _wbase(FMT_EXP, wa_ptr, qw8_ptr, qw32_ptr) + _wu(FMT_EXP, tl.load(lrow + P.LF_EDOWN))

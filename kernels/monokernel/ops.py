@@ -19,6 +19,48 @@ from .stream import rstd, x_chunk
 
 # ---- MoE routing ---------------------------------------------------------------------------------------------------
 
+# The router inside o_proj (plan.route_in_o): fixed-point scales of the int64 accumulator [E logits, sum(x^2)].
+# A partial p (fp32) times 2^32 is an integer already when |p| >= 2^-8 (24-bit mantissa), so the accumulator holds
+# the exact sum of the tasks' fp32 partials (truncation below 2^-32 otherwise) in any order of arrival; it overflows
+# past |sum| 2^31 (logits before the norm scale) / 2^43 (sum of squares), far beyond activations of real models.
+RACC_LG_SCALE = tl.constexpr(4294967296.0)
+RACC_SS_SCALE = tl.constexpr(1048576.0)
+
+
+@triton.jit
+def route_partial(x_ptr, nw_ptr, wr_ptr, racc_ptr, r0, nr, D: tl.constexpr, E: tl.constexpr,
+                  BLOCK_E: tl.constexpr, BLOCK_RO: tl.constexpr):
+    """An o_proj task's share of the router: x rows [r0, r0 + nr) are final (this task wrote them). Adds
+    W_r[:, rows] (nw * x)[rows] [E] and sum(x[rows]^2) into racc (int64 [E + 1], fixed point as above).
+    wr_ptr: the router's [E, D] rows (float arena), nw_ptr: the MoE block's RMSNorm weight."""
+    offs_r = tl.arange(0, BLOCK_RO)
+    rm = offs_r < nr
+    x = tl.load(x_ptr + r0 + offs_r, mask=rm, other=0.0, cache_modifier=".cg")
+    xn = x * tl.load(nw_ptr + r0 + offs_r, mask=rm, other=0.0).to(tl.float32)
+    offs_e = tl.arange(0, BLOCK_E)
+    em = offs_e < E
+    w = tl.load(wr_ptr + offs_e[:, None] * D + (r0 + offs_r)[None, :], mask=em[:, None] & rm[None, :],
+                other=0.0).to(tl.float32)
+    p = tl.sum(w * xn[None, :], axis=1)                                  # [BLOCK_E]
+    tl.atomic_add(racc_ptr + offs_e, (p * RACC_LG_SCALE).to(tl.int64), mask=em, sem="relaxed")
+    tl.atomic_add(racc_ptr + E, (tl.sum(x * x, axis=0) * RACC_SS_SCALE).to(tl.int64), sem="relaxed")
+
+
+@triton.jit
+def route_acc_logits(racc_ptr, rb_ptr, eps, D: tl.constexpr, E: tl.constexpr, HAS_RBIAS: tl.constexpr,
+                     BLOCK_E: tl.constexpr):
+    """The router's logits [BLOCK_E] fp32 (-inf past E) from a layer's accumulator once every o_proj task added its
+    share: W_r (nw * x) / rms(x) (+ the router bias), as the router tasks' RMSNorm -> GEMV."""
+    offs_e = tl.arange(0, BLOCK_E)
+    em = offs_e < E
+    acc = tl.load(racc_ptr + offs_e, mask=em, other=0, cache_modifier=".cg")
+    ss = tl.load(racc_ptr + E, cache_modifier=".cg").to(tl.float32) / RACC_SS_SCALE
+    lg = acc.to(tl.float32) / RACC_LG_SCALE * (1.0 / tl.sqrt(ss / D + eps))
+    if HAS_RBIAS:
+        lg += tl.load(rb_ptr + offs_e, mask=em, other=0.0).to(tl.float32)
+    return tl.where(em, lg, -float("inf"))
+
+
 @triton.jit
 def route(rlog_ptr, sbias_ptr, route_scale, E: tl.constexpr, TOPK: tl.constexpr, SCORING: tl.constexpr,
           NORM_TOPK: tl.constexpr, HAS_SBIAS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_TOPK: tl.constexpr,
@@ -28,8 +70,18 @@ def route(rlog_ptr, sbias_ptr, route_scale, E: tl.constexpr, TOPK: tl.constexpr,
     scored by their max, GSCORE 1: by their top-2 sum; only the TG best groups compete), top-k (first index
     wins ties), optional renormalisation, routed scaling; SCORING 2 (gpt-oss): softmax over the top-k logits."""
     offs_e = tl.arange(0, BLOCK_E)
+    lg = tl.load(rlog_ptr + offs_e, mask=offs_e < E, other=-float("inf"), cache_modifier=".cg")
+    return route_lg(lg, sbias_ptr, route_scale, E, TOPK, SCORING, NORM_TOPK, HAS_SBIAS, BLOCK_E, BLOCK_TOPK, NG, TG,
+                    GSCORE, BLOCK_G)
+
+
+@triton.jit
+def route_lg(lg, sbias_ptr, route_scale, E: tl.constexpr, TOPK: tl.constexpr, SCORING: tl.constexpr,
+             NORM_TOPK: tl.constexpr, HAS_SBIAS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_TOPK: tl.constexpr,
+             NG: tl.constexpr = 1, TG: tl.constexpr = 1, GSCORE: tl.constexpr = 0, BLOCK_G: tl.constexpr = 1):
+    """route() from logits lg [BLOCK_E] fp32 in registers (-inf past E)."""
+    offs_e = tl.arange(0, BLOCK_E)
     e_mask = offs_e < E
-    lg = tl.load(rlog_ptr + offs_e, mask=e_mask, other=-float("inf"), cache_modifier=".cg")
     if SCORING == 0:
         ex = tl.where(e_mask, tl.exp(lg - tl.max(lg, axis=0)), 0.0)
         scores = ex / tl.sum(ex, axis=0)

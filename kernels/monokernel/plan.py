@@ -523,6 +523,16 @@ def fp4_mma_tasks(d: Dims) -> bool:
             and not d.TP and not d.E_LOC and d.D % 32 == 0 and (d.HQ * d.DH) % 32 == 0 and d.I_DENSE % 32 == 0)
 
 
+def route_in_o(d: Dims) -> bool:
+    """Whether a MoE layer's router runs inside its o_proj tasks (KIE_ROUTE_IN_O): each o_proj task, once its rows
+    of x are final, adds their share of the router's logits W_r (nw * x) and of sum(x^2) into the layer's int64
+    fixed-point accumulator (ops.route_partial: integer sums, so the result does not depend on the order the
+    tasks finish in), and the expert gate / up tasks wait on o_proj and pick the top-k from it; the router
+    tasks and their phase (8.1 us of qwen3-30b-a3b's 70 us per layer, H100 trace of session 37) are gone. One GPU,
+    no lanes (tensor / expert parallel ranks keep the router tasks)."""
+    return env_flag("KIE_ROUTE_IN_O", False) and d.E > 0 and not d.TP and not d.E_LOC and not d.LANES
+
+
 def fp4_mma_down(d: Dims) -> bool:
     """Whether the routed experts' down task (and the shared expert's down rows with it) runs on the tensor cores
     for fp4 experts: fp4_mma_tasks, I_MOE and I_SH multiples of 32 (KIE_MONO_FP8_MMA_DOWN=0: its A/B)."""
@@ -784,9 +794,10 @@ def emit_sample(emit, after, L: int, sample_tiles: int):
         emit(OP_SAMPLE, L - 1, 0, 0, 0, *after(c_lm), c_sample)
 
 
-def build_tasks(plan: Plan, n_splits: int = 1, sample_tiles: int = 0) -> torch.Tensor:
+def build_tasks(plan: Plan, n_splits: int = 1, sample_tiles: int = 0, rin_o: bool | None = None) -> torch.Tensor:
     """One decode step's tasks [T, NF] int32 in topological order (every wait points at earlier tasks).
-    sample_tiles: emit_sample's (one GPU only)."""
+    sample_tiles: emit_sample's (one GPU only). rin_o: route_in_o (default: from the environment): no router tasks;
+    a MoE layer's o_proj tasks carry aux 1 (add the router partials) and its expert gate / up tasks wait on them."""
     if sample_tiles and plan.dims.TP:
         raise ValueError("build_tasks: filtered sampling (sample_tiles) is single-GPU only")
     if plan.dims.LANES:
@@ -795,6 +806,8 @@ def build_tasks(plan: Plan, n_splits: int = 1, sample_tiles: int = 0) -> torch.T
     d, spec = plan.dims, plan.spec
     L = spec.num_layers
     c_lm, c_sample = NC * L, NC * L + 1
+    if rin_o is None:
+        rin_o = route_in_o(d)
     rows: list[list[int]] = []
     count: dict[int, int] = {}
 
@@ -856,19 +869,20 @@ def build_tasks(plan: Plan, n_splits: int = 1, sample_tiles: int = 0) -> torch.T
                 for s in range(n_splits):
                     emit(OP_ATTN, i, g, s, 0, *after(C(_C_QKV)), C(_C_ATTN))
             o_wait = after(C(_C_ATTN))
-        put_and_reduce(OP_O, i, plan.op_rows["o"], o_wait, 0, C(_C_O))
+        put_and_reduce(OP_O, i, plan.op_rows["o"], o_wait, 0, C(_C_O), aux=int(rin_o and lay.moe is not None))
         if lay.moe is None:
             for r0, n in plan.op_rows["gateup"]:
                 emit(OP_GATEUP, i, r0, n, 0, *after(C(_C_O)), C(_C_UP))
             put_and_reduce(OP_DOWN, i, plan.op_rows["down"], after(C(_C_UP)), 1, C(_C_OUT))
         else:
-            for r0, n in plan.op_rows["router"]:
-                emit(OP_ROUTER, i, r0, n, 0, *after(C(_C_O)), C(_C_ROUTE))
+            if not rin_o:
+                for r0, n in plan.op_rows["router"]:
+                    emit(OP_ROUTER, i, r0, n, 0, *after(C(_C_O)), C(_C_ROUTE))
             for r0, n in plan.op_rows.get("sh_up", []) if d.I_SH else []:
                 emit(OP_SH_UP, i, r0, n, 0, *after(C(_C_O)), C(_C_UP))
             for j in range(d.TOPK):
                 for r0, n in plan.op_rows["exp_up"]:
-                    emit(OP_EXP_UP, i, r0, n, j, *after(C(_C_ROUTE)), C(_C_UP))
+                    emit(OP_EXP_UP, i, r0, n, j, *after(C(_C_O if rin_o else _C_ROUTE)), C(_C_UP))
             put_and_reduce(OP_EXP_DOWN, i, plan.op_rows["exp_down"], after(C(_C_UP)), 1, C(_C_OUT))
         prev = after(C(_C_OUT))
     for t, (r0, n) in enumerate(plan.op_rows["lm"]):

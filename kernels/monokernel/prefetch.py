@@ -42,3 +42,19 @@ def prefetch_rows(w_ptr, r0, nr, K: tl.constexpr, FMT: tl.constexpr, USE_ASM: tl
     UB: tl.constexpr = w_ptr.dtype.element_ty.primitive_bitwidth // 8
     # 1 KB chunks: the expert gate / up task's in 4 / 16 KB (fewer instructions) were -0.9 / -1.5% (NOTES session 37)
     l2_prefetch(w_ptr + r0.to(tl.int64) * RU, nr * RU, UB, USE_ASM, 1024, 256)
+
+
+@triton.jit
+def prefetch_cols(w_ptr, c0, nc, K: tl.constexpr, N_ROWS: tl.constexpr, USE_ASM: tl.constexpr, BLOCK: tl.constexpr):
+    """Prefetch columns [c0, c0 + nc) of every row of a row-major [N_ROWS, K] float matrix whose row 0 is 16-byte
+    aligned: one bulk prefetch per row (BLOCK >= N_ROWS lanes), widened to whole 16-byte pieces (the router's
+    [E, nc] slice an o_proj task reads: plan.route_in_o). Rows whose length is not a multiple of 16 bytes: nothing."""
+    UB: tl.constexpr = w_ptr.dtype.element_ty.primitive_bitwidth // 8
+    if USE_ASM and cuda_capability_geq(9, 0) and (K * UB) % 16 == 0:
+        offs = tl.arange(0, BLOCK)
+        b0 = c0 * UB // 16 * 16                                         # bytes, 16-aligned
+        size = tl.where(offs < N_ROWS, ((c0 + nc) * UB + 15) // 16 * 16 - b0, 0).to(tl.int32)
+        p = w_ptr.to(tl.pointer_type(tl.int8)) + offs.to(tl.int64) * (K * UB) + b0
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+            "=r,l,r", [p, size], dtype=tl.int32, is_pure=False, pack=1)

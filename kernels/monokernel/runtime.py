@@ -215,9 +215,13 @@ class MonokernelBackend:
         # that finishes last (a ticket), instead of by every expert gate / up task (~3.7 us each of qwen3's, H100
         # trace); they read their expert id. With the late claim +3.0% (qwen3-30b-a3b fp8, H100, session 32;
         # neutral with the old claim-ahead). One GPU only (tensor / expert parallel ranks keep the recomputation).
+        # KIE_ROUTE_IN_O (plan.route_in_o): no router tasks; the o_proj tasks add the logits into racc, every
+        # expert gate / up task picks the top-k from it (ROUTE_ONCE's tickets have no router tasks to count then)
+        self.route_in_o = P.route_in_o(d)
         self.route_once = (P.env_flag("KIE_ROUTE_ONCE", True) and d.E > 0 and not d.TP
-                           and not d.E_LOC)
+                           and not d.E_LOC and not self.route_in_o)
         self.rticket = z(max(d.L, 1), dt=i32)
+        self.racc = z(max(d.L, 1), d.E + 1, dt=torch.int64)
         # KIE_CLAIM: when a task claims its successor (kernel._claim_wait): "late" (default: after its signal, so
         # the next task goes to the first program that is free), "wait" (after its wait), "ahead" (before its wait,
         # the old default). H200, qwen3-30b-a3b fp8: ahead 206.0, wait 227.8, late 252.3 tok/s (session 32).
@@ -276,7 +280,7 @@ class MonokernelBackend:
         key = (n_splits, sample_tiles)
         if key not in self._tasks:
             if self.dims.LANES:
-                t = P.build_tasks(self.plan, n_splits, sample_tiles)
+                t = P.build_tasks(self.plan, n_splits, sample_tiles, rin_o=self.route_in_o)
             else:   # the one-split table with its attention tasks copied (milliseconds, not the builder's ~0.2 s)
                 t = P.split_tasks(self._host_tasks1(sample_tiles), n_splits)
             self._tasks[key] = t.to(self.device)
@@ -284,7 +288,7 @@ class MonokernelBackend:
 
     def _host_tasks1(self, sample_tiles: int = 0) -> torch.Tensor:
         if sample_tiles not in self._tasks1_host:
-            self._tasks1_host[sample_tiles] = P.build_tasks(self.plan, 1, sample_tiles)
+            self._tasks1_host[sample_tiles] = P.build_tasks(self.plan, 1, sample_tiles, rin_o=self.route_in_o)
         return self._tasks1_host[sample_tiles]
 
     def sampling_fallbacks(self) -> int:
@@ -422,6 +426,7 @@ class MonokernelBackend:
             self.eos[:len(eos)] = torch.tensor(eos, dtype=torch.int32)
         self.counters.zero_()
         self.rticket.zero_()
+        self.racc.zero_()   # a launch that stopped mid-layer leaves its partial sums
         self.acnt.zero_()
         self.cursor.zero_()
         self.ctrl.zero_()
@@ -489,7 +494,8 @@ class MonokernelBackend:
             int(tasks.shape[0]), n_steps, start_pos, self.kv_tmax, n_splits, pl.n_lm_tiles, n_eos,
             int(ignore_eos), n_forced, int(temperature > 0), 1.0 / temperature if temperature > 0 else 1.0,
             seed & 0x7FFFFFFF, self.timeout_ns, pl.embed_off, pl.lm_off, pl.final_norm_off,
-            d.eps, d.sm_scale, d.clip, d.route_scale, d.glu_limit, d.glu_alpha, self.mscr, self.rticket]
+            d.eps, d.sm_scale, d.clip, d.route_scale, d.glu_limit, d.glu_alpha, self.mscr, self.rticket,
+            self.racc]
         block_t = self.long_block_t if self.long_block_t and start_pos + n_steps >= self.long_from else t.block_t
         meta = dict(
             D=d.D, HQ=d.HQ, HKV=d.HKV, DH=d.DH, ROT=d.ROT, ROPE_PAIR=d.ROPE_PAIR, QK_NORM=d.QK_NORM,
@@ -515,7 +521,8 @@ class MonokernelBackend:
             RP4=bool(pl.qarena is not None and pl.qarena.packed),
             MSCR=self.mscr_words, ATTN_PREC=self.attn_prec, BLOCK_XS=self.stage_block or bx,
             ROUTE_ONCE=self.route_once, N_ROUTER=max(1, len(pl.op_rows.get("router", ()))), DOWN_L2=self.down_l2,
-            CLAIM=self.claim)
+            CLAIM=self.claim, RIN_O=self.route_in_o,
+            BLOCK_RO=_pow2(max([n for _, n in pl.op_rows.get("o", ())] + [1])))
         if sampler is not None:
             meta.update(SFILTER=True, K_CAND=sampler.k_cand, SBLOCK_V=sampler.block_v, SBLOCK_T=sampler.block_t,
                         SBLOCK_C=sampler.block_c)

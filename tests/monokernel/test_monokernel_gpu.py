@@ -92,6 +92,21 @@ def test_real_size_parity(arch, layers):
     assert_parity(be, ref, prompt, got4)
 
 
+@pytest.mark.parametrize("arch,fmt", [("qwen3-30b-a3b", None), ("qwen3-30b-a3b", "nvfp4"), ("gpt-oss-20b", "mxfp4")])
+def test_real_size_router_inside_o_proj(arch, fmt, monkeypatch):
+    """KIE_ROUTE_IN_O=1 (plan.route_in_o) on the GPU: the o_proj tiles' integer atomics into the router's
+    accumulators (ops.route_partial) and the expert tasks' top-k from them, at real widths (128 / 32 experts, the
+    router bias of gpt-oss), over two launches."""
+    monkeypatch.setenv("KIE_ROUTE_IN_O", "1")
+    be, ref = real_size(arch, 4, fmt)
+    assert be.route_in_o and not (be.tasks(1)[:, P.F_OP] == P.OP_ROUTER).any()
+    prompt = [(41 * i + 3) % be.spec.vocab_size for i in range(20)]
+    for _ in range(2):
+        got = list(be.generate(prompt, SamplingParams(max_new_tokens=12, ignore_eos=True), set()))
+        assert_parity(be, ref, prompt, got)
+    assert not be.racc.any()
+
+
 @pytest.mark.parametrize("arch,layers,fmt", [("llama-3.2-1b", 4, None), ("qwen3-30b-a3b", 4, None),
                                               ("qwen3-30b-a3b", 4, "nvfp4"), ("deepseek-v2-lite", 3, None)])
 def test_real_size_default_prefill_within_bf16_noise(arch, layers, fmt):
