@@ -221,9 +221,6 @@ class MonokernelBackend:
         self.route_once = (P.env_flag("KIE_ROUTE_ONCE", True) and d.E > 0 and not d.TP
                            and not d.E_LOC and not self.route_in_o)
         self.rticket = z(max(d.L, 1), dt=i32)
-        # KIE_TOPK_RANK (off until measured): the top-k (the ROUTE_ONCE ticket's, or every expert task's) by ranks
-        # from one comparison matrix (ops.route_lg RANK) instead of TOPK argmax + pick reductions; E <= 128
-        self.topk_rank = P.env_flag("KIE_TOPK_RANK", False)
         self.racc = z(max(d.L, 1), d.E + 1, dt=torch.int64)
         # KIE_CLAIM: when a task claims its successor (kernel._claim_wait): "late" (default: after its signal, so
         # the next task goes to the first program that is free), "wait" (after its wait), "ahead" (before its wait,
@@ -524,7 +521,7 @@ class MonokernelBackend:
             RP4=bool(pl.qarena is not None and pl.qarena.packed),
             MSCR=self.mscr_words, ATTN_PREC=self.attn_prec, BLOCK_XS=self.stage_block or bx,
             ROUTE_ONCE=self.route_once, N_ROUTER=max(1, len(pl.op_rows.get("router", ()))), DOWN_L2=self.down_l2,
-            CLAIM=self.claim, RIN_O=self.route_in_o, TOPK_RANK=self.topk_rank,
+            CLAIM=self.claim, RIN_O=self.route_in_o,
             BLOCK_RO=_pow2(max([n for _, n in pl.op_rows.get("o", ())] + [1])))
         if sampler is not None:
             meta.update(SFILTER=True, K_CAND=sampler.k_cand, SBLOCK_V=sampler.block_v, SBLOCK_T=sampler.block_t,
