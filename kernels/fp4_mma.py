@@ -198,11 +198,12 @@ def _word_dot(w, x0, x1, x2, x3, RP: tl.constexpr = False):
     return tl.sum(v * xv.to(tl.float32), axis=1)
 
 
-# KIE_MMA_SCALE_ASM=1 (experiment, off until measured on a GPU): the group scales load through inline PTX
-# (ld.global.nc, zero-extended into a 32-bit register) like the codes, instead of tl.load. Same values; the point is
-# compile time: Triton's coalescing pass walks every tl.load / tl.store of the one huge monokernel function and took
-# 16.6 of the nvfp4 tensor-core build's 25.5 s offline (NOTES.md session 40); its speed effect is not measured.
-_SCALE_ASM = tl.constexpr(os.environ.get("KIE_MMA_SCALE_ASM", "0") == "1")
+# KIE_MMA_SCALE_ASM (default 1; 0: tl.load, its A/B): the group scales load through inline PTX (ld.global.nc,
+# zero-extended into a 32-bit register) like the codes, instead of tl.load. Same values; the point is compile time:
+# Triton's coalescing pass walks every tl.load / tl.store of the one huge monokernel function and took 16.6 of the
+# nvfp4 tensor-core build's 25.5 s offline (NOTES.md session 40). H100, qwen3-30b-a3b nvfp4 monokernel (session 41):
+# first launch 53.9 -> 35.1 s, 314.1 -> 314.9 tok/s, the same tokens.
+_SCALE_ASM = tl.constexpr(os.environ.get("KIE_MMA_SCALE_ASM", "1") == "1")
 
 
 @triton.jit

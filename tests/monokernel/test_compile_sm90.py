@@ -53,9 +53,11 @@ for arg in sys.argv[1:]:
         assert compile_offline(be, mode=3).asm["ptx"].count("%clock64") > ptx.count("%clock64") + 4, path
         # KIE_ATTN_DOT=tf32x3: attention's dots on the tensor cores (m16n8k8 tf32 mma), none in the default build
         assert ".tf32" not in ptx, path
-        # (this build also picks the top-k in every expert gate / up task: KIE_ROUTE_ONCE=0; lets the down
-        # task prefetch its rows itself: KIE_DOWN_L2=0; claims each successor before the wait: KIE_CLAIM=ahead)
+        # (this build also keeps the router tasks: KIE_ROUTE_IN_O=0, and picks the top-k in every expert gate / up
+        # task from their logits: KIE_ROUTE_ONCE=0; lets the down task prefetch its rows itself: KIE_DOWN_L2=0;
+        # claims each successor before the wait: KIE_CLAIM=ahead)
         os.environ["KIE_ATTN_DOT"] = "tf32x3"
+        os.environ["KIE_ROUTE_IN_O"] = "0"
         os.environ["KIE_ROUTE_ONCE"] = "0"
         os.environ["KIE_DOWN_L2"] = "0"
         os.environ["KIE_CLAIM"] = "ahead"
@@ -63,18 +65,24 @@ for arg in sys.argv[1:]:
                                  quantized=q.get)
         ptx_t = compile_offline(be_t).asm["ptx"]
         os.environ.pop("KIE_ATTN_DOT")
+        os.environ.pop("KIE_ROUTE_IN_O")
         os.environ.pop("KIE_ROUTE_ONCE")
         os.environ.pop("KIE_DOWN_L2")
         os.environ.pop("KIE_CLAIM")
-        assert be.route_once and not be_t.route_once and be.down_l2 and not be_t.down_l2 and (be.claim, be_t.claim) == (2, 0), path
-        # by default one prefetch in the expert gate / up task stands for the down task's TOPK (after its wait)
+        assert be.route_in_o and not be.route_once and not be_t.route_in_o and not be_t.route_once and be.down_l2 and not be_t.down_l2 and (be.claim, be_t.claim) == (2, 0), path
+        # by default one prefetch in the expert gate / up task stands for the down task's TOPK (after its wait), and
+        # the o_proj task prefetches its slice of the router (ops.route_partial's rows: one per thread)
         pf = "cp.async.bulk.prefetch.L2"
-        assert ptx.count(pf) == ptx_t.count(pf) - be.plan.dims.TOPK + 1, (path, ptx.count(pf), ptx_t.count(pf))
+        assert ptx.count(pf) == ptx_t.count(pf) - be.plan.dims.TOPK + 2, (path, ptx.count(pf), ptx_t.count(pf))
         # the default claims in two places (before the loop, after each signal); "ahead" in every op's branch
         cl = "atom.global.gpu.relaxed.add"
         assert ptx.count(cl) + 10 < ptx_t.count(cl), (path, ptx.count(cl), ptx_t.count(cl))
-        acq = "atom.global.gpu.acq_rel.add"   # (the default build's router tasks take a ticket: one more)
-        assert ptx.count(acq) == ptx_t.count(acq) + 1, path
+        # neither build takes the router ticket (the default has no router tasks; this build's ROUTE_ONCE=0); the
+        # default's o_proj tasks add the router's partial logits as 64-bit integers (ops.route_partial)
+        acq = "atom.global.gpu.acq_rel.add"
+        assert ptx.count(acq) == ptx_t.count(acq), path
+        assert re.search(r"atom\.global\.gpu\.relaxed\.add\.[us]64", ptx) and not re.search(
+            r"atom\.global\.gpu\.relaxed\.add\.[us]64", ptx_t), path
         assert "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32" in ptx_t, path
     print("ok", arg, len(ptx))
 """

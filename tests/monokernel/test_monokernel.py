@@ -221,6 +221,7 @@ def test_top_k_picked_once_by_the_last_router_task(case, n_sms, once, tiny_model
     restart with each launch), dense and MoE layers mixed, DeepSeek's groups; =0 (every expert task picks the top-k
     itself) the same; a value other than 0 / 1 is refused naming the variable."""
     m = tiny_model(case)
+    monkeypatch.setenv("KIE_ROUTE_IN_O", "0")   # (the router tasks these tickets count)
     monkeypatch.setenv("KIE_ROUTE_ONCE", once)
     be = MonokernelBackend(m, "cpu", n_sms=n_sms, min_task_bytes=64)
     assert be.route_once == (once == "1") and len(be.plan.op_rows["router"]) > 1
@@ -230,7 +231,7 @@ def test_top_k_picked_once_by_the_last_router_task(case, n_sms, once, tiny_model
 @pytest.mark.parametrize("case,n_sms", [("qwen3_moe_mixed", 3), ("gpt_oss", 2), ("deepseek_v3", 2),
                                          ("qwen2_moe", 3)])
 def test_router_inside_o_proj(case, n_sms, tiny_model, monkeypatch):
-    """KIE_ROUTE_IN_O=1 (plan.route_in_o): no router tasks; a MoE layer's o_proj tiles (several: n_sms > 1) add
+    """KIE_ROUTE_IN_O=1 (plan.route_in_o, the default): no router tasks; a MoE layer's o_proj tiles (several: n_sms > 1) add
     their rows' share of the logits and of sum(x^2) into the layer's fixed-point accumulator and the expert tasks
     route from it. The reference's tokens over two launches (the accumulators restart with each and are zeroed
     between steps by the down tasks: a stale sum would change the routing), with dense and MoE layers mixed, the
