@@ -17,8 +17,8 @@ inputs are earlier tasks, hence finished. Triton has no break/continue: `t = t_n
 Ops: GEMV tiles (stream.py), GQA attention per kv head and split (ops.py; the last split of a head to finish
 combines them for the o_proj), MLA absorb / attention / v_up (mla.py), the MoE router inside the o_proj tasks
 (RIN_O, plan.route_in_o: integer partial logits, ops.route_partial) with the top-k picked by each expert task
-(ops.route_lg; KIE_ROUTE_IN_O=0: router tasks, ops.route), LM-head tiles and the sampler, which writes the token ring and the next step's input (or,
-during an in-kernel prefill, feeds the prompt's next token).
+(ops.route_lg; KIE_ROUTE_IN_O=0: router tasks, ops.route), LM-head tiles and the sampler, which writes the token
+ring and the next step's input (or, during an in-kernel prefill, feeds the prompt's next token).
 Laneformer (LANES > 0; lanes.py, lane_ops.py): x holds one stream per lane; q|k|v and gate|up tasks read their
 lane's (F_AUX), lane_o / lane_down tasks stream every lane's output rows and combine the lanes' partials in
 place. Over TP ranks (Delayed Tensor Parallelism) a rank holds its lanes only: lane output tasks put the rank's

@@ -215,8 +215,8 @@ class MonokernelBackend:
         # that finishes last (a ticket), instead of by every expert gate / up task (~3.7 us each of qwen3's, H100
         # trace); they read their expert id. With the late claim +3.0% (qwen3-30b-a3b fp8, H100, session 32;
         # neutral with the old claim-ahead). One GPU only (tensor / expert parallel ranks keep the recomputation).
-        # KIE_ROUTE_IN_O (plan.route_in_o, default on): no router tasks; the o_proj tasks add the logits into racc, every
-        # expert gate / up task picks the top-k from it (ROUTE_ONCE's tickets have no router tasks to count then)
+        # KIE_ROUTE_IN_O (plan.route_in_o, default on): no router tasks; the o_proj tasks add the logits into racc,
+        # every expert gate / up task picks the top-k from it (ROUTE_ONCE's tickets have no router tasks to count)
         self.route_in_o = P.route_in_o(d)
         self.route_once = (P.env_flag("KIE_ROUTE_ONCE", True) and d.E > 0 and not d.TP
                            and not d.E_LOC and not self.route_in_o)

@@ -69,7 +69,8 @@ for arg in sys.argv[1:]:
         os.environ.pop("KIE_ROUTE_ONCE")
         os.environ.pop("KIE_DOWN_L2")
         os.environ.pop("KIE_CLAIM")
-        assert be.route_in_o and not be.route_once and not be_t.route_in_o and not be_t.route_once and be.down_l2 and not be_t.down_l2 and (be.claim, be_t.claim) == (2, 0), path
+        assert be.route_in_o and not be.route_once and not be_t.route_in_o and not be_t.route_once, path
+        assert be.down_l2 and not be_t.down_l2 and (be.claim, be_t.claim) == (2, 0), path
         # by default one prefetch in the expert gate / up task stands for the down task's TOPK (after its wait), and
         # the o_proj task prefetches its slice of the router (ops.route_partial's rows: one per thread)
         pf = "cp.async.bulk.prefetch.L2"

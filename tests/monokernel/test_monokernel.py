@@ -228,14 +228,14 @@ def test_top_k_picked_once_by_the_last_router_task(case, n_sms, once, tiny_model
     reference_over_two_launches_then_refused(be, m, 5, monkeypatch, "KIE_ROUTE_ONCE", "yes")
 
 
-@pytest.mark.parametrize("case,n_sms", [("qwen3_moe_mixed", 3), ("gpt_oss", 2), ("deepseek_v3", 2),
-                                         ("qwen2_moe", 3)])
+@pytest.mark.parametrize("case,n_sms", [("qwen3_moe_mixed", 3), ("gpt_oss", 2), ("deepseek_v3", 2), ("qwen2_moe", 3)])
 def test_router_inside_o_proj(case, n_sms, tiny_model, monkeypatch):
-    """KIE_ROUTE_IN_O=1 (plan.route_in_o, the default): no router tasks; a MoE layer's o_proj tiles (several: n_sms > 1) add
-    their rows' share of the logits and of sum(x^2) into the layer's fixed-point accumulator and the expert tasks
-    route from it. The reference's tokens over two launches (the accumulators restart with each and are zeroed
-    between steps by the down tasks: a stale sum would change the routing), with dense and MoE layers mixed, the
-    router bias (gpt-oss), DeepSeek's sigmoid + correction-bias groups over MLA, a shared expert (qwen2_moe)."""
+    """KIE_ROUTE_IN_O=1 (plan.route_in_o, the default): no router tasks; a MoE layer's o_proj tiles (several:
+    n_sms > 1) add their rows' share of the logits and of sum(x^2) into the layer's fixed-point accumulator and the
+    expert tasks route from it. The reference's tokens over two launches (the accumulators restart with each and
+    are zeroed between steps by the down tasks: a stale sum would change the routing), with dense and MoE layers
+    mixed, the router bias (gpt-oss), DeepSeek's sigmoid + correction-bias groups over MLA, a shared expert
+    (qwen2_moe)."""
     m = tiny_model(case)
     monkeypatch.setenv("KIE_ROUTE_IN_O", "1")
     be = MonokernelBackend(m, "cpu", n_sms=n_sms, min_task_bytes=64)
