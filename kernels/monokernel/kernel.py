@@ -335,6 +335,8 @@ def monokernel(
     ATTN_PREC: tl.constexpr = "ieee",
     # the router inside o_proj (plan.route_in_o); BLOCK_RO: a power of two >= an o_proj task's rows
     RIN_O: tl.constexpr = False, BLOCK_RO: tl.constexpr = 16,
+    # the top-k 4 slots per reduction (ops.route_lg MERGE; KIE_TOPK_MERGE)
+    TOPK_MERGE: tl.constexpr = False,
 ):
     """MODE 0: decode. Benchmark-only modes (wrong tokens, for locating time): 1 = tasks only claim, wait and
     signal (the sampler still runs): the cost of scheduling + dependency latency; 2 = no waits: streaming speed.
@@ -684,7 +686,7 @@ def monokernel(
                     if tk % N_ROUTER == N_ROUTER - 1:
                         ids, wts = route(rlog_ptr + layer * E, wa_ptr + tl.load(lrow + P.LF_SCORE_B), route_scale, E,
                                          TOPK, SCORING, NORM_TOPK, HAS_SBIAS, BLOCK_E, BLOCK_TOPK, NG, TG, GSCORE,
-                                         BLOCK_G)
+                                         BLOCK_G, TOPK_MERGE)
                         _publish_route(ids, wts, rids_ptr + layer * TOPK, rwts_ptr + layer * TOPK, True, TOPK,
                                        BLOCK_TOPK)
         elif op == _OP_SH_UP:
@@ -717,7 +719,8 @@ def monokernel(
                     lg = route_acc_logits(racc_ptr + layer * (E + 1), wa_ptr + tl.load(lrow + P.LF_ROUTER_B), eps, D,
                                           E, HAS_RBIAS, BLOCK_E)
                     ids, wts = route_lg(lg, wa_ptr + tl.load(lrow + P.LF_SCORE_B), route_scale, E, TOPK, SCORING,
-                                        NORM_TOPK, HAS_SBIAS, BLOCK_E, BLOCK_TOPK, NG, TG, GSCORE, BLOCK_G)
+                                        NORM_TOPK, HAS_SBIAS, BLOCK_E, BLOCK_TOPK, NG, TG, GSCORE, BLOCK_G,
+                                        TOPK_MERGE)
                     _publish_route(ids, wts, rids_ptr + layer * TOPK, rwts_ptr + layer * TOPK, (aux == 0) & (r0 == 0),
                                    TOPK, BLOCK_TOPK)
                     e = tl.sum(tl.where(tl.arange(0, BLOCK_TOPK) == aux, ids, 0), axis=0).to(tl.int64)
@@ -726,7 +729,7 @@ def monokernel(
                 else:   # every expert task recomputes the (tiny) top-k from the router logits: no extra phase
                     ids, wts = route(rlog_ptr + layer * E, wa_ptr + tl.load(lrow + P.LF_SCORE_B), route_scale, E,
                                      TOPK, SCORING, NORM_TOPK, HAS_SBIAS, BLOCK_E, BLOCK_TOPK, NG, TG, GSCORE,
-                                     BLOCK_G)
+                                     BLOCK_G, TOPK_MERGE)
                     # (one task publishes ids / weights for expert_down and the host)
                     _publish_route(ids, wts, rids_ptr + layer * TOPK, rwts_ptr + layer * TOPK, (aux == 0) & (r0 == 0),
                                    TOPK, BLOCK_TOPK)

@@ -64,7 +64,8 @@ def route_acc_logits(racc_ptr, rb_ptr, eps, D: tl.constexpr, E: tl.constexpr, HA
 @triton.jit
 def route(rlog_ptr, sbias_ptr, route_scale, E: tl.constexpr, TOPK: tl.constexpr, SCORING: tl.constexpr,
           NORM_TOPK: tl.constexpr, HAS_SBIAS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_TOPK: tl.constexpr,
-          NG: tl.constexpr = 1, TG: tl.constexpr = 1, GSCORE: tl.constexpr = 0, BLOCK_G: tl.constexpr = 1):
+          NG: tl.constexpr = 1, TG: tl.constexpr = 1, GSCORE: tl.constexpr = 0, BLOCK_G: tl.constexpr = 1,
+          MERGE: tl.constexpr = False):
     """Router logits [E] -> (expert ids [BLOCK_TOPK] int32, weights [BLOCK_TOPK] fp32), as models.reference.route:
     softmax / sigmoid scores (+ correction bias for the choice only), group-limited choice (DeepSeek: NG groups
     scored by their max, GSCORE 1: by their top-2 sum; only the TG best groups compete), top-k (first index
@@ -72,19 +73,60 @@ def route(rlog_ptr, sbias_ptr, route_scale, E: tl.constexpr, TOPK: tl.constexpr,
     offs_e = tl.arange(0, BLOCK_E)
     lg = tl.load(rlog_ptr + offs_e, mask=offs_e < E, other=-float("inf"), cache_modifier=".cg")
     return route_lg(lg, sbias_ptr, route_scale, E, TOPK, SCORING, NORM_TOPK, HAS_SBIAS, BLOCK_E, BLOCK_TOPK, NG, TG,
-                    GSCORE, BLOCK_G)
+                    GSCORE, BLOCK_G, MERGE)
+
+
+@triton.jit
+def _better(av, ai, bv, bi):
+    """(value, id) a before b in the top-k's order: the larger value, the lower id on a tie (argmax's rule)."""
+    return (av > bv) | ((av == bv) & (ai < bi))
+
+
+@triton.jit
+def _top4_combine(a1, i1, a2, i2, a3, i3, a4, i4, b1, j1, b2, j2, b3, j3, b4, j4):
+    """The top 4 of two lists of 4 sorted in _better's order: the better of a_k and b_(5-k) (a V-shaped, so bitonic,
+    sequence holding the top 4), then a 4-wide bitonic merge ((1, 3), (2, 4); (1, 2), (3, 4))."""
+    c = _better(a1, i1, b4, j4)
+    t1v, t1i = tl.where(c, a1, b4), tl.where(c, i1, j4)
+    c = _better(a2, i2, b3, j3)
+    t2v, t2i = tl.where(c, a2, b3), tl.where(c, i2, j3)
+    c = _better(a3, i3, b2, j2)
+    t3v, t3i = tl.where(c, a3, b2), tl.where(c, i3, j2)
+    c = _better(a4, i4, b1, j1)
+    t4v, t4i = tl.where(c, a4, b1), tl.where(c, i4, j1)
+    c = _better(t1v, t1i, t3v, t3i)
+    u1v, u1i, u3v, u3i = tl.where(c, t1v, t3v), tl.where(c, t1i, t3i), tl.where(c, t3v, t1v), tl.where(c, t3i, t1i)
+    c = _better(t2v, t2i, t4v, t4i)
+    u2v, u2i, u4v, u4i = tl.where(c, t2v, t4v), tl.where(c, t2i, t4i), tl.where(c, t4v, t2v), tl.where(c, t4i, t2i)
+    c = _better(u1v, u1i, u2v, u2i)
+    r1v, r1i, r2v, r2i = tl.where(c, u1v, u2v), tl.where(c, u1i, u2i), tl.where(c, u2v, u1v), tl.where(c, u2i, u1i)
+    c = _better(u3v, u3i, u4v, u4i)
+    r3v, r3i, r4v, r4i = tl.where(c, u3v, u4v), tl.where(c, u3i, u4i), tl.where(c, u4v, u3v), tl.where(c, u4i, u3i)
+    return r1v, r1i, r2v, r2i, r3v, r3i, r4v, r4i
+
+
+@triton.jit
+def _top4(choice, offs_e, BLOCK_E: tl.constexpr):
+    """The 4 best (value, id) of choice [BLOCK_E] in _better's order, as uniform scalars: one block reduction whose
+    elements are lists of 4 (an element starts as itself, then 3 (-inf, 2^30) fillers that lose every tie)."""
+    ninf = tl.full((BLOCK_E,), -float("inf"), tl.float32)
+    big = tl.full((BLOCK_E,), 1 << 30, tl.int32)
+    return tl.reduce((choice, offs_e, ninf, big, ninf, big, ninf, big), 0, _top4_combine)
 
 
 @triton.jit
 def route_lg(lg, sbias_ptr, route_scale, E: tl.constexpr, TOPK: tl.constexpr, SCORING: tl.constexpr,
              NORM_TOPK: tl.constexpr, HAS_SBIAS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_TOPK: tl.constexpr,
-             NG: tl.constexpr = 1, TG: tl.constexpr = 1, GSCORE: tl.constexpr = 0, BLOCK_G: tl.constexpr = 1):
+             NG: tl.constexpr = 1, TG: tl.constexpr = 1, GSCORE: tl.constexpr = 0, BLOCK_G: tl.constexpr = 1,
+             MERGE: tl.constexpr = False):
     """route() from logits lg [BLOCK_E] fp32 in registers (-inf past E).
     A block-wide reduction costs ~0.2 us (8 warps: shuffles, shared memory, barriers), so the top-k takes as few as
     it can: one max-with-index per slot where the choice is the score (no correction bias), and for a softmax
     renormalised over the top-k without groups (qwen3, Mixtral, OLMoE) no softmax over all E: the top-k of the
     logits is the top-k of their softmax, and the renormalised weights are the softmax of the k chosen logits (10
-    reductions for qwen3's top-8 instead of 19)."""
+    reductions for qwen3's top-8 instead of 19). MERGE (KIE_TOPK_MERGE, no correction bias): 4 slots per block
+    reduction (_top4: its elements are sorted lists of 4), the weights from the chosen values as scalars: qwen3's top-8
+    in 2 reductions."""
     offs_e = tl.arange(0, BLOCK_E)
     e_mask = offs_e < E
     TOPK_SOFTMAX: tl.constexpr = SCORING == 2 or (SCORING == 0 and NORM_TOPK and not HAS_SBIAS and NG == 1)
@@ -124,26 +166,55 @@ def route_lg(lg, sbias_ptr, route_scale, E: tl.constexpr, TOPK: tl.constexpr, SC
     j_mask = offs_j < TOPK
     ids = tl.zeros((BLOCK_TOPK,), dtype=tl.int32)
     vals = tl.zeros((BLOCK_TOPK,), dtype=tl.float32)
-    for j in tl.static_range(TOPK):
-        if HAS_SBIAS:   # the choice is score + bias: the score needs a second reduction
-            best = tl.argmax(choice, axis=0)
-            v = tl.sum(tl.where(offs_e == best, scores, 0.0), axis=0)
-        else:           # the choice is the score (the first index wins ties, as argmax)
-            v, best = tl.max(choice, axis=0, return_indices=True, return_indices_tie_break_left=True)
-        ids = tl.where(offs_j == j, best, ids)
-        vals = tl.where(offs_j == j, v, vals)
-        choice = tl.where(offs_e == best, -float("inf"), choice)
-    if TOPK_SOFTMAX:
-        ex = tl.where(j_mask, tl.exp(vals - tl.max(tl.where(j_mask, vals, -float("inf")), axis=0)), 0.0)
-        w = ex / tl.sum(ex, axis=0)
-        if SCORING == 0:
+    if MERGE and not HAS_SBIAS:
+        # rounds of 4 slots; the first slot of round 0 holds the largest value (the softmax's shift), and the
+        # weights' sums run over the chosen values as scalars (no reduction over the [BLOCK_TOPK] vectors)
+        tot = 0.0
+        vmax = 0.0
+        for rnd in tl.static_range((TOPK + 3) // 4):
+            top = _top4(choice, offs_e, BLOCK_E)
+            if rnd == 0:
+                vmax = top[0]
+            for k in tl.static_range(4):
+                if rnd * 4 + k < TOPK:
+                    v = top[2 * k]
+                    i = top[2 * k + 1]
+                    if TOPK_SOFTMAX:
+                        v = tl.exp(v - vmax)
+                    tot += v
+                    ids = tl.where(offs_j == rnd * 4 + k, i, ids)
+                    vals = tl.where(offs_j == rnd * 4 + k, v, vals)
+                    choice = tl.where(offs_e == i, -float("inf"), choice)
+        if TOPK_SOFTMAX:
+            w = vals / tot
+            if SCORING == 0:
+                w = w * route_scale
+        else:
+            w = vals
+            if NORM_TOPK:
+                w = w / (tot + (1e-20 if SCORING == 1 else 0.0))
             w = w * route_scale
     else:
-        w = vals
-        if NORM_TOPK:
-            tiny = 1e-20 if SCORING == 1 else 0.0
-            w = w / (tl.sum(tl.where(j_mask, w, 0.0), axis=0) + tiny)
-        w = w * route_scale
+        for j in tl.static_range(TOPK):
+            if HAS_SBIAS:   # the choice is score + bias: the score needs a second reduction
+                best = tl.argmax(choice, axis=0)
+                v = tl.sum(tl.where(offs_e == best, scores, 0.0), axis=0)
+            else:           # the choice is the score (the first index wins ties, as argmax)
+                v, best = tl.max(choice, axis=0, return_indices=True, return_indices_tie_break_left=True)
+            ids = tl.where(offs_j == j, best, ids)
+            vals = tl.where(offs_j == j, v, vals)
+            choice = tl.where(offs_e == best, -float("inf"), choice)
+        if TOPK_SOFTMAX:
+            ex = tl.where(j_mask, tl.exp(vals - tl.max(tl.where(j_mask, vals, -float("inf")), axis=0)), 0.0)
+            w = ex / tl.sum(ex, axis=0)
+            if SCORING == 0:
+                w = w * route_scale
+        else:
+            w = vals
+            if NORM_TOPK:
+                tiny = 1e-20 if SCORING == 1 else 0.0
+                w = w / (tl.sum(tl.where(j_mask, w, 0.0), axis=0) + tiny)
+            w = w * route_scale
     return ids, w
 
 

@@ -222,6 +222,10 @@ class MonokernelBackend:
                            and not d.E_LOC and not self.route_in_o)
         self.rticket = z(max(d.L, 1), dt=i32)
         self.racc = z(max(d.L, 1), d.E + 1, dt=torch.int64)
+        # KIE_TOPK_MERGE=1 (experiment, off until measured): the top-k (every gate / up task's, or the router ticket's)
+        # 4 slots per block reduction (ops.route_lg MERGE): qwen3's top-8 in 2 reductions instead of 10; the trace put
+        # the 10 at 2.63 us of each gate / up task (session 41)
+        self.topk_merge = P.env_flag("KIE_TOPK_MERGE", False)
         # KIE_CLAIM: when a task claims its successor (kernel._claim_wait): "late" (default: after its signal, so
         # the next task goes to the first program that is free), "wait" (after its wait), "ahead" (before its wait,
         # the old default). H200, qwen3-30b-a3b fp8: ahead 206.0, wait 227.8, late 252.3 tok/s (session 32).
@@ -521,7 +525,7 @@ class MonokernelBackend:
             RP4=bool(pl.qarena is not None and pl.qarena.packed),
             MSCR=self.mscr_words, ATTN_PREC=self.attn_prec, BLOCK_XS=self.stage_block or bx,
             ROUTE_ONCE=self.route_once, N_ROUTER=max(1, len(pl.op_rows.get("router", ()))), DOWN_L2=self.down_l2,
-            CLAIM=self.claim, RIN_O=self.route_in_o,
+            CLAIM=self.claim, RIN_O=self.route_in_o, TOPK_MERGE=self.topk_merge,
             BLOCK_RO=_pow2(max([n for _, n in pl.op_rows.get("o", ())] + [1])))
         if sampler is not None:
             meta.update(SFILTER=True, K_CAND=sampler.k_cand, SBLOCK_V=sampler.block_v, SBLOCK_T=sampler.block_t,

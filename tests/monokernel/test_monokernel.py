@@ -228,21 +228,24 @@ def test_top_k_picked_once_by_the_last_router_task(case, n_sms, once, tiny_model
     reference_over_two_launches_then_refused(be, m, 5, monkeypatch, "KIE_ROUTE_ONCE", "yes")
 
 
-@pytest.mark.parametrize("case,n_sms", [("qwen3_moe_mixed", 3), ("gpt_oss", 2), ("deepseek_v3", 2), ("qwen2_moe", 3)])
-def test_router_inside_o_proj(case, n_sms, tiny_model, monkeypatch):
+@pytest.mark.parametrize("case,n_sms,merge", [("qwen3_moe_mixed", 3, "1"), ("gpt_oss", 2, "1"), ("deepseek_v3", 2, "0"),
+                                               ("qwen2_moe", 3, "0")])
+def test_router_inside_o_proj(case, n_sms, merge, tiny_model, monkeypatch):
     """KIE_ROUTE_IN_O=1 (plan.route_in_o, the default): no router tasks; a MoE layer's o_proj tiles (several:
     n_sms > 1) add their rows' share of the logits and of sum(x^2) into the layer's fixed-point accumulator and the
     expert tasks route from it. The reference's tokens over two launches (the accumulators restart with each and
     are zeroed between steps by the down tasks: a stale sum would change the routing), with dense and MoE layers
     mixed, the router bias (gpt-oss), DeepSeek's sigmoid + correction-bias groups over MLA, a shared expert
-    (qwen2_moe)."""
+    (qwen2_moe). merge "1": with the top-k 4 slots per reduction (KIE_TOPK_MERGE)."""
     m = tiny_model(case)
     monkeypatch.setenv("KIE_ROUTE_IN_O", "1")
+    monkeypatch.setenv("KIE_TOPK_MERGE", merge)
     be = MonokernelBackend(m, "cpu", n_sms=n_sms, min_task_bytes=64)
     t = be.tasks(1)
     o = t[t[:, P.F_OP] == P.OP_O]
     moe = {i for i, lay in enumerate(be.spec.layers) if lay.moe is not None}
     assert be.route_in_o and not be.route_once and not (t[:, P.F_OP] == P.OP_ROUTER).any()
+    assert be.topk_merge == (merge == "1")
     assert len(o) > len(be.spec.layers) and moe
     assert all((int(r[P.F_AUX]) == 1) == (int(r[P.F_LAYER]) in moe) for r in o)
     reference_over_two_launches_then_refused(be, m, 5, monkeypatch, "KIE_ROUTE_IN_O", "on")

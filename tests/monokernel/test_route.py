@@ -18,15 +18,16 @@ pytestmark = needs_device
 @triton.jit
 def _route_kernel(lg_ptr, sb_ptr, ids_ptr, w_ptr, scale, E: tl.constexpr, TOPK: tl.constexpr, SCORING: tl.constexpr,
                   NORM_TOPK: tl.constexpr, HAS_SBIAS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_TOPK: tl.constexpr,
-                  NG: tl.constexpr, TG: tl.constexpr, GSCORE: tl.constexpr, BLOCK_G: tl.constexpr):
+                  NG: tl.constexpr, TG: tl.constexpr, GSCORE: tl.constexpr, BLOCK_G: tl.constexpr,
+                  MERGE: tl.constexpr):
     ids, w = route(lg_ptr, sb_ptr, scale, E, TOPK, SCORING, NORM_TOPK, HAS_SBIAS, BLOCK_E, BLOCK_TOPK, NG, TG,
-                   GSCORE, BLOCK_G)
+                   GSCORE, BLOCK_G, MERGE)
     j = tl.arange(0, BLOCK_TOPK)
     tl.store(ids_ptr + j, ids, mask=j < TOPK)
     tl.store(w_ptr + j, w, mask=j < TOPK)
 
 
-def _run(logits, cfg, sbias):
+def _run(logits, cfg, sbias, merge=False):
     E, k = logits.numel(), cfg.top_k
     ids = torch.full((k,), -1, dtype=torch.int32, device=DEV)
     w = torch.full((k,), float("nan"), device=DEV)
@@ -34,7 +35,7 @@ def _run(logits, cfg, sbias):
     _route_kernel[(1,)](logits.to(DEV), sb.to(DEV), ids, w, cfg.routed_scaling_factor, E, k, SCORE_ID[cfg.scoring],
                         cfg.norm_topk_prob, sbias is not None, triton.next_power_of_2(E),
                         triton.next_power_of_2(k), cfg.n_group, cfg.topk_group, int(cfg.group_score == "top2"),
-                        triton.next_power_of_2(cfg.n_group), num_warps=4)
+                        triton.next_power_of_2(cfg.n_group), merge, num_warps=4)
     return ids.cpu(), w.cpu()
 
 
@@ -52,8 +53,10 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("merge", [False, True], ids=["slots", "merge"])
 @pytest.mark.parametrize("E,cfg,bias,ties", CASES, ids=[f"E{c[0]}-{c[1].scoring}-k{c[1].top_k}" for c in CASES])
-def test_route_matches_route_ref(E, cfg, bias, ties):
+def test_route_matches_route_ref(E, cfg, bias, ties, merge):
+    """merge: 4 slots per reduction (ops.route_lg MERGE; the correction-bias case keeps one slot per round)."""
     g = torch.Generator().manual_seed(E + cfg.top_k)
     logits = torch.randn(E, generator=g) * 2
     if ties:   # two experts tie for first place, two more elsewhere
@@ -61,7 +64,7 @@ def test_route_matches_route_ref(E, cfg, bias, ties):
         logits[E - 1] = logits[0]
     sbias = torch.randn(E, generator=g) * 0.1 if bias else None
     want = route_ref(logits, torch.eye(E), cfg, correction_bias=sbias)
-    ids, w = _run(logits, cfg, sbias)
+    ids, w = _run(logits, cfg, sbias, merge)
     # torch.topk leaves the order of ties open; the kernel's rule is the lower id first (no bias in the tie cases:
     # the choice is monotonic in the logits)
     order = sorted(want.ids.tolist(), key=lambda e: (-float(logits[e]), e)) if ties else want.ids.tolist()
