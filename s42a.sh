@@ -1,8 +1,9 @@
 #!/bin/bash
 # Prepared in session 41 for the next session's first call (predictions: NOTES, "session 41 ... prediction for
 # s42a.sh"). The rows issue 6 asks for with today's defaults (KIE_ROUTE_IN_O, KIE_MMA_SCALE_ASM on), the router-in-o
-# A/B on nvfp4 and gpt-oss-20b, the top-k 4 slots per reduction (KIE_TOPK_MERGE, traced), and the graph backend beside them in the same call. On an H200 if one comes (then
-# these are the first H200 monokernel rows since session 32). Carry .whl.
+# A/B on nvfp4 and gpt-oss-20b, the top-k 4 slots per reduction (KIE_TOPK_MERGE, traced), and the graph backend
+# beside them in the same call. On an H200 if one comes (then these are the first H200 monokernel rows since
+# session 32). Carry .whl.
 R=/tmp/s42a LIMIT=${LIMIT:-545}; . scripts/device-steps.sh
 MKT=90 mk q8 qwen3-30b-a3b fp8
 MKT=60 XA="--trace 4" mk tq8m qwen3-30b-a3b fp8 KIE_TOPK_MERGE=1
