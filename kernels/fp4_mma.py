@@ -183,9 +183,9 @@ def _ld_x(ptr, valid):
 @triton.jit
 def _word_dot(w, x0, x1, x2, x3, RP: tl.constexpr = False):
     """Portable: one word's 8 codes (x 2^-14) dotted with its x pairs {x0, x2} {x1, x3} {x4, x6} {x5, x7} (x0..x3
-    here are those four u32 pairs; RP: w in packing "mma", read back first). The 8 codes go through at once as a [L, 8] tensor (element k = nibble k, the
-    byte s 0 0 0 e1 e0 m 0 as an fp16's high byte, as tiles._e2m1_word decodes it): the interpreter runs ~8x fewer
-    ops than one decode per code (a tiny nvfp4 decode 41 -> ~8 s, CI)."""
+    here are those four u32 pairs; RP: w in packing "mma", read back first). The 8 codes go through at once as a
+    [L, 8] tensor (element k = nibble k, the byte s 0 0 0 e1 e0 m 0 as an fp16's high byte, as tiles._e2m1_word
+    decodes it): the interpreter runs ~8x fewer ops than one decode per code (a tiny nvfp4 decode 41 -> ~8 s, CI)."""
     if RP:
         w = _unpack_mma(w)
     k = tl.arange(0, 8)[None, :]

@@ -44,8 +44,8 @@ from .lane_ops import lane_final_mean, lane_final_reduce, lane_out_tile, lane_re
 from .mma8 import mma8_down_task, mma8_first, mma8_glu_task, mma8_task
 from .mla import mla_absorb_task, mla_attention_task, mla_vup_task
 from .prefetch import prefetch_cols, prefetch_rows
-from .ops import (attention_task, embed_row, kv_split_range, pick_token, route, route_acc_logits, route_lg,
-                  route_partial, vec_dot_norm)
+from .ops import (attention_task, embed_row, kv_split_range, load_logits, pick_token, route, route_acc_logits,
+                  route_lg, route_partial, vec_dot_norm)
 from .stream import stream_expert_down, stream_gemv, stream_glu, tile
 from ..sampling import sample_final_task, sample_tile_task
 
@@ -715,21 +715,17 @@ def monokernel(
             t_next, row_next, st = _claim_wait(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, wctr, target,
                                                stop_ptr, timeout_ns, USE_ASM, NT, MODE, tr, trace_on, CLAIM)
             if st == 0:
-                if RIN_O:   # every o_proj task added its share of the logits before its signal (we waited on them)
-                    lg = route_acc_logits(racc_ptr + layer * (E + 1), wa_ptr + tl.load(lrow + P.LF_ROUTER_B), eps, D,
-                                          E, HAS_RBIAS, BLOCK_E)
+                if ROUTE_ONCE:   # the router's last task published the ids (before its signal, which we waited on)
+                    e = tl.load(rids_ptr + layer * TOPK + aux, cache_modifier=".cg").to(tl.int64)
+                else:   # every expert task picks the (tiny) top-k itself: no extra phase
+                    if RIN_O:   # from the accumulator every o_proj task added its share to before its signal
+                        lg = route_acc_logits(racc_ptr + layer * (E + 1), wa_ptr + tl.load(lrow + P.LF_ROUTER_B), eps,
+                                              D, E, HAS_RBIAS, BLOCK_E)
+                    else:       # from the router tasks' logits
+                        lg = load_logits(rlog_ptr + layer * E, E, BLOCK_E)
                     ids, wts = route_lg(lg, wa_ptr + tl.load(lrow + P.LF_SCORE_B), route_scale, E, TOPK, SCORING,
                                         NORM_TOPK, HAS_SBIAS, BLOCK_E, BLOCK_TOPK, NG, TG, GSCORE, BLOCK_G,
                                         TOPK_MERGE)
-                    _publish_route(ids, wts, rids_ptr + layer * TOPK, rwts_ptr + layer * TOPK, (aux == 0) & (r0 == 0),
-                                   TOPK, BLOCK_TOPK)
-                    e = tl.sum(tl.where(tl.arange(0, BLOCK_TOPK) == aux, ids, 0), axis=0).to(tl.int64)
-                elif ROUTE_ONCE:   # the router's last task published the ids (before its signal, which we waited on)
-                    e = tl.load(rids_ptr + layer * TOPK + aux, cache_modifier=".cg").to(tl.int64)
-                else:   # every expert task recomputes the (tiny) top-k from the router logits: no extra phase
-                    ids, wts = route(rlog_ptr + layer * E, wa_ptr + tl.load(lrow + P.LF_SCORE_B), route_scale, E,
-                                     TOPK, SCORING, NORM_TOPK, HAS_SBIAS, BLOCK_E, BLOCK_TOPK, NG, TG, GSCORE,
-                                     BLOCK_G, TOPK_MERGE)
                     # (one task publishes ids / weights for expert_down and the host)
                     _publish_route(ids, wts, rids_ptr + layer * TOPK, rwts_ptr + layer * TOPK, (aux == 0) & (r0 == 0),
                                    TOPK, BLOCK_TOPK)

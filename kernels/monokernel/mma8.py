@@ -22,8 +22,9 @@ staged as hi + lo pairs (kernels/fp8_mma.py's x16 layout, K words instead of K /
 KIE_MONO_FP4_MMA, on: H100 qwen3-30b-a3b nvfp4 197.7 -> 296.7 tok/s, mxfp4 260.7 -> 316.7, NOTES.md session 40):
 the qarena's e2m1 codes (in packing "mma" where plan.fp4_packed says, RP) through kernels/fp4_mma.py's loop
 (fp4_rows_dot: 256 codes per step, the group scales from the qarena's u8 scale rows, one FFMA per group), x staged
-in prepare_xh's order (xh_pos); nvfp4's row factors are the qarena's 2^14 / global scale, mxfp4 has none (its 2^-14 is in the E8M0 decode). The
-fp4 tasks need every K a multiple of 32 (whole 16-byte pieces and scale pairs; fp4_mma._piece_load).
+in prepare_xh's order (xh_pos); nvfp4's row factors are the qarena's 2^14 / global scale, mxfp4 has none (its
+2^-14 is in the E8M0 decode). The fp4 tasks need every K a multiple of 32 (whole 16-byte pieces and scale pairs;
+fp4_mma._piece_load).
 
 Scratch per program (fp32 words): [K / 2: x as fp16 | K: x16] [NW x 32: one quad sum per warp and row of each
 block]; scratch_words. Reference: y[r] = f[r] * (W[r] . fp16(x')) (+ b[r]) (+ res[r]) with x' the normed input,

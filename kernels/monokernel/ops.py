@@ -62,6 +62,13 @@ def route_acc_logits(racc_ptr, rb_ptr, eps, D: tl.constexpr, E: tl.constexpr, HA
 
 
 @triton.jit
+def load_logits(rlog_ptr, E: tl.constexpr, BLOCK_E: tl.constexpr):
+    """The router tasks' logits [BLOCK_E] fp32 (written by other programs: from L2; -inf past E)."""
+    offs_e = tl.arange(0, BLOCK_E)
+    return tl.load(rlog_ptr + offs_e, mask=offs_e < E, other=-float("inf"), cache_modifier=".cg")
+
+
+@triton.jit
 def route(rlog_ptr, sbias_ptr, route_scale, E: tl.constexpr, TOPK: tl.constexpr, SCORING: tl.constexpr,
           NORM_TOPK: tl.constexpr, HAS_SBIAS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_TOPK: tl.constexpr,
           NG: tl.constexpr = 1, TG: tl.constexpr = 1, GSCORE: tl.constexpr = 0, BLOCK_G: tl.constexpr = 1,
@@ -70,10 +77,8 @@ def route(rlog_ptr, sbias_ptr, route_scale, E: tl.constexpr, TOPK: tl.constexpr,
     softmax / sigmoid scores (+ correction bias for the choice only), group-limited choice (DeepSeek: NG groups
     scored by their max, GSCORE 1: by their top-2 sum; only the TG best groups compete), top-k (first index
     wins ties), optional renormalisation, routed scaling; SCORING 2 (gpt-oss): softmax over the top-k logits."""
-    offs_e = tl.arange(0, BLOCK_E)
-    lg = tl.load(rlog_ptr + offs_e, mask=offs_e < E, other=-float("inf"), cache_modifier=".cg")
-    return route_lg(lg, sbias_ptr, route_scale, E, TOPK, SCORING, NORM_TOPK, HAS_SBIAS, BLOCK_E, BLOCK_TOPK, NG, TG,
-                    GSCORE, BLOCK_G, MERGE)
+    return route_lg(load_logits(rlog_ptr, E, BLOCK_E), sbias_ptr, route_scale, E, TOPK, SCORING, NORM_TOPK,
+                    HAS_SBIAS, BLOCK_E, BLOCK_TOPK, NG, TG, GSCORE, BLOCK_G, MERGE)
 
 
 @triton.jit
@@ -185,15 +190,6 @@ def route_lg(lg, sbias_ptr, route_scale, E: tl.constexpr, TOPK: tl.constexpr, SC
                     ids = tl.where(offs_j == rnd * 4 + k, i, ids)
                     vals = tl.where(offs_j == rnd * 4 + k, v, vals)
                     choice = tl.where(offs_e == i, -float("inf"), choice)
-        if TOPK_SOFTMAX:
-            w = vals / tot
-            if SCORING == 0:
-                w = w * route_scale
-        else:
-            w = vals
-            if NORM_TOPK:
-                w = w / (tot + (1e-20 if SCORING == 1 else 0.0))
-            w = w * route_scale
     else:
         for j in tl.static_range(TOPK):
             if HAS_SBIAS:   # the choice is score + bias: the score needs a second reduction
@@ -204,17 +200,21 @@ def route_lg(lg, sbias_ptr, route_scale, E: tl.constexpr, TOPK: tl.constexpr, SC
             ids = tl.where(offs_j == j, best, ids)
             vals = tl.where(offs_j == j, v, vals)
             choice = tl.where(offs_e == best, -float("inf"), choice)
-        if TOPK_SOFTMAX:
-            ex = tl.where(j_mask, tl.exp(vals - tl.max(tl.where(j_mask, vals, -float("inf")), axis=0)), 0.0)
-            w = ex / tl.sum(ex, axis=0)
-            if SCORING == 0:
-                w = w * route_scale
-        else:
-            w = vals
-            if NORM_TOPK:
-                tiny = 1e-20 if SCORING == 1 else 0.0
-                w = w / (tl.sum(tl.where(j_mask, w, 0.0), axis=0) + tiny)
+        if TOPK_SOFTMAX:   # vals -> exp(vals - max), as MERGE leaves them
+            vals = tl.where(j_mask, tl.exp(vals - tl.max(tl.where(j_mask, vals, -float("inf")), axis=0)), 0.0)
+        tot = 0.0
+        if TOPK_SOFTMAX or NORM_TOPK:
+            tot = tl.sum(tl.where(j_mask, vals, 0.0), axis=0)
+    # the weights from the chosen values and their sum tot
+    if TOPK_SOFTMAX:
+        w = vals / tot
+        if SCORING == 0:
             w = w * route_scale
+    else:
+        w = vals
+        if NORM_TOPK:
+            w = w / (tot + (1e-20 if SCORING == 1 else 0.0))
+        w = w * route_scale
     return ids, w
 
 

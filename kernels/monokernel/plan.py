@@ -526,12 +526,12 @@ def fp4_mma_tasks(d: Dims) -> bool:
 def route_in_o(d: Dims) -> bool:
     """Whether a MoE layer's router runs inside its o_proj tasks (KIE_ROUTE_IN_O, default on; 0: the router tasks
     and the ROUTE_ONCE ticket, its A/B: H100, qwen3-30b-a3b fp8 302.4 -> 317.4 tok/s, +5.0%, session 41): each
-    o_proj task, once its rows of x are final, adds their share of the router's logits W_r (nw * x) and of sum(x^2) into the layer's int64
-    fixed-point accumulator (ops.route_partial: integer sums, so the result does not depend on the order the
-    tasks finish in), and the expert gate / up tasks wait on o_proj and pick the top-k from it; the router
-    tasks and their phase (8.1 us of qwen3-30b-a3b's 70 us per layer, H100 trace of session 37) are gone, for a
-    longer o_proj task (4.2 -> 5.6 us) and a top-k in every gate / up task (2.6 us). One GPU, no lanes (tensor /
-    expert parallel ranks keep the router tasks)."""
+    o_proj task, once its rows of x are final, adds their share of the router's logits W_r (nw * x) and of
+    sum(x^2) into the layer's int64 fixed-point accumulator (ops.route_partial: integer sums, so the result does
+    not depend on the order the tasks finish in), and the expert gate / up tasks wait on o_proj and pick the
+    top-k from it; the router tasks and their phase (8.1 us of qwen3-30b-a3b's 70 us per layer, H100 trace of
+    session 37) are gone, for a longer o_proj task (4.2 -> 5.6 us) and a top-k in every gate / up task (2.6 us).
+    One GPU, no lanes (tensor / expert parallel ranks keep the router tasks)."""
     return env_flag("KIE_ROUTE_IN_O", True) and d.E > 0 and not d.TP and not d.E_LOC and not d.LANES
 
 

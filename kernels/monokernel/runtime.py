@@ -284,7 +284,7 @@ class MonokernelBackend:
         key = (n_splits, sample_tiles)
         if key not in self._tasks:
             if self.dims.LANES:
-                t = P.build_tasks(self.plan, n_splits, sample_tiles, rin_o=self.route_in_o)
+                t = P.build_tasks(self.plan, n_splits, sample_tiles)
             else:   # the one-split table with its attention tasks copied (milliseconds, not the builder's ~0.2 s)
                 t = P.split_tasks(self._host_tasks1(sample_tiles), n_splits)
             self._tasks[key] = t.to(self.device)
