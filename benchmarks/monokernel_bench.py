@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 import traceback
 
@@ -105,7 +106,9 @@ def bench_one(arch: str, probe: float, *, new_tokens: int, prompt_len: int, reps
                  pct_of_probe=100 * bpt * new_tokens / t / 1e9 / probe,
                  n_tasks_per_step=mk.last_launch["n_tasks"], n_splits=mk.last_launch["n_splits"],
                  attn_block_t=mk.last_launch["block_t"], attn_prec=mk.attn_prec,   # the timed launches'
-                 tokens_sample=mk.ring[1:9].tolist())
+                 tokens_sample=mk.ring[1:9].tolist(),
+                 # the KIE_* switches this run had (an A/B's JSON says which side it is)
+                 env={k: v for k, v in sorted(os.environ.items()) if k.startswith("KIE_")})
         if breakdown:
             for mode, name in ((1, "sync_only"), (2, "no_wait")):
                 tm, _, _ = timed(mode)
@@ -117,8 +120,10 @@ def bench_one(arch: str, probe: float, *, new_tokens: int, prompt_len: int, reps
             mk.launch(tok, prompt_len, trace_steps, (), ignore_eos=True, trace_tasks=n)
             torch.cuda.synchronize()
             mk.check_error()
-            r["trace"] = summarize(mk._launch_tasks.cpu().numpy(), mk.trace[:n].cpu().numpy(),
-                                   mk.grid, op_bytes=plan.op_bytes_per_step())
+            ob = plan.op_bytes_per_step()
+            if mk.fuse_down:   # (KIE_FUSE_DOWN: the gate / up tasks stream the down rows too)
+                ob["expert_gate_up"] = ob.get("expert_gate_up", 0.0) + ob.pop("expert_down", 0.0)
+            r["trace"] = summarize(mk._launch_tasks.cpu().numpy(), mk.trace[:n].cpu().numpy(), mk.grid, op_bytes=ob)
             print(format_table(r["trace"]), flush=True)
     except Exception as ex:  # one failing config must not lose the others
         r["error"] = f"{type(ex).__name__}: {ex}"[:2000]

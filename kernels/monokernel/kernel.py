@@ -43,6 +43,7 @@ from . import plan as P
 from .lane_ops import lane_final_mean, lane_final_reduce, lane_out_tile, lane_reduce, lane_sum, stream_lane_out
 from .mma8 import mma8_down_task, mma8_first, mma8_glu_task, mma8_task
 from .mla import mla_absorb_task, mla_attention_task, mla_vup_task
+from .fused_down import expert_down_cols
 from .prefetch import prefetch_cols, prefetch_rows
 from .ops import (attention_task, embed_row, kv_split_range, load_logits, pick_token, route, route_acc_logits,
                   route_lg, route_partial, vec_dot_norm)
@@ -337,6 +338,10 @@ def monokernel(
     RIN_O: tl.constexpr = False, BLOCK_RO: tl.constexpr = 16,
     # the top-k 4 slots per reduction (ops.route_lg MERGE; KIE_TOPK_MERGE)
     TOPK_MERGE: tl.constexpr = False,
+    # a routed expert's down inside its gate / up task (plan.fused_down, KIE_FUSE_DOWN; needs RIN_O): no expert down
+    # tasks; x holds [2, D] (the experts' input copy at D) and racc [L, 2, E + 1] (by step parity); FD_AL: every
+    # gate / up task's rows and I_MOE are multiples of 16 (fused_down.expert_down_cols' vector loads)
+    FUSE_DN: tl.constexpr = False, FD_AL: tl.constexpr = False, FD_BD: tl.constexpr = 16, FD_NS: tl.constexpr = 0,
 ):
     """MODE 0: decode. Benchmark-only modes (wrong tokens, for locating time): 1 = tasks only claim, wait and
     signal (the sampler still runs): the cost of scheduling + dependency latency; 2 = no waits: streaming speed.
@@ -381,6 +386,9 @@ def monokernel(
     F_ATTN: tl.constexpr = FMT_ATTN == 1 or FMT_ATTN == 3
     F_MLP: tl.constexpr = FMT_MLP == 1 or FMT_MLP == 3
     F_EXP: tl.constexpr = FMT_EXP == 1 or FMT_EXP == 3
+    XM_OFF: tl.constexpr = D if FUSE_DN else 0         # the routed experts' input copy of x (FUSE_DN)
+    RSTR: tl.constexpr = 2 * (E + 1) if FUSE_DN else E + 1   # a layer's racc words (FUSE_DN: one row per parity)
+    RPAR: tl.constexpr = E + 1 if FUSE_DN else 0             # ... and the odd steps' row in them
     offs_f = tl.arange(0, 16)
     t, rowv = _claim(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, USE_ASM)
     while t < n_total:
@@ -464,7 +472,7 @@ def monokernel(
             sq = _sp(FMT_ATTN, qf32_ptr, qs8f_ptr, qs8u_ptr, tl.load(lrow + P.LF_O_S))
             prefetch_rows(w, r0, nr, O_K, FMT_ATTN, USE_ASM)
             if RIN_O:   # the router's [E, nr] slice this task adds into the layer's logits (aux 1: a MoE layer)
-                racc = racc_ptr + layer * (E + 1)
+                racc = racc_ptr + layer * RSTR + (step % 2) * RPAR
                 wr = wa_ptr + tl.multiple_of(tl.load(lrow + P.LF_ROUTER), 64)
                 if aux != 0:
                     prefetch_cols(wr, r0, nr, D, E, USE_ASM, BLOCK_E)
@@ -502,7 +510,7 @@ def monokernel(
                 if (st == 0) & (aux != 0):
                     tl.debug_barrier()   # every thread's x stores before the rows are read back
                     route_partial(x_ptr, wa_ptr + tl.multiple_of(tl.load(lrow + P.LF_MLP_NORM), 64), wr, racc, r0, nr,
-                                  D, E, BLOCK_E, BLOCK_RO)
+                                  D, E, BLOCK_E, BLOCK_RO, XM_OFF)
         elif op == _OP_QB:   # MLA: q = q_b(RMSNorm(q_a))
             w = wa_ptr + tl.multiple_of(woff, 64)
             w0, s0 = tile(w, qf32_ptr, R_Q, r0, r_end, 0, 1, 0, BN_QB, BLOCK_K)
@@ -719,8 +727,15 @@ def monokernel(
                     e = tl.load(rids_ptr + layer * TOPK + aux, cache_modifier=".cg").to(tl.int64)
                 else:   # every expert task picks the (tiny) top-k itself: no extra phase
                     if RIN_O:   # from the accumulator every o_proj task added its share to before its signal
-                        lg = route_acc_logits(racc_ptr + layer * (E + 1), wa_ptr + tl.load(lrow + P.LF_ROUTER_B), eps,
-                                              D, E, HAS_RBIAS, BLOCK_E)
+                        rb_ = racc_ptr + layer * RSTR
+                        lg = route_acc_logits(rb_ + (step % 2) * RPAR,
+                                              wa_ptr + tl.load(lrow + P.LF_ROUTER_B), eps, D, E, HAS_RBIAS, BLOCK_E)
+                        if FUSE_DN:   # no down tasks: one task zeroes the other parity's row for the next step
+                            if (aux == 0) & (r0 == 0):
+                                offs_z = tl.arange(0, BLOCK_E)
+                                rz = rb_ + ((step + 1) % 2) * (E + 1)
+                                tl.store(rz + offs_z, tl.zeros((BLOCK_E,), tl.int64), mask=offs_z < E)
+                                tl.store(rz + E, tl.zeros((), tl.int64))
                     else:       # from the router tasks' logits
                         lg = load_logits(rlog_ptr + layer * E, E, BLOCK_E)
                     ids, wts = route_lg(lg, wa_ptr + tl.load(lrow + P.LF_SCORE_B), route_scale, E, TOPK, SCORING,
@@ -752,12 +767,17 @@ def monokernel(
                 su_ = _sp(FMT_EXP, qf32_ptr, qs8f_ptr, qs8u_ptr, tl.load(lrow + P.LF_EUP_S) + e * (I_MOE * SC_D_EXP))
                 prefetch_rows(wg, r0, nr_, D, FMT_EXP, USE_ASM)   # experts are known only now
                 prefetch_rows(wu, r0, nr_, D, FMT_EXP, USE_ASM)
+                if DOWN_L2 and FUSE_DN:   # the fused down reads columns of every row: the slot's tasks' shares of
+                    # the rows (together all of them) go out with the gate / up rows, in L2 by the loop's end
+                    d0 = r0 * D // I_MOE
+                    prefetch_rows(_wbase(FMT_EXP, wa_ptr, qw8_ptr, qw32_ptr) + _wu(FMT_EXP, tl.load(lrow + P.LF_EDOWN))
+                                  + e * (D * RU_I_EXP), d0, re_ * D // I_MOE - d0, I_MOE, FMT_EXP, USE_ASM)
                 if MM_EXP:   # on the tensor cores (mma8.py; no expert parallelism)
                     eoff = e * (I_MOE * RB_D_EXP)
                     mma8_glu_task(_wq(FMT_EXP, wa_ptr, qw32_ptr, tl.load(lrow + P.LF_EGATE) + eoff),
                                   _wq(FMT_EXP, wa_ptr, qw32_ptr, tl.load(lrow + P.LF_EUP) + eoff),
                                   qf32_ptr + tl.load(lrow + P.LF_EGATE_F) + e * I_MOE,
-                                  qf32_ptr + tl.load(lrow + P.LF_EUP_F) + e * I_MOE, D, r0, re_, x_ptr,
+                                  qf32_ptr + tl.load(lrow + P.LF_EUP_F) + e * I_MOE, D, r0, re_, x_ptr + XM_OFF,
                                   wa_ptr + tl.multiple_of(tl.load(lrow + P.LF_MLP_NORM), 64), eps,
                                   wa_ptr + tl.load(lrow + P.LF_EGATE_B) + e * I_MOE,
                                   wa_ptr + tl.load(lrow + P.LF_EUP_B) + e * I_MOE, h_ptr + aux * I_MOE, glu_limit,
@@ -768,12 +788,20 @@ def monokernel(
                     u0, us0 = tile(wu, su_, D, r0, re_, 0, 1, FMT_EXP, BN_EUP, BLOCK_K)
                     stream_glu(wg, wu, sg_, su_, qf32_ptr + tl.load(lrow + P.LF_EGATE_F) + e * I_MOE,
                                qf32_ptr + tl.load(lrow + P.LF_EUP_F) + e * I_MOE, g0, u0, gs0, us0, D, r0, re_,
-                               x_ptr, wa_ptr + tl.multiple_of(tl.load(lrow + P.LF_MLP_NORM), 64), eps,
+                               x_ptr + XM_OFF, wa_ptr + tl.multiple_of(tl.load(lrow + P.LF_MLP_NORM), 64), eps,
                                wa_ptr + tl.load(lrow + P.LF_EGATE_B) + e * I_MOE,
                                wa_ptr + tl.load(lrow + P.LF_EUP_B) + e * I_MOE,
                                h_ptr + aux * I_MOE, glu_limit, glu_alpha, HAS_EBIAS, EXP_ACT, FMT_EXP, BN_EUP,
                                BLOCK_K, XB, NS)
-                if DOWN_L2:   # this tile's share of expert e's down rows ([D, I_MOE]: rows r0 D / I_MOE ..
+                if FUSE_DN:   # this task's columns of expert e's down, weighted, added into x (fused_down.py)
+                    tl.debug_barrier()   # every thread's h stores before they are read back
+                    wt = tl.sum(tl.where(tl.arange(0, BLOCK_TOPK) == aux, wts, 0.0), axis=0)
+                    wd = (_wbase(FMT_EXP, wa_ptr, qw8_ptr, qw32_ptr)   # expert e's down rows [D, I_MOE]
+                          + _wu(FMT_EXP, tl.multiple_of(tl.load(lrow + P.LF_EDOWN), 64)) + e * (D * RU_I_EXP))
+                    expert_down_cols(wd, qf32_ptr + tl.load(lrow + P.LF_EDOWN_F) + e * D,
+                                     wa_ptr + tl.load(lrow + P.LF_EDOWN_B) + e * D, h_ptr + aux * I_MOE, wt, r0, nr_,
+                                     x_ptr, r0 == 0, D, I_MOE, F_EXP, HAS_EBIAS, FD_AL, FD_BD, FD_NS)
+                elif DOWN_L2:   # this tile's share of expert e's down rows ([D, I_MOE]: rows r0 D / I_MOE ..
                     # r_end D / I_MOE; a slot's tiles cover all D) into L2 while the gate / up phase finishes, so
                     # the down tasks' loads hit L2 instead of queueing for HBM after their wait (KIE_DOWN_L2)
                     d0 = r0 * D // I_MOE

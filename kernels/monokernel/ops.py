@@ -29,13 +29,16 @@ RACC_SS_SCALE = tl.constexpr(1048576.0)
 
 @triton.jit
 def route_partial(x_ptr, nw_ptr, wr_ptr, racc_ptr, r0, nr, D: tl.constexpr, E: tl.constexpr,
-                  BLOCK_E: tl.constexpr, BLOCK_RO: tl.constexpr):
+                  BLOCK_E: tl.constexpr, BLOCK_RO: tl.constexpr, XM_OFF: tl.constexpr = 0):
     """An o_proj task's share of the router: x rows [r0, r0 + nr) are final (this task wrote them). Adds
     W_r[:, rows] (nw * x)[rows] [E] and sum(x[rows]^2) into racc (int64 [E + 1], fixed point as above).
-    wr_ptr: the router's [E, D] rows (float arena), nw_ptr: the MoE block's RMSNorm weight."""
+    wr_ptr: the router's [E, D] rows (float arena), nw_ptr: the MoE block's RMSNorm weight. XM_OFF > 0: also
+    copies the rows to x_ptr + XM_OFF, the experts' input while their fused down adds into x (fused_down.py)."""
     offs_r = tl.arange(0, BLOCK_RO)
     rm = offs_r < nr
     x = tl.load(x_ptr + r0 + offs_r, mask=rm, other=0.0, cache_modifier=".cg")
+    if XM_OFF > 0:
+        tl.store(x_ptr + XM_OFF + r0 + offs_r, x, mask=rm)
     xn = x * tl.load(nw_ptr + r0 + offs_r, mask=rm, other=0.0).to(tl.float32)
     offs_e = tl.arange(0, BLOCK_E)
     em = offs_e < E

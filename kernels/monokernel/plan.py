@@ -535,6 +535,20 @@ def route_in_o(d: Dims) -> bool:
     return env_flag("KIE_ROUTE_IN_O", True) and d.E > 0 and not d.TP and not d.E_LOC and not d.LANES
 
 
+def fused_down(d: Dims) -> bool:
+    """Whether a routed expert's down projection runs inside its gate / up tasks (KIE_FUSE_DOWN=1; experiment, off
+    until measured): each task adds its h rows' share W_down[e][:, rows] h[rows] (weighted) into x by atomics
+    (fused_down.py), so a MoE layer has no expert down tasks and one phase fewer. Needs the router inside o_proj
+    (route_in_o: its tasks also copy x for the experts' input), no shared expert, float or per-channel fp8 experts."""
+    return (env_flag("KIE_FUSE_DOWN", False) and route_in_o(d) and d.I_MOE > 0 and d.I_SH == 0
+            and d.FMT_EXP in (0, 1))
+
+
+def fused_down_aligned(d: Dims, exp_up_rows) -> bool:
+    """fused_down.expert_down_cols' AL: I_MOE and every gate / up task's first row and row count multiples of 16."""
+    return d.I_MOE % 16 == 0 and all(r0 % 16 == 0 and n % 16 == 0 for r0, n in exp_up_rows)
+
+
 def fp4_mma_down(d: Dims) -> bool:
     """Whether the routed experts' down task (and the shared expert's down rows with it) runs on the tensor cores
     for fp4 experts: fp4_mma_tasks, I_MOE and I_SH multiples of 32 (KIE_MONO_FP8_MMA_DOWN=0: its A/B)."""
@@ -796,10 +810,13 @@ def emit_sample(emit, after, L: int, sample_tiles: int):
         emit(OP_SAMPLE, L - 1, 0, 0, 0, *after(c_lm), c_sample)
 
 
-def build_tasks(plan: Plan, n_splits: int = 1, sample_tiles: int = 0, rin_o: bool | None = None) -> torch.Tensor:
+def build_tasks(plan: Plan, n_splits: int = 1, sample_tiles: int = 0, rin_o: bool | None = None,
+                fuse_dn: bool | None = None) -> torch.Tensor:
     """One decode step's tasks [T, NF] int32 in topological order (every wait points at earlier tasks).
     sample_tiles: emit_sample's (one GPU only). rin_o: route_in_o (default: from the environment): no router tasks;
-    a MoE layer's o_proj tasks carry aux 1 (add the router partials) and its expert gate / up tasks wait on them."""
+    a MoE layer's o_proj tasks carry aux 1 (add the router partials) and its expert gate / up tasks wait on them.
+    fuse_dn: fused_down (default: from the environment; needs rin_o): no expert down tasks, the gate / up tasks
+    signal the layer's output counter."""
     if sample_tiles and plan.dims.TP:
         raise ValueError("build_tasks: filtered sampling (sample_tiles) is single-GPU only")
     if plan.dims.LANES:
@@ -810,6 +827,10 @@ def build_tasks(plan: Plan, n_splits: int = 1, sample_tiles: int = 0, rin_o: boo
     c_lm, c_sample = NC * L, NC * L + 1
     if rin_o is None:
         rin_o = route_in_o(d)
+    if fuse_dn is None:
+        fuse_dn = fused_down(d)
+    if fuse_dn and not rin_o:
+        raise ValueError("build_tasks: fuse_dn (KIE_FUSE_DOWN) needs the router inside o_proj (rin_o)")
     rows: list[list[int]] = []
     count: dict[int, int] = {}
 
@@ -884,8 +905,9 @@ def build_tasks(plan: Plan, n_splits: int = 1, sample_tiles: int = 0, rin_o: boo
                 emit(OP_SH_UP, i, r0, n, 0, *after(C(_C_O)), C(_C_UP))
             for j in range(d.TOPK):
                 for r0, n in plan.op_rows["exp_up"]:
-                    emit(OP_EXP_UP, i, r0, n, j, *after(C(_C_O if rin_o else _C_ROUTE)), C(_C_UP))
-            put_and_reduce(OP_EXP_DOWN, i, plan.op_rows["exp_down"], after(C(_C_UP)), 1, C(_C_OUT))
+                    emit(OP_EXP_UP, i, r0, n, j, *after(C(_C_O if rin_o else _C_ROUTE)), C(_C_OUT if fuse_dn else _C_UP))
+            if not fuse_dn:
+                put_and_reduce(OP_EXP_DOWN, i, plan.op_rows["exp_down"], after(C(_C_UP)), 1, C(_C_OUT))
         prev = after(C(_C_OUT))
     for t, (r0, n) in enumerate(plan.op_rows["lm"]):
         emit(OP_LM, L - 1, r0, n, t, *prev, c_lm, xc_lm)

@@ -158,7 +158,11 @@ class MonokernelBackend:
         d, dev, f32, i32 = self.dims, self.device, torch.float32, torch.int32
         nq = d.HQ * d.DH
         z = lambda *s, dt=f32: torch.zeros(*s, dtype=dt, device=dev)  # noqa: E731
-        self.x = z(lanes.state_size(d))   # [D]; Laneformer: lanes [L, D], xf [D], partial history (lanes.py)
+        # KIE_FUSE_DOWN=1 (plan.fused_down; experiment, off until measured): the routed experts' down inside their
+        # gate / up tasks (fused_down.py): x gets a second row, the experts' input copy
+        self.fuse_down = P.fused_down(d)
+        self.x = z(lanes.state_size(d) * (2 if self.fuse_down else 1))   # [D]; Laneformer: lanes [L, D], xf [D],
+        # partial history (lanes.py)
         # MLA: [q_a | kv_a] (or [q | kv_a]), q, q_lat [H, r_kv], q_pe [H, rope] (kernel.monokernel's offsets)
         self.qkv = z(d.NQKV + (d.HQ * d.DH if d.R_Q else 0) + d.HQ * (d.R_KV + d.ROT) if d.MLA else d.NQKV)
         self.ao_width = max(nq, d.HQ * d.R_KV)       # a split's partial outputs: [HQ, DH] or (MLA) [H, r_kv]
@@ -221,7 +225,12 @@ class MonokernelBackend:
         self.route_once = (P.env_flag("KIE_ROUTE_ONCE", True) and d.E > 0 and not d.TP
                            and not d.E_LOC and not self.route_in_o)
         self.rticket = z(max(d.L, 1), dt=i32)
-        self.racc = z(max(d.L, 1), d.E + 1, dt=torch.int64)
+        self.racc = z(max(d.L, 1), 2 if self.fuse_down else 1, d.E + 1, dt=torch.int64)   # (FUSE_DN: by step parity)
+        # the fused down's tiles (fused_down.expert_down_cols): [KIE_FD_BD, 16] weights per step, KIE_FD_NS stages
+        # through shared memory (0: two in registers). Offline sm_90, qwen3-30b-a3b fp8: 1024 x 3 stages and 512 x 0
+        # build without spills (48 / 16 KB in flight per program), 1024 x 0 and 2048 x 2 spill (NOTES session 42)
+        self.fd_block_d = int(P.env_choice("KIE_FD_BD", "1024", ("256", "512", "1024", "2048")))
+        self.fd_stages = int(P.env_choice("KIE_FD_NS", "3", ("0", "2", "3", "4")))
         # KIE_TOPK_MERGE=1 (experiment, off until measured): the top-k (every gate / up task's, or the router ticket's)
         # 4 slots per block reduction (ops.route_lg MERGE): qwen3's top-8 in 2 reductions instead of 10; the trace put
         # the 10 at 2.63 us of each gate / up task (session 41)
@@ -292,7 +301,8 @@ class MonokernelBackend:
 
     def _host_tasks1(self, sample_tiles: int = 0) -> torch.Tensor:
         if sample_tiles not in self._tasks1_host:
-            self._tasks1_host[sample_tiles] = P.build_tasks(self.plan, 1, sample_tiles, rin_o=self.route_in_o)
+            self._tasks1_host[sample_tiles] = P.build_tasks(self.plan, 1, sample_tiles, rin_o=self.route_in_o,
+                                                            fuse_dn=self.fuse_down)
         return self._tasks1_host[sample_tiles]
 
     def sampling_fallbacks(self) -> int:
@@ -525,7 +535,9 @@ class MonokernelBackend:
             RP4=bool(pl.qarena is not None and pl.qarena.packed),
             MSCR=self.mscr_words, ATTN_PREC=self.attn_prec, BLOCK_XS=self.stage_block or bx,
             ROUTE_ONCE=self.route_once, N_ROUTER=max(1, len(pl.op_rows.get("router", ()))), DOWN_L2=self.down_l2,
-            CLAIM=self.claim, RIN_O=self.route_in_o, TOPK_MERGE=self.topk_merge,
+            CLAIM=self.claim, RIN_O=self.route_in_o, TOPK_MERGE=self.topk_merge, FUSE_DN=self.fuse_down,
+            FD_AL=self.fuse_down and P.fused_down_aligned(d, pl.op_rows.get("exp_up", ())),
+            FD_BD=min(self.fd_block_d, _pow2(d.D)), FD_NS=self.fd_stages,
             BLOCK_RO=_pow2(max([n for _, n in pl.op_rows.get("o", ())] + [1])))
         if sampler is not None:
             meta.update(SFILTER=True, K_CAND=sampler.k_cand, SBLOCK_V=sampler.block_v, SBLOCK_T=sampler.block_t,

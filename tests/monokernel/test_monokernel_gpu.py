@@ -107,6 +107,25 @@ def test_real_size_router_inside_o_proj(arch, fmt, monkeypatch):
     assert not be.racc.any()
 
 
+@pytest.mark.parametrize("arch,fmt,bd_ns", [("qwen3-30b-a3b", "fp8", "1024,3"), ("qwen3-30b-a3b", "fp8", "512,0"),
+                                           ("qwen3-30b-a3b", None, "1024,3"), ("gpt-oss-20b", None, "1024,3")])
+def test_real_size_fused_down(arch, fmt, bd_ns, monkeypatch):
+    """KIE_FUSE_DOWN=1 (plan.fused_down) on the GPU: each expert gate / up task adds its h columns' share of the
+    down projection into x with fp32 atomics (fused_down.py) at real widths: 16-byte tiles of e4m3 codes with row
+    factors, bf16 arena weights, gpt-oss's down bias, both tile walks (KIE_FD_BD, KIE_FD_NS), over two launches
+    (the router accumulators' parity rows)."""
+    bd, ns = bd_ns.split(",")
+    monkeypatch.setenv("KIE_FUSE_DOWN", "1")
+    monkeypatch.setenv("KIE_FD_BD", bd)
+    monkeypatch.setenv("KIE_FD_NS", ns)
+    be, ref = real_size(arch, 4, fmt)
+    assert be.fuse_down and not (be.tasks(1)[:, P.F_OP] == P.OP_EXP_DOWN).any()
+    prompt = [(41 * i + 3) % be.spec.vocab_size for i in range(20)]
+    for _ in range(2):
+        got = list(be.generate(prompt, SamplingParams(max_new_tokens=12, ignore_eos=True), set()))
+        assert_parity(be, ref, prompt, got)
+
+
 @pytest.mark.parametrize("arch,layers,fmt", [("llama-3.2-1b", 4, None), ("qwen3-30b-a3b", 4, None),
                                               ("qwen3-30b-a3b", 4, "nvfp4"), ("deepseek-v2-lite", 3, None)])
 def test_real_size_default_prefill_within_bf16_noise(arch, layers, fmt):

@@ -141,6 +141,27 @@ def test_split_tasks_equals_the_builder(case):
         assert torch.equal(P.split_tasks(base, n), P.build_tasks(plan, n)), n
 
 
+@pytest.mark.parametrize("case", ["qwen3_moe_mixed", "gpt_oss"])
+def test_fused_down_table(case):
+    """build_tasks(fuse_dn=True): no expert down tasks; a MoE layer's gate / up tasks signal its output counter,
+    which the next layer's q|k|v (or the LM head) waits on for all of them; split_tasks derives it as above."""
+    plan = P.build_plan(tiny_spec(case), None, "cpu", n_sms=5, random_seed=0)
+    base = P.build_tasks(plan, 1, rin_o=True, fuse_dn=True)
+    ref = P.build_tasks(plan, 1, rin_o=True, fuse_dn=False)
+    op = base[:, P.F_OP]
+    assert not (op == P.OP_EXP_DOWN).any() and (ref[:, P.F_OP] == P.OP_EXP_DOWN).any()
+    assert len(base) == len(ref) - int((ref[:, P.F_OP] == P.OP_EXP_DOWN).sum())
+    up = base[op == P.OP_EXP_UP]
+    for layer in up[:, P.F_LAYER].unique().tolist():
+        sig = up[up[:, P.F_LAYER] == layer, P.F_SIG].unique()
+        assert len(sig) == 1
+        waiters = base[base[:, P.F_WAIT] == sig[0]]
+        n_up = int((up[:, P.F_LAYER] == layer).sum())
+        assert len(waiters) and (waiters[:, P.F_WCNT] == n_up).all() and (waiters[:, P.F_WBASE] == n_up).all()
+    for n in (2, 3):
+        assert torch.equal(P.split_tasks(base, n), P.build_tasks(plan, n, rin_o=True, fuse_dn=True)), n
+
+
 def test_split_tasks_equals_the_builder_tensor_parallel(tiny_model):
     from kie_moe.kernels.monokernel.shard import shard
     m = tiny_model("qwen3_moe_mixed")
