@@ -903,9 +903,10 @@ def build_tasks(plan: Plan, n_splits: int = 1, sample_tiles: int = 0, rin_o: boo
                     emit(OP_ROUTER, i, r0, n, 0, *after(C(_C_O)), C(_C_ROUTE))
             for r0, n in plan.op_rows.get("sh_up", []) if d.I_SH else []:
                 emit(OP_SH_UP, i, r0, n, 0, *after(C(_C_O)), C(_C_UP))
+            up_sig = C(_C_OUT if fuse_dn else _C_UP)   # (fused: the gate / up tasks finish the layer)
             for j in range(d.TOPK):
                 for r0, n in plan.op_rows["exp_up"]:
-                    emit(OP_EXP_UP, i, r0, n, j, *after(C(_C_O if rin_o else _C_ROUTE)), C(_C_OUT if fuse_dn else _C_UP))
+                    emit(OP_EXP_UP, i, r0, n, j, *after(C(_C_O if rin_o else _C_ROUTE)), up_sig)
             if not fuse_dn:
                 put_and_reduce(OP_EXP_DOWN, i, plan.op_rows["exp_down"], after(C(_C_UP)), 1, C(_C_OUT))
         prev = after(C(_C_OUT))
