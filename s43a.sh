@@ -7,7 +7,7 @@ R=/tmp/s43a LIMIT=${LIMIT:-545}; . scripts/device-steps.sh
 MKT=90 mk q8 qwen3-30b-a3b fp8
 MKT=90 mk q8f qwen3-30b-a3b fp8 KIE_FUSE_DOWN=1
 MKT=70 XA="--trace 4" mk tq8f qwen3-30b-a3b fp8 KIE_FUSE_DOWN=1
-MKT=80 mk q8f5 qwen3-30b-a3b fp8 KIE_FUSE_DOWN=1 KIE_FD_BD=512 KIE_FD_NS=0
 T=tests/monokernel/test_monokernel_gpu.py; t=$(left); [ $t -gt 150 ] && t=150
 [ $t -gt 60 ] && gt fused $t -k "fused_down and (fp8-1024 or gpt)"
+MKT=80 mk q8f5 qwen3-30b-a3b fp8 KIE_FUSE_DOWN=1 KIE_FD_BD=512 KIE_FD_NS=0
 MKT=60 XA="--trace 4" mk tq8m qwen3-30b-a3b fp8 KIE_TOPK_MERGE=1
