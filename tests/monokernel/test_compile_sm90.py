@@ -38,6 +38,15 @@ for arg in sys.argv[1:]:
     assert "cp.async.bulk" not in ptx80 and "ld.global.acquire.gpu" in ptx80, path
     if scheme == "mxfp4":   # the top-k / top-p variant (SFILTER: sampling.py's tile + final tasks inside)
         assert "ld.global.acquire.gpu" in compile_offline(be, filtered=True).asm["ptx"], path
+        # KIE_FUSE_DOWN=1 (gpt-oss: float experts with biases, no shared expert): the experts' down sums go into x
+        # as fp32 atomics from the gate / up tasks (fused_down.py; 4-wide on sm_90); the default build has none
+        import os
+        os.environ["KIE_FUSE_DOWN"] = "1"
+        be_f = MonokernelBackend(m, "cpu", offline=True, wdtype=torch.bfloat16, block_k=512, block_t=32, n_sms=132,
+                                 quantized=q.get)
+        os.environ.pop("KIE_FUSE_DOWN")
+        red = r"atom\.global\.gpu\.relaxed\.add(\.v[24])?\.f32"
+        assert be_f.fuse_down and re.search(red, compile_offline(be_f).asm["ptx"]) and not re.search(red, ptx), path
     if scheme == "fp8":     # KIE_MONO_FP8_MMA=1: q|k|v, o_proj, expert gate / up and down on the tensor cores (mma8.py)
         import os
         os.environ["KIE_MONO_FP8_MMA"] = "1"
