@@ -92,6 +92,14 @@ def test_real_size_parity(arch, layers):
     assert_parity(be, ref, prompt, got4)
 
 
+def parity_over_two_launches(be, ref):
+    """12 tokens of a 20-token prompt, twice (state a launch must restart, or leave clean, shows in the second)."""
+    prompt = [(41 * i + 3) % be.spec.vocab_size for i in range(20)]
+    for _ in range(2):
+        got = list(be.generate(prompt, SamplingParams(max_new_tokens=12, ignore_eos=True), set()))
+        assert_parity(be, ref, prompt, got)
+
+
 @pytest.mark.parametrize("arch,fmt", [("qwen3-30b-a3b", None), ("qwen3-30b-a3b", "nvfp4"), ("gpt-oss-20b", "mxfp4")])
 def test_real_size_router_inside_o_proj(arch, fmt, monkeypatch):
     """KIE_ROUTE_IN_O=1 (plan.route_in_o) on the GPU: the o_proj tiles' integer atomics into the router's
@@ -100,10 +108,7 @@ def test_real_size_router_inside_o_proj(arch, fmt, monkeypatch):
     monkeypatch.setenv("KIE_ROUTE_IN_O", "1")
     be, ref = real_size(arch, 4, fmt)
     assert be.route_in_o and not (be.tasks(1)[:, P.F_OP] == P.OP_ROUTER).any()
-    prompt = [(41 * i + 3) % be.spec.vocab_size for i in range(20)]
-    for _ in range(2):
-        got = list(be.generate(prompt, SamplingParams(max_new_tokens=12, ignore_eos=True), set()))
-        assert_parity(be, ref, prompt, got)
+    parity_over_two_launches(be, ref)
     assert not be.racc.any()
 
 
@@ -120,10 +125,7 @@ def test_real_size_fused_down(arch, fmt, bd_ns, monkeypatch):
     monkeypatch.setenv("KIE_FD_NS", ns)
     be, ref = real_size(arch, 4, fmt)
     assert be.fuse_down and not (be.tasks(1)[:, P.F_OP] == P.OP_EXP_DOWN).any()
-    prompt = [(41 * i + 3) % be.spec.vocab_size for i in range(20)]
-    for _ in range(2):
-        got = list(be.generate(prompt, SamplingParams(max_new_tokens=12, ignore_eos=True), set()))
-        assert_parity(be, ref, prompt, got)
+    parity_over_two_launches(be, ref)
 
 
 @pytest.mark.parametrize("arch,layers,fmt", [("llama-3.2-1b", 4, None), ("qwen3-30b-a3b", 4, None),
