@@ -11,7 +11,7 @@ with fp32 atomics into x (the sum over the layer's tasks is then in no fixed ord
 between runs, as the graph backend's atomic expert down). The gate / up tasks read their input from a copy of x
 (kernel XM_OFF, written by the o_proj tasks) so that no task's staging reads an x another task already added to.
 
-PyTorch reference: moe.moe_ref's `y += w * (W_down[e] @ h)` restricted to h's columns [c0, c0 + nc);
+PyTorch reference: kernels/moe.moe_experts_ref's `y += w * (W_down[e] @ h)`, restricted to h's columns [c0, c0 + nc);
 tests/monokernel/test_fused_down.py checks the slice sums against it and the whole decode against the reference.
 """
 from __future__ import annotations
