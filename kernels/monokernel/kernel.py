@@ -46,7 +46,7 @@ from .mla import mla_absorb_task, mla_attention_task, mla_vup_task
 from .fused_down import expert_down_cols
 from .prefetch import prefetch_cols, prefetch_rows
 from .ops import (attention_task, embed_row, kv_split_range, load_logits, pick_token, route, route_acc_logits,
-                  route_lg, route_partial, vec_dot_norm)
+                  route_acc_zero, route_lg, route_partial, vec_dot_norm)
 from .stream import stream_expert_down, stream_gemv, stream_glu, tile
 from ..sampling import sample_final_task, sample_tile_task
 
@@ -171,6 +171,21 @@ def _wu(FMT: tl.constexpr, off):
     else:
         u = off
     return u
+
+
+@triton.jit
+def _edown(FMT: tl.constexpr, wa_ptr, qw8_ptr, qw32_ptr, lrow, e, D: tl.constexpr, RU_I: tl.constexpr):
+    """Routed expert e's down rows [D, I_MOE] (RU_I units of _wp's pointer each) in _wp's pointer type."""
+    off = _wu(FMT, tl.multiple_of(tl.load(lrow + P.LF_EDOWN), 64))
+    return _wbase(FMT, wa_ptr, qw8_ptr, qw32_ptr) + off + e * (D * RU_I)
+
+
+@triton.jit
+def _down_share_l2(wd, r0, r_end, D: tl.constexpr, I_MOE: tl.constexpr, FMT: tl.constexpr, USE_ASM: tl.constexpr):
+    """A gate / up task's share of its expert's down rows wd [D, I_MOE] into L2: rows r0 D / I_MOE .. r_end D /
+    I_MOE (the slot's tasks together cover all D; KIE_DOWN_L2)."""
+    d0 = r0 * D // I_MOE
+    prefetch_rows(wd, d0, r_end * D // I_MOE - d0, I_MOE, FMT, USE_ASM)
 
 
 @triton.jit
@@ -732,10 +747,7 @@ def monokernel(
                                               wa_ptr + tl.load(lrow + P.LF_ROUTER_B), eps, D, E, HAS_RBIAS, BLOCK_E)
                         if FUSE_DN:   # no down tasks: one task zeroes the other parity's row for the next step
                             if (aux == 0) & (r0 == 0):
-                                offs_z = tl.arange(0, BLOCK_E)
-                                rz = rb_ + ((step + 1) % 2) * (E + 1)
-                                tl.store(rz + offs_z, tl.zeros((BLOCK_E,), tl.int64), mask=offs_z < E)
-                                tl.store(rz + E, tl.zeros((), tl.int64))
+                                route_acc_zero(rb_ + ((step + 1) % 2) * (E + 1), E, BLOCK_E)
                     else:       # from the router tasks' logits
                         lg = load_logits(rlog_ptr + layer * E, E, BLOCK_E)
                     ids, wts = route_lg(lg, wa_ptr + tl.load(lrow + P.LF_SCORE_B), route_scale, E, TOPK, SCORING,
@@ -769,9 +781,8 @@ def monokernel(
                 prefetch_rows(wu, r0, nr_, D, FMT_EXP, USE_ASM)
                 if DOWN_L2 and FUSE_DN:   # the fused down reads columns of every row: the slot's tasks' shares of
                     # the rows (together all of them) go out with the gate / up rows, in L2 by the loop's end
-                    d0 = r0 * D // I_MOE
-                    prefetch_rows(_wbase(FMT_EXP, wa_ptr, qw8_ptr, qw32_ptr) + _wu(FMT_EXP, tl.load(lrow + P.LF_EDOWN))
-                                  + e * (D * RU_I_EXP), d0, re_ * D // I_MOE - d0, I_MOE, FMT_EXP, USE_ASM)
+                    _down_share_l2(_edown(FMT_EXP, wa_ptr, qw8_ptr, qw32_ptr, lrow, e, D, RU_I_EXP), r0, re_, D,
+                                   I_MOE, FMT_EXP, USE_ASM)
                 if MM_EXP:   # on the tensor cores (mma8.py; no expert parallelism)
                     eoff = e * (I_MOE * RB_D_EXP)
                     mma8_glu_task(_wq(FMT_EXP, wa_ptr, qw32_ptr, tl.load(lrow + P.LF_EGATE) + eoff),
@@ -796,18 +807,15 @@ def monokernel(
                 if FUSE_DN:   # this task's columns of expert e's down, weighted, added into x (fused_down.py)
                     tl.debug_barrier()   # every thread's h stores before they are read back
                     wt = tl.sum(tl.where(tl.arange(0, BLOCK_TOPK) == aux, wts, 0.0), axis=0)
-                    wd = (_wbase(FMT_EXP, wa_ptr, qw8_ptr, qw32_ptr)   # expert e's down rows [D, I_MOE]
-                          + _wu(FMT_EXP, tl.multiple_of(tl.load(lrow + P.LF_EDOWN), 64)) + e * (D * RU_I_EXP))
-                    expert_down_cols(wd, qf32_ptr + tl.load(lrow + P.LF_EDOWN_F) + e * D,
+                    expert_down_cols(_edown(FMT_EXP, wa_ptr, qw8_ptr, qw32_ptr, lrow, e, D, RU_I_EXP),
+                                     qf32_ptr + tl.load(lrow + P.LF_EDOWN_F) + e * D,
                                      wa_ptr + tl.load(lrow + P.LF_EDOWN_B) + e * D, h_ptr + aux * I_MOE, wt, r0, nr_,
                                      x_ptr, r0 == 0, D, I_MOE, F_EXP, HAS_EBIAS, FD_AL, FD_BD, FD_NS)
                 elif DOWN_L2:   # this tile's share of expert e's down rows ([D, I_MOE]: rows r0 D / I_MOE ..
                     # r_end D / I_MOE; a slot's tiles cover all D) into L2 while the gate / up phase finishes, so
                     # the down tasks' loads hit L2 instead of queueing for HBM after their wait (KIE_DOWN_L2)
-                    d0 = r0 * D // I_MOE
-                    prefetch_rows(_wbase(FMT_EXP, wa_ptr, qw8_ptr, qw32_ptr)
-                                  + _wu(FMT_EXP, tl.load(lrow + P.LF_EDOWN)) + e * (D * RU_I_EXP), d0,
-                                  re_ * D // I_MOE - d0, I_MOE, FMT_EXP, USE_ASM)
+                    _down_share_l2(_edown(FMT_EXP, wa_ptr, qw8_ptr, qw32_ptr, lrow, e, D, RU_I_EXP), r0, re_, D,
+                                   I_MOE, FMT_EXP, USE_ASM)
         elif op == _OP_EXP_DOWN:
             t_next, row_next, st = _claim_wait(cursor_ptr, tasks_ptr, n_tasks, n_total, offs_f, wctr, target,
                                                stop_ptr, timeout_ns, USE_ASM, NT, MODE, tr, trace_on, CLAIM)
@@ -819,9 +827,7 @@ def monokernel(
                 ye = symf_ptr + TP * D + tp_rank * D
             if RIN_O:   # every gate / up task of the layer read its accumulator: zero it for the next step
                 if (st == 0) & (r0 == 0):
-                    offs_e = tl.arange(0, BLOCK_E)
-                    tl.store(racc_ptr + layer * (E + 1) + offs_e, tl.zeros((BLOCK_E,), tl.int64), mask=offs_e < E)
-                    tl.store(racc_ptr + layer * (E + 1) + E, tl.zeros((), tl.int64))
+                    route_acc_zero(racc_ptr + layer * (E + 1), E, BLOCK_E)
             if st == 0:
                 if USE_ASM and not DOWN_L2:   # the routed experts' rows of this task, all slots at once, into L2
                     eb = _wbase(FMT_EXP, wa_ptr, qw8_ptr, qw32_ptr) + _wu(FMT_EXP, tl.load(lrow + P.LF_EDOWN))

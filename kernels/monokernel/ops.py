@@ -65,6 +65,14 @@ def route_acc_logits(racc_ptr, rb_ptr, eps, D: tl.constexpr, E: tl.constexpr, HA
 
 
 @triton.jit
+def route_acc_zero(racc_ptr, E: tl.constexpr, BLOCK_E: tl.constexpr):
+    """A layer's accumulator [E + 1] back to zero once every expert task of its step has read it."""
+    offs_e = tl.arange(0, BLOCK_E)
+    tl.store(racc_ptr + offs_e, tl.zeros((BLOCK_E,), tl.int64), mask=offs_e < E)
+    tl.store(racc_ptr + E, tl.zeros((), tl.int64))
+
+
+@triton.jit
 def load_logits(rlog_ptr, E: tl.constexpr, BLOCK_E: tl.constexpr):
     """The router tasks' logits [BLOCK_E] fp32 (written by other programs: from L2; -inf past E)."""
     offs_e = tl.arange(0, BLOCK_E)

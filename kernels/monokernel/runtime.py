@@ -231,6 +231,7 @@ class MonokernelBackend:
         # build without spills (48 / 16 KB in flight per program), 1024 x 0 and 2048 x 2 spill (NOTES session 42)
         self.fd_block_d = int(P.env_choice("KIE_FD_BD", "1024", ("256", "512", "1024", "2048")))
         self.fd_stages = int(P.env_choice("KIE_FD_NS", "3", ("0", "2", "3", "4")))
+        self.fd_aligned = self.fuse_down and P.fused_down_aligned(d, self.plan.op_rows.get("exp_up", ()))
         # KIE_TOPK_MERGE=1 (experiment, off until measured): the top-k (every gate / up task's, or the router ticket's)
         # 4 slots per block reduction (ops.route_lg MERGE): qwen3's top-8 in 2 reductions instead of 10; the trace put
         # the 10 at 2.63 us of each gate / up task (session 41)
@@ -536,7 +537,7 @@ class MonokernelBackend:
             MSCR=self.mscr_words, ATTN_PREC=self.attn_prec, BLOCK_XS=self.stage_block or bx,
             ROUTE_ONCE=self.route_once, N_ROUTER=max(1, len(pl.op_rows.get("router", ()))), DOWN_L2=self.down_l2,
             CLAIM=self.claim, RIN_O=self.route_in_o, TOPK_MERGE=self.topk_merge, FUSE_DN=self.fuse_down,
-            FD_AL=self.fuse_down and P.fused_down_aligned(d, pl.op_rows.get("exp_up", ())),
+            FD_AL=self.fd_aligned,
             FD_BD=min(self.fd_block_d, _pow2(d.D)), FD_NS=self.fd_stages,
             BLOCK_RO=_pow2(max([n for _, n in pl.op_rows.get("o", ())] + [1])))
         if sampler is not None:
